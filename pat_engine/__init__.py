@@ -1,0 +1,30 @@
+"""pat-engine: LLM inference for RL rollouts that changes its tensor-parallel degree live."""
+
+from pat_engine.core.engine import Engine, RequestHandle
+from pat_engine.errors import (
+    EngineClosedError,
+    InvalidRequestError,
+    LayoutError,
+    ModelLoadError,
+    PatEngineError,
+    WorkerFailure,
+)
+from pat_engine.outputs import RequestOutput
+from pat_engine.parallel.layout import Layout
+from pat_engine.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Engine",
+    "RequestHandle",
+    "RequestOutput",
+    "SamplingParams",
+    "Layout",
+    "PatEngineError",
+    "InvalidRequestError",
+    "LayoutError",
+    "ModelLoadError",
+    "WorkerFailure",
+    "EngineClosedError",
+]

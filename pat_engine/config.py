@@ -1,0 +1,101 @@
+"""The user's engine configuration: frozen, fixed for the engine's life.
+
+The current layout, block counts and groups are runtime *state* and live in
+the coordinator and workers, never here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pat_engine.errors import InvalidRequestError
+
+_DTYPES = {
+    "float64": torch.float64,
+    "double": torch.float64,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    tp: int = 1  # base tensor-parallel degree
+    dp: int = 1  # base data-parallel degree; world = tp * dp stays fixed
+    dtype: str = "auto"
+    device: str = "cpu"
+    tokenizer: str | None = None  # defaults to the model directory
+    seed: int = 0  # seeds per-request seeds when a request gives none
+
+    # KV cache and batching
+    block_size: int = 16
+    kv_cache_bytes: int | None = None  # per rank; CPU default 64 MiB, GPU: from memory utilisation
+    gpu_memory_utilization: float = 0.85
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 256  # per DP group
+    max_num_batched_tokens: int = 8192  # per prefill step and DP group
+
+    # switching
+    kv_transfer: str = "auto"  # "auto" (cost model), "migrate" or "recompute"
+    switch_check_interval: int = 8  # decode steps between policy evaluations
+    profile_table: str | None = None  # latency table for the automatic switch controller
+    enable_cuda_graphs: bool = True  # GPU only
+
+    # processes and failures
+    threads_per_worker: int | None = None  # default: cores // world (at least 1)
+    worker_start_timeout_s: float = 300.0
+    collective_timeout_s: float = 120.0
+    step_timeout_s: float = 600.0
+    recover_failed_workers: bool = True  # restart the world and recompute unfinished requests
+    max_worker_restarts: int = 2
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.dp < 1:
+            raise InvalidRequestError(f"tp and dp must be >= 1, got tp={self.tp}, dp={self.dp}")
+        if self.kv_transfer not in ("auto", "migrate", "recompute"):
+            raise InvalidRequestError(f"kv_transfer must be auto, migrate or recompute, got {self.kv_transfer!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise InvalidRequestError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise InvalidRequestError(f"unknown dtype {self.dtype!r}; choose from {sorted(_DTYPES)} or 'auto'")
+        if self.block_size < 1:
+            raise InvalidRequestError(f"block_size must be >= 1, got {self.block_size}")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(model=str(model), **kwargs)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        cfg_file = Path(self.model) / "config.json"
+        name = "float32"
+        if cfg_file.is_file():
+            cfg = json.loads(cfg_file.read_text())
+            name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+        if self.device == "cpu" and name in ("float16", "half"):
+            name = "float32"  # fp16 matmuls on CPU are slow and lossy; bf16 stays bf16
+        return _DTYPES.get(name, torch.float32)
+
+    def worker_threads(self) -> int:
+        if self.threads_per_worker:
+            return self.threads_per_worker
+        return max(1, (os.cpu_count() or 1) // self.world)

@@ -1,0 +1,202 @@
+"""GlobalCoordinator: request queues, per-group stepping, status and switches.
+
+Runs in the engine's loop thread. It owns one ``GroupScheduler`` per DP group
+and keeps every request's state, so moving requests between groups during a
+switch is a local data operation. DP groups step independently: each idle
+group gets its next batch as soon as its previous step returns.
+
+Departure from ARCHITECTURE.md sec. 4, on purpose: batches are picked here
+(per group) rather than by each group's leader, and sent to every rank of the
+group directly. With all request state in one place the switch needs no
+gathering of queues from leaders, and no per-step TP broadcast is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from pat_engine.config import EngineConfig
+from pat_engine.core.memory import MemoryPlan
+from pat_engine.core.policy import ClusterStatus, GroupSnapshot, RequestSnapshot, SwitchDecision, SwitchPolicy
+from pat_engine.core.request import Sequence
+from pat_engine.core.scheduler import GroupScheduler
+from pat_engine.core.timeline import Timeline
+from pat_engine.core.worker_pool import WorkerPool, _last_line
+from pat_engine.errors import WorkerFailure
+from pat_engine.parallel.layout import Layout
+from pat_engine.predictor.measured import MeasuredRates
+from pat_engine.protocol import Reply, StepCommand, StepResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlight:
+    cmd: StepCommand
+    batch: list[Sequence]
+    sent_at: float
+
+
+class GlobalCoordinator:
+    def __init__(self, config: EngineConfig, memory: MemoryPlan, pool: WorkerPool, layout: Layout):
+        self.config = config
+        self.memory = memory
+        self.pool = pool
+        self.timeline = Timeline()
+        self.cost_source = MeasuredRates()  # replaced by the predictor when a profile table is loaded
+        self.policy: SwitchPolicy | None = None
+        self.pending_switch: SwitchDecision | None = None
+        self.paused = False
+        self.stage_decode_steps = 0
+        self._decode_ema: dict[int, float] = {}
+        self._tokens_since_point = 0
+        self._last_point = time.monotonic()
+        self._set_layout(layout, [])
+        self.seqs: dict[int, Sequence] = {}  # unfinished, by seq id
+
+    # ---- layout ----------------------------------------------------------------------
+
+    def _set_layout(self, layout: Layout, groups: list[GroupScheduler] | None) -> None:
+        self.layout = layout
+        blocks = self.memory.num_blocks(layout)
+        self.schedulers = groups or [
+            GroupScheduler(g, blocks, self.config.block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+            for g in range(layout.dp)
+        ]
+        self.inflight: dict[int, InFlight] = {}
+        self._decode_ema = {}
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        group = min(range(self.layout.dp), key=lambda g: (self.schedulers[g].outstanding_tokens(), g))
+        self.schedulers[group].add(seq)
+        self.seqs[seq.seq_id] = seq
+
+    def abort(self, seq_ids: list[int], reason: str = "abort", error: str | None = None) -> list[Sequence]:
+        out = []
+        for sid in seq_ids:
+            seq = self.seqs.pop(sid, None)
+            if seq is None:
+                continue
+            self.schedulers[seq.group].remove(seq)
+            seq.finish(reason, error)
+            out.append(seq)
+            self._notify(seq, 0)
+        return out
+
+    def has_work(self) -> bool:
+        return bool(self.inflight) or any(s.has_work() for s in self.schedulers)
+
+    def unfinished(self) -> list[Sequence]:
+        return list(self.seqs.values())
+
+    # ---- the loop body -------------------------------------------------------------------
+
+    def tick(self, timeout: float | None, wake=None) -> None:
+        """Dispatch idle groups, then handle whatever results arrive within ``timeout``."""
+        if self.pending_switch is not None and not self.inflight:
+            decision, self.pending_switch = self.pending_switch, None
+            self.switch(decision)
+        if self.pending_switch is None and not self.paused:
+            self._dispatch()
+        for msg in self.pool.poll(timeout, [wake] if wake is not None else None):
+            self._handle(msg)
+
+    def _dispatch(self) -> None:
+        for g, sched in enumerate(self.schedulers):
+            if g in self.inflight:
+                continue
+            item = sched.schedule()
+            if item is None:
+                continue
+            cmd, batch = item
+            self.pool.send(self.layout.group_ranks(g), cmd)
+            self.inflight[g] = InFlight(cmd, batch, time.monotonic())
+
+    def _handle(self, msg: StepResult | Reply) -> None:
+        if isinstance(msg, Reply):
+            if not msg.ok:
+                raise WorkerFailure(f"rank {msg.rank} failed during a step: {_last_line(msg.error)}\n{msg.error}", rank=msg.rank)
+            return
+        flight = self.inflight.pop(msg.group, None)
+        if flight is None or flight.cmd.step_id != msg.step_id:
+            return  # a stale answer from before a restart
+        sched = self.schedulers[msg.group]
+        is_prefill = flight.cmd.is_prefill
+        if is_prefill:
+            self.cost_source.record_prefill(self.layout.tp, sum(len(s.token_ids) for s in flight.cmd.seqs),
+                                            msg.forward_seconds)
+        else:
+            elapsed = time.monotonic() - flight.sent_at
+            prev = self._decode_ema.get(msg.group)
+            self._decode_ema[msg.group] = elapsed if prev is None else 0.8 * prev + 0.2 * elapsed
+        finished = sched.on_result(flight.batch, is_prefill, msg.tokens, msg.logprobs)
+        for seq in flight.batch:
+            if seq.seq_id in self.seqs:
+                self._notify(seq, 1)
+        for seq in finished:
+            self.seqs.pop(seq.seq_id, None)
+        self._tokens_since_point += len(flight.batch)
+        if not is_prefill:
+            self._after_decode(sched)
+
+    def _notify(self, seq: Sequence, new_tokens: int) -> None:
+        if seq.on_update is not None:
+            seq.on_update(seq, new_tokens)
+
+    def _after_decode(self, sched: GroupScheduler) -> None:
+        steps = max(s.decode_steps for s in self.schedulers)
+        if steps <= self.stage_decode_steps:
+            return
+        self.stage_decode_steps = steps
+        interval = 1 if getattr(self.policy, "schedule", None) is not None else self.config.switch_check_interval
+        if steps % interval == 0:
+            self._record_point()
+            if self.policy is not None and self.pending_switch is None and self.seqs:
+                decision = self.policy.decide(self.status())
+                if decision is not None and decision.tp != self.layout.tp:
+                    self.pending_switch = decision
+
+    def _record_point(self) -> None:
+        now = time.monotonic()
+        rate = self._tokens_since_point / max(now - self._last_point, 1e-9)
+        self.timeline.add_point(str(self.layout), len(self.seqs), rate)
+        self._tokens_since_point, self._last_point = 0, now
+
+    def status(self) -> ClusterStatus:
+        groups = []
+        for g, sched in enumerate(self.schedulers):
+            reqs = tuple(
+                RequestSnapshot(len(s.prompt_ids), len(s.output_ids), s.params.max_new_tokens, s.num_cached > 0)
+                for s in sched.unfinished()
+            )
+            groups.append(GroupSnapshot(g, reqs, sched.allocator.num_free, sched.allocator.num_blocks, self._decode_ema.get(g)))
+        return ClusterStatus(time.time(), self.layout, tuple(groups), self.stage_decode_steps, self.config.block_size)
+
+    def start_stage(self, policy: SwitchPolicy | None) -> None:
+        self.policy = policy
+        self.stage_decode_steps = 0
+        for s in self.schedulers:
+            s.decode_steps = 0
+
+    def reset(self, pool: WorkerPool, layout: Layout) -> list[Sequence]:
+        """Adopt a fresh worker world: every unfinished request is queued again for recompute."""
+        self.pool = pool
+        self.pending_switch = None
+        seqs = sorted(self.seqs.values(), key=lambda s: s.seq_id)
+        self._set_layout(layout, None)
+        for seq in seqs:
+            seq.block_table, seq.blocks_sent, seq.num_cached = [], 0, 0
+            self.seqs.pop(seq.seq_id)
+            self.add(seq)
+        return seqs
+
+    # ---- switching -------------------------------------------------------------------------
+
+    def switch(self, decision: SwitchDecision):
+        from pat_engine.core.switch_coordinator import run_switch
+
+        return run_switch(self, decision)

@@ -1,0 +1,83 @@
+"""The policy hook: what the coordinator tells a switch policy, and what it answers.
+
+Every ``switch_check_interval`` decode steps the coordinator builds a
+``ClusterStatus`` and asks the active policy whether to change layout. A
+fixed schedule (tests, benchmarks) and the predictor-driven controller both
+implement ``SwitchPolicy``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pat_engine.parallel.layout import Layout
+
+
+@dataclass(frozen=True)
+class RequestSnapshot:
+    prompt_len: int
+    generated: int
+    max_new_tokens: int
+    cached: bool  # has KV in its group's pool
+
+    @property
+    def context_len(self) -> int:
+        return self.prompt_len + self.generated
+
+
+@dataclass(frozen=True)
+class GroupSnapshot:
+    group: int
+    requests: tuple[RequestSnapshot, ...]
+    free_blocks: int
+    num_blocks: int
+    decode_step_s: float | None  # recent mean decode step latency
+
+
+@dataclass(frozen=True)
+class ClusterStatus:
+    time: float
+    layout: Layout
+    groups: tuple[GroupSnapshot, ...]
+    stage_decode_step: int  # decode steps of the busiest group since the stage began
+    block_size: int
+
+    @property
+    def requests(self) -> list[RequestSnapshot]:
+        return [r for g in self.groups for r in g.requests]
+
+    @property
+    def num_active(self) -> int:
+        return sum(len(g.requests) for g in self.groups)
+
+
+@dataclass(frozen=True)
+class SwitchDecision:
+    tp: int
+    reason: str
+    kv_path: str | None = None  # force "migrate" or "recompute"; None: cost model
+    details: dict = field(default_factory=dict)  # e.g. predicted remaining times
+
+
+class SwitchPolicy(Protocol):
+    def decide(self, status: ClusterStatus) -> SwitchDecision | None: ...
+
+
+class ScheduledSwitches:
+    """Switch to ``tp`` once the stage reaches each given decode step (deterministic)."""
+
+    def __init__(self, schedule: list[tuple[int, int]], kv_path: str | None = None):
+        self.schedule = sorted((int(s), int(tp)) for s, tp in schedule)
+        self.kv_path = kv_path
+        self._next = 0
+
+    def decide(self, status: ClusterStatus) -> SwitchDecision | None:
+        while self._next < len(self.schedule) and status.stage_decode_step >= self.schedule[self._next][0]:
+            step, tp = self.schedule[self._next]
+            self._next += 1
+            if status.num_active == 0:
+                continue
+            if tp != status.layout.tp:
+                return SwitchDecision(tp, f"schedule: decode step {step}", self.kv_path)
+        return None

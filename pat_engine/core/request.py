@@ -1,0 +1,104 @@
+"""Driver-side state of one request while it is generated."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pat_engine.outputs import RequestOutput
+from pat_engine.sampling.sampler import SamplingSpec
+from pat_engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # no KV: not yet prefilled, or preempted, or moved by recompute
+    RUNNING = "running"  # KV cached for tokens[:num_cached]
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    spec: SamplingSpec
+    eos_ids: tuple[int, ...]
+    max_len: int  # prompt + output may not exceed this (context limit)
+    prompt: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    group: int = -1
+    block_table: list[int] = field(default_factory=list)
+    blocks_sent: int = 0  # how many table entries the workers already know
+    num_cached: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    preemptions: int = 0
+    arrival_time: float = field(default_factory=time.time)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    on_update: Callable[["Sequence", int], None] | None = None  # called with the number of new tokens
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def outstanding_tokens(self) -> int:
+        """Work left: uncached context to prefill plus tokens still to generate."""
+        return (self.length - self.num_cached) + (self.params.max_new_tokens - len(self.output_ids))
+
+    def append_token(self, token: int, logprob: float | None) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.time()
+        self.output_ids.append(token)
+        if logprob is not None and self.params.logprobs:
+            self.logprobs.append(logprob)
+        n, p = len(self.output_ids), self.params
+        if not p.ignore_eos and token in self.eos_ids and n >= p.min_new_tokens:
+            self.finish("stop")
+        elif token in p.stop_token_ids and n >= p.min_new_tokens:
+            self.finish("stop")
+        elif n >= p.max_new_tokens or self.length >= self.max_len:
+            self.finish("length")
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = SeqStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+        self.finish_time = time.time()
+
+    def suppressed_now(self) -> tuple[int, ...]:
+        """Token ids the next draw may not take (EOS and stop ids before min_new_tokens)."""
+        if len(self.output_ids) >= self.params.min_new_tokens:
+            return ()
+        return tuple(self.eos_ids) + self.params.stop_token_ids if not self.params.ignore_eos else self.params.stop_token_ids
+
+    def to_output(self, decode: Callable[[list[int]], str] | None) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=list(self.prompt_ids),
+            token_ids=list(self.output_ids),
+            text=decode(self.output_ids) if decode else None,
+            finish_reason=self.finish_reason,
+            logprobs=list(self.logprobs) if self.params.logprobs else None,
+            prompt=self.prompt,
+            error=self.error,
+            metrics={
+                "arrival_time": self.arrival_time,
+                "first_token_time": self.first_token_time,
+                "finish_time": self.finish_time,
+                "preemptions": self.preemptions,
+            },
+        )

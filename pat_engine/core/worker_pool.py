@@ -1,0 +1,186 @@
+"""Driver-side handle on the worker processes: start, message, watch, stop.
+
+Workers are plain subprocesses (``python -m pat_engine.worker``), each
+talking to the driver over its own socketpair, so user scripts need no
+``if __name__ == "__main__"`` guard. The driver hosts the rendezvous
+``TCPStore`` on an OS-chosen port (no fixed ports: engines run side by side).
+A worker that dies closes its socket, so every wait notices at once and
+raises ``WorkerFailure`` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
+
+import torch.distributed as dist
+
+from pat_engine.config import EngineConfig
+from pat_engine.errors import WorkerFailure
+from pat_engine.parallel.layout import Layout
+from pat_engine.protocol import Call, Reply, StepCommand, StepResult
+from pat_engine.worker.worker import WorkerArgs
+
+log = logging.getLogger(__name__)
+
+
+def _last_line(tb: str | None) -> str:
+    lines = [ln for ln in (tb or "").strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "unknown error"
+
+
+class WorkerPool:
+    def __init__(self, config: EngineConfig, layout: Layout, num_blocks: int):
+        self.config = config
+        self.world = config.world
+        self._layout, self._num_blocks = layout, num_blocks
+        self.procs: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
+        self._store: dist.TCPStore | None = None
+        self._call_ids = itertools.count(1)
+        self.pending: list[StepResult | Reply] = []  # messages read while waiting for something else
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        for rank in range(self.world):
+            ours, theirs = socket.socketpair()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pat_engine.worker", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), env=env, close_fds=True,
+            )
+            theirs.close()
+            conn = Connection(ours.detach())
+            args = WorkerArgs(rank, self.world, "127.0.0.1", self._store.port, self.config, self._layout,
+                              self._num_blocks, os.getpid())
+            self.procs.append(proc)
+            self.conns.append(conn)
+            conn.send(args)
+        try:
+            self._collect_replies(0, list(range(self.world)), self.config.worker_start_timeout_s, "start-up")
+        except BaseException:
+            self.kill()
+            raise
+
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.poll() is None for p in self.procs)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if not self.procs:
+            return
+        try:
+            if self.alive():
+                self.call("shutdown", timeout=timeout)
+        except Exception as exc:  # already broken: fall through to kill
+            log.debug("graceful worker shutdown failed: %s", exc)
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                log.error("worker pid %d did not exit after SIGKILL", p.pid)
+        for c in self.conns:
+            c.close()
+        self.procs, self.conns, self.pending = [], [], []
+        self._store = None
+
+    # ---- messaging ----------------------------------------------------------------------
+
+    def send(self, ranks: list[int], msg: StepCommand | Call) -> None:
+        data = bytes(ForkingPickler.dumps(msg))  # pickle once, send to every rank of the group
+        for r in ranks:
+            try:
+                self.conns[r].send_bytes(data)
+            except (BrokenPipeError, OSError) as exc:
+                raise WorkerFailure(self._death_message(r, f"could not send to it ({exc})"), rank=r) from exc
+
+    def call(self, method: str, ranks: list[int] | None = None, timeout: float | None = None, **kwargs) -> list:
+        """Run ``method`` on ``ranks`` (default: all) and return their values in rank order."""
+        ranks = list(range(self.world)) if ranks is None else ranks
+        call_id = next(self._call_ids)
+        self.send(ranks, Call(call_id, method, kwargs))
+        replies = self._collect_replies(call_id, ranks, timeout or self.config.step_timeout_s, method)
+        return [replies[r].value for r in ranks]
+
+    def poll(self, timeout: float | None, extra: list | None = None) -> list[StepResult | Reply]:
+        """Messages that arrived within ``timeout``; raises ``WorkerFailure`` if a worker died.
+
+        ``extra`` are more waitables (the engine's wake-up pipe) that end the wait early.
+        """
+        if self.pending:
+            out, self.pending = self.pending, []
+            return out
+        return self._read(timeout, extra)
+
+    def _read(self, timeout: float | None, extra: list | None = None) -> list[StepResult | Reply]:
+        ready = wait(self.conns + list(extra or []), timeout)
+        out = []
+        for obj in ready:
+            if isinstance(obj, Connection) and obj in self.conns:
+                out.extend(self._drain(self.conns.index(obj)))
+        if not out:
+            self._check_alive()
+        return out
+
+    def _drain(self, rank: int) -> list:
+        msgs = []
+        conn = self.conns[rank]
+        try:
+            while conn.poll():
+                msgs.append(conn.recv())
+        except (EOFError, OSError):
+            # its end of the socket closed: the process is gone or going
+            try:
+                self.procs[rank].wait(2)
+            except subprocess.TimeoutExpired:
+                pass
+            raise WorkerFailure(self._death_message(rank, f"exit code {self.procs[rank].poll()}"), rank=rank) from None
+        return msgs
+
+    def _collect_replies(self, call_id: int, ranks: list[int], timeout: float, what: str) -> dict[int, Reply]:
+        deadline = time.monotonic() + timeout
+        got: dict[int, Reply] = {}
+        while len(got) < len(ranks):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(ranks) - set(got))
+                raise WorkerFailure(f"{what}: ranks {missing} did not answer within {timeout:.0f}s", rank=missing[0])
+            for msg in self._read(min(left, 1.0)):
+                if isinstance(msg, Reply) and msg.call_id == call_id:
+                    if not msg.ok:
+                        raise WorkerFailure(f"{what} failed on rank {msg.rank}: {_last_line(msg.error)}\n{msg.error}",
+                                            rank=msg.rank, error_type=msg.error_type)
+                    got[msg.rank] = msg
+                elif isinstance(msg, Reply) and not msg.ok:
+                    raise WorkerFailure(f"rank {msg.rank} failed: {_last_line(msg.error)}\n{msg.error}", rank=msg.rank)
+                else:
+                    self.pending.append(msg)
+        return got
+
+    def _check_alive(self) -> None:
+        for r, p in enumerate(self.procs):
+            if p.poll() is not None:
+                raise WorkerFailure(self._death_message(r, f"exit code {p.returncode}"), rank=r)
+
+    def _death_message(self, rank: int, detail: str) -> str:
+        return f"worker rank {rank} (pid {self.procs[rank].pid}) died: {detail}"

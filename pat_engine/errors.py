@@ -1,0 +1,40 @@
+"""Exceptions raised to users. Each names the problem it reports."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PatEngineError(Exception):
+    """Base class of pat-engine errors."""
+
+
+class ModelLoadError(PatEngineError):
+    """The checkpoint cannot be served: unknown architecture, missing file, bad shape."""
+
+
+class InvalidRequestError(PatEngineError, ValueError):
+    """A request (prompt or sampling parameters) is malformed; nothing was queued."""
+
+
+class LayoutError(PatEngineError, ValueError):
+    """A (tp, dp) layout is not valid for this model and world size."""
+
+
+class EngineClosedError(PatEngineError):
+    """The engine was shut down."""
+
+
+class WorkerFailure(PatEngineError, RuntimeError):
+    """A worker process raised, died or timed out.
+
+    ``partial_outputs`` holds what the affected requests had generated so far,
+    so nothing accepted is lost silently.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, partial_outputs: list[Any] | None = None,
+                 error_type: str | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.partial_outputs = partial_outputs or []
+        self.error_type = error_type  # class name of the worker-side exception, when one was raised

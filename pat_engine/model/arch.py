@@ -1,0 +1,161 @@
+"""Architecture description read from a Hugging Face ``config.json``.
+
+One frozen ``ModelArch`` covers the Llama family we serve: Llama 2/3/3.1
+(optionally with llama3 RoPE scaling), Qwen2/2.5 (bias on q/k/v) and Qwen3
+(RMSNorm on q and k per head). Anything else is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pat_engine.errors import ModelLoadError
+
+# HF ``architectures`` entry -> (attention bias on qkv, q/k RMSNorm).
+SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
+    "LlamaForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, True),
+}
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    theta: float
+    kind: str = "default"  # "default" or "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position: int
+    rms_eps: float
+    rope: RopeSpec
+    qkv_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def fingerprint(self) -> str:
+        """Stable short hash identifying the model shape (used by profile tables)."""
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def check_tp(self, tp: int) -> None:
+        """Raise ``ValueError`` naming the problem if ``tp`` cannot shard this model."""
+        if tp < 1 or tp & (tp - 1):
+            raise ValueError(f"tp={tp} must be a power of two")
+        if self.num_heads % tp:
+            raise ValueError(f"tp={tp} does not divide num_attention_heads={self.num_heads}")
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            raise ValueError(
+                f"tp={tp} and num_key_value_heads={self.num_kv_heads}: one must divide the other"
+            )
+        if self.intermediate_size % tp:
+            raise ValueError(f"tp={tp} does not divide intermediate_size={self.intermediate_size}")
+
+    def kv_heads_per_rank(self, tp: int) -> int:
+        # tp > num_kv_heads: each rank holds one head, shared by tp / num_kv_heads ranks.
+        return max(1, self.num_kv_heads // tp)
+
+
+def _rope_from_config(cfg: dict) -> RopeSpec:
+    # transformers >= 5 writes "rope_parameters"; older checkpoints "rope_theta" + "rope_scaling".
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind == "default":
+        return RopeSpec(theta=theta)
+    if kind == "llama3":
+        return RopeSpec(
+            theta=theta,
+            kind="llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position=int(params["original_max_position_embeddings"]),
+        )
+    raise ModelLoadError(f"unsupported RoPE type {kind!r} (supported: default, llama3)")
+
+
+def arch_from_hf_config(cfg: dict) -> ModelArch:
+    """Build a ``ModelArch`` from a parsed ``config.json`` dictionary."""
+    names = cfg.get("architectures") or []
+    if not names:
+        raise ModelLoadError("config.json has no 'architectures' entry")
+    name = names[0]
+    if name not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unknown architecture {name!r}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    default_bias, qk_norm = SUPPORTED_ARCHITECTURES[name]
+    num_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"unsupported hidden_act {cfg.get('hidden_act')!r} (only silu)")
+    return ModelArch(
+        architecture=name,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+        max_position=int(cfg.get("max_position_embeddings", 4096)),
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope=_rope_from_config(cfg),
+        qkv_bias=bool(cfg.get("attention_bias", default_bias)),
+        qk_norm=qk_norm,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        eos_token_ids=eos_ids,
+        bos_token_id=cfg.get("bos_token_id"),
+    )
+
+
+def load_model_arch(model_path: str | Path) -> ModelArch:
+    path = Path(model_path)
+    config_file = path / "config.json"
+    if not path.is_dir():
+        raise ModelLoadError(f"model path {str(path)!r} is not a directory")
+    if not config_file.is_file():
+        raise ModelLoadError(f"no config.json in {str(path)!r}")
+    try:
+        cfg = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{config_file} is not valid JSON: {exc}") from exc
+    arch = arch_from_hf_config(cfg)
+    gen_file = path / "generation_config.json"
+    if not arch.eos_token_ids and gen_file.is_file():
+        eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        if eos is not None:
+            ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
+            arch = ModelArch(**{**asdict(arch), "rope": arch.rope, "eos_token_ids": ids})
+    return arch

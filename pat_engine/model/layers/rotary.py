@@ -1,0 +1,46 @@
+"""Rotary position embedding (default and llama3-scaled), computed per step.
+
+cos/sin are computed in float32 from ``positions * inv_freq`` exactly as the
+reference does, then cast to the model dtype; computing them per step (once,
+shared by all layers) costs ``T * head_dim`` flops and needs no cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pat_engine.model.arch import RopeSpec
+
+
+def inverse_frequencies(rope: RopeSpec, head_dim: int) -> torch.Tensor:
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.kind == "default":
+        return inv
+    # llama3: stretch low frequencies by `factor`, keep high ones, blend in between.
+    low_wavelen = rope.original_max_position / rope.low_freq_factor
+    high_wavelen = rope.original_max_position / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+    smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    def __init__(self, rope: RopeSpec, head_dim: int, device):
+        self.inv_freq = inverse_frequencies(rope, head_dim).to(device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq  # (T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]  # (T, 1, hd)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, heads, hd); rotate-half convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,123 @@
+"""Llama-family decoder shard (Llama 2/3/3.1, Qwen2/2.5, Qwen3).
+
+One TP rank's slice of the model. Nothing here reads the global process group:
+the TP handle arrives in the ``ForwardContext`` of every call, so a layout
+switch only has to replace parameter data and pass a different handle.
+
+Differences between the families are flags on ``ModelArch``: bias on q/k/v
+(Qwen2) and per-head RMSNorm on q and k (Qwen3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pat_engine.model.arch import ModelArch
+from pat_engine.model.layers.attention import AttentionMetadata, paged_attention
+from pat_engine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pat_engine.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pat_engine.model.layers.norm import RMSNorm
+from pat_engine.model.layers.rotary import RotaryEmbedding, apply_rotary
+from pat_engine.model.shard_spec import Component
+from pat_engine.parallel.comm import TPGroup
+
+
+@dataclass
+class ForwardContext:
+    tp: TPGroup
+    kv_caches: list[torch.Tensor]  # one (2, blocks, block_size, kvh_local, hd) pool per layer
+    attn: AttentionMetadata
+    cos: torch.Tensor | None = None  # (T, 1, hd), set by CausalLM.forward
+    sin: torch.Tensor | None = None
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, tp: int, dtype, device):
+        super().__init__()
+        self.arch = arch
+        hd = arch.head_dim
+        qkv = (
+            Component(arch.q_size, unit=hd),
+            Component(arch.kv_size, unit=hd, replicate=True),
+            Component(arch.kv_size, unit=hd, replicate=True),
+        )
+        self.qkv_proj = ColumnParallelLinear(arch.hidden_size, qkv, arch.qkv_bias, tp, dtype, device)
+        self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, hd, tp, dtype, device)
+        self.q_norm = RMSNorm(hd, arch.rms_eps, dtype, device) if arch.qk_norm else None
+        self.k_norm = RMSNorm(hd, arch.rms_eps, dtype, device) if arch.qk_norm else None
+        self.scale = hd**-0.5
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
+        arch, hd = self.arch, self.arch.head_dim
+        heads = arch.num_heads // ctx.tp.size
+        kv_heads = arch.kv_heads_per_rank(ctx.tp.size)
+        qkv = self.qkv_proj(x)  # (T, (heads + 2 * kv_heads) * hd)
+        q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+        q = q.view(-1, heads, hd)  # (T, h, hd)
+        k = k.view(-1, kv_heads, hd)  # (T, kvh, hd)
+        v = v.view(-1, kv_heads, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
+        out = paged_attention(q, k, v, ctx.kv_caches[layer], ctx.attn, self.scale)  # (T, h, hd)
+        return self.o_proj(out.reshape(-1, heads * hd), ctx.tp)
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch, tp: int, dtype, device):
+        super().__init__()
+        inter = arch.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(arch.hidden_size, (Component(inter), Component(inter)), False, tp, dtype, device)
+        self.down_proj = RowParallelLinear(inter, arch.hidden_size, 1, tp, dtype, device)
+
+    def forward(self, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up, tp)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, tp: int, dtype, device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_eps, dtype, device)
+        self.self_attn = Attention(arch, tp, dtype, device)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_eps, dtype, device)
+        self.mlp = MLP(arch, tp, dtype, device)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, layer)
+        return x + self.mlp(self.post_attention_layernorm(x), ctx.tp)
+
+
+class CausalLM(nn.Module):
+    """The TP shard of a decoder-only LM. Parameter names mirror the HF checkpoint."""
+
+    def __init__(self, arch: ModelArch, tp: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.arch = arch
+        self.dtype = dtype
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(arch, tp, dtype, device) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_eps, dtype, device)
+        tied = self.embed_tokens.weight if arch.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp, dtype, device, tied_to=tied)
+        self.rotary = RotaryEmbedding(arch.rope, arch.head_dim, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions: (T,). Returns hidden states (T, hidden)."""
+        ctx.cos, ctx.sin = self.rotary.cos_sin(positions, self.dtype)
+        x = self.embed_tokens(input_ids, ctx.tp)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, i)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor, tp: TPGroup) -> torch.Tensor | None:
+        """Full-vocab logits on TP rank 0 (None on the others)."""
+        return self.lm_head(hidden, tp)
+
+    def sharded_parameters(self) -> dict[str, nn.Parameter]:
+        """Every distinct parameter by its local name (a tied LM head appears once)."""
+        return dict(self.named_parameters(remove_duplicate=True))

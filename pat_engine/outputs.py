@@ -1,0 +1,26 @@
+"""What ``Engine.generate`` returns for each prompt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens only; the response starts at len(prompt_token_ids)
+    text: str | None  # decoded response, when the model has a tokenizer
+    finish_reason: str | None  # "stop" (EOS or stop token), "length", "abort", "error"; None while running
+    logprobs: list[float] | None = None  # log-probability of each chosen token, when asked for
+    prompt: str | None = None
+    error: str | None = None  # why a request ended with finish_reason "error" or "abort"
+    metrics: dict = field(default_factory=dict)  # arrival/first-token/finish times, preemptions
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

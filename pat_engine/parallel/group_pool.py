@@ -1,0 +1,65 @@
+"""Per-worker cache of communication groups, one entry per layout.
+
+Creating process groups is collective and slow (NCCL communicators especially),
+so a layout's TP groups are built the first time it is asked for and reused on
+every later switch (the paper's Fig. 9). Every rank must ask for the same
+layouts in the same order, because ``new_group`` is collective over the world.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from pat_engine.parallel.comm import TPGroup
+from pat_engine.parallel.layout import Layout
+
+
+@dataclass
+class GroupPoolStats:
+    hits: int = 0
+    misses: int = 0
+    creation_seconds: float = 0.0
+    created_layouts: list[str] = field(default_factory=list)
+
+
+class CommGroupPool:
+    def __init__(self, global_rank: int, world: int, device_backend: str, timeout=None):
+        self.global_rank = global_rank
+        self.world = world
+        self.device_backend = device_backend
+        self.timeout = timeout
+        self.stats = GroupPoolStats()
+        self._groups: dict[Layout, TPGroup] = {}
+
+    def get(self, layout: Layout) -> tuple[TPGroup, bool]:
+        """Return this rank's TP group for ``layout`` and whether it was a cache hit."""
+        if layout in self._groups:
+            self.stats.hits += 1
+            return self._groups[layout], True
+        start = time.perf_counter()
+        mine = None
+        for ranks in layout.all_groups():
+            handle = self._create(ranks)
+            if self.global_rank in ranks:
+                mine = handle
+        self.stats.misses += 1
+        self.stats.creation_seconds += time.perf_counter() - start
+        self.stats.created_layouts.append(str(layout))
+        assert mine is not None
+        self._groups[layout] = mine
+        return mine, False
+
+    def _create(self, ranks: list[int]) -> TPGroup:
+        my_index = ranks.index(self.global_rank) if self.global_rank in ranks else -1
+        if len(ranks) == 1:
+            # A one-rank group needs no communicator; keep creation collective-free.
+            return TPGroup(rank=max(my_index, 0), size=1, ranks=tuple(ranks))
+        cpu = dist.new_group(ranks, backend="gloo", timeout=self.timeout)
+        device = cpu if self.device_backend == "gloo" else dist.new_group(ranks, backend=self.device_backend, timeout=self.timeout)
+        return TPGroup(rank=my_index, size=len(ranks), ranks=tuple(ranks), device_group=device, cpu_group=cpu)
+
+    def __len__(self) -> int:
+        return len(self._groups)

@@ -1,0 +1,64 @@
+"""KV migration plan: which KV heads of which sequence each target rank needs, and from whom.
+
+Pure function of the sequences' old/new placement and the two layouts; every
+rank computes the same plan. A target rank needs the KV heads of its new TP
+rank for every sequence assigned to its new DP group; it copies those it
+already holds and receives the others from a rank of the sequence's old
+group that holds them (with KV-head replication, the least loaded one).
+Only the sequence's valid tokens move, never whole blocks of the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pat_engine.parallel.layout import Layout
+
+
+@dataclass(frozen=True)
+class SeqPlacement:
+    seq_id: int
+    num_tokens: int  # valid (cached) tokens
+    src_group: int
+    src_table: tuple[int, ...]
+    dst_group: int
+    dst_table: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVMove:
+    src: int
+    dst: int
+    seq: int  # index into the placements list
+    heads: tuple[int, ...]  # global KV head ids, ascending
+
+
+def kv_heads_of(tp_rank: int, tp: int, num_kv_heads: int) -> range:
+    """KV heads held by a TP rank (with replication, one head shared by tp / num_kv_heads ranks)."""
+    if num_kv_heads % tp == 0:
+        per = num_kv_heads // tp
+        return range(tp_rank * per, (tp_rank + 1) * per)
+    head = tp_rank // (tp // num_kv_heads)
+    return range(head, head + 1)
+
+
+def plan_kv_moves(placements: list[SeqPlacement], old: Layout, new: Layout, num_kv_heads: int) -> list[KVMove]:
+    load: dict[int, int] = {}
+    moves: list[KVMove] = []
+    for index, p in enumerate(placements):
+        sources = old.group_ranks(p.src_group)
+        for dst in new.group_ranks(p.dst_group):
+            by_src: dict[int, list[int]] = {}
+            for head in kv_heads_of(new.tp_rank(dst), new.tp, num_kv_heads):
+                holders = [s for s in sources if head in kv_heads_of(old.tp_rank(s), old.tp, num_kv_heads)]
+                src = dst if dst in holders else min(holders, key=lambda s: (load.get(s, 0), abs(s - dst), s))
+                if src != dst:
+                    load[src] = load.get(src, 0) + p.num_tokens
+                by_src.setdefault(src, []).append(head)
+            for src, heads in sorted(by_src.items()):
+                moves.append(KVMove(src, dst, index, tuple(heads)))
+    return moves
+
+
+def token_slots(table: tuple[int, ...], num_tokens: int, block_size: int) -> list[int]:
+    return [table[p // block_size] * block_size + p % block_size for p in range(num_tokens)]

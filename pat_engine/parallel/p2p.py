@@ -1,0 +1,20 @@
+"""Point-to-point exchange of packed buffers between ranks of the one world."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def exchange(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
+    """Send ``sends[dst]`` to each dst and fill ``recvs[src]`` from each src, all at once.
+
+    Both sides iterate peers in ascending order, so the (single) message per
+    pair matches without tags.
+    """
+    ops = [dist.P2POp(dist.isend, sends[d].contiguous(), d) for d in sorted(sends)]
+    ops += [dist.P2POp(dist.irecv, recvs[s], s) for s in sorted(recvs)]
+    if not ops:
+        return
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()

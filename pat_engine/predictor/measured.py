@@ -1,0 +1,43 @@
+"""Rates the engine measures as it runs, used when no profile table is loaded.
+
+Prefill throughput per TP degree (tokens per second of one group's prefill
+step) and the KV migration bandwidth seen by earlier switches. Before any
+measurement, migration is assumed cheap (1 GB/s) and prefill is taken from
+the nearest measured TP degree, scaled by the TP ratio.
+"""
+
+from __future__ import annotations
+
+
+class MeasuredRates:
+    DEFAULT_BANDWIDTH = 1e9
+
+    def __init__(self, alpha: float = 0.3):
+        self.alpha = alpha
+        self.prefill_tokens_per_s: dict[int, float] = {}
+        self.kv_bandwidth: float | None = None
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+
+    def record_prefill(self, tp: int, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.prefill_tokens_per_s[tp] = self._ema(self.prefill_tokens_per_s.get(tp), tokens / seconds)
+
+    def record_kv_transfer(self, bytes_sent: int, seconds: float) -> None:
+        if bytes_sent > 0 and seconds > 0:
+            self.kv_bandwidth = self._ema(self.kv_bandwidth, bytes_sent / seconds)
+
+    def bandwidth(self) -> float:
+        return self.kv_bandwidth or self.DEFAULT_BANDWIDTH
+
+    def prefill_seconds(self, tp: int, batch: int, l_rms: float) -> float:
+        rates = self.prefill_tokens_per_s
+        if not rates:
+            return float("inf")  # unknown: never prefer recompute blindly
+        if tp in rates:
+            rate = rates[tp]
+        else:
+            near = min(rates, key=lambda t: abs(t - tp))
+            rate = rates[near] * tp / near
+        return batch * l_rms / rate

@@ -1,0 +1,60 @@
+"""Messages between the driver (coordinator) and the worker processes.
+
+Small pickled dataclasses. A prefill sends a sequence's whole block table; a
+decode step sends only the last token and any block appended since, because
+workers keep each sequence's table (nano-vllm sends the same minimum).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pat_engine.sampling.sampler import SamplingSpec
+
+
+@dataclass
+class SeqStep:
+    seq_id: int
+    token_ids: list[int]  # tokens to run now: the uncached suffix (prefill) or the last token (decode)
+    start_pos: int  # tokens of this sequence already in the KV cache
+    block_table: list[int] | None = None  # prefill: the full table (replaces any old one)
+    new_blocks: list[int] = field(default_factory=list)  # decode: blocks appended since last step
+    sampling: SamplingSpec | None = None  # prefill: how to sample this sequence
+    suppressed: tuple[int, ...] = ()  # token ids not allowed this step (EOS before min_new_tokens)
+
+
+@dataclass
+class StepCommand:
+    step_id: int
+    is_prefill: bool
+    seqs: list[SeqStep]
+    released: list[int] = field(default_factory=list)  # sequences whose tables can be dropped
+
+
+@dataclass
+class StepResult:
+    step_id: int
+    group: int
+    tokens: list[int]
+    logprobs: list[float] | None
+    forward_seconds: float
+
+
+@dataclass
+class Call:
+    """Run ``method`` on every addressed worker; each one replies."""
+
+    call_id: int
+    method: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Reply:
+    call_id: int
+    rank: int
+    ok: bool
+    value: Any = None
+    error: str | None = None  # formatted traceback when ok is False
+    error_type: str | None = None  # the exception's class name, so the driver can re-raise its kind

@@ -1,0 +1,258 @@
+"""SwitchExecutor: one rank's part of a live layout change (ARCHITECTURE.md sec. 6).
+
+Runs while every rank is paused at a step boundary:
+  1. take the new layout's TP group from the pool (created once, then cached);
+  2. reshard weights layer by layer, moving only rows this rank lacks;
+  3. KV: migrate the valid tokens of unfinished sequences layer by layer into
+     a pool sized for the new layout, or drop the pool for recompute;
+  4. install the new group, pool and block tables; recapture graphs (GPU);
+and reports the time of each part, bytes sent and the peak extra memory.
+
+Peak extra memory is counted explicitly: the new shards of one layer while
+the old ones are alive, plus packed send/receive buffers. The old KV layer is
+freed before the new one is allocated, so migration never holds two pools.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from pat_engine.parallel.kv_plan import KVMove, SeqPlacement, kv_heads_of, plan_kv_moves, token_slots
+from pat_engine.parallel.layout import Layout
+from pat_engine.parallel.p2p import exchange
+from pat_engine.parallel.reshard_plan import Move, allgather_bytes, plan_moves
+from pat_engine.worker.infer_executor import SeqState
+
+
+@dataclass(frozen=True)
+class SwitchPlan:
+    old: Layout
+    new: Layout
+    new_num_blocks: int
+    kv_path: str  # "migrate" or "recompute"
+    placements: tuple[SeqPlacement, ...] = ()  # sequences whose KV migrates
+    specs: dict = field(default_factory=dict)  # seq_id -> SamplingSpec, for the new owners
+
+
+class MemoryMeter:
+    """Live and peak bytes of the temporary tensors a switch holds."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+
+    def add(self, n: int) -> None:
+        self.live += n
+        self.peak = max(self.peak, self.live)
+
+    def sub(self, n: int) -> None:
+        self.live -= n
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.")
+
+
+def params_by_layer(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """Parameters grouped into reshard units: embedding, each decoder layer, final norm + LM head."""
+    groups: dict[object, list] = defaultdict(list)
+    for name, p in model.named_parameters(remove_duplicate=True):
+        m = _LAYER_RE.match(name)
+        key = int(m.group(1)) if m else ("head" if not name.startswith("embed") else "embed")
+        groups[key].append((name, p))
+    order = ["embed"] + sorted(k for k in groups if isinstance(k, int)) + ["head"]
+    return [groups[k] for k in order if k in groups]
+
+
+class SwitchExecutor:
+    def __init__(self, worker) -> None:
+        self.worker = worker
+
+    @property
+    def rank(self) -> int:
+        return self.worker.rank
+
+    def run(self, plan: SwitchPlan) -> dict:
+        ex = self.worker.executor
+        meter = MemoryMeter()
+        t0 = time.perf_counter()
+        self.worker.check_fault("switch_start")
+        dist.barrier(group=self.worker.cpu_world)  # every rank has paused
+        t = time.perf_counter()
+        tp_group, hit = self.worker.groups.get(plan.new)
+        groups_s = time.perf_counter() - t
+
+        t = time.perf_counter()
+        weight_sent, weight_local, allgather = self._reshard_weights(ex.model, plan.old, plan.new, meter)
+        weights_s = time.perf_counter() - t
+
+        t = time.perf_counter()
+        old_pool_bytes = ex.kv.nbytes
+        kv_sent = self._move_kv(plan, meter) if plan.kv_path == "migrate" else self._drop_kv(plan)
+        kv_s = time.perf_counter() - t
+
+        t = time.perf_counter()
+        ex.layout, ex.tp = plan.new, tp_group
+        ex.seqs = {}
+        group = plan.new.group_of(self.rank)
+        for p in plan.placements:
+            if p.dst_group == group:
+                ex.seqs[p.seq_id] = SeqState(list(p.dst_table), plan.specs.get(p.seq_id))
+        graphs = self.worker.recapture_graphs() if hasattr(self.worker, "recapture_graphs") else 0
+        dist.barrier(group=self.worker.cpu_world)  # nobody resumes before everyone is done
+        rebuild_s = time.perf_counter() - t
+        return {
+            "rank": self.rank,
+            "group_cache_hit": hit,
+            "groups_s": groups_s,
+            "weights_s": weights_s,
+            "kv_s": kv_s,
+            "rebuild_s": rebuild_s,
+            "total_s": time.perf_counter() - t0,
+            "weight_bytes_sent": weight_sent,
+            "weight_bytes_local": weight_local,
+            "weight_bytes_allgather": allgather,
+            "kv_bytes_sent": kv_sent,
+            "peak_extra_bytes": meter.peak,
+            "kv_pool_bytes_before": old_pool_bytes,
+            "kv_pool_bytes_after": ex.kv.nbytes,
+            "graphs_captured": graphs,
+        }
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _reshard_weights(self, model, old: Layout, new: Layout, meter: MemoryMeter) -> tuple[int, int, int]:
+        me = self.rank
+        load: dict[int, int] = {}
+        sent = local = allgather = 0
+        for layer_index, params in enumerate(params_by_layer(model)):
+            if layer_index == 1:
+                self.worker.check_fault("reshard")
+            plans = [(name, p, plan_moves(p.shard_spec, old, new, load)) for name, p in params]
+            new_data: dict[str, torch.Tensor] = {}
+            out_parts: dict[int, list[torch.Tensor]] = defaultdict(list)
+            in_moves: dict[int, list[tuple[str, Move]]] = defaultdict(list)
+            for name, p, moves in plans:
+                spec = p.shard_spec
+                if spec.replicated:
+                    continue
+                row_bytes = _nbytes(p.data) // max(1, p.data.shape[spec.split_dim])
+                allgather += allgather_bytes(spec, old, new, row_bytes) // new.world
+                fresh = torch.zeros(spec.local_shape(new.tp), dtype=p.dtype, device=p.device)
+                meter.add(_nbytes(fresh))
+                new_data[name] = fresh
+                dim = spec.split_dim
+                for mv in moves:
+                    if mv.dst == me and mv.src == me:
+                        fresh.narrow(dim, mv.dst_local, mv.stop - mv.start).copy_(p.data.narrow(dim, mv.src_local, mv.stop - mv.start))
+                        local += (mv.stop - mv.start) * row_bytes
+                    elif mv.src == me:
+                        out_parts[mv.dst].append(p.data.narrow(dim, mv.src_local, mv.stop - mv.start).reshape(-1))
+                    elif mv.dst == me:
+                        in_moves[mv.src].append((name, mv))
+            sends = {d: torch.cat(parts) for d, parts in out_parts.items()}
+            recvs = {}
+            for src, items in in_moves.items():
+                numel = 0
+                for name, mv in items:
+                    numel += new_data[name].numel() // new_data[name].shape[_split_dim(params, name)] * (mv.stop - mv.start)
+                recvs[src] = torch.empty(numel, dtype=params[0][1].dtype, device=params[0][1].device)
+            buffers = sum(_nbytes(b) for b in list(sends.values()) + list(recvs.values()))
+            meter.add(buffers)
+            exchange(sends, recvs)
+            sent += sum(_nbytes(b) for b in sends.values())
+            for src, items in in_moves.items():
+                offset = 0
+                for name, mv in items:
+                    fresh = new_data[name]
+                    dim = _split_dim(params, name)
+                    target = fresh.narrow(dim, mv.dst_local, mv.stop - mv.start)
+                    n = target.numel()
+                    target.copy_(recvs[src][offset : offset + n].view(target.shape))
+                    offset += n
+            meter.sub(buffers)
+            for name, p in params:
+                if name in new_data:
+                    p.data = new_data[name]  # the old shard is freed here
+                    meter.sub(_nbytes(p.data))
+        return sent, local, allgather
+
+    # ---- KV ------------------------------------------------------------------------------------
+
+    def _drop_kv(self, plan: SwitchPlan) -> int:
+        ex = self.worker.executor
+        ex.kv.release()
+        ex.kv = ex.new_pool(plan.new, plan.new_num_blocks)
+        return 0
+
+    @torch.no_grad()
+    def _move_kv(self, plan: SwitchPlan, meter: MemoryMeter) -> int:
+        ex = self.worker.executor
+        arch, me, bs = ex.arch, self.rank, ex.block_size
+        moves = plan_kv_moves(list(plan.placements), plan.old, plan.new, arch.num_kv_heads)
+        old_heads = kv_heads_of(plan.old.tp_rank(me), plan.old.tp, arch.num_kv_heads)
+        new_heads = kv_heads_of(plan.new.tp_rank(me), plan.new.tp, arch.num_kv_heads)
+        old_pool = ex.kv
+        new_pool = ex.new_pool(plan.new, 0)  # geometry only; layers are allocated one by one below
+        new_pool.num_blocks = plan.new_num_blocks
+        new_pool.layers = []
+        sent = 0
+        src_slots = {i: torch.tensor(token_slots(p.src_table, p.num_tokens, bs)) for i, p in enumerate(plan.placements)}
+        dst_slots = {i: torch.tensor(token_slots(p.dst_table, p.num_tokens, bs)) for i, p in enumerate(plan.placements)}
+        outgoing = [m for m in moves if m.src == me]
+        incoming = [m for m in moves if m.dst == me]
+        for layer in range(arch.num_layers):
+            old_layer = old_pool.layers[layer]  # (2, blocks, bs, kvh_old, hd)
+            flat = old_layer.view(2, -1, old_layer.shape[-2], old_layer.shape[-1])  # (2, slots, kvh, hd)
+            packed: dict[int, list[torch.Tensor]] = defaultdict(list)
+            for m in outgoing:
+                heads = [h - old_heads.start for h in m.heads]
+                packed[m.dst].append(flat[:, src_slots[m.seq]][:, :, heads].reshape(-1))  # (2, n, h, hd) flattened
+            bufs = {d: torch.cat(parts) for d, parts in packed.items()}
+            local = bufs.pop(me, None)
+            recvs = {}
+            for m in incoming:
+                if m.src != me:
+                    n = 2 * plan.placements[m.seq].num_tokens * len(m.heads) * arch.head_dim
+                    recvs[m.src] = recvs.get(m.src, 0) + n
+            recvs = {s: torch.empty(n, dtype=old_layer.dtype, device=old_layer.device) for s, n in recvs.items()}
+            live = sum(_nbytes(b) for b in list(bufs.values()) + list(recvs.values())) + (_nbytes(local) if local is not None else 0)
+            meter.add(live)
+            # the old layer is no longer needed once packed: free it before the new one exists
+            old_pool.layers[layer] = None
+            del old_layer, flat
+            exchange(bufs, recvs)
+            sent += sum(_nbytes(b) for b in bufs.values())
+            new_layer = new_pool.new_layer()
+            new_flat = new_layer.view(2, -1, new_layer.shape[-2], new_layer.shape[-1])
+            offsets: dict[int, int] = defaultdict(int)
+            for m in incoming:
+                buf = local if m.src == me else recvs[m.src]
+                n_tok = plan.placements[m.seq].num_tokens
+                n = 2 * n_tok * len(m.heads) * arch.head_dim
+                chunk = buf[offsets[m.src] : offsets[m.src] + n].view(2, n_tok, len(m.heads), arch.head_dim)
+                offsets[m.src] += n
+                heads = [h - new_heads.start for h in m.heads]
+                idx = dst_slots[m.seq]
+                for j, h in enumerate(heads):
+                    new_flat[:, idx, h] = chunk[:, :, j]
+            new_pool.layers.append(new_layer)
+            meter.sub(live)
+        ex.kv = new_pool
+        return sent
+
+
+def _split_dim(params, name: str) -> int:
+    for n, p in params:
+        if n == name:
+            return p.shard_spec.split_dim
+    raise KeyError(name)

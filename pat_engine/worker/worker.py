@@ -1,0 +1,148 @@
+"""Worker process: one per rank. Joins the world, holds an InferExecutor and a
+SwitchExecutor, and serves the driver's messages until told to stop.
+
+Messages arrive on a pipe: ``StepCommand`` (hot path; only TP rank 0 answers)
+or ``Call`` (every addressed rank answers with a ``Reply``). Any exception is
+reported with its traceback instead of killing the process, so the driver can
+name the failing rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pat_engine.config import EngineConfig
+from pat_engine.model.arch import load_model_arch
+from pat_engine.parallel.group_pool import CommGroupPool
+from pat_engine.parallel.layout import Layout
+from pat_engine.protocol import Call, Reply, StepCommand
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    rank: int
+    world: int
+    store_host: str
+    store_port: int
+    config: EngineConfig
+    layout: Layout
+    num_blocks: int
+    parent_pid: int
+
+
+def _watch_parent(parent_pid: int) -> None:
+    # If the driver dies without a shutdown, do not linger as an orphan.
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+class Worker:
+    def __init__(self, args: WorkerArgs):
+        from pat_engine.worker.infer_executor import InferExecutor
+        from pat_engine.worker.switch_executor import SwitchExecutor
+
+        cfg = args.config
+        self.args, self.rank = args, args.rank
+        torch.set_num_threads(cfg.worker_threads())
+        self.device = torch.device("cpu")
+        backend = "gloo"
+        if cfg.device == "cuda":
+            local = args.rank % torch.cuda.device_count()
+            torch.cuda.set_device(local)
+            self.device = torch.device("cuda", local)
+            backend = "nccl"
+        timeout = datetime.timedelta(seconds=cfg.collective_timeout_s)
+        store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=args.rank, world_size=args.world, timeout=timeout)
+        # control group for CPU objects when the device backend is NCCL
+        self.cpu_world = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+        self.groups = CommGroupPool(args.rank, args.world, backend, timeout)
+        tp_group, _ = self.groups.get(args.layout)
+        arch = load_model_arch(cfg.model)
+        self.executor = InferExecutor(arch, args.layout, tp_group, cfg.torch_dtype(), self.device,
+                                      cfg.block_size, args.num_blocks)
+        self.executor.load_weights(cfg.model)
+        self.switcher = SwitchExecutor(self)
+        self.faults: dict[str, str] = {}  # test hook: where -> "raise" | "exit"
+
+    # ---- RPC methods (called by name from the driver) -----------------------------------
+
+    def rpc_ping(self) -> dict:
+        return {"rank": self.rank, "pid": os.getpid(), "layout": str(self.executor.layout)}
+
+    def rpc_switch(self, plan) -> dict:
+        return self.switcher.run(plan)
+
+    def rpc_stats(self) -> dict:
+        s = self.groups.stats
+        return {"group_hits": s.hits, "group_misses": s.misses, "group_seconds": s.creation_seconds,
+                "layouts": list(s.created_layouts), "kv_blocks": self.executor.kv.num_blocks}
+
+    def rpc_inject_fault(self, where: str, how: str = "raise") -> None:
+        """Test hook: make the next pass through ``where`` raise or kill this process."""
+        self.faults[where] = how
+
+    def check_fault(self, where: str) -> None:
+        how = self.faults.pop(where, None)
+        if how == "exit":
+            os._exit(17)
+        if how == "raise":
+            raise RuntimeError(f"injected fault at {where} on rank {self.rank}")
+
+    def rpc_shutdown(self) -> None:
+        return None
+
+    # ---- loop ----------------------------------------------------------------------------
+
+    def serve(self, conn) -> None:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                return  # driver went away
+            if isinstance(msg, StepCommand):
+                try:
+                    self.check_fault("step")
+                    result = self.executor.execute(msg)
+                    if result is not None:
+                        conn.send(result)
+                except Exception:
+                    conn.send(Reply(-msg.step_id, self.rank, False, error=traceback.format_exc()))
+                continue
+            assert isinstance(msg, Call), f"unexpected message {type(msg).__name__}"
+            try:
+                value = getattr(self, f"rpc_{msg.method}")(**msg.kwargs)
+                conn.send(Reply(msg.call_id, self.rank, True, value=value))
+            except Exception as exc:
+                conn.send(Reply(msg.call_id, self.rank, False, error=traceback.format_exc(), error_type=type(exc).__name__))
+            if msg.method == "shutdown":
+                return
+
+
+def worker_main(conn) -> None:
+    args: WorkerArgs = conn.recv()
+    threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
+    try:
+        worker = Worker(args)
+    except Exception as exc:
+        conn.send(Reply(0, args.rank, False, error=traceback.format_exc(), error_type=type(exc).__name__))
+        return
+    conn.send(Reply(0, args.rank, True, value={"pid": os.getpid()}))
+    try:
+        worker.serve(conn)
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+

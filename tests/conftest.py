@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny random checkpoints and a cached transformers reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Ragged prompts and lengths; some requests generate 48+ tokens.
+PROMPTS = [
+    [5, 6, 7],
+    [100, 20, 30, 40, 50, 60, 70],
+    [9],
+    [33, 44, 55, 66, 77, 88, 99, 111, 222, 333, 3, 4, 17, 18, 19, 20, 21],
+    [250, 251],
+    [300, 12, 13, 14, 15],
+]
+MAX_NEW = [48, 20, 56, 30, 12, 40]
+
+SPECS = {
+    "llama": TinyModelSpec(arch="llama", num_kv_heads=2),  # GQA; tp=4 > 2 KV heads replicates them
+    "qwen2": TinyModelSpec(arch="qwen2", num_kv_heads=4, tie_word_embeddings=True, seed=1),
+    "qwen3": TinyModelSpec(arch="qwen3", num_kv_heads=2, seed=2),
+    "llama31": TinyModelSpec(arch="llama", num_kv_heads=8, llama3_rope_scaling=True, seed=3),
+}
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """``model_dir(name)`` -> path of a tiny checkpoint written once per session."""
+    cache: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in cache:
+            cache[name] = str(write_tiny_model(tmp_path_factory.mktemp(name), SPECS[name]))
+        return cache[name]
+
+    return get
+
+
+_HF_CACHE: dict[tuple, list[int]] = {}
+
+
+def hf_greedy(path: str, prompt: list[int], max_new: int) -> list[int]:
+    """Greedy continuation by ``transformers`` in float64 (the reference)."""
+    key = (path, tuple(prompt), max_new)
+    if key not in _HF_CACHE:
+        from transformers import AutoModelForCausalLM
+
+        model = _hf_model(path)
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False)
+        _HF_CACHE[key] = out[0, len(prompt):].tolist()
+    return _HF_CACHE[key]
+
+
+_HF_MODELS: dict[str, object] = {}
+
+
+def _hf_model(path: str):
+    if path not in _HF_MODELS:
+        from transformers import AutoModelForCausalLM
+
+        _HF_MODELS[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    return _HF_MODELS[path]
+
+
+def hf_greedy_batch(path: str, prompts=PROMPTS, max_new=MAX_NEW) -> list[list[int]]:
+    return [hf_greedy(path, p, m) for p, m in zip(prompts, max_new)]
