@@ -22,9 +22,9 @@ from pat_engine.core.memory import MemoryPlan
 from pat_engine.core.policy import ClusterStatus, GroupSnapshot, RequestSnapshot, SwitchDecision, SwitchPolicy
 from pat_engine.core.request import Sequence
 from pat_engine.core.scheduler import GroupScheduler
-from pat_engine.core.timeline import Timeline
+from pat_engine.core.timeline import SwitchEvent, Timeline
 from pat_engine.core.worker_pool import WorkerPool, _last_line
-from pat_engine.errors import WorkerFailure
+from pat_engine.errors import LayoutError, WorkerFailure
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.measured import MeasuredRates
 from pat_engine.protocol import Reply, StepCommand, StepResult
@@ -32,11 +32,29 @@ from pat_engine.protocol import Reply, StepCommand, StepResult
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One group's step, as the profiler and predictor-accuracy benchmarks see it."""
+
+    t: float  # timeline seconds at completion
+    tp: int
+    dp: int
+    group: int
+    is_prefill: bool
+    batch_size: int  # sequences in the step
+    context_tokens: int  # sum over the batch of context length after the step
+    new_tokens: int  # tokens run through the model (prefill: whole prompts)
+    seconds: float  # driver-side, dispatch to result
+    forward_seconds: float  # worker-side forward + sampling on TP rank 0
+    busy_groups: int  # groups with a step in flight when this one was dispatched
+
+
 @dataclass
 class InFlight:
     cmd: StepCommand
     batch: list[Sequence]
     sent_at: float
+    busy_groups: int
 
 
 class GlobalCoordinator:
@@ -55,6 +73,7 @@ class GlobalCoordinator:
         self._last_point = time.monotonic()
         self._set_layout(layout, [])
         self.seqs: dict[int, Sequence] = {}  # unfinished, by seq id
+        self.step_log: list[StepRecord] | None = None  # set to a list to record every step
 
     # ---- layout ----------------------------------------------------------------------
 
@@ -99,7 +118,13 @@ class GlobalCoordinator:
         """Dispatch idle groups, then handle whatever results arrive within ``timeout``."""
         if self.pending_switch is not None and not self.inflight:
             decision, self.pending_switch = self.pending_switch, None
-            self.switch(decision)
+            try:
+                self.switch(decision)
+            except LayoutError as exc:  # a policy asked for a layout that cannot hold the batch
+                log.warning("switch to tp=%d refused: %s", decision.tp, exc)
+                self.timeline.add_switch(SwitchEvent(self.timeline.now(), str(self.layout), f"tp={decision.tp}",
+                                                     decision.reason, "none", 0.0, decision=dict(decision.details),
+                                                     ok=False, error=f"refused: {exc}"))
         if self.pending_switch is None and not self.paused:
             self._dispatch()
         for msg in self.pool.poll(timeout, [wake] if wake is not None else None):
@@ -114,7 +139,7 @@ class GlobalCoordinator:
                 continue
             cmd, batch = item
             self.pool.send(self.layout.group_ranks(g), cmd)
-            self.inflight[g] = InFlight(cmd, batch, time.monotonic())
+            self.inflight[g] = InFlight(cmd, batch, time.monotonic(), len(self.inflight) + 1)
 
     def _handle(self, msg: StepResult | Reply) -> None:
         if isinstance(msg, Reply):
@@ -133,6 +158,11 @@ class GlobalCoordinator:
             elapsed = time.monotonic() - flight.sent_at
             prev = self._decode_ema.get(msg.group)
             self._decode_ema[msg.group] = elapsed if prev is None else 0.8 * prev + 0.2 * elapsed
+        if self.step_log is not None:
+            self.step_log.append(StepRecord(
+                self.timeline.now(), self.layout.tp, self.layout.dp, msg.group, is_prefill, len(flight.batch),
+                sum(s.start_pos + len(s.token_ids) for s in flight.cmd.seqs), sum(len(s.token_ids) for s in flight.cmd.seqs),
+                time.monotonic() - flight.sent_at, msg.forward_seconds, flight.busy_groups))
         finished = sched.on_result(flight.batch, is_prefill, msg.tokens, msg.logprobs)
         for seq in flight.batch:
             if seq.seq_id in self.seqs:

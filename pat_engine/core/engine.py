@@ -10,6 +10,7 @@ Every method can be called from any thread; the work runs in the engine loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -19,7 +20,7 @@ from tqdm.auto import tqdm
 
 from pat_engine.config import EngineConfig
 from pat_engine.core.block_allocator import blocks_needed
-from pat_engine.core.coordinator import GlobalCoordinator
+from pat_engine.core.coordinator import GlobalCoordinator, StepRecord
 from pat_engine.core.inputs import RequestFactory, load_tokenizer
 from pat_engine.core.loop import EngineLoop
 from pat_engine.core.memory import CPU_DEFAULT_KV_BYTES, MemoryPlan
@@ -32,6 +33,7 @@ from pat_engine.model.arch import load_model_arch
 from pat_engine.model.weights import safetensors_files
 from pat_engine.outputs import RequestOutput
 from pat_engine.parallel.layout import Layout
+from pat_engine.predictor.setup import attach_controller
 from pat_engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,11 @@ class Engine:
         self.coordinator = GlobalCoordinator(cfg, self.memory, pool, self.base_layout)
         self._loop = EngineLoop(self.coordinator, self._start_pool, cfg.max_worker_restarts, cfg.recover_failed_workers)
         self._closed = False
+        try:
+            attach_controller(self)
+        except BaseException:
+            self.shutdown()
+            raise
 
     def _start_pool(self) -> WorkerPool:
         pool = WorkerPool(self.config, self.base_layout, self.memory.num_blocks(self.base_layout))
@@ -161,6 +168,16 @@ class Engine:
     @property
     def switches(self) -> list[SwitchEvent]:
         return list(self.coordinator.timeline.switches)
+
+    @contextlib.contextmanager
+    def record_steps(self) -> Iterator[list[StepRecord]]:
+        """Collect a ``StepRecord`` for every step run inside the ``with`` block."""
+        log: list[StepRecord] = []
+        self._loop.run(lambda: setattr(self.coordinator, "step_log", log))
+        try:
+            yield log
+        finally:
+            self._loop.run(lambda: setattr(self.coordinator, "step_log", None))
 
     def worker_stats(self) -> list[dict]:
         return self._loop.run(lambda: self.coordinator.pool.call("stats"))
@@ -217,6 +234,7 @@ class Engine:
         params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         switch_schedule: list[tuple[int, int]] | None = None,
+        kv_transfer: str | None = None,
         policy: SwitchPolicy | None = None,
         from_base_layout: bool = False,
         request_ids: Seq[str] | None = None,
@@ -224,7 +242,8 @@ class Engine:
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in prompt order.
 
-        ``switch_schedule``: ``[(decode_step, tp), ...]``, switch when the batch reaches each step.
+        ``switch_schedule``: ``[(decode_step, tp), ...]``, switch when the batch reaches each step;
+        ``kv_transfer`` forces "migrate" or "recompute" for those switches (default: the cost model).
         ``policy``: any ``SwitchPolicy`` (e.g. the predictor-driven controller) for this batch.
         ``from_base_layout``: return to the engine's base layout first (a new RL generation stage).
         """
@@ -233,7 +252,9 @@ class Engine:
         if switch_schedule is not None:
             for _, tp in switch_schedule:
                 self._check_layout(tp)
-            policy = ScheduledSwitches(switch_schedule)
+            if kv_transfer not in (None, "migrate", "recompute"):
+                raise InvalidRequestError(f"kv_transfer must be 'migrate' or 'recompute', got {kv_transfer!r}")
+            policy = ScheduledSwitches(switch_schedule, kv_transfer)
         handles = [RequestHandle(s, self.requests.decode) for s in seqs]
         bar = tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
 
