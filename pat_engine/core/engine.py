@@ -179,6 +179,12 @@ class Engine:
         finally:
             self._loop.run(lambda: setattr(self.coordinator, "step_log", None))
 
+    def measure_bandwidth(self, nbytes: int = 8 << 20, repeats: int = 3) -> float:
+        """One-way per-rank point-to-point bandwidth (bytes/s), every rank sending at once."""
+        seconds = self._loop.run(lambda: self.coordinator.pool.call("bandwidth_probe", nbytes=nbytes, repeats=repeats))
+        slowest = max(seconds)
+        return float("inf") if slowest == 0 else nbytes / slowest
+
     def worker_stats(self) -> list[dict]:
         return self._loop.run(lambda: self.coordinator.pool.call("stats"))
 

@@ -88,6 +88,28 @@ class Worker:
         return {"group_hits": s.hits, "group_misses": s.misses, "group_seconds": s.creation_seconds,
                 "layouts": list(s.created_layouts), "kv_blocks": self.executor.kv.num_blocks}
 
+    def rpc_bandwidth_probe(self, nbytes: int, repeats: int = 3) -> float:
+        """Best time (s) to send ``nbytes`` to the next rank while receiving as many from the previous.
+
+        Every rank sends and receives at once, the pattern of a KV or weight redistribution.
+        """
+        from pat_engine.parallel.p2p import exchange
+
+        world = self.args.world
+        if world == 1:
+            return 0.0
+        out = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=self.device)
+        inp = torch.empty_like(out)
+        best = float("inf")
+        for _ in range(repeats):
+            dist.barrier(group=self.cpu_world)
+            t = time.perf_counter()
+            exchange({(self.rank + 1) % world: out}, {(self.rank - 1) % world: inp})
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        return best
+
     def rpc_inject_fault(self, where: str, how: str = "raise") -> None:
         """Test hook: make the next pass through ``where`` raise or kill this process."""
         self.faults[where] = how
