@@ -26,6 +26,7 @@ from pat_engine.core.loop import EngineLoop
 from pat_engine.core.memory import CPU_DEFAULT_KV_BYTES, MemoryPlan
 from pat_engine.core.policy import ScheduledSwitches, SwitchDecision, SwitchPolicy
 from pat_engine.core.request import Sequence
+from pat_engine.core.rl_control import RLControlMixin
 from pat_engine.core.timeline import SwitchEvent
 from pat_engine.core.worker_pool import WorkerPool
 from pat_engine.errors import InvalidRequestError, LayoutError, ModelLoadError, WorkerFailure
@@ -90,7 +91,7 @@ class RequestHandle:
                 return
 
 
-class Engine:
+class Engine(RLControlMixin):
     def __init__(self, model: str, tp: int = 1, dp: int = 1, **kwargs: Any):
         self.config = EngineConfig.from_kwargs(model, tp=tp, dp=dp, **kwargs)
         cfg = self.config
@@ -118,7 +119,7 @@ class Engine:
             raise
 
     def _start_pool(self) -> WorkerPool:
-        pool = WorkerPool(self.config, self.base_layout, self.memory.num_blocks(self.base_layout))
+        pool = WorkerPool(self.config, self.base_layout, self.memory.num_blocks(self.base_layout), self._weights_path)
         try:
             pool.start()
         except WorkerFailure as exc:
@@ -192,6 +193,12 @@ class Engine:
 
     def _make(self, prompts: Seq[Any], params: SamplingParams | Seq[SamplingParams] | None,
               request_ids: Seq[str] | None) -> list[Sequence]:
+        if self._sleep_level:
+            raise InvalidRequestError("the engine is asleep; call wake_up() before generating")
+        if self._loop.stale_weights:
+            raise InvalidRequestError(
+                "workers were restarted after in-memory weight updates and hold the checkpoint's weights; "
+                "call update_weights() or update_weights_from_disk() first")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None:

@@ -38,6 +38,7 @@ class EngineLoop:
         self.recover = recover
         self.restarts = 0
         self.weights_on_disk = True  # False after in-memory weight updates: a restart would lose them
+        self.stale_weights = False  # True when a restart fell back to on-disk weights after such updates
         self.failures: list[str] = []
         self._inbox: deque[tuple[Callable, tuple, Future]] = deque()
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
@@ -143,5 +144,7 @@ class EngineLoop:
             self.dead = f"could not restart workers after a failure: {start_exc}"
             return
         coord.reset(pool, coord.memory.base)
+        if not self.weights_on_disk:
+            self.stale_weights = True  # refuse new requests until the trainer pushes weights again
         if requeue and affected:
             log.warning("restarted workers; %d unfinished requests will be recomputed", len(affected))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import multiprocessing
 import os
 import socket
 import subprocess
@@ -26,6 +27,8 @@ from pat_engine.config import EngineConfig
 from pat_engine.errors import WorkerFailure
 from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import Call, Reply, StepCommand, StepResult
+import torch.multiprocessing  # noqa: F401  (registers the shared-memory pickling of tensors)
+
 from pat_engine.worker.worker import WorkerArgs
 
 log = logging.getLogger(__name__)
@@ -37,8 +40,9 @@ def _last_line(tb: str | None) -> str:
 
 
 class WorkerPool:
-    def __init__(self, config: EngineConfig, layout: Layout, num_blocks: int):
+    def __init__(self, config: EngineConfig, layout: Layout, num_blocks: int, weights_path: str | None = None):
         self.config = config
+        self._weights_path = weights_path or config.model
         self.world = config.world
         self._layout, self._num_blocks = layout, num_blocks
         self.procs: list[subprocess.Popen] = []
@@ -61,9 +65,11 @@ class WorkerPool:
             theirs.close()
             conn = Connection(ours.detach())
             args = WorkerArgs(rank, self.world, "127.0.0.1", self._store.port, self.config, self._layout,
-                              self._num_blocks, os.getpid())
+                              self._num_blocks, os.getpid(), self._weights_path)
             self.procs.append(proc)
             self.conns.append(conn)
+            # same authkey as the driver: tensors sent to workers then travel through shared memory
+            conn.send_bytes(bytes(multiprocessing.current_process().authkey))
             conn.send(args)
         try:
             self._collect_replies(0, list(range(self.world)), self.config.worker_start_timeout_s, "start-up")
@@ -107,8 +113,11 @@ class WorkerPool:
     # ---- messaging ----------------------------------------------------------------------
 
     def send(self, ranks: list[int], msg: StepCommand | Call) -> None:
-        data = bytes(ForkingPickler.dumps(msg))  # pickle once, send to every rank of the group
+        # A step is pickled once for the whole group. A call may carry tensors, which travel as
+        # shared-memory handles that each receiver consumes once, so it is pickled per rank.
+        once = bytes(ForkingPickler.dumps(msg)) if isinstance(msg, StepCommand) else None
         for r in ranks:
+            data = once if once is not None else bytes(ForkingPickler.dumps(msg))
             try:
                 self.conns[r].send_bytes(data)
             except (BrokenPipeError, OSError) as exc:

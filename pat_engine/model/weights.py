@@ -170,3 +170,24 @@ def load_shard_from_tensors(
         if on_loaded:
             on_loaded(name)
     return applied
+
+
+class WeightNameCheck:
+    """The HF tensor names and shapes a model accepts; lets the driver refuse a bad update up front."""
+
+    def __init__(self, model: nn.Module):
+        self.specs = {name: p.shard_spec for name, p in model.named_parameters(remove_duplicate=False)}
+
+    def check(self, hf_name: str, shape: tuple[int, ...]) -> None:
+        target = hf_to_local(hf_name)
+        if target is None:
+            return
+        local, component = target
+        spec = self.specs.get(local)
+        if spec is None:
+            raise ModelLoadError(f"unknown weight {hf_name!r} for this architecture")
+        expected = list(spec.full_shape)
+        if not spec.replicated:
+            expected[spec.split_dim] = spec.components[component or 0].size
+        if list(shape) != expected:
+            raise ModelLoadError(f"{hf_name}: shape {tuple(shape)} != expected {tuple(expected)}")

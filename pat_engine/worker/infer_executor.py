@@ -39,6 +39,7 @@ class InferExecutor:
         self.model = CausalLM(arch, layout.tp, dtype, device)
         self.kv = self.new_pool(layout, num_blocks)
         self.seqs: dict[int, SeqState] = {}
+        self.weights_state = "resident"  # or "offloaded" / "released" while the engine sleeps
 
     def new_pool(self, layout: Layout, num_blocks: int) -> PagedKVPool:
         return PagedKVPool(self.arch.num_layers, num_blocks, self.block_size, self.arch.kv_heads_per_rank(layout.tp),
@@ -46,6 +47,32 @@ class InferExecutor:
 
     def load_weights(self, model_path: str) -> None:
         load_shard_from_disk(self.model, model_path, self.tp.rank, self.tp.size)
+
+    # ---- memory release for colocated training (sleep / wake_up) ----------------------------
+
+    def release_memory(self, level: int) -> int:
+        """Level 1: drop the KV pool (and on GPU move weights to host); level 2: drop weights too."""
+        freed = self.kv.nbytes
+        self.kv.release()
+        self.kv = self.new_pool(self.layout, 0)
+        if level >= 2 or self.device.type != "cpu":
+            for p in self.model.parameters():
+                freed += p.numel() * p.element_size()
+                p.data = torch.empty(0, dtype=p.dtype) if level >= 2 else p.data.to("cpu")
+            self.weights_state = "released" if level >= 2 else "offloaded"
+        return freed
+
+    def restore_weights(self) -> None:
+        """Bring weights back after ``release_memory``: from host memory, or zeroed (to be reloaded)."""
+        state = self.weights_state
+        if state == "resident":
+            return
+        for p in self.model.parameters():
+            if state == "offloaded":
+                p.data = p.data.to(self.device)
+            else:
+                p.data = torch.zeros(p.shard_spec.local_shape(self.tp.size), dtype=p.dtype, device=self.device)
+        self.weights_state = "resident"
 
     # ---- one step -------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ class WorkerArgs:
     layout: Layout
     num_blocks: int
     parent_pid: int
+    weights_path: str  # where to load weights from (the model dir, or a later update_weights_from_disk)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -71,7 +72,7 @@ class Worker:
         arch = load_model_arch(cfg.model)
         self.executor = InferExecutor(arch, args.layout, tp_group, cfg.torch_dtype(), self.device,
                                       cfg.block_size, args.num_blocks)
-        self.executor.load_weights(cfg.model)
+        self.executor.load_weights(args.weights_path)
         self.switcher = SwitchExecutor(self)
         self.faults: dict[str, str] = {}  # test hook: where -> "raise" | "exit"
 
@@ -121,6 +122,30 @@ class Worker:
         if how == "raise":
             raise RuntimeError(f"injected fault at {where} on rank {self.rank}")
 
+    # ---- weights and memory (RL colocation) -----------------------------------------------
+
+    def rpc_load_weights(self, tensors: list) -> int:
+        """Load full HF-named tensors into this rank's shards under the current layout."""
+        from pat_engine.model.weights import load_shard_from_tensors
+
+        self.executor.restore_weights()
+        tp = self.executor.tp
+        return len(load_shard_from_tensors(self.executor.model, tensors, tp.rank, tp.size))
+
+    def rpc_reload_weights(self, path: str) -> None:
+        self.executor.restore_weights()
+        self.executor.load_weights(path)
+
+    def rpc_sleep(self, level: int) -> int:
+        """Free the KV pool (level >= 1) and the weights (level 2; offloaded to host at level 1 on GPU)."""
+        return self.executor.release_memory(level)
+
+    def rpc_wake_up(self, kv_blocks: int | None, weights: bool) -> None:
+        if weights:
+            self.executor.restore_weights()
+        if kv_blocks is not None:
+            self.executor.kv = self.executor.new_pool(self.executor.layout, kv_blocks)
+
     def rpc_shutdown(self) -> None:
         return None
 
@@ -132,6 +157,9 @@ class Worker:
                 msg = conn.recv()
             except (EOFError, OSError):
                 return  # driver went away
+            except Exception as exc:  # could not unpickle: say so rather than die silently
+                conn.send(Reply(-1, self.rank, False, error=traceback.format_exc(), error_type=type(exc).__name__))
+                continue
             if isinstance(msg, StepCommand):
                 try:
                     self.check_fault("step")
@@ -152,6 +180,9 @@ class Worker:
 
 
 def worker_main(conn) -> None:
+    import multiprocessing
+
+    multiprocessing.current_process().authkey = conn.recv_bytes()
     args: WorkerArgs = conn.recv()
     threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
     try:
