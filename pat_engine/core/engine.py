@@ -197,8 +197,8 @@ class Engine(RLControlMixin):
             raise InvalidRequestError("the engine is asleep; call wake_up() before generating")
         if self._loop.stale_weights:
             raise InvalidRequestError(
-                "workers were restarted after in-memory weight updates and hold the checkpoint's weights; "
-                "call update_weights() or update_weights_from_disk() first")
+                "the served weights are not current (workers restarted after a failure, or woken from a level-2 "
+                "sleep, after in-memory weight updates); call update_weights() or update_weights_from_disk() first")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None:
