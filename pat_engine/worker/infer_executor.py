@@ -129,11 +129,9 @@ class InferExecutor:
             last_index = torch.tensor(starts[1:], dtype=torch.long) - 1
         else:
             lengths = pos_t + 1  # context length after writing this token
-            ctx_pos = torch.arange(int(lengths.max()))
-            decode_slots = table_t[:, ctx_pos // bs] * bs + ctx_pos % bs  # (B, Lmax)
-            mask = ctx_pos[None, :] < lengths[:, None]
-            decode_slots = torch.where(mask, decode_slots, 0)
-            meta = AttentionMetadata(False, slots.to(dev), decode_slots=decode_slots.to(dev),
+            nb = -(-int(lengths.max()) // bs)
+            mask = torch.arange(nb * bs)[None, :] < lengths[:, None]  # (B, nb*bs)
+            meta = AttentionMetadata(False, slots.to(dev), block_tables=table_t[:, :nb].to(dev),
                                      decode_mask=mask[:, None, None, :].to(dev))
             last_index = torch.arange(len(cmd.seqs))
         return (torch.tensor(ids, dtype=torch.long, device=dev), pos_t.to(dev), meta, last_index.to(dev))

@@ -13,8 +13,29 @@ class PagedKVPool:
         # layer l: (2, num_blocks, block_size, kv_heads, head_dim); [0] keys, [1] values
         self.layers: list[torch.Tensor] = [self.new_layer() for _ in range(num_layers)]
 
-    def new_layer(self) -> torch.Tensor:
-        return torch.zeros(2, self.num_blocks, self.block_size, self.kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        return (2, self.num_blocks, self.block_size, self.kv_heads, self.head_dim)
+
+    def new_layer(self, reuse: torch.Tensor | None = None) -> torch.Tensor:
+        """A zeroed layer, or a view of ``reuse``'s memory when it is large enough.
+
+        A layout switch keeps the per-rank byte budget, so the old layer's memory
+        usually fits the new geometry: re-viewing it skips a free, an allocation
+        and page faults. Stale values in reused slots are never read unmasked
+        (every slot is written before a query reaches it) and are finite.
+        """
+        numel = 2 * self.num_blocks * self.block_size * self.kv_heads * self.head_dim
+        if reuse is not None and reuse.is_contiguous() and reuse.numel() >= numel and reuse.dtype == self.dtype:
+            return reuse.view(-1)[:numel].view(self.layer_shape)
+        return torch.zeros(self.layer_shape, dtype=self.dtype, device=self.device)
+
+    def regeometry(self, kv_heads: int, num_blocks: int) -> "PagedKVPool":
+        """The same memory seen with another number of heads per rank and blocks (contents dropped)."""
+        old = self.layers
+        pool = PagedKVPool(0, num_blocks, self.block_size, kv_heads, self.head_dim, self.dtype, self.device)
+        pool.layers = [pool.new_layer(reuse=layer) for layer in old]
+        return pool
 
     @staticmethod
     def block_bytes(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -190,8 +190,7 @@ class SwitchExecutor:
 
     def _drop_kv(self, plan: SwitchPlan) -> int:
         ex = self.worker.executor
-        ex.kv.release()
-        ex.kv = ex.new_pool(plan.new, plan.new_num_blocks)
+        ex.kv = ex.kv.regeometry(ex.arch.kv_heads_per_rank(plan.new.tp), plan.new_num_blocks)
         return 0
 
     @torch.no_grad()
@@ -227,12 +226,13 @@ class SwitchExecutor:
             recvs = {s: torch.empty(n, dtype=old_layer.dtype, device=old_layer.device) for s, n in recvs.items()}
             live = sum(_nbytes(b) for b in list(bufs.values()) + list(recvs.values())) + (_nbytes(local) if local is not None else 0)
             meter.add(live)
-            # the old layer is no longer needed once packed: free it before the new one exists
+            # the old layer is no longer needed once packed: its memory becomes the new layer
             old_pool.layers[layer] = None
-            del old_layer, flat
+            del flat
             exchange(bufs, recvs)
             sent += sum(_nbytes(b) for b in bufs.values())
-            new_layer = new_pool.new_layer()
+            new_layer = new_pool.new_layer(reuse=old_layer)
+            del old_layer
             new_flat = new_layer.view(2, -1, new_layer.shape[-2], new_layer.shape[-1])
             offsets: dict[int, int] = defaultdict(int)
             for m in incoming:

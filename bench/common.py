@@ -1,0 +1,60 @@
+"""Shared helpers for benchmarks: machine description and result files."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = ""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = f", GPU {torch.cuda.get_device_name(0)}"
+    except Exception:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores{gpu}, Python {platform.python_version()}"
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    def fmt(v) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_result(name: str, title: str, body: str) -> Path:
+    """Print ``body`` and write it to bench/results/<name>.md with command, machine and date."""
+    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    text = (
+        f"# {title}\n\n"
+        f"- command: `{command}`\n"
+        f"- machine: {machine()}\n"
+        f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}\n\n"
+        f"{body}\n"
+    )
+    print(text)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.md"
+    path.write_text(text)
+    return path

@@ -1,0 +1,119 @@
+"""Describe a deployment (what a latency table is valid for) and the model facts the cost model needs."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+from pathlib import Path
+
+import torch
+
+from pat_engine.model.arch import ModelArch
+from pat_engine.parallel.layout import Layout
+from pat_engine.predictor.table import Deployment, ModelShape
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown cpu"
+
+
+def device_name(device: str) -> str:
+    """CPU timings depend on the processor and the core count; GPU timings on the GPU model."""
+    if device == "cuda" and torch.cuda.is_available():
+        return f"cuda: {torch.cuda.get_device_name(0)}"
+    if device == "cuda":
+        return "cuda: unknown"
+    return f"cpu: {cpu_name()} ({os.cpu_count()} cores)"
+
+
+def library_versions() -> dict:
+    import pat_engine
+
+    out = {"torch": torch.__version__, "pat-engine": pat_engine.__version__}
+    try:
+        out["transformers"] = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        out["transformers"] = None
+    return out
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def valid_tps(arch: ModelArch, world: int) -> list[int]:
+    out = []
+    tp = 1
+    while tp <= world:
+        if world % tp == 0:
+            try:
+                arch.check_tp(tp)
+                out.append(tp)
+            except ValueError:
+                pass
+        tp *= 2
+    return out
+
+
+def make_deployment(arch: ModelArch, model_path: str, dtype: torch.dtype, device: str, world: int,
+                    block_size: int, threads_per_worker: int | None, candidate_tps: list[int] | None = None,
+                    emulated: bool = False, collective_model: dict | None = None) -> Deployment:
+    return Deployment(
+        model_fingerprint=arch.fingerprint(),
+        model_name=Path(model_path).name,
+        dtype=dtype_name(dtype),
+        device=device_name(device),
+        world=world,
+        candidate_tps=tuple(candidate_tps or valid_tps(arch, world)),
+        block_size=block_size,
+        threads_per_worker=threads_per_worker if device == "cpu" else None,
+        libraries=library_versions(),
+        emulated=emulated,
+        collective_model=collective_model,
+    )
+
+
+def engine_deployment(engine) -> Deployment:
+    cfg = engine.config
+    return make_deployment(engine.arch, cfg.model, cfg.torch_dtype(), cfg.device, cfg.world, cfg.block_size,
+                           cfg.worker_threads())
+
+
+def model_shape(arch: ModelArch, dtype: torch.dtype) -> ModelShape:
+    from pat_engine.core.memory import weight_bytes_per_rank
+
+    elt = torch.empty((), dtype=dtype).element_size()
+    return ModelShape(arch.num_layers, arch.num_kv_heads, arch.head_dim, elt, weight_bytes_per_rank(arch, 1, dtype))
+
+
+def reshard_bytes(arch: ModelArch, dtype: torch.dtype, old: Layout, new: Layout) -> int:
+    """Bytes the busiest rank sends when resharding weights old -> new (same plan the workers run)."""
+    from pat_engine.model.llama import CausalLM
+    from pat_engine.parallel.reshard_plan import plan_moves
+
+    model = CausalLM(arch, new.tp, dtype, "meta")  # shapes and shard specs only, no memory
+    elt = torch.empty((), dtype=dtype).element_size()
+    sent: dict[int, int] = {}
+    load: dict[int, int] = {}
+    for _, p in model.named_parameters():
+        spec = p.shard_spec
+        if spec.replicated:
+            continue
+        row = elt
+        for d, n in enumerate(spec.full_shape):
+            if d != spec.split_dim:
+                row *= n
+        for mv in plan_moves(spec, old, new, load):
+            if mv.src != mv.dst:
+                sent[mv.src] = sent.get(mv.src, 0) + (mv.stop - mv.start) * row
+    return max(sent.values(), default=0)

@@ -1,0 +1,106 @@
+"""Piecewise-linear latency fits over a sparse profile (paper Sec. 4.2, "Online Latency Predictor").
+
+Per (tp, batch size) a curve of latency against one x (total context tokens
+for decode steps, per-request context length for prefill): knots at the
+profiled points (np.interp between them); beyond the ends, a straight line
+from the end knot with the least-squares slope of the whole curve (clamped at
+>= 0), so one noisy end point cannot swing the extrapolation. Between
+profiled batch sizes the two nearest curves are evaluated at the same x and
+interpolated linearly in batch size; beyond the largest profiled batch the
+two largest are extrapolated linearly.
+
+Everything is vectorised: ``tp`` is a scalar, ``batch`` and ``x`` broadcast.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable
+
+import numpy as np
+
+from pat_engine.predictor.table import ProfilePoint
+
+
+class LatencyCurve:
+    """y(x): piecewise linear through the knots, linear beyond them."""
+
+    def __init__(self, x: Iterable[float], y: Iterable[float]):
+        x, y = np.asarray(list(x), float), np.asarray(list(y), float)
+        order = np.argsort(x)
+        x, y = x[order], y[order]
+        ux = np.unique(x)  # repeated measurements at one x: average them
+        self.y = np.array([y[x == v].mean() for v in ux])
+        self.x = ux
+        if len(self.x) >= 2:
+            slope = np.polyfit(self.x, self.y, 1)[0]
+        else:
+            slope = 0.0
+        self.slope = max(float(slope), 0.0)
+
+    def __call__(self, x) -> np.ndarray:
+        x = np.asarray(x, float)
+        out = np.interp(x, self.x, self.y)
+        lo, hi = x < self.x[0], x > self.x[-1]
+        out = np.where(lo, self.y[0] + self.slope * (x - self.x[0]), out)
+        out = np.where(hi, self.y[-1] + self.slope * (x - self.x[-1]), out)
+        return out
+
+
+class BatchInterpolated:
+    """f(tp, batch, x) from per-(tp, batch) curves."""
+
+    def __init__(self, curves: dict[int, dict[int, LatencyCurve]]):
+        if not curves:
+            raise ValueError("no profile points to fit")
+        self.curves = curves
+        self.batches = {tp: np.array(sorted(c)) for tp, c in curves.items()}
+
+    @property
+    def tps(self) -> list[int]:
+        return sorted(self.curves)
+
+    def __call__(self, tp: int, batch, x) -> np.ndarray:
+        if tp not in self.curves:
+            raise KeyError(f"the profile has no points for tp={tp} (has {self.tps})")
+        batch = np.asarray(batch, float)
+        x = np.asarray(x, float)
+        batch, x = np.broadcast_arrays(batch, x)
+        sizes = self.batches[tp]
+        curves = self.curves[tp]
+        if len(sizes) == 1:
+            return np.where(batch > 0, curves[int(sizes[0])](x), 0.0)
+        # index of the lower bracketing profiled batch; the top pair extrapolates beyond the largest
+        hi = np.clip(np.searchsorted(sizes, batch, side="left"), 1, len(sizes) - 1)
+        lo = hi - 1
+        b_lo, b_hi = sizes[lo], sizes[hi]
+        w = (batch - b_lo) / (b_hi - b_lo)
+        w = np.maximum(w, 0.0)  # below the smallest profiled batch: use it (no extrapolation down)
+        out = np.zeros(batch.shape)
+        for i in np.unique(lo):  # few distinct pairs: evaluate each pair's curves once
+            sel = lo == i
+            f_lo = curves[int(sizes[i])](x[sel])
+            f_hi = curves[int(sizes[i + 1])](x[sel])
+            out[sel] = (1 - w[sel]) * f_lo + w[sel] * f_hi
+        return np.where(batch > 0, np.maximum(out, 0.0), 0.0)
+
+
+def _fit(points: Iterable[ProfilePoint], x_of, y_of) -> BatchInterpolated:
+    grouped: dict[int, dict[int, list[ProfilePoint]]] = defaultdict(lambda: defaultdict(list))
+    for p in points:
+        grouped[p.tp][p.batch_size].append(p)
+    curves = {
+        tp: {b: LatencyCurve([x_of(p) for p in pts], [y_of(p) for p in pts]) for b, pts in by_batch.items()}
+        for tp, by_batch in grouped.items()
+    }
+    return BatchInterpolated(curves)
+
+
+def fit_decode(points: Iterable[ProfilePoint]) -> BatchInterpolated:
+    """Decode step seconds as f(tp, batch per group, total context tokens of the group)."""
+    return _fit(points, lambda p: p.total_tokens, lambda p: p.decode_step_s)
+
+
+def fit_prefill(points: Iterable[ProfilePoint]) -> BatchInterpolated:
+    """Prefill seconds of one group as f(tp, requests, context length of each)."""
+    return _fit([p for p in points if p.prefill_s > 0], lambda p: p.context_len, lambda p: p.prefill_s)

@@ -1,0 +1,177 @@
+"""The online latency predictor (paper Sec. 4.2 and 4.3): remaining decode time and switch cost.
+
+Remaining time of the unfinished set under a layout: place the requests on
+the layout's DP groups (the current placement, or the switch's
+longest-first balancing for a candidate), drain every group with the fitted
+step latency (``drain.py``) for each draw of the remaining lengths, take the
+slowest group (groups run in parallel) and average over draws.
+
+Switch cost (one-time): weights = busiest sender's reshard bytes / bandwidth;
+KV = min(migrate, recompute) with migrate = Eq. 1-2 (busiest source group's
+per-rank KV bytes / bandwidth) and recompute = Eq. 3-4 (prefill at the RMS
+context length of each target group, groups in parallel); plus the fixed
+costs measured by the profiler (groups, rebuild, graph capture).
+
+Also the engine's ``cost_source``: ``bandwidth()``, ``prefill_seconds()``,
+``record_kv_transfer()`` and ``record_prefill()``. Measured KV transfers
+refine the bandwidth (EMA); the table's prefill fit stays authoritative.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from pat_engine.core.policy import RequestSnapshot
+from pat_engine.parallel.layout import Layout
+from pat_engine.predictor.drain import drain_seconds
+from pat_engine.predictor.fit import fit_decode, fit_prefill
+from pat_engine.predictor.kv_cost import rms_context
+from pat_engine.predictor.measured import MeasuredRates
+from pat_engine.predictor.table import ProfileTable
+
+Placement = list[list[int]]  # per DP group, indices into the request list
+
+
+@dataclass(frozen=True)
+class SwitchCostEstimate:
+    weights_s: float
+    migrate_s: float
+    recompute_s: float
+    fixed_s: float
+
+    @property
+    def kv_path(self) -> str:
+        return "migrate" if self.migrate_s <= self.recompute_s else "recompute"
+
+    @property
+    def total_s(self) -> float:
+        return self.weights_s + min(self.migrate_s, self.recompute_s) + self.fixed_s
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "kv_path": self.kv_path, "total_s": self.total_s}
+
+
+def balance(contexts: Sequence[int], groups: int) -> Placement:
+    """Longest first onto the least loaded group by context tokens: the rule the switch applies
+    (``core.switch_coordinator.balance``), restated on snapshots so predictions match placements."""
+    load = [0] * groups
+    count = [0] * groups
+    out: Placement = [[] for _ in range(groups)]
+    for i in sorted(range(len(contexts)), key=lambda i: (-contexts[i], i)):
+        g = min(range(groups), key=lambda j: (load[j], count[j], j))
+        out[g].append(i)
+        load[g] += contexts[i]
+        count[g] += 1
+    return out
+
+
+class LatencyPredictor:
+    def __init__(self, table: ProfileTable, max_num_seqs: int = 256,
+                 weight_bytes: Callable[[int, int], int] | None = None, bandwidth_alpha: float = 0.3):
+        if not table.points:
+            raise ValueError("the profile table has no points")
+        self.table = table
+        self.world = table.deployment.world
+        self.max_num_seqs = max_num_seqs
+        self.decode = fit_decode(table.points)
+        self.prefill = fit_prefill(table.points)
+        self._weight_bytes = weight_bytes  # fallback when the table lacks a pair
+        self._measured = MeasuredRates(bandwidth_alpha)
+        fixed = [c.fixed_s for c in table.switch_costs]
+        self._default_fixed = float(np.median(fixed)) if fixed else 0.0
+
+    @property
+    def tps(self) -> list[int]:
+        return self.decode.tps
+
+    # ---- the engine's cost_source interface ---------------------------------------------------------
+
+    def bandwidth(self) -> float:
+        if self._measured.kv_bandwidth is not None:
+            return self._measured.kv_bandwidth
+        return self.table.bandwidth_bytes_per_s or MeasuredRates.DEFAULT_BANDWIDTH
+
+    def prefill_seconds(self, tp: int, batch: int, l_rms: float) -> float:
+        if batch <= 0:
+            return 0.0
+        if tp not in self.prefill.curves:
+            return self._measured.prefill_seconds(tp, batch, l_rms)
+        return float(self.prefill(tp, batch, l_rms))
+
+    def record_kv_transfer(self, bytes_sent: int, seconds: float) -> None:
+        self._measured.record_kv_transfer(bytes_sent, seconds)
+
+    def record_prefill(self, tp: int, tokens: int, seconds: float) -> None:
+        self._measured.record_prefill(tp, tokens, seconds)
+
+    # ---- step latency -------------------------------------------------------------------------------
+
+    def step_seconds(self, tp: int, batch, total_tokens) -> np.ndarray:
+        return self.decode(tp, batch, total_tokens)
+
+    # ---- remaining time -----------------------------------------------------------------------------
+
+    def remaining_seconds(self, layout: Layout, reqs: Sequence[RequestSnapshot], placement: Placement,
+                          rem: np.ndarray) -> np.ndarray:
+        """Per draw, seconds until the slowest group is done. rem: (draws, len(reqs))."""
+        rem = np.atleast_2d(rem)
+        draws, width = len(rem), max((len(g) for g in placement), default=0)
+        if width == 0:
+            return np.zeros(draws)
+        groups = len(placement)
+        ctx = np.zeros((groups, width))
+        rr = np.zeros((draws, groups, width), np.int64)
+        admit = np.zeros((groups, width))
+        start = np.zeros(groups)
+        for g, idx in enumerate(placement):
+            ctx[g, : len(idx)] = [reqs[i].context_len for i in idx]
+            rr[:, g, : len(idx)] = rem[:, idx]
+            # requests without KV here are prefilled: together now, or one by one when admitted later
+            cold = [i for i in idx[: self.max_num_seqs] if not reqs[i].cached]
+            start[g] = self.prefill_seconds(layout.tp, len(cold), rms_context([reqs[i].context_len for i in cold]))
+            for k, i in enumerate(idx[self.max_num_seqs:], start=self.max_num_seqs):
+                admit[g, k] = self.prefill_seconds(layout.tp, 1, reqs[i].context_len)
+        lanes = drain_seconds(lambda b, c: self.decode(layout.tp, b, c),
+                              np.broadcast_to(ctx, rr.shape).reshape(-1, width), rr.reshape(-1, width),
+                              self.max_num_seqs, np.broadcast_to(admit, rr.shape).reshape(-1, width))
+        return (lanes.reshape(draws, groups) + start[None, :]).max(axis=1)
+
+    @staticmethod
+    def current_placement(group_sizes: Sequence[int]) -> Placement:
+        out, k = [], 0
+        for n in group_sizes:
+            out.append(list(range(k, k + n)))
+            k += n
+        return out
+
+    # ---- switch cost ----------------------------------------------------------------------------------
+
+    def weight_bytes(self, from_tp: int, to_tp: int) -> int:
+        cost = self.table.switch_cost(from_tp, to_tp)
+        if cost is not None:
+            return cost.weight_bytes
+        return self._weight_bytes(from_tp, to_tp) if self._weight_bytes else 0
+
+    def fixed_seconds(self, from_tp: int, to_tp: int) -> float:
+        cost = self.table.switch_cost(from_tp, to_tp)
+        return cost.fixed_s if cost is not None else self._default_fixed
+
+    def switch_cost(self, old: Layout, new: Layout, reqs: Sequence[RequestSnapshot], old_placement: Placement,
+                    new_placement: Placement) -> SwitchCostEstimate:
+        if old == new:
+            return SwitchCostEstimate(0.0, 0.0, 0.0, 0.0)
+        bw = max(self.bandwidth(), 1.0)
+        per_token = self.table.model.kv_bytes_per_token_per_rank(old.tp)
+        # Eq. 1: each source rank sends its heads of its group's cached tokens; the busiest group bounds it
+        sent = max((sum(reqs[i].context_len for i in idx if reqs[i].cached) for idx in old_placement), default=0)
+        migrate = sent * per_token / bw
+        recompute = 0.0
+        for idx in new_placement:  # Eq. 3-4, target groups prefill in parallel
+            lens = [reqs[i].context_len for i in idx if reqs[i].cached]
+            if lens:
+                recompute = max(recompute, self.prefill_seconds(new.tp, len(lens), rms_context(lens)))
+        return SwitchCostEstimate(self.weight_bytes(old.tp, new.tp) / bw, migrate, recompute,
+                                  self.fixed_seconds(old.tp, new.tp))

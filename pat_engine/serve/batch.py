@@ -1,0 +1,197 @@
+"""``pat-serve batch``: a JSONL file of prompts in, a JSONL file of results out, as fast as the engine goes.
+
+Every request is queued at once so continuous batching and the switch policy
+see the whole long-tail batch. Results are appended in the order requests
+finish, one flushed line each, so a killed job keeps what it finished;
+``--resume`` skips the keys already written. A bad line becomes an error
+record naming the line and the problem, and the job goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from tqdm.auto import tqdm
+
+from pat_engine.core.engine import Engine, RequestHandle
+from pat_engine.errors import InvalidRequestError
+from pat_engine.serve.batch_io import (
+    BatchItem,
+    LineError,
+    SamplingDefaults,
+    error_record,
+    finished_keys,
+    is_openai_line,
+    parse_line,
+    result_record,
+)
+from pat_engine.serve.summary import RunSummary
+
+
+@dataclass(frozen=True)
+class BatchJob:
+    input: Path
+    output: Path
+    model_name: str
+    defaults: SamplingDefaults = SamplingDefaults()
+    resume: bool = False
+    overwrite: bool = False
+    progress: bool = True
+    timeline: Path | None = None  # write the layout timeline (JSON) here
+    report: Path | None = None  # draw the timeline plot (PNG) here
+
+
+def load_items(job: BatchJob, engine: Engine, done: set[str]) -> tuple[list[BatchItem], list[LineError], int]:
+    """Parse the input: runnable items, bad lines, and how many lines were skipped as already done."""
+    items: list[BatchItem] = []
+    errors: list[LineError] = []
+    seen: dict[str, int] = {}
+    skipped = 0
+    openai_file = None  # the file's style, for lines too broken to tell
+    with job.input.open("r", encoding="utf-8", errors="replace") as f:
+        for n, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as exc:
+                err = LineError(n, f"invalid JSON: {exc}", openai=bool(openai_file))
+                if err.key not in done:
+                    errors.append(err)
+                else:
+                    skipped += 1
+                continue
+            if openai_file is None:
+                openai_file = is_openai_line(obj)
+            try:
+                item = parse_line(n, obj, engine.tokenizer, engine.requests.max_model_len, job.defaults)
+                key = item.key
+            except LineError as exc:
+                item, key = None, exc.key
+                err = exc
+            if key in done:
+                skipped += 1
+                continue
+            if key in seen:
+                errors.append(LineError(n, f"duplicate id {key!r} (first on line {seen[key]})", openai=is_openai_line(obj)))
+                continue
+            seen[key] = n
+            if item is None:
+                errors.append(err)
+            else:
+                items.append(item)
+    return items, errors, skipped
+
+
+class _Writer:
+    """Appends one flushed JSON line per record and keeps the run's counts."""
+
+    def __init__(self, f: IO[str], summary: RunSummary, bar: Any):
+        self.f, self.summary, self.bar = f, summary, bar
+
+    def write(self, record: dict, prompt_tokens: int = 0, tokens: int = 0) -> None:
+        self.f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.f.flush()
+        s = self.summary
+        s.requests += 1
+        s.errors += record.get("error") is not None
+        s.prompt_tokens += prompt_tokens
+        s.tokens += tokens
+        self.bar.update(1)
+
+
+def _open_output(job: BatchJob) -> set[str]:
+    if job.output.exists() and job.output.stat().st_size and not (job.resume or job.overwrite):
+        raise InvalidRequestError(f"{job.output} exists; pass --resume to continue it or --overwrite to replace it")
+    if job.overwrite and not job.resume:
+        job.output.unlink(missing_ok=True)
+    return finished_keys(job.output) if job.resume else set()
+
+
+def run_batch(engine: Engine, job: BatchJob) -> RunSummary:
+    if not job.input.is_file():
+        raise InvalidRequestError(f"input file {job.input} does not exist")
+    done = _open_output(job)
+    items, bad, skipped = load_items(job, engine, done)
+    summary = RunSummary(skipped=skipped)
+    switches_before = len(engine.switches)
+    job.output.parent.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=len(items) + len(bad), desc="pat-serve batch", unit="req", disable=not job.progress,
+               dynamic_ncols=True)
+    start = time.perf_counter()
+    finished: queue.Queue[tuple[BatchItem, RequestHandle]] = queue.Queue()
+    outstanding: dict[int, tuple[BatchItem, RequestHandle]] = {}
+    try:
+        with job.output.open("a", encoding="utf-8") as f:
+            out = _Writer(f, summary, bar)
+            for err in bad:
+                out.write(error_record(err))
+            for item in items:
+                try:
+                    handle = engine.submit(item.input.prompt, item.input.params, request_id=f"batch-line-{item.line}")
+                except InvalidRequestError as exc:  # e.g. longer than the context: only the engine knows
+                    out.write(error_record(LineError(item.line, str(exc).removeprefix("prompt 0: "), key=item.key,
+                                                     openai=item.openai is not None,
+                                                     custom_id=item.openai.custom_id if item.openai else None)))
+                    continue
+                outstanding[item.line] = (item, handle)
+                handle.add_listener(lambda seq, n, pair=(item, handle): seq.finished and finished.put(pair))
+                if handle.done():
+                    finished.put((item, handle))
+                _drain(finished, outstanding, out, engine, job, block=False)
+            while outstanding:
+                _drain(finished, outstanding, out, engine, job, block=True)
+                _postfix(bar, summary, engine, start, switches_before)
+    except KeyboardInterrupt:
+        engine.abort([h.request_id for _, h in outstanding.values()])
+        bar.close()
+        print(f"\ninterrupted: {summary.requests} results written to {job.output}, {len(outstanding)} requests "
+              "aborted and not written; run again with --resume to finish")
+        raise
+    bar.close()
+    summary.wall_s = time.perf_counter() - start
+    summary.switches = [_describe(s) for s in engine.switches[switches_before:] if s.ok]
+    _write_artifacts(engine, job, summary)
+    return summary
+
+
+def _drain(finished: queue.Queue, outstanding: dict, out: _Writer, engine: Engine, job: BatchJob, block: bool) -> None:
+    while outstanding:
+        try:
+            item, handle = finished.get(timeout=0.5) if block else finished.get_nowait()
+        except queue.Empty:
+            return
+        if outstanding.pop(item.line, None) is None:
+            continue  # already written (the listener and the done() check both reported it)
+        res = handle.output()
+        out.write(result_record(item, res, engine.tokenizer, job.model_name),
+                  prompt_tokens=len(res.prompt_token_ids), tokens=len(res.token_ids))
+        block = False  # after one result, take whatever else is ready without waiting
+
+
+def _postfix(bar: Any, summary: RunSummary, engine: Engine, start: float, switches_before: int) -> None:
+    elapsed = max(time.perf_counter() - start, 1e-9)
+    made = sum(1 for s in engine.switches[switches_before:] if s.ok)
+    bar.set_postfix_str(f"{summary.tokens / elapsed:.0f} tok/s, {engine.layout}, {made} switches", refresh=True)
+
+
+def _describe(s: Any) -> str:
+    return f"{s.from_layout}->{s.to_layout} at {s.t:.1f} s, {s.seconds:.2f} s {s.kv_path}"
+
+
+def _write_artifacts(engine: Engine, job: BatchJob, summary: RunSummary) -> None:
+    if job.timeline is None and job.report is None:
+        return
+    timeline = {**engine.timeline, "summary": summary.to_dict(), "title": "pat-serve batch: " + summary.line()}
+    if job.timeline is not None:
+        job.timeline.parent.mkdir(parents=True, exist_ok=True)
+        job.timeline.write_text(json.dumps(timeline, indent=1))
+    if job.report is not None:
+        from pat_engine.serve.report import plot_timeline  # matplotlib only when a report is asked for
+
+        plot_timeline(timeline, job.report)

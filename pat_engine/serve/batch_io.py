@@ -1,0 +1,239 @@
+"""Batch-file formats: parsing input lines, formatting result and error records, finding finished ids.
+
+Two input styles, told apart per line:
+- pat style: ``{"id": .., "prompt": "..."}`` or ``"messages": [..]`` or ``"input_ids": [..]``, with optional
+  sampling fields (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop_token_ids``,
+  ``ignore_eos``, ``logprobs``, ``min_tokens``) that override the command-line defaults;
+- OpenAI Batch API: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
+  "body": {...}}``, answered with OpenAI Batch output lines.
+
+Every record carries a key (the line's ``id`` / ``custom_id``, else ``line-N``) so
+``--resume`` can skip what a previous run already wrote.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pat_engine.errors import InvalidRequestError
+from pat_engine.outputs import RequestOutput
+from pat_engine.serve.openai_protocol import (
+    BatchRequestInput,
+    BatchRequestOutput,
+    BatchResponseData,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    CompletionRequest,
+    CompletionResponse,
+    random_id,
+)
+from pat_engine.serve.translate import (
+    EngineInput,
+    apply_chat_template,
+    chat_choice,
+    chat_input,
+    completion_choice,
+    completion_inputs,
+    usage,
+)
+from pat_engine.sampling_params import SamplingParams
+
+_OPENAI_KEYS = {"custom_id", "method", "url", "body"}
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """Command-line sampling options for pat-style lines (OpenAI lines use their body's own defaults)."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+
+class PatLine(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | int | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    input_ids: list[int] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    logprobs: bool | None = None
+    min_tokens: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        given = [k for k in ("prompt", "messages", "input_ids") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of prompt, messages, input_ids (got {', '.join(given) or 'none'})")
+        return self
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    line: int
+    key: str
+    input: EngineInput
+    pat: PatLine | None = None
+    openai: BatchRequestInput | None = None
+    request: CompletionRequest | ChatCompletionRequest | None = None
+
+
+class LineError(Exception):
+    """A line that cannot be run; becomes an error record naming the line and the problem."""
+
+    def __init__(self, line: int, message: str, key: str | None = None, openai: bool = False,
+                 custom_id: str | None = None, status: int = 400):
+        super().__init__(f"line {line}: {message}")
+        self.line, self.key, self.openai, self.custom_id, self.status = line, key or f"line-{line}", openai, custom_id, status
+
+
+def _pydantic_message(exc: ValidationError) -> str:
+    parts = []
+    for e in exc.errors():
+        loc = ".".join(str(p) for p in e.get("loc", ()))
+        msg = "unknown field" if e.get("type") == "extra_forbidden" else e.get("msg", "invalid").removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+def is_openai_line(obj: Any) -> bool:
+    return isinstance(obj, dict) and bool(_OPENAI_KEYS & obj.keys())
+
+
+def parse_line(line: int, obj: Any, tokenizer: Any, max_model_len: int, defaults: SamplingDefaults) -> BatchItem:
+    """Validate one decoded JSON line into something the engine can run; raises ``LineError``."""
+    if is_openai_line(obj):
+        return _parse_openai(line, obj, tokenizer, max_model_len)
+    if not isinstance(obj, dict):
+        raise LineError(line, f"expected a JSON object, got {type(obj).__name__}")
+    key = f"line-{line}" if obj.get("id") is None else str(obj["id"])
+    try:
+        pat = PatLine.model_validate(obj)
+    except ValidationError as exc:
+        raise LineError(line, _pydantic_message(exc), key=key) from None
+    d = defaults
+    try:
+        params = SamplingParams(
+            max_new_tokens=pat.max_tokens or d.max_tokens,
+            temperature=d.temperature if pat.temperature is None else pat.temperature,
+            top_p=d.top_p if pat.top_p is None else pat.top_p,
+            top_k=d.top_k if pat.top_k is None else pat.top_k,
+            seed=d.seed if pat.seed is None else pat.seed,
+            stop_token_ids=tuple(pat.stop_token_ids or ()),
+            ignore_eos=d.ignore_eos if pat.ignore_eos is None else pat.ignore_eos,
+            logprobs=d.logprobs if pat.logprobs is None else pat.logprobs,
+            min_new_tokens=pat.min_tokens,
+        )
+        if pat.messages is not None:
+            prompt: Any = apply_chat_template(tokenizer, [{"role": m.role, "content": m.text()} for m in pat.messages])
+        else:
+            prompt = pat.prompt if pat.prompt is not None else pat.input_ids
+    except InvalidRequestError as exc:
+        raise LineError(line, str(exc), key=key) from None
+    return BatchItem(line, key, EngineInput(prompt, params), pat=pat)
+
+
+def _parse_openai(line: int, obj: dict, tokenizer: Any, max_model_len: int) -> BatchItem:
+    cid = obj.get("custom_id") if isinstance(obj.get("custom_id"), str) else None
+    err = dict(openai=True, custom_id=cid, key=cid)
+    try:
+        req_line = BatchRequestInput.model_validate(obj)
+        model = ChatCompletionRequest if req_line.url == "/v1/chat/completions" else CompletionRequest
+        req = model.model_validate(req_line.body)
+    except ValidationError as exc:
+        raise LineError(line, _pydantic_message(exc), **err) from None
+    if req.stream:
+        raise LineError(line, "body.stream: a batch request must not be sent in stream mode", **err)
+    try:
+        if isinstance(req, ChatCompletionRequest):
+            inp = chat_input(req, tokenizer, max_model_len)
+        else:
+            inputs = completion_inputs(req)
+            if len(inputs) != 1:
+                raise InvalidRequestError("body.prompt: a batch line takes one prompt")
+            inp = inputs[0]
+    except InvalidRequestError as exc:
+        raise LineError(line, str(exc), **err) from None
+    return BatchItem(line, req_line.custom_id, inp, openai=req_line, request=req)
+
+
+# ---- output records ------------------------------------------------------------------------------
+
+
+def result_record(item: BatchItem, out: RequestOutput, tokenizer: Any, model: str) -> dict:
+    if out.finish_reason == "error":
+        return error_record(LineError(item.line, f"generation failed: {out.error}", key=item.key,
+                                      openai=item.openai is not None,
+                                      custom_id=item.openai.custom_id if item.openai else None, status=500))
+    if item.openai is None:
+        rec = {"id": item.pat.id if item.pat.id is not None else item.key, "line": item.line, "text": out.text,
+               "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+               "usage": usage([out]).model_dump(exclude={"prompt_tokens_details"})}
+        if out.logprobs is not None:
+            rec["logprobs"] = out.logprobs
+        rec["error"] = None
+        return rec
+    req = item.request
+    if isinstance(req, ChatCompletionRequest):
+        body = ChatCompletionResponse(model=model, choices=[chat_choice(out, req, tokenizer)], usage=usage([out]))
+    else:
+        body = CompletionResponse(model=model, choices=[completion_choice(0, out, req, tokenizer)], usage=usage([out]))
+    response = BatchResponseData(status_code=200, request_id=random_id("pat-batch"), body=body.model_dump())
+    return BatchRequestOutput(custom_id=item.openai.custom_id, response=response).model_dump()
+
+
+def error_record(err: LineError) -> dict:
+    message = str(err)
+    if not err.openai:
+        return {"id": err.key, "line": err.line, "error": message}
+    info = {"message": message, "type": "BadRequestError" if err.status == 400 else "InternalServerError",
+            "param": None, "code": err.status, "line": err.line}
+    response = BatchResponseData(status_code=err.status, request_id=random_id("pat-batch"), body=None)
+    return BatchRequestOutput(custom_id=err.custom_id, response=response, error=info).model_dump()
+
+
+def record_key(rec: dict) -> str | None:
+    """The key a record was written under (see the module docstring)."""
+    if "custom_id" in rec:
+        if rec["custom_id"] is not None:
+            return str(rec["custom_id"])
+        line = (rec.get("error") or {}).get("line")
+        return f"line-{line}" if line is not None else None
+    return None if rec.get("id") is None else str(rec["id"])
+
+
+def finished_keys(path: Path) -> set[str]:
+    """Keys already in an output file; a torn last line (the run was killed mid-write) is cut off."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with path.open("r+b") as f:
+            f.truncate(end)
+    keys = set()
+    for raw in data[:end].splitlines():
+        try:
+            key = record_key(json.loads(raw))
+        except (json.JSONDecodeError, AttributeError, TypeError):
+            continue
+        if key is not None:
+            keys.add(key)
+    return keys

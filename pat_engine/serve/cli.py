@@ -1,0 +1,162 @@
+"""``pat-serve``: batch job, OpenAI-compatible server, timeline plot, and demo.
+
+    pat-serve batch --model M --input prompts.jsonl --output results.jsonl --world 4 --switch-schedule 32:4
+    pat-serve serve --model M --world 2 --port 8000
+    pat-serve plot timeline.json -o timeline.png
+    pat-serve demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from pat_engine.errors import PatEngineError
+
+
+def _terminate(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM ends a job the way Ctrl-C does: abort, keep what is written
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling defaults (pat-style lines may override each; OpenAI lines use their body)")
+    g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--sampling-seed", type=int, default=None, help="seed for every request (default: per request)")
+    g.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
+    g.add_argument("--logprobs", action="store_true", help="return each chosen token's log-probability")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pat_engine.serve.engine_args import add_engine_args
+
+    parser = argparse.ArgumentParser(prog="pat-serve", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("batch", help="generate for a JSONL file of prompts")
+    b.add_argument("--input", required=True, type=Path, help="JSONL: pat-style lines or OpenAI Batch API lines")
+    b.add_argument("--output", required=True, type=Path, help="JSONL results, appended as requests finish")
+    add_engine_args(b)
+    _add_sampling_args(b)
+    mode = b.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="skip ids already in --output and append the rest")
+    mode.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    b.add_argument("--report", type=Path, default=None, help="draw the layout timeline to this PNG")
+    b.add_argument("--timeline", type=Path, default=None, help="write the layout timeline to this JSON file")
+    b.add_argument("--served-model-name", default=None, help="model name in OpenAI-style results")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
+    s.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the path)")
+    s.add_argument("--max-queued-requests", type=int, default=256, help="requests in flight before new ones get 503")
+    s.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+
+    p = sub.add_parser("plot", help="draw a timeline JSON (from batch --timeline or GET /pat/timeline) to a PNG")
+    p.add_argument("timeline", type=Path)
+    p.add_argument("-o", "--output", type=Path, required=True)
+    p.add_argument("--title", default=None)
+
+    d = sub.add_parser("demo", help="long-tail batch on the built-in tiny model with live switching (CPU, no download)")
+    from pat_engine.serve.demo import DemoConfig
+
+    d.add_argument("--model-dir", type=Path, default=DemoConfig.model_dir, help="where the tiny model is (created if absent)")
+    d.add_argument("--out-dir", type=Path, default=DemoConfig.out_dir, help="prompts, results, timeline and report")
+    d.add_argument("--requests", type=int, default=DemoConfig.requests)
+    d.add_argument("--world", type=int, default=DemoConfig.world, help="CPU worker processes")
+    d.add_argument("--profile", type=Path, default=None, help="latency table: let the controller decide")
+    d.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def _batch(ns: argparse.Namespace) -> int:
+    from pat_engine.serve.batch import BatchJob, run_batch
+    from pat_engine.serve.batch_io import SamplingDefaults
+    from pat_engine.serve.engine_args import EngineArgs
+
+    defaults = SamplingDefaults(ns.max_tokens, ns.temperature, ns.top_p, ns.top_k, ns.sampling_seed, ns.ignore_eos,
+                                ns.logprobs)
+    job = BatchJob(ns.input, ns.output, ns.served_model_name or ns.model, defaults, ns.resume, ns.overwrite,
+                   not ns.no_progress, ns.timeline, ns.report)
+    if not job.input.is_file():
+        raise PatEngineError(f"input file {job.input} does not exist")
+    engine = EngineArgs.from_namespace(ns).build()
+    try:
+        summary = run_batch(engine, job)
+    finally:
+        engine.shutdown()
+    print(f"pat-serve batch: {summary.line()}")
+    print(f"results: {job.output}" + (f"; report: {job.report}" if job.report else "")
+          + (f"; timeline: {job.timeline}" if job.timeline else ""))
+    return 0
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    from pat_engine.serve.engine_args import EngineArgs
+    from pat_engine.serve.launcher import bind_socket, bound_port, run_foreground
+    from pat_engine.serve.server import ServerConfig, build_app
+
+    if ns.max_queued_requests < 1:
+        raise PatEngineError("--max-queued-requests must be at least 1")
+    engine = EngineArgs.from_namespace(ns).build()
+    try:
+        name = ns.served_model_name or ns.model
+        app = build_app(engine, ServerConfig(name, ns.max_queued_requests))
+        sock = bind_socket(ns.host, ns.port)
+        print(f"pat-serve: serving {name!r} ({engine.layout}) on http://{ns.host}:{bound_port(sock)}", flush=True)
+        run_foreground(app, sock, ns.log_level)
+    except KeyboardInterrupt:
+        pass  # SIGINT/SIGTERM after uvicorn's graceful stop
+    finally:
+        engine.shutdown()
+    print("pat-serve: stopped", flush=True)
+    return 0
+
+
+def _plot(ns: argparse.Namespace) -> int:
+    from pat_engine.serve.report import plot_timeline
+
+    try:
+        timeline = json.loads(ns.timeline.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PatEngineError(f"cannot read timeline {ns.timeline}: {exc}") from None
+    out = plot_timeline(timeline, ns.output, ns.title)
+    print(f"report: {out}")
+    return 0
+
+
+def _demo(ns: argparse.Namespace) -> int:
+    from pat_engine.serve.demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(ns.model_dir.expanduser(), ns.out_dir, ns.requests, ns.world, ns.profile, not ns.no_progress)
+    summary, paths = run_demo(cfg)
+    print(f"pat-serve demo: {summary.line()}")
+    print(f"report: {paths['report.png']}  (results: {paths['results.jsonl']}, timeline: {paths['timeline.json']})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _terminate)
+    run = {"batch": _batch, "serve": _serve, "plot": _plot, "demo": _demo}[ns.command]
+    try:
+        return run(ns)
+    except KeyboardInterrupt:
+        return 130
+    except (PatEngineError, NotImplementedError, OSError) as exc:
+        print(f"pat-serve {ns.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Command-line engine options shared by ``pat-serve batch``, ``serve`` and ``demo``.
+
+Layout: ``--tp`` plus either ``--dp`` or ``--world`` (world = tp * dp).
+Switching: ``--profile TABLE`` (the predictor-driven controller) or
+``--switch-schedule "32:4,64:2"`` (go to TP4 at decode step 32, to TP2 at 64),
+or neither (a static layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from pat_engine.core.engine import Engine
+from pat_engine.core.policy import ScheduledSwitches
+from pat_engine.errors import InvalidRequestError, LayoutError
+from pat_engine.parallel.layout import Layout
+
+
+def parse_schedule(text: str) -> list[tuple[int, int]]:
+    """``"32:4,64:2"`` -> ``[(32, 4), (64, 2)]``; raises ``argparse.ArgumentTypeError`` naming the bad item."""
+    out = []
+    for item in (p.strip() for p in text.split(",")):
+        if not item:
+            continue
+        step, sep, tp = item.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            pair = (int(step), int(tp))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad schedule item {item!r}; expected DECODE_STEP:TP, e.g. 32:4") from None
+        if pair[0] < 0 or pair[1] < 1:
+            raise argparse.ArgumentTypeError(f"bad schedule item {item!r}; step must be >= 0 and tp >= 1")
+        out.append(pair)
+    if not out:
+        raise argparse.ArgumentTypeError("empty switch schedule")
+    return out
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str
+    tp: int = 1
+    dp: int | None = None
+    world: int | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    kv_cache_bytes: int | None = None
+    seed: int = 0
+    profile: str | None = None
+    switch_schedule: tuple[tuple[int, int], ...] | None = None
+    kv_transfer: str = "auto"
+    threads_per_worker: int | None = None
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":
+        sched = tuple(ns.switch_schedule) if ns.switch_schedule else None
+        return cls(ns.model, ns.tp, ns.dp, ns.world, ns.dtype, ns.max_model_len, ns.kv_cache_bytes, ns.seed,
+                   ns.profile, sched, ns.kv_transfer, ns.threads_per_worker)
+
+    def layout(self) -> Layout:
+        """The base layout; ``--world`` and ``--dp`` must agree when both are given."""
+        if self.world is not None:
+            layout = Layout.for_world(self.world, self.tp)
+            if self.dp is not None and self.dp != layout.dp:
+                raise LayoutError(f"--world {self.world} with --tp {self.tp} gives dp={layout.dp}, not --dp {self.dp}")
+            return layout
+        return Layout(self.tp, self.dp or 1)
+
+    def build(self) -> Engine:
+        """Start the engine and install the switch schedule (the controller comes with ``profile_table``)."""
+        if self.profile and self.switch_schedule:
+            raise InvalidRequestError("give either --profile (the controller) or --switch-schedule, not both")
+        layout = self.layout()
+        if self.switch_schedule:  # refuse a bad schedule before starting any worker
+            for _, tp in self.switch_schedule:
+                Layout.for_world(layout.world, tp)
+        kwargs = dict(dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed, kv_transfer=self.kv_transfer,
+                      kv_cache_bytes=self.kv_cache_bytes, threads_per_worker=self.threads_per_worker)
+        if self.profile:
+            kwargs["profile_table"] = self.profile
+        engine = Engine(self.model, tp=layout.tp, dp=layout.dp, **kwargs)
+        try:
+            if self.switch_schedule:
+                for _, tp in self.switch_schedule:
+                    engine.arch.check_tp(tp)  # e.g. tp larger than the number of heads
+                kv = None if self.kv_transfer == "auto" else self.kv_transfer
+                engine.set_policy(ScheduledSwitches(list(self.switch_schedule), kv))
+        except ValueError as exc:
+            engine.shutdown()
+            raise LayoutError(f"--switch-schedule: {exc}") from None
+        except BaseException:
+            engine.shutdown()
+            raise
+        return engine
+
+
+def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", required=model_required, help="Hugging Face checkpoint directory")
+    g.add_argument("--tp", type=int, default=1, help="base tensor-parallel degree (default 1)")
+    g.add_argument("--dp", type=int, default=None, help="base data-parallel degree (default: world / tp, or 1)")
+    g.add_argument("--world", type=int, default=None, help="devices (CPU worker processes) in all; dp = world / tp")
+    g.add_argument("--dtype", default="auto", help="float64, float32, bfloat16, float16 or auto (the checkpoint's)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache bytes per rank (CPU default 64 MiB)")
+    g.add_argument("--seed", type=int, default=0, help="engine seed for requests that give none")
+    sw = g.add_mutually_exclusive_group()
+    sw.add_argument("--profile", metavar="TABLE", default=None,
+                    help="latency table from pat-profile: the controller decides when to switch")
+    sw.add_argument("--switch-schedule", type=parse_schedule, default=None, metavar="STEP:TP,...",
+                    help='fixed switches, e.g. "32:4,64:2": TP4 at decode step 32, TP2 at step 64')
+    g.add_argument("--kv-transfer", choices=("auto", "migrate", "recompute"), default="auto",
+                   help="how switches move the KV cache (auto: the cost model picks)")
+    g.add_argument("--threads-per-worker", type=int, default=None, help="torch threads per worker (CPU)")

@@ -1,0 +1,245 @@
+"""Request and response schemas of the OpenAI-compatible API (the shapes vLLM's server uses).
+
+Requests forbid unknown fields: a misspelt or unsupported option (``logit_bias``,
+``tools``, ...) is a 400 naming the field rather than silently ignored.
+Supported fields that the engine cannot honour for every value (``n``, ``stop``,
+``echo``, logprob counts) are checked here too, so the error names the field.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields both endpoints share (OpenAI names, plus vLLM's extras the engine supports)."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)  # None: 1.0, as OpenAI
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    user: str | None = None
+    return_token_ids: bool = False  # vLLM extra: add token_ids / prompt_token_ids to each choice
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported; send n separate requests (with different seeds)")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _no_stop_strings(cls, v):
+        if v:  # None, "" and [] mean "no stop strings"
+            raise ValueError("stop strings are not supported by pat-serve; use stop_token_ids")
+        return None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=1)  # the engine returns the chosen token's only
+    echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo=true is not supported by pat-serve")
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be an empty list")
+        return v
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # newer OpenAI name of max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=1)
+    add_generation_prompt: bool = True  # vLLM extra
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: dict | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    prompt_token_ids: list[int] | None = None
+    system_fingerprint: str | None = None
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pat-engine"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---- OpenAI Batch API lines ---------------------------------------------------------------------
+
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
+
+
+class BatchRequestInput(_Request):
+    custom_id: str
+    method: Literal["POST"]
+    url: Literal["/v1/chat/completions", "/v1/completions"]
+    body: dict[str, Any]
+
+
+class BatchResponseData(BaseModel):
+    status_code: int = 200
+    request_id: str
+    body: dict[str, Any] | None = None
+
+
+class BatchRequestOutput(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("batch_req"))
+    custom_id: str | None
+    response: BatchResponseData | None
+    error: dict[str, Any] | None = None

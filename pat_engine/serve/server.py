@@ -1,0 +1,199 @@
+"""The OpenAI-compatible HTTP app: completions, chat, models, health, metrics and the layout timeline.
+
+``build_app(engine, config)`` makes a FastAPI app around an already started
+engine (the caller owns the engine and shuts it down). Request bodies are
+parsed here rather than by FastAPI so that every failure (content type,
+JSON syntax, schema) comes back as a 400/415 in the OpenAI error shape.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pat_engine.core.engine import Engine
+from pat_engine.errors import EngineClosedError, InvalidRequestError, LayoutError
+from pat_engine.serve.async_engine import AsyncEngine, ClientDisconnected, RequestGroup, ServerOverloaded, ServerShuttingDown
+from pat_engine.serve.errors import APIError, validation_error
+from pat_engine.serve.metrics import ServerMetrics
+from pat_engine.serve.openai_protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    random_id,
+)
+from pat_engine.serve.streams import chat_stream, completion_stream
+from pat_engine.serve.translate import EngineInput, chat_choice, chat_input, completion_choice, completion_inputs, usage
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    max_queued_requests: int = 256  # requests in flight before new ones get 503
+
+
+class PatServer:
+    """State shared by the routes of one app: the engine bridge, metrics and config."""
+
+    def __init__(self, engine: Engine, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        self.metrics = ServerMetrics(engine, config.served_model_name)
+        self.aengine = AsyncEngine(engine, config.max_queued_requests, self.metrics)
+
+    @property
+    def model(self) -> str:
+        return self.config.served_model_name
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in (self.model, self.engine.config.model):
+            raise APIError(404, f"The model `{name}` does not exist.", param="model")
+
+    async def parse(self, request: Request, model: type[M]) -> M:
+        ctype = request.headers.get("content-type", "")
+        if ctype.split(";")[0].strip().lower() != "application/json":
+            raise APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}")
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+
+    async def submit(self, inputs: list[EngineInput], request_id: str) -> RequestGroup:
+        try:
+            return await self.aengine.submit(inputs, request_id)
+        except ServerOverloaded as exc:
+            self.metrics.reject("overloaded")
+            raise APIError(503, str(exc), headers={"Retry-After": "1"}) from None
+        except (ServerShuttingDown, EngineClosedError) as exc:
+            self.metrics.reject("shutting_down")
+            raise APIError(503, f"{exc}; no new requests are taken") from None
+
+    async def collect(self, group: RequestGroup, request: Request) -> list:
+        async for _ in group.updates(disconnected=request.is_disconnected):
+            pass
+        outs = [h.output() for h in group.handles]
+        failed = [o for o in outs if o.finish_reason == "error"]
+        if failed:
+            raise APIError(500, f"generation failed: {failed[0].error}")
+        return outs
+
+
+def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    pat = PatServer(engine, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await pat.aengine.shutdown()
+
+    app = FastAPI(title="pat-serve", lifespan=lifespan)
+    app.state.pat = pat
+    _install_error_handlers(app, pat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = await pat.parse(request, CompletionRequest)
+        pat.check_model(req.model)
+        rid = random_id("cmpl")
+        group = await pat.submit(completion_inputs(req), rid)
+        if req.stream:
+            return _event_stream(completion_stream(group, req, engine.tokenizer, pat.model, rid))
+        outs = await pat.collect(group, request)
+        resp = CompletionResponse(id=rid, model=pat.model, usage=usage(outs),
+                                  choices=[completion_choice(i, o, req, engine.tokenizer) for i, o in enumerate(outs)])
+        return JSONResponse(resp.model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await pat.parse(request, ChatCompletionRequest)
+        pat.check_model(req.model)
+        rid = random_id("chatcmpl")
+        inp = chat_input(req, engine.tokenizer, engine.requests.max_model_len)
+        group = await pat.submit([inp], rid)
+        if req.stream:
+            return _event_stream(chat_stream(group, req, engine.tokenizer, pat.model, rid))
+        out = (await pat.collect(group, request))[0]
+        resp = ChatCompletionResponse(id=rid, model=pat.model, choices=[chat_choice(out, req, engine.tokenizer)],
+                                      usage=usage([out]),
+                                      prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None)
+        return JSONResponse(resp.model_dump())
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = ModelCard(id=pat.model, root=engine.config.model, max_model_len=engine.requests.max_model_len)
+        return ModelList(data=[card]).model_dump()
+
+    @app.get("/health")
+    async def health() -> dict:
+        if pat.aengine.closing:
+            raise APIError(503, "the server is shutting down")
+        return {"status": "ok", "layout": str(engine.layout), "running": pat.aengine.num_active}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(pat.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/pat/timeline")
+    async def timeline() -> dict:
+        return engine.timeline
+
+    return app
+
+
+def _event_stream(body: Any) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _install_error_handlers(app: FastAPI, pat: PatServer) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        if exc.status == 400:
+            pat.metrics.reject("invalid")
+        return exc.response()
+
+    @app.exception_handler(InvalidRequestError)
+    @app.exception_handler(LayoutError)
+    async def invalid(request: Request, exc: Exception) -> Response:
+        pat.metrics.reject("invalid")
+        return APIError(400, str(exc)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def fastapi_validation(request: Request, exc: RequestValidationError) -> Response:
+        pat.metrics.reject("invalid")
+        return APIError(400, "; ".join(str(e.get("msg")) for e in exc.errors()) or "invalid request").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error in %s", request.url.path)
+        return APIError(500, f"internal error: {exc!r}").response()

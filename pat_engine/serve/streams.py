@@ -1,0 +1,119 @@
+"""Server-sent-event streams of completion and chat chunks (vLLM's chunk shapes).
+
+Each event is ``data: <json>\\n\\n``; an optional usage-only chunk comes last
+(``stream_options.include_usage``), then ``data: [DONE]``. A failure after the
+stream started is sent in-band as ``data: {"error": ...}``. If the client goes
+away the generator is cancelled or closed, and its unfinished requests are aborted.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, AsyncIterator
+
+from pat_engine.serve.async_engine import RequestGroup, Update
+from pat_engine.serve.errors import APIError
+from pat_engine.serve.openai_protocol import ChatCompletionRequest, CompletionRequest, UsageInfo
+from pat_engine.serve.translate import TextDelta, chat_logprobs, completion_logprobs, stop_reason
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class _StreamState:
+    """Per-stream bookkeeping: text deltas per choice and token counts for usage chunks."""
+
+    def __init__(self, group: RequestGroup, tokenizer: Any, response_id: str, model: str, obj: str, opts: Any):
+        self.group, self.tokenizer = group, tokenizer
+        self.head = {"id": response_id, "object": obj, "created": int(time.time()), "model": model}
+        self.opts = opts
+        self.deltas = [TextDelta(tokenizer) for _ in group.handles]
+        self.completion_tokens = 0
+
+    def usage(self) -> dict:
+        prompt = sum(len(h.seq.prompt_ids) for h in self.group.handles)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
+                         total_tokens=prompt + self.completion_tokens).model_dump()
+
+    def chunk(self, choices: list[dict]) -> str:
+        c = {**self.head, "choices": choices}
+        if self.opts is not None and self.opts.continuous_usage_stats:
+            c["usage"] = self.usage()
+        return sse(c)
+
+    def text(self, up: Update) -> str:
+        self.completion_tokens += len(up.new_token_ids)
+        return self.deltas[up.index].update(up.token_ids, up.finished)
+
+    def usage_chunk(self) -> str | None:
+        if self.opts is not None and self.opts.include_usage:
+            return sse({**self.head, "choices": [], "usage": self.usage()})
+        return None
+
+    def failure(self, up: Update) -> APIError | None:
+        if up.finish_reason == "error":
+            return APIError(500, f"generation failed: {self.group.handles[up.index].seq.error}")
+        return None
+
+
+async def completion_stream(group: RequestGroup, req: CompletionRequest, tokenizer: Any, model: str,
+                            response_id: str) -> AsyncIterator[str]:
+    st = _StreamState(group, tokenizer, response_id, model, "text_completion", req.stream_options)
+    offsets = [0] * len(group.handles)
+    try:
+        async for up in group.updates():
+            if (err := st.failure(up)) is not None:
+                yield err.sse()
+                break
+            text = st.text(up)
+            choice: dict = {"index": up.index, "text": text, "logprobs": None,
+                            "finish_reason": up.finish_reason,
+                            "stop_reason": stop_reason(up.finish_reason, up.token_ids, req.stop_token_ids)}
+            if req.logprobs is not None and up.new_token_ids:
+                choice["logprobs"] = completion_logprobs(tokenizer, up.new_token_ids, up.new_logprobs, req.logprobs,
+                                                         offsets[up.index]).model_dump()
+            offsets[up.index] += len(text)
+            if req.return_token_ids:
+                choice["token_ids"] = up.new_token_ids
+            if text or up.finished or req.return_token_ids or choice["logprobs"]:
+                yield st.chunk([choice])  # else: an unfinished multi-byte character, wait for the next token
+        else:
+            if (usage := st.usage_chunk()) is not None:
+                yield usage
+        yield DONE
+    finally:
+        group.abort_unfinished()  # a no-op when everything finished
+
+
+async def chat_stream(group: RequestGroup, req: ChatCompletionRequest, tokenizer: Any, model: str,
+                      response_id: str) -> AsyncIterator[str]:
+    st = _StreamState(group, tokenizer, response_id, model, "chat.completion.chunk", req.stream_options)
+    try:
+        yield st.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}])
+        async for up in group.updates():
+            if (err := st.failure(up)) is not None:
+                yield err.sse()
+                break
+            text = st.text(up)
+            choice: dict = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
+                            "finish_reason": up.finish_reason}
+            if req.logprobs and up.new_token_ids:
+                choice["logprobs"] = chat_logprobs(tokenizer, up.new_token_ids, up.new_logprobs,
+                                                   req.top_logprobs or 0).model_dump()
+            if req.return_token_ids:
+                choice["token_ids"] = up.new_token_ids
+            if up.finished:
+                choice["stop_reason"] = stop_reason(up.finish_reason, up.token_ids, req.stop_token_ids)
+            if text or up.finished or req.return_token_ids or choice["logprobs"]:
+                yield st.chunk([choice])
+        else:
+            if (usage := st.usage_chunk()) is not None:
+                yield usage
+        yield DONE
+    finally:
+        group.abort_unfinished()
