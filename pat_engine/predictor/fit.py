@@ -103,4 +103,4 @@ def fit_decode(points: Iterable[ProfilePoint]) -> BatchInterpolated:
 
 def fit_prefill(points: Iterable[ProfilePoint]) -> BatchInterpolated:
     """Prefill seconds of one group as f(tp, requests, context length of each)."""
-    return _fit([p for p in points if p.prefill_s > 0], lambda p: p.context_len, lambda p: p.prefill_s)
+    return _fit(points, lambda p: p.context_len, lambda p: p.prefill_s)

@@ -163,6 +163,7 @@ class SnapshotLengthTracker:
     def update(self, reqs: Sequence[RequestSnapshot], stage_step: int) -> None:
         if self.prev is not None and stage_step < self.prev_step:
             self._close_stage()
+            self.prev = None
         if self.prev is not None:
             delta = max(stage_step - self.prev_step, 0)
             for r in _vanished(self.prev, reqs):
