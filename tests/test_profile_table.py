@@ -1,0 +1,119 @@
+"""The profile table: file format, the deployment check (alone and inside Engine), and short pat-profile runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import pytest
+
+from pat_engine import Engine
+from pat_engine.config import EngineConfig
+from pat_engine.model.arch import load_model_arch
+from pat_engine.predictor.analytic import analytic_table
+from pat_engine.predictor.controller import SwitchController
+from pat_engine.predictor.deployment import make_deployment, model_shape
+from pat_engine.predictor.predictor import LatencyPredictor
+from pat_engine.predictor.table import ProfileTable, ProfileTableError, check_deployment
+from pat_profiler import cli
+from pat_profiler.profile import ProfileOptions, run_profile
+
+
+def table_for(model: str, world: int, dtype: str = "float32", tps=(1, 2)) -> ProfileTable:
+    """A synthetic table whose deployment matches an engine on this machine."""
+    cfg = EngineConfig(model=model, tp=1, dp=world, dtype=dtype)
+    arch = load_model_arch(model)
+    dep = make_deployment(arch, model, cfg.torch_dtype(), "cpu", world, cfg.block_size, cfg.worker_threads(), list(tps))
+    return analytic_table(dep, model_shape(arch, cfg.torch_dtype()), lambda tp, b, t: 0.01 / tp + 1e-3 * b,
+                          lambda tp, b, l: 1e-5 * b * l, (1, 4), (16, 64), 1e9, [], "test")
+
+
+def test_round_trip_and_version_check(model_dir, tmp_path):
+    table = table_for(model_dir("llama"), 2)
+    path = tmp_path / "t.json"
+    table.save(path)
+    again = ProfileTable.load(path)
+    assert again.to_dict() == table.to_dict()
+    data = json.loads(path.read_text())
+    data["version"] = 99
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileTableError, match="version 99"):
+        ProfileTable.load(path)
+    path.write_text(json.dumps({"schema": "something else"}))
+    with pytest.raises(ProfileTableError, match="not a pat-profile table"):
+        ProfileTable.load(path)
+
+
+def test_deployment_check_names_the_differing_fields(model_dir, caplog):
+    table = table_for(model_dir("llama"), 2)
+    other = dataclasses.replace(table.deployment, dtype="float64", world=4, device="cuda: NVIDIA H100")
+    with pytest.raises(ProfileTableError) as err:
+        check_deployment(table, other, base_tp=1)
+    msg = str(err.value)
+    assert "dtype: table='float32' engine='float64'" in msg and "world: table=2 engine=4" in msg
+    assert "device" in msg and "model_fingerprint" not in msg
+    with pytest.raises(ProfileTableError, match="no points for the engine's base tp=4"):
+        check_deployment(table, table.deployment, base_tp=4)
+    newer = dataclasses.replace(table.deployment, libraries={**table.deployment.libraries, "torch": "9.9"})
+    with caplog.at_level(logging.WARNING):
+        check_deployment(table, newer, base_tp=1)  # only library versions differ: a warning
+    assert "library versions differ" in caplog.text and "torch" in caplog.text
+
+
+def test_engine_refuses_a_table_for_another_deployment(model_dir, tmp_path):
+    path = tmp_path / "other.json"
+    table_for(model_dir("qwen3"), 2).save(path)  # another model
+    with pytest.raises(ProfileTableError, match="model_fingerprint"):
+        Engine(model_dir("llama"), tp=1, dp=2, dtype="float32", profile_table=str(path))
+
+
+def test_engine_runs_static_without_its_table_and_attaches_the_controller_with_one(model_dir, tmp_path, caplog):
+    model = model_dir("llama")
+    with caplog.at_level(logging.WARNING, logger="pat_engine.predictor.setup"):
+        with Engine(model, tp=1, dp=2, dtype="float32", profile_table=str(tmp_path / "missing.json")) as engine:
+            assert engine.coordinator.policy is None
+    assert caplog.text.count("runs static") == 1
+    path = tmp_path / "ok.json"
+    table_for(model, 2).save(path)
+    with Engine(model, tp=1, dp=2, dtype="float32", profile_table=str(path)) as engine:
+        assert isinstance(engine.coordinator.policy, SwitchController)
+        assert isinstance(engine.coordinator.cost_source, LatencyPredictor)
+        assert engine.coordinator.policy.candidates == (1, 2)
+
+
+def test_tiny_profile_run_and_resume(model_dir, tmp_path):
+    out = tmp_path / "profile.json"
+    opts = ProfileOptions(model=model_dir("llama"), world=2, tps=(1, 2), dtype="float32", batches=(1, 2),
+                          contexts=(16, 48), budget_tokens=4096, window=4, output=str(out), switch_repeats=1)
+    table = run_profile(opts)
+    assert sorted(p.key for p in table.points) == [(tp, b, c) for tp in (1, 2) for b in (1, 2) for c in (16, 48)]
+    for p in table.points:
+        assert p.decode_step_s > 0 and p.prefill_s > 0 and p.steps >= 4
+        assert p.total_tokens == pytest.approx(p.batch_size * (p.context_len + 1 + 2.5), rel=0.3)
+    assert table.bandwidth_bytes_per_s > 0
+    assert {(c.from_tp, c.to_tp) for c in table.switch_costs} == {(1, 2), (2, 1)}
+    assert table.deployment.candidate_tps == (1, 2) and not table.deployment.emulated
+    # interrupt: drop two points, then resume; only those are measured again
+    data = json.loads(out.read_text())
+    kept = [p for p in data["points"] if p["context_len"] != 48 or p["tp"] != 2]
+    data["points"] = kept
+    out.write_text(json.dumps(data))
+    with pytest.raises(FileExistsError, match="--resume"):
+        run_profile(opts)
+    resumed = run_profile(dataclasses.replace(opts, resume=True))
+    assert len(resumed.points) == 8 and resumed.meta["resumed"] == 1
+    old = {tuple(p[k] for k in ("tp", "batch_size", "context_len")): p["decode_step_s"] for p in kept}
+    assert all(old[p.key] == p.decode_step_s for p in resumed.points if p.key in old)
+
+
+def test_emulated_profile_on_cpu(model_dir, tmp_path, capsys):
+    out = tmp_path / "emulated.json"
+    cli.main(["--model", model_dir("llama"), "--emulate-world", "4", "--tp", "1", "4", "--dtype", "float32",
+              "--batch-sizes", "1", "2", "--context-lens", "16", "--decode-window", "3", "--output", str(out)])
+    table = ProfileTable.load(out)
+    assert table.deployment.emulated and table.deployment.world == 4
+    assert table.deployment.collective_model["link_bandwidth"] == 150e9
+    assert sorted(p.key for p in table.points) == [(1, 1, 16), (1, 2, 16), (4, 1, 16), (4, 2, 16)]
+    assert all(p.decode_step_s > 0 for p in table.points)
+    assert "EMULATED" in capsys.readouterr().out
