@@ -109,3 +109,12 @@ def test_killed_worker_without_recovery_raises_and_engine_recovers(model_dir):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_hung_worker_times_out_and_the_batch_completes(model_dir):
+    path = model_dir("llama")
+    with Engine(path, tp=2, dp=1, dtype="float64", step_timeout_s=3) as engine:
+        engine._loop.run(lambda: engine.coordinator.pool.call("inject_fault", ranks=[1], where="step", how="hang"))
+        out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8), use_tqdm=False)[0]
+        assert out.token_ids == hf_greedy(path, [5, 6, 7], 8)
+        assert "did not finish a step" in engine._loop.failures[-1]

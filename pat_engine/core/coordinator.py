@@ -129,6 +129,16 @@ class GlobalCoordinator:
             self._dispatch()
         for msg in self.pool.poll(timeout, [wake] if wake is not None else None):
             self._handle(msg)
+        self._check_step_timeouts()
+
+    def _check_step_timeouts(self) -> None:
+        """A step that never returns (a hung rank that did not die) becomes an error, not a hang."""
+        limit = self.config.step_timeout_s
+        now = time.monotonic()
+        for g, flight in self.inflight.items():
+            if now - flight.sent_at > limit:
+                raise WorkerFailure(f"DP group {g} (ranks {self.layout.group_ranks(g)}) did not finish a step "
+                                    f"within step_timeout_s={limit:.0f}s", rank=self.layout.leader(g))
 
     def _dispatch(self) -> None:
         for g, sched in enumerate(self.schedulers):
@@ -182,7 +192,7 @@ class GlobalCoordinator:
         if steps <= self.stage_decode_steps:
             return
         self.stage_decode_steps = steps
-        interval = 1 if getattr(self.policy, "schedule", None) is not None else self.config.switch_check_interval
+        interval = getattr(self.policy, "interval", None) or self.config.switch_check_interval
         if steps % interval == 0:
             self._record_point()
             if self.policy is not None and self.pending_switch is None and self.seqs:

@@ -102,13 +102,24 @@ class Engine(RLControlMixin):
         max_len = min(cfg.max_model_len or self.arch.max_position, self.arch.max_position)
         self.requests = RequestFactory(self.arch, self.tokenizer, max_len, cfg.seed)
         dtype = cfg.torch_dtype()
-        if cfg.device == "cuda":
+        on_gpu = cfg.device == "cuda"
+        if on_gpu:
             raise_if_no_cuda()
+        measure = on_gpu and cfg.kv_cache_bytes is None  # GPU: size the KV pool from free memory
         kv_bytes = cfg.kv_cache_bytes or CPU_DEFAULT_KV_BYTES
-        self.memory = MemoryPlan(self.arch, dtype, cfg.block_size, kv_bytes, self.base_layout, device_budget=False)
+        self.memory = MemoryPlan(self.arch, dtype, cfg.block_size, kv_bytes, self.base_layout, device_budget=on_gpu)
+        pool = self._start_pool(kv_blocks=0 if measure else None)
+        if measure:
+            try:
+                budgets = pool.call("kv_budget", utilization=cfg.gpu_memory_utilization)
+                self.memory.kv_budget_base = min(budgets)  # every rank must hold the same pool
+                pool.call("wake_up", kv_blocks=self.memory.num_blocks(self.base_layout), weights=False)
+            except BaseException:
+                pool.kill()
+                raise
         if self.memory.num_blocks(self.base_layout) < 1:
-            raise InvalidRequestError(f"kv_cache_bytes={kv_bytes} holds no KV block of the base layout")
-        pool = self._start_pool()
+            pool.kill()
+            raise InvalidRequestError(f"the KV budget ({self.memory.kv_budget_base} bytes per rank) holds no KV block")
         self.coordinator = GlobalCoordinator(cfg, self.memory, pool, self.base_layout)
         self._loop = EngineLoop(self.coordinator, self._start_pool, cfg.max_worker_restarts, cfg.recover_failed_workers)
         self._closed = False
@@ -118,8 +129,9 @@ class Engine(RLControlMixin):
             self.shutdown()
             raise
 
-    def _start_pool(self) -> WorkerPool:
-        pool = WorkerPool(self.config, self.base_layout, self.memory.num_blocks(self.base_layout), self._weights_path)
+    def _start_pool(self, kv_blocks: int | None = None) -> WorkerPool:
+        blocks = self.memory.num_blocks(self.base_layout) if kv_blocks is None else kv_blocks
+        pool = WorkerPool(self.config, self.base_layout, blocks, self._weights_path)
         try:
             pool.start()
         except WorkerFailure as exc:

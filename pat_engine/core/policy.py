@@ -61,11 +61,17 @@ class SwitchDecision:
 
 
 class SwitchPolicy(Protocol):
+    """``decide`` is called every ``interval`` decode steps (None: the engine's ``switch_check_interval``)."""
+
+    interval: int | None
+
     def decide(self, status: ClusterStatus) -> SwitchDecision | None: ...
 
 
 class ScheduledSwitches:
     """Switch to ``tp`` once the stage reaches each given decode step (deterministic)."""
+
+    interval = 1  # look at every decode step so switches land exactly on schedule
 
     def __init__(self, schedule: list[tuple[int, int]], kv_path: str | None = None):
         self.schedule = sorted((int(s), int(tp)) for s, tp in schedule)

@@ -32,9 +32,12 @@ class PagedKVPool:
 
     def regeometry(self, kv_heads: int, num_blocks: int) -> "PagedKVPool":
         """The same memory seen with another number of heads per rank and blocks (contents dropped)."""
-        old = self.layers
         pool = PagedKVPool(0, num_blocks, self.block_size, kv_heads, self.head_dim, self.dtype, self.device)
-        pool.layers = [pool.new_layer(reuse=layer) for layer in old]
+        old, self.layers = self.layers, []
+        while old:
+            layer = old.pop(0)  # dropped before the next layer is made, so two pools never coexist
+            pool.layers.append(pool.new_layer(reuse=layer))
+            del layer
         return pool
 
     @staticmethod

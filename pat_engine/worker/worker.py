@@ -112,13 +112,15 @@ class Worker:
         return best
 
     def rpc_inject_fault(self, where: str, how: str = "raise") -> None:
-        """Test hook: make the next pass through ``where`` raise or kill this process."""
+        """Test hook: make the next pass through ``where`` raise, hang, or kill this process."""
         self.faults[where] = how
 
     def check_fault(self, where: str) -> None:
         how = self.faults.pop(where, None)
         if how == "exit":
             os._exit(17)
+        if how == "hang":
+            time.sleep(3600)
         if how == "raise":
             raise RuntimeError(f"injected fault at {where} on rank {self.rank}")
 
@@ -145,6 +147,18 @@ class Worker:
             self.executor.restore_weights()
         if kv_blocks is not None:
             self.executor.kv = self.executor.new_pool(self.executor.layout, kv_blocks)
+
+    def rpc_kv_budget(self, utilization: float) -> int:
+        """GPU: bytes this rank can give the KV pool, after weights and an activation reserve."""
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        arch, cfg = self.executor.arch, self.args.config
+        tp = self.executor.tp.size
+        elt = torch.empty((), dtype=self.executor.dtype).element_size()
+        # activations of the largest prefill step, plus full-vocab logits of a decode batch (float32)
+        reserve = cfg.max_num_batched_tokens * (4 * arch.hidden_size + 2 * arch.intermediate_size // tp) * elt
+        reserve += cfg.max_num_seqs * arch.vocab_size * 4
+        return max(0, int(free - total * (1 - utilization) - reserve))
 
     def rpc_shutdown(self) -> None:
         return None
