@@ -9,38 +9,22 @@ must continue identically after wake-up.
 from __future__ import annotations
 
 import gc
-import shutil
 import time
 import weakref
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from conftest import MAX_NEW, PROMPTS
 from pat_engine import Engine, InvalidRequestError, ModelLoadError, SamplingParams
+from rl_helpers import fresh_tensors, perturbed_checkpoint
 
 KV_BYTES = 96 << 20  # per rank: large enough that releasing it shows in RSS
 GREEDY = [SamplingParams(max_new_tokens=m, logprobs=True) for m in MAX_NEW]
 SAMPLED = [SamplingParams(max_new_tokens=m, temperature=0.9, top_k=40, seed=7 + i, logprobs=True)
            for i, m in enumerate(MAX_NEW)]
-
-
-def perturbed_checkpoint(src: str, dst: Path, seed: int, scale: float = 0.05) -> str:
-    """A copy of ``src`` whose every tensor moved by seeded noise: what a trainer step produces."""
-    shutil.copytree(src, dst)
-    weights = load_file(str(dst / "model.safetensors"))
-    g = torch.Generator().manual_seed(seed)
-    moved = {k: v + scale * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in weights.items()}
-    save_file(moved, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return str(dst)
-
-
-def fresh_tensors(path: str):
-    """Yield every tensor of a checkpoint as a new object, as a trainer's generator does."""
-    for name, tensor in load_file(str(Path(path) / "model.safetensors")).items():
-        yield name, tensor.clone()
 
 
 def tokens(outs):

@@ -1,0 +1,32 @@
+"""Await a pat-engine request from asyncio code (Ray async actors).
+
+``RequestHandle.wait`` blocks a thread; an actor serving hundreds of requests
+at once cannot spend a thread on each, so a listener on the handle resolves an
+asyncio future from the engine loop thread instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from pat_engine import RequestHandle, RequestOutput
+
+
+async def await_output(handle: RequestHandle) -> RequestOutput:
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def on_update(seq, _new_tokens: int) -> None:
+        if seq.finished:
+            loop.call_soon_threadsafe(_resolve, done)
+
+    handle.add_listener(on_update)
+    if handle.done():  # it may have finished before the listener was in place
+        _resolve(done)
+    await done
+    return handle.output()
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)

@@ -1,0 +1,111 @@
+"""``AsyncEngineFrontend``: one pat-engine served to many concurrent asyncio callers.
+
+The Ray actors of every adapter (veRL server, OpenRLHF actor, per-node cluster
+engine) wrap an ``Engine`` in this class. It adds what an RL framework expects
+from a rollout server around the plain engine API:
+
+- stages: a request (or batch) that finds the engine idle starts a new
+  generation stage, back at the base layout with a fresh switch policy;
+- an admission gate: ``abort_all`` stops and aborts everything in flight and
+  holds (or rejects) new requests until ``reopen``; aborted requests return
+  what they generated with finish reason "abort";
+- drain: wait until no request is in flight (before sleep or a weight update).
+
+Blocking engine calls that can take long (a layout switch, a weight bucket,
+sleep) run in a worker thread so the actor keeps serving its event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from pat_engine import Engine, RequestHandle, RequestOutput, SamplingParams
+from pat_integrations.async_bridge import await_output
+from pat_integrations.stage import StageCounter, StagePlan, begin_stage
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngineFrontend:
+    def __init__(self, engine: Engine, plan: StagePlan | None = None):
+        self.engine = engine
+        self.plan = plan or StagePlan()
+        self.stages = StageCounter()
+        self._handles: dict[str, RequestHandle] = {}
+        self._admit = asyncio.Lock()
+        self._open = asyncio.Event()
+        self._open.set()
+        self._rejecting = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # ---- requests ----------------------------------------------------------------------
+
+    async def generate(self, prompt: Any, params: SamplingParams, request_id: str | None = None) -> RequestOutput | None:
+        """One request; None when the gate rejects it (the caller reports it as aborted)."""
+        outs = await self.generate_batch([prompt], [params], [request_id] if request_id else None)
+        return outs[0] if outs is not None else None
+
+    async def generate_batch(self, prompts: Sequence[Any], params: Sequence[SamplingParams],
+                             request_ids: Sequence[str] | None = None,
+                             plan: StagePlan | None = None) -> list[RequestOutput] | None:
+        """Submit every prompt at once (they share a stage), then await them all.
+
+        ``plan`` replaces the stage plan from the next stage on (this one, if the engine is idle).
+        """
+        if plan is not None:
+            self.plan = plan
+        async with self._admit:
+            while not self._open.is_set():
+                if self._rejecting:
+                    return None
+                await self._open.wait()
+            if not self._handles:  # the engine is idle: this batch opens a new stage
+                await asyncio.to_thread(begin_stage, self.engine, self.plan, self.stages)
+            handles = []
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                handle = self.engine.submit(prompt, sp, request_ids[i] if request_ids else None)
+                self._handles[handle.request_id] = handle
+                handles.append(handle)
+            self._idle.clear()
+        try:
+            return list(await asyncio.gather(*[await_output(h) for h in handles]))
+        finally:
+            for h in handles:
+                self._handles.pop(h.request_id, None)
+            if not self._handles:
+                self._idle.set()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._handles)
+
+    # ---- gate and drain ---------------------------------------------------------------
+
+    async def abort_all(self, reject: bool = False) -> list[str]:
+        """Close the gate and abort every request in flight; returns their ids."""
+        self._rejecting = reject
+        self._open.clear()
+        ids = list(self._handles)
+        if ids:
+            await asyncio.to_thread(self.engine.abort, ids)
+        return ids
+
+    def reopen(self) -> None:
+        self._rejecting = False
+        self._open.set()
+
+    async def drain(self, timeout: float | None = None) -> None:
+        await asyncio.wait_for(self._idle.wait(), timeout)
+
+    # ---- blocking engine calls, off the event loop ----------------------------------------
+
+    async def call(self, fn, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        return await asyncio.to_thread(self.engine.update_weights, list(named_tensors))

@@ -1,0 +1,67 @@
+"""Generation stages: each RL rollout batch starts from the engine's base layout.
+
+An RL framework sends one request at a time (veRL, OpenRLHF), so the adapters
+decide where a stage begins: when a request arrives at an idle engine, or
+after a weight update. ``begin_stage`` then returns the engine to its base
+layout (a cheap idle switch) and installs a fresh switch policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pat_engine import Engine, Layout, LayoutError
+from pat_engine.core.policy import ScheduledSwitches, SwitchPolicy
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """How layouts change during a stage.
+
+    ``switch_schedule``: ``[(decode_step, tp), ...]`` applied afresh every stage;
+    None leaves the engine's own policy in charge (the predictor-driven controller
+    when the engine has a ``profile_table``, else a static layout).
+    """
+
+    switch_schedule: tuple[tuple[int, int], ...] | None = None
+    kv_transfer: str | None = None  # "migrate", "recompute" or None (cost model)
+
+    @classmethod
+    def from_options(cls, schedule: Any = None, kv_transfer: str | None = None) -> "StagePlan":
+        if schedule is None:
+            return cls(None, kv_transfer)
+        pairs = tuple((int(step), int(tp)) for step, tp in schedule)
+        return cls(pairs, kv_transfer)
+
+    def policy(self, engine: Engine) -> SwitchPolicy | None:
+        if self.switch_schedule is None:
+            return engine.coordinator.policy
+        for _, tp in self.switch_schedule:  # refuse a bad schedule before the stage starts
+            Layout.for_world(engine.config.world, tp)
+            try:
+                engine.arch.check_tp(tp)
+            except ValueError as exc:
+                raise LayoutError(f"switch_schedule: {exc}") from None
+        return ScheduledSwitches(list(self.switch_schedule), self.kv_transfer)
+
+
+@dataclass
+class StageCounter:
+    """What the adapters report about stages (for logs and tests)."""
+
+    stages: int = 0
+    layouts_at_start: list[str] = field(default_factory=list)
+
+
+def begin_stage(engine: Engine, plan: StagePlan, counter: StageCounter | None = None) -> None:
+    """Return to the base layout and reset the stage's switch policy; call with no request in flight."""
+    if engine.layout != engine.base_layout:
+        engine.reconfigure(engine.base_layout.tp)
+    policy = plan.policy(engine)
+    # Engine.generate() starts a stage internally; submit() has no public hook for it yet,
+    # so this posts the same coordinator call to the engine loop (see docs/integrations.md).
+    engine._loop.run(engine.coordinator.start_stage, policy)
+    if counter is not None:
+        counter.stages += 1
+        counter.layouts_at_start.append(str(engine.layout))

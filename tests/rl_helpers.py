@@ -1,0 +1,49 @@
+"""Helpers shared by the RL integration tests: updated checkpoints and Ray start-up."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = Path(__file__).resolve().parents[1]
+CODE_PATHS = [str(ROOT), str(ROOT / "integrations"), str(ROOT / "tests")]
+
+
+def perturbed_checkpoint(src: str, dst: Path, seed: int, scale: float = 0.05) -> str:
+    """A copy of ``src`` whose every tensor moved by seeded noise: what a trainer step produces."""
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    moved = {k: v + scale * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in weights.items()}
+    save_file(moved, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
+
+
+def fresh_tensors(path: str):
+    """Yield every tensor of a checkpoint as a new object, as a trainer's generator does."""
+    for name, tensor in load_file(str(Path(path) / "model.safetensors")).items():
+        yield name, tensor.clone()
+
+
+def export_code_paths() -> dict[str, str | None]:
+    """Make pat_engine / pat_integrations importable in Ray workers (a checkout is not installed).
+
+    Ray's raylets inherit the environment of the process that starts them, so this must run
+    before the cluster starts. Returns the previous values for ``restore_env``.
+    """
+    old = {"PYTHONPATH": os.environ.get("PYTHONPATH")}
+    paths = CODE_PATHS + ([old["PYTHONPATH"]] if old["PYTHONPATH"] else [])
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+    return old
+
+
+def restore_env(old: dict[str, str | None]) -> None:
+    for key, value in old.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
