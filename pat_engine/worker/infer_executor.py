@@ -132,7 +132,7 @@ class InferExecutor:
             nb = -(-int(lengths.max()) // bs)
             mask = torch.arange(nb * bs)[None, :] < lengths[:, None]  # (B, nb*bs)
             meta = AttentionMetadata(False, slots.to(dev), block_tables=table_t[:, :nb].to(dev),
-                                     decode_mask=mask[:, None, None, :].to(dev))
+                                     decode_mask=mask[:, None, None, :].to(dev), context_lens=lengths.to(dev))
             last_index = torch.arange(len(cmd.seqs))
         return (torch.tensor(ids, dtype=torch.long, device=dev), pos_t.to(dev), meta, last_index.to(dev))
 

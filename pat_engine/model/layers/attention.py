@@ -33,6 +33,23 @@ class AttentionMetadata:
     context_slots: list[torch.Tensor | None] | None = None
     block_tables: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None  # (B,) for the GPU decode kernel
+
+
+_TRITON_DECODE: object = None  # the Triton kernel, False when unavailable, None before the first look
+
+
+def _triton_decode():
+    """The Triton paged decode kernel on a CUDA machine with Triton, else None."""
+    global _TRITON_DECODE
+    if _TRITON_DECODE is None:
+        try:
+            from pat_kernels.paged_decode_attention import paged_decode_attention
+
+            _TRITON_DECODE = paged_decode_attention
+        except Exception:  # Triton missing or unusable: the torch path serves
+            _TRITON_DECODE = False
+    return _TRITON_DECODE or None
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -49,6 +66,9 @@ def paged_attention(
     write_kv(kv_cache, k, v, meta.slot_mapping)
     kvh, hd = kv_cache.shape[-2:]
     if not meta.is_prefill:
+        kernel = _triton_decode() if q.is_cuda and q.dtype != torch.float64 else None
+        if kernel is not None and meta.context_lens is not None:
+            return kernel(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, scale)
         b, nb = meta.block_tables.shape
         k_all = kv_cache[0][meta.block_tables].view(b, -1, kvh, hd).transpose(1, 2)  # (B, kvh, nb*bs, hd)
         v_all = kv_cache[1][meta.block_tables].view(b, -1, kvh, hd).transpose(1, 2)
