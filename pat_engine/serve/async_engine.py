@@ -80,13 +80,19 @@ class RequestGroup:
         ``disconnected`` is polled while nothing happens; when it says the client
         is gone, the unfinished requests are aborted and ``ClientDisconnected`` raised.
         """
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + poll_s
         while len(self._finished) < len(self.handles):
             try:
                 index = await asyncio.wait_for(self._queue.get(), poll_s)
             except asyncio.TimeoutError:
-                if disconnected is not None and await disconnected():
+                index = None
+            if disconnected is not None and loop.time() >= next_check:  # also while tokens keep coming
+                next_check = loop.time() + poll_s
+                if await disconnected():
                     self.abort_unfinished()
-                    raise ClientDisconnected() from None
+                    raise ClientDisconnected()
+            if index is None:
                 continue
             if index in self._finished:
                 continue

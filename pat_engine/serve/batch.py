@@ -105,17 +105,22 @@ class _Writer:
         self.bar.update(1)
 
 
-def _open_output(job: BatchJob) -> set[str]:
+def check_paths(job: BatchJob) -> None:
+    """Refuse a missing input or an existing output (without --resume/--overwrite) before any engine starts."""
+    if not job.input.is_file():
+        raise InvalidRequestError(f"input file {job.input} does not exist")
     if job.output.exists() and job.output.stat().st_size and not (job.resume or job.overwrite):
         raise InvalidRequestError(f"{job.output} exists; pass --resume to continue it or --overwrite to replace it")
+
+
+def _open_output(job: BatchJob) -> set[str]:
+    check_paths(job)
     if job.overwrite and not job.resume:
         job.output.unlink(missing_ok=True)
     return finished_keys(job.output) if job.resume else set()
 
 
 def run_batch(engine: Engine, job: BatchJob) -> RunSummary:
-    if not job.input.is_file():
-        raise InvalidRequestError(f"input file {job.input} does not exist")
     done = _open_output(job)
     items, bad, skipped = load_items(job, engine, done)
     summary = RunSummary(skipped=skipped)

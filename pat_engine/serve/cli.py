@@ -73,13 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out-dir", type=Path, default=DemoConfig.out_dir, help="prompts, results, timeline and report")
     d.add_argument("--requests", type=int, default=DemoConfig.requests)
     d.add_argument("--world", type=int, default=DemoConfig.world, help="CPU worker processes")
+    d.add_argument("--tail-tokens", type=int, default=DemoConfig.tail_tokens,
+                   help="length of the longest answers; the others scale with it")
     d.add_argument("--profile", type=Path, default=None, help="latency table: let the controller decide")
     d.add_argument("--no-progress", action="store_true")
     return parser
 
 
 def _batch(ns: argparse.Namespace) -> int:
-    from pat_engine.serve.batch import BatchJob, run_batch
+    from pat_engine.serve.batch import BatchJob, check_paths, run_batch
     from pat_engine.serve.batch_io import SamplingDefaults
     from pat_engine.serve.engine_args import EngineArgs
 
@@ -87,8 +89,7 @@ def _batch(ns: argparse.Namespace) -> int:
                                 ns.logprobs)
     job = BatchJob(ns.input, ns.output, ns.served_model_name or ns.model, defaults, ns.resume, ns.overwrite,
                    not ns.no_progress, ns.timeline, ns.report)
-    if not job.input.is_file():
-        raise PatEngineError(f"input file {job.input} does not exist")
+    check_paths(job)
     engine = EngineArgs.from_namespace(ns).build()
     try:
         summary = run_batch(engine, job)
@@ -137,7 +138,8 @@ def _plot(ns: argparse.Namespace) -> int:
 def _demo(ns: argparse.Namespace) -> int:
     from pat_engine.serve.demo import DemoConfig, run_demo
 
-    cfg = DemoConfig(ns.model_dir.expanduser(), ns.out_dir, ns.requests, ns.world, ns.profile, not ns.no_progress)
+    cfg = DemoConfig(ns.model_dir.expanduser(), ns.out_dir, ns.requests, ns.world, ns.tail_tokens, ns.profile,
+                     not ns.no_progress)
     summary, paths = run_demo(cfg)
     print(f"pat-serve demo: {summary.line()}")
     print(f"report: {paths['report.png']}  (results: {paths['results.jsonl']}, timeline: {paths['timeline.json']})")

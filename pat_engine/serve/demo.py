@@ -36,6 +36,7 @@ class DemoConfig:
     out_dir: Path = Path("pat-demo")
     requests: int = 48
     world: int = 4
+    tail_tokens: int = 400  # the longest answers; short and medium ones scale with it
     profile: Path | None = None
     progress: bool = True
     seed: int = 0
@@ -54,13 +55,23 @@ def ensure_tiny_model(path: Path) -> bool:
     return True
 
 
-def long_tail_lengths(n: int, seed: int) -> list[int]:
-    """Answer lengths with a long tail: ~80% short (12-48 tokens), ~15% medium (96-160), the rest long (320-400)."""
+# answer-length bands as fractions of the tail: (share of requests, low, high); 400 tokens: 12-48, 96-160, 320-400
+_BANDS = {"short": (0.80, 0.03, 0.12), "medium": (0.15, 0.24, 0.40), "long": (0.05, 0.80, 1.00)}
+
+
+def _band(name: str, tail: int) -> tuple[int, int]:
+    _, lo, hi = _BANDS[name]
+    return max(1, round(lo * tail)), max(1, round(hi * tail))
+
+
+def long_tail_lengths(n: int, seed: int, tail: int = 400) -> list[int]:
+    """Answer lengths with a long tail: ~80% short, ~15% medium, ~5% (at least one) close to ``tail``."""
     rng = random.Random(seed)
-    n_long = max(1, round(n * 0.05))
-    n_mid = max(1, round(n * 0.15))
-    lengths = [rng.randint(320, 400) for _ in range(n_long)] + [rng.randint(96, 160) for _ in range(n_mid)]
-    lengths += [rng.randint(12, 48) for _ in range(n - len(lengths))]
+    n_long = max(1, round(n * _BANDS["long"][0]))
+    n_mid = max(1, round(n * _BANDS["medium"][0]))
+    lengths = [rng.randint(*_band("long", tail)) for _ in range(n_long)]
+    lengths += [rng.randint(*_band("medium", tail)) for _ in range(n_mid)]
+    lengths += [rng.randint(*_band("short", tail)) for _ in range(max(0, n - len(lengths)))]
     rng.shuffle(lengths)
     return lengths
 
@@ -74,22 +85,23 @@ def write_prompts(path: Path, lengths: list[int], seed: int) -> None:
             f.write(json.dumps({"id": f"demo-{i}", "prompt": prompt, "max_tokens": n, "ignore_eos": True}) + "\n")
 
 
-def drain_schedule(lengths: list[int], world: int) -> list[tuple[int, int]]:
+def drain_schedule(lengths: list[int], world: int, tail: int) -> list[tuple[int, int]]:
     """Merge replicas as the batch drains: half the DP groups once the short answers are done, one at the end."""
-    short = max(n for n in lengths if n <= 48)
-    mid = max((n for n in lengths if 48 < n <= 160), default=short)
-    steps = [(short + 4, max(1, world // 2)), (mid + 4, world)]
+    short_hi, mid_hi = _band("short", tail)[1], _band("medium", tail)[1]
+    short = max((n for n in lengths if n <= short_hi), default=0)
+    mid = max((n for n in lengths if short_hi < n <= mid_hi), default=short)
+    steps = [(short + 2, max(1, world // 2)), (mid + 2, world)]
     return [(s, tp) for s, tp in steps if tp > 1]
 
 
 def run_demo(cfg: DemoConfig) -> tuple[RunSummary, dict[str, Path]]:
     created = ensure_tiny_model(cfg.model_dir)
     print(f"model: {cfg.model_dir} ({'created' if created else 'cached'}, built-in tiny Llama, random weights)")
-    lengths = long_tail_lengths(cfg.requests, cfg.seed)
+    lengths = long_tail_lengths(cfg.requests, cfg.seed, cfg.tail_tokens)
     paths = {name: cfg.out_dir / name for name in ("prompts.jsonl", "results.jsonl", "timeline.json", "report.png")}
     write_prompts(paths["prompts.jsonl"], lengths, cfg.seed)
     profile = cfg.profile or (cfg.model_dir / PROFILE_NAME if (cfg.model_dir / PROFILE_NAME).is_file() else None)
-    schedule = None if profile else drain_schedule(lengths, cfg.world)
+    schedule = None if profile else drain_schedule(lengths, cfg.world, cfg.tail_tokens)
     how = f"controller, table {profile}" if profile else "fixed schedule " + ", ".join(f"step {s}: TP{tp}" for s, tp in schedule)
     print(f"batch: {len(lengths)} requests, answers {min(lengths)}-{max(lengths)} tokens; world {cfg.world} "
           f"starting at TP1xDP{cfg.world}; switching: {how}")
