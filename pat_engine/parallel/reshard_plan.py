@@ -96,23 +96,17 @@ def _move(src: int, dst: int, rows: tuple[int, int], have: Piece, want: Piece) -
     return Move(src, dst, a, b, have.local_start + (a - have.start), want.local_start + (a - want.start))
 
 
-def allgather_bytes(spec: ShardSpec, old: Layout, new: Layout, row_bytes: int) -> int:
-    """Bytes the paper's all-gather-and-slice would move for this parameter, summed over ranks.
+def allgather_bytes(spec: ShardSpec, old: Layout, new: Layout, row_bytes: int, dst: int) -> int:
+    """Bytes rank ``dst`` would receive under the paper's all-gather-and-slice, for comparison.
 
-    Each rank whose new shard is not inside its old one receives every other
-    member's old shard within its new TP group.
+    A rank whose new shard is not inside its old one gathers every other
+    member's old shard within its new TP group, then slices.
     """
     if spec.replicated:
         return 0
-    total = 0
-    for dst in range(new.world):
-        mine = spec.pieces(old.tp_rank(dst), old.tp)
-        need = spec.pieces(new.tp_rank(dst), new.tp)
-        inside = all(any(h.start <= p.start and p.stop <= h.stop for h in mine) for p in need)
-        if inside:
-            continue
-        group = new.group_ranks(new.group_of(dst))
-        for src in group:
-            if src != dst:
-                total += sum(p.length for p in spec.pieces(old.tp_rank(src), old.tp)) * row_bytes
-    return total
+    mine = spec.pieces(old.tp_rank(dst), old.tp)
+    need = spec.pieces(new.tp_rank(dst), new.tp)
+    if all(any(h.start <= p.start and p.stop <= h.stop for h in mine) for p in need):
+        return 0
+    peers = [s for s in new.group_ranks(new.group_of(dst)) if s != dst]
+    return sum(p.length for s in peers for p in spec.pieces(old.tp_rank(s), old.tp)) * row_bytes

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from pat_engine.parallel.kv_plan import KVMove, SeqPlacement, kv_heads_of, plan_kv_moves, token_slots
 from pat_engine.parallel.layout import Layout
 from pat_engine.parallel.p2p import exchange
-from pat_engine.parallel.reshard_plan import Move, allgather_bytes, plan_moves
+from pat_engine.parallel.reshard_plan import allgather_bytes, plan_moves
 from pat_engine.worker.infer_executor import SeqState
 
 
@@ -131,58 +131,52 @@ class SwitchExecutor:
 
     @torch.no_grad()
     def _reshard_weights(self, model, old: Layout, new: Layout, meter: MemoryMeter) -> tuple[int, int, int]:
+        """Returns (bytes sent, bytes copied locally, bytes an all-gather-and-slice would have received)."""
         me = self.rank
-        load: dict[int, int] = {}
+        load: dict[int, int] = {}  # keeps senders balanced across parameters
         sent = local = allgather = 0
         for layer_index, params in enumerate(params_by_layer(model)):
             if layer_index == 1:
                 self.worker.check_fault("reshard")
-            plans = [(name, p, plan_moves(p.shard_spec, old, new, load)) for name, p in params]
-            new_data: dict[str, torch.Tensor] = {}
-            out_parts: dict[int, list[torch.Tensor]] = defaultdict(list)
-            in_moves: dict[int, list[tuple[str, Move]]] = defaultdict(list)
-            for name, p, moves in plans:
+            fresh: dict[str, torch.Tensor] = {}
+            outgoing: dict[int, list[torch.Tensor]] = defaultdict(list)  # dst -> flattened row slices
+            incoming: dict[int, list[torch.Tensor]] = defaultdict(list)  # src -> views of fresh to fill
+            for name, p in params:
                 spec = p.shard_spec
                 if spec.replicated:
                     continue
-                row_bytes = _nbytes(p.data) // max(1, p.data.shape[spec.split_dim])
-                allgather += allgather_bytes(spec, old, new, row_bytes) // new.world
-                fresh = torch.zeros(spec.local_shape(new.tp), dtype=p.dtype, device=p.device)
-                meter.add(_nbytes(fresh))
-                new_data[name] = fresh
                 dim = spec.split_dim
-                for mv in moves:
+                row_bytes = _nbytes(p.data) // p.data.shape[dim]
+                allgather += allgather_bytes(spec, old, new, row_bytes, dst=me)
+                target = torch.zeros(spec.local_shape(new.tp), dtype=p.dtype, device=p.device)
+                meter.add(_nbytes(target))
+                fresh[name] = target
+                for mv in plan_moves(spec, old, new, load):
+                    rows = mv.stop - mv.start
                     if mv.dst == me and mv.src == me:
-                        fresh.narrow(dim, mv.dst_local, mv.stop - mv.start).copy_(p.data.narrow(dim, mv.src_local, mv.stop - mv.start))
-                        local += (mv.stop - mv.start) * row_bytes
+                        target.narrow(dim, mv.dst_local, rows).copy_(p.data.narrow(dim, mv.src_local, rows))
+                        local += rows * row_bytes
                     elif mv.src == me:
-                        out_parts[mv.dst].append(p.data.narrow(dim, mv.src_local, mv.stop - mv.start).reshape(-1))
+                        outgoing[mv.dst].append(p.data.narrow(dim, mv.src_local, rows).reshape(-1))
                     elif mv.dst == me:
-                        in_moves[mv.src].append((name, mv))
-            sends = {d: torch.cat(parts) for d, parts in out_parts.items()}
-            recvs = {}
-            for src, items in in_moves.items():
-                numel = 0
-                for name, mv in items:
-                    numel += new_data[name].numel() // new_data[name].shape[_split_dim(params, name)] * (mv.stop - mv.start)
-                recvs[src] = torch.empty(numel, dtype=params[0][1].dtype, device=params[0][1].device)
-            buffers = sum(_nbytes(b) for b in list(sends.values()) + list(recvs.values()))
+                        incoming[mv.src].append(target.narrow(dim, mv.dst_local, rows))
+            # one packed message per peer and layer; both sides list pieces in plan order
+            sends = {dst: torch.cat(parts) for dst, parts in outgoing.items()}
+            recvs = {src: torch.empty(sum(v.numel() for v in views), dtype=views[0].dtype, device=views[0].device)
+                     for src, views in incoming.items()}
+            buffers = sum(_nbytes(b) for b in [*sends.values(), *recvs.values()])
             meter.add(buffers)
             exchange(sends, recvs)
             sent += sum(_nbytes(b) for b in sends.values())
-            for src, items in in_moves.items():
+            for src, views in incoming.items():
                 offset = 0
-                for name, mv in items:
-                    fresh = new_data[name]
-                    dim = _split_dim(params, name)
-                    target = fresh.narrow(dim, mv.dst_local, mv.stop - mv.start)
-                    n = target.numel()
-                    target.copy_(recvs[src][offset : offset + n].view(target.shape))
-                    offset += n
+                for view in views:
+                    view.copy_(recvs[src][offset : offset + view.numel()].view(view.shape))
+                    offset += view.numel()
             meter.sub(buffers)
             for name, p in params:
-                if name in new_data:
-                    p.data = new_data[name]  # the old shard is freed here
+                if name in fresh:
+                    p.data = fresh[name]  # the old shard is freed here
                     meter.sub(_nbytes(p.data))
         return sent, local, allgather
 
@@ -250,9 +244,3 @@ class SwitchExecutor:
         ex.kv = new_pool
         return sent
 
-
-def _split_dim(params, name: str) -> int:
-    for n, p in params:
-        if n == name:
-            return p.shard_spec.split_dim
-    raise KeyError(name)
