@@ -1,0 +1,152 @@
+"""``PatServer``: the veRL rollout server actor body, serving one pat-engine.
+
+veRL's load balancer calls ``generate`` (token ids in, ``TokenOutput`` out);
+its replica and checkpoint manager call the memory and gate methods below;
+``PatServerAdapter`` (trainer side) streams weight buckets into
+``update_weights_bucket``. A request that finds the engine idle starts a new
+generation stage from the base layout (see ``pat_integrations.stage``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from verl.workers.rollout.replica import RolloutMode, TokenOutput
+
+from pat_engine import Engine
+from pat_integrations.frontend import AsyncEngineFrontend
+from pat_integrations.sampling import from_verl
+from pat_integrations.verl.settings import PatRolloutSettings
+
+log = logging.getLogger(__name__)
+
+
+class PatServer:
+    def __init__(self, config: Any, model_config: Any, rollout_mode: RolloutMode, replica_rank: int,
+                 devices_per_node: int, visible_devices: str | None = None):
+        if visible_devices:  # the hybrid workers' GPUs: the engine's worker processes inherit them
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+        self.settings = PatRolloutSettings.from_verl(config, model_config, devices_per_node)
+        self.free_cache_engine = bool(config.free_cache_engine)
+        self.rollout_mode = rollout_mode
+        self.replica_rank = replica_rank
+        s = self.settings
+        self.engine = Engine(s.model, tp=s.tp, dp=s.dp, **s.engine_kwargs)
+        self.frontend = AsyncEngineFrontend(self.engine, s.plan)
+        self.global_steps: int | None = None
+        self._released: set[str] = set()  # "weights" / "kv_cache" given back by sleep()
+
+    def get_server_address(self) -> str:
+        """The load balancer's key for this replica (pat serves over Ray, not HTTP)."""
+        import ray
+
+        return f"pat://{ray.util.get_node_ip_address()}/replica-{self.replica_rank}"
+
+    # ---- generation ---------------------------------------------------------------------
+
+    async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
+                       image_data: Any = None, video_data: Any = None, **kwargs: Any) -> TokenOutput:
+        if image_data is not None or video_data is not None or kwargs.get("audio_data") is not None:
+            raise NotImplementedError("pat-engine serves text-only models: image/video/audio data is not supported")
+        prompt_ids = [int(t) for t in prompt_ids]
+        params = from_verl(dict(sampling_params), self.settings.default_max_tokens(len(prompt_ids)))
+        out = await self.frontend.generate(prompt_ids, params, request_id)
+        extra = {"global_steps": self.global_steps}
+        if out is None:  # rejected at a closed gate: the client re-routes aborted requests
+            return TokenOutput(token_ids=[], stop_reason="aborted", extra_fields=extra)
+        extra["num_cached_tokens"] = 0  # no prefix cache
+        return TokenOutput(
+            token_ids=out.token_ids,
+            log_probs=out.logprobs,
+            stop_reason="aborted" if out.finish_reason == "abort" else "completed",
+            num_preempted=out.metrics.get("preemptions"),
+            extra_fields=extra,
+        )
+
+    # ---- gate --------------------------------------------------------------------------
+
+    async def abort_all_requests(self, reject_request: bool = False, **_: Any) -> dict[str, Any]:
+        ids = await self.frontend.abort_all(reject=reject_request)
+        return {"aborted_count": len(ids), "request_ids": ids}
+
+    async def resume_generation(self) -> None:
+        self.frontend.reopen()
+
+    async def wait_for_requests_to_drain(self) -> None:
+        await self.frontend.drain()
+
+    # ---- memory -------------------------------------------------------------------------
+
+    async def sleep(self) -> None:
+        if not self.free_cache_engine or self.rollout_mode == RolloutMode.STANDALONE or self._released:
+            return
+        level = self.settings.sleep_level if self.rollout_mode == RolloutMode.HYBRID else 1
+        await self._release(level)
+
+    async def _release(self, level: int) -> None:
+        await self.frontend.drain()
+        await self.frontend.call(self.engine.sleep, level)
+        on_gpu = self.engine.config.device == "cuda"  # level 1 moves GPU weights to host memory
+        self._released = {"kv_cache"} | ({"weights"} if level == 2 or on_gpu else set())
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        wanted = set(tags) if tags is not None else {"weights", "kv_cache"}
+        todo = sorted(self._released & wanted)
+        if not todo:
+            return
+        await self.frontend.call(self.engine.wake_up, todo)
+        self._released -= set(todo)
+
+    async def release_kv_cache(self) -> None:
+        """Free only the KV cache (around a checkpoint-engine weight sync)."""
+        if not self.free_cache_engine or self._released:
+            return
+        await self._release(1)
+        await self.wake_up(["weights"])
+
+    async def resume_kv_cache(self) -> None:
+        await self.wake_up(["kv_cache"])
+
+    async def clear_kv_cache(self) -> None:
+        self.engine.flush_cache()  # no prefix cache: nothing computed under old weights survives a request
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    async def update_weights_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
+        await self.frontend.drain()
+        return await self.frontend.update_weights(bucket)
+
+    async def finish_weight_update(self, global_steps: int | None = None) -> None:
+        self.engine.flush_cache()
+        if global_steps is not None:
+            self.global_steps = global_steps
+
+    async def set_global_steps(self, global_steps: int) -> None:
+        self.global_steps = global_steps
+
+    # ---- profiling and introspection ----------------------------------------------------------
+
+    async def start_profile(self, **kwargs: Any) -> None:
+        log.info("pat server: start_profile ignored (profile pat-engine with pat-profile)")
+
+    async def stop_profile(self) -> None:
+        return None
+
+    def layout(self) -> str:
+        return str(self.engine.layout)
+
+    def switches(self) -> list[dict]:
+        return [asdict(e) for e in self.engine.switches]
+
+    def stage_layouts(self) -> list[str]:
+        return list(self.frontend.stages.layouts_at_start)
+
+    def num_unfinished_requests(self) -> int:
+        return self.frontend.num_in_flight
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,175 @@
+"""pat-engine as veRL's rollout backend ``pat``, driven by veRL's own classes on CPU with Ray.
+
+The replica comes from veRL's registry (``LLMServerManager`` with
+``rollout.name=pat`` from the real ``ppo_trainer`` Hydra config), generation
+goes through veRL's ``LLMServerClient`` and load balancer, and weights go
+through veRL's ``CheckpointEngineManager`` (naive backend) and
+``ActorRolloutRefWorker.update_weights`` on two stand-in trainer ranks (see
+``verl_trainer_standin.py``). The engine is TP1xDP2 and switches to TP2xDP1
+mid-stage on a schedule; every stage starts again from TP1xDP2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("verl", reason="veRL is not installed (pip install --no-deps verl==0.9.1; see docs/integrations.md)")
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'ray[default]==2.60.0'")
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import open_dict  # noqa: E402
+
+import verl  # noqa: E402
+from conftest import MAX_NEW, PROMPTS, hf_greedy_batch  # noqa: E402
+from rl_helpers import CODE_PATHS, export_code_paths, perturbed_checkpoint, restore_env  # noqa: E402
+from verl_trainer_standin import HybridWorkerStandIn  # noqa: E402
+
+import pat_integrations.verl.plugin  # noqa: E402,F401  (registers "pat" in this process)
+from pat_integrations.verl.adapter import PatServerAdapter  # noqa: E402
+from pat_integrations.verl.replica import PatReplica  # noqa: E402
+from verl.checkpoint_engine.base import CheckpointEngineManager  # noqa: E402
+from verl.workers.config.rollout import CheckpointEngineConfig  # noqa: E402
+from verl.workers.rollout.base import get_rollout_class  # noqa: E402
+from verl.workers.rollout.llm_server import LLMServerManager  # noqa: E402
+from verl.workers.rollout.replica import get_rollout_replica_class  # noqa: E402
+
+GREEDY = {"temperature": 0, "top_p": 1.0, "top_k": -1, "logprobs": True, "repetition_penalty": 1.0}
+
+
+def ppo_config(model: str):
+    cfg_dir = os.path.join(os.path.dirname(verl.__file__), "trainer/config")
+    with initialize_config_dir(config_dir=cfg_dir, version_base=None):
+        config = compose(config_name="ppo_trainer")
+    rollout = config.actor_rollout_ref.rollout
+    with open_dict(config):  # the config lines docs/integrations.md gives for a GRPO run
+        rollout.name = "pat"
+        rollout.tensor_model_parallel_size = 1
+        rollout.data_parallel_size = 2
+        rollout.n_gpus_per_node = 2
+        rollout.prompt_length = 32
+        rollout.response_length = 480
+        rollout.engine_kwargs["pat"] = {"dtype": "float64", "switch_schedule": [[4, 2]]}
+        config.actor_rollout_ref.model.path = model
+    return config
+
+
+class StandInGroup:
+    """The trainer worker group as veRL's managers see it: workers, world size, update_weights."""
+
+    def __init__(self, config):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cls = ray.remote(num_cpus=0)(HybridWorkerStandIn)
+        self.workers = [cls.remote(rank, 2, port, config.actor_rollout_ref) for rank in range(2)]
+        self.world_size = 2
+
+    def set_weights(self, path: str) -> None:
+        ray.get([w.set_weights.remote(str(Path(path) / "model.safetensors")) for w in self.workers])
+
+    def update_weights(self, **kwargs):
+        return [w.update_weights.remote(**kwargs) for w in self.workers]
+
+
+@pytest.fixture(scope="module")
+def rollout(model_dir, tmp_path_factory):
+    old = export_code_paths()
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        config = ppo_config(model_dir("llama"))
+        group = StandInGroup(config)
+        manager = LLMServerManager.create(config=config, worker_group=group)
+        checkpoints = CheckpointEngineManager(CheckpointEngineConfig(backend="naive"), group, manager.get_replicas())
+        root = tmp_path_factory.mktemp("verl_steps")
+        steps = [perturbed_checkpoint(model_dir("llama"), root / f"step{i}", seed=10 + i) for i in (1, 2)]
+        yield SimpleNamespace(config=config, group=group, manager=manager, checkpoints=checkpoints, steps=steps)
+    finally:
+        ray.shutdown()
+        restore_env(old)
+
+
+def generate_all(client, params=GREEDY, prompts=PROMPTS, max_new=MAX_NEW):
+    async def go():
+        return await asyncio.gather(*[
+            client.generate(f"req-{i}", prompt_ids=p, sampling_params={**params, "max_tokens": m})
+            for i, (p, m) in enumerate(zip(prompts, max_new))
+        ])
+    return asyncio.run(go())
+
+
+def test_pat_is_in_both_registries(rollout):
+    assert get_rollout_replica_class("pat") is PatReplica
+    assert get_rollout_class("pat", "async") is PatServerAdapter
+    assert ray.get(rollout.group.workers[0].rollout_class.remote()) == "PatServerAdapter"
+    assert rollout.manager.get_addresses() == [f"pat://{ray.util.get_node_ip_address()}/replica-0"]
+
+
+def test_plugin_registers_when_verl_imports_it():
+    """veRL imports external modules while ``import verl`` runs: registration must work from there."""
+    env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "pat_integrations.verl.plugin",
+           "PYTHONPATH": os.pathsep.join(CODE_PATHS)}
+    code = ("import verl; from verl.workers.rollout.replica import RolloutReplicaRegistry as R;"
+            "from verl.workers.rollout.base import _ROLLOUT_REGISTRY as B;"
+            "print(R.get('pat').__name__, B[('pat', 'async')])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["PatReplica", "pat_integrations.verl.adapter.PatServerAdapter"]
+
+
+def test_training_steps_sync_weights_and_generate_token_exact(rollout):
+    server = rollout.manager.get_replicas()[0].servers[0]
+    client = rollout.manager.get_client()
+    for step, path in enumerate(rollout.steps, start=1):
+        # the trainer's loop: rollout asleep during training, then the weight sync wakes it
+        rollout.checkpoints.sleep_replicas()
+        rollout.group.set_weights(path)
+        rollout.checkpoints.update_weights(global_steps=step)
+        outs = generate_all(client)
+        assert [o.token_ids for o in outs] == hf_greedy_batch(path)
+        assert all(o.stop_reason == "completed" and len(o.log_probs) == len(o.token_ids) for o in outs)
+        assert all(o.extra_fields["global_steps"] == step for o in outs)
+        switches = ray.get(server.switches.remote())
+        assert switches[-1]["to_layout"] == "TP2xDP1" and switches[-1]["ok"]
+    # step 2's weights arrived while the engine sat in TP2xDP1; its stage still began at the base layout
+    assert ray.get(server.stage_layouts.remote())[-2:] == ["TP1xDP2", "TP1xDP2"]
+
+
+def test_abort_all_requests_and_resume_generation(rollout):
+    replica = rollout.manager.get_replicas()[0]
+    server = replica.servers[0]
+    client = rollout.manager.get_client()
+    long = {**GREEDY, "ignore_eos": True}
+
+    async def go():
+        running = [asyncio.ensure_future(client.generate(f"long-{i}", prompt_ids=PROMPTS[i],
+                                                         sampling_params={**long, "max_tokens": 400}))
+                   for i in range(2)]
+        deadline = time.monotonic() + 60
+        while await server.num_unfinished_requests.remote() < 2:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        result = await server.abort_all_requests.remote()
+        aborted = await asyncio.gather(*running)
+        # while the gate is closed a new request waits; resume_generation lets it through
+        late = asyncio.ensure_future(client.generate("late", prompt_ids=PROMPTS[2],
+                                                     sampling_params={**GREEDY, "max_tokens": MAX_NEW[2]}))
+        await asyncio.sleep(1.0)
+        held = not late.done()
+        await replica.resume_generation()
+        return result, aborted, held, await late
+
+    result, aborted, held, late = asyncio.run(go())
+    assert result["aborted_count"] == 2
+    for out in aborted:
+        assert out.stop_reason == "aborted" and 0 < len(out.token_ids) < 400
+    assert held and late.stop_reason == "completed" and late.token_ids == hf_greedy_batch(rollout.steps[-1])[2]
