@@ -47,3 +47,19 @@ def restore_env(old: dict[str, str | None]) -> None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+class VllmLikeSamplingParams:
+    """The attributes of ``vllm.SamplingParams`` that OpenRLHF sets (vLLM is not installable here).
+
+    Mutable like vLLM's: OpenRLHF's executors assign ``max_tokens`` on it.
+    """
+
+    def __init__(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, max_tokens: int | None = 16,
+                 min_tokens: int = 0, skip_special_tokens: bool = True, logprobs: int | None = None,
+                 seed: int | None = None, n: int = 1, stop: list | None = None, ignore_eos: bool = False):
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.max_tokens, self.min_tokens = max_tokens, min_tokens
+        self.skip_special_tokens, self.logprobs, self.seed, self.n = skip_special_tokens, logprobs, seed, n
+        self.stop, self.ignore_eos = stop or [], ignore_eos
+        self.repetition_penalty, self.presence_penalty, self.frequency_penalty = 1.0, 0.0, 0.0

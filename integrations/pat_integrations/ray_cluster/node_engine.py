@@ -57,11 +57,10 @@ class NodeEngine:
         return await self.frontend.update_weights(bucket)
 
     async def sleep(self, level: int = 1) -> int:
-        await self.frontend.drain()
-        return await self.frontend.call(self.engine.sleep, level)
+        return await self.frontend.sleep(level)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        await self.frontend.call(self.engine.wake_up, tags)
+        await self.frontend.wake_up(tags)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

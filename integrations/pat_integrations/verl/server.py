@@ -38,7 +38,6 @@ class PatServer:
         self.engine = Engine(s.model, tp=s.tp, dp=s.dp, **s.engine_kwargs)
         self.frontend = AsyncEngineFrontend(self.engine, s.plan)
         self.global_steps: int | None = None
-        self._released: set[str] = set()  # "weights" / "kv_cache" given back by sleep()
 
     def get_server_address(self) -> str:
         """The load balancer's key for this replica (pat serves over Ray, not HTTP)."""
@@ -82,34 +81,21 @@ class PatServer:
     # ---- memory -------------------------------------------------------------------------
 
     async def sleep(self) -> None:
-        if not self.free_cache_engine or self.rollout_mode == RolloutMode.STANDALONE or self._released:
+        if not self.free_cache_engine or self.rollout_mode == RolloutMode.STANDALONE:
             return
-        level = self.settings.sleep_level if self.rollout_mode == RolloutMode.HYBRID else 1
-        await self._release(level)
-
-    async def _release(self, level: int) -> None:
-        await self.frontend.drain()
-        await self.frontend.call(self.engine.sleep, level)
-        on_gpu = self.engine.config.device == "cuda"  # level 1 moves GPU weights to host memory
-        self._released = {"kv_cache"} | ({"weights"} if level == 2 or on_gpu else set())
+        await self.frontend.sleep(self.settings.sleep_level if self.rollout_mode == RolloutMode.HYBRID else 1)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        wanted = set(tags) if tags is not None else {"weights", "kv_cache"}
-        todo = sorted(self._released & wanted)
-        if not todo:
-            return
-        await self.frontend.call(self.engine.wake_up, todo)
-        self._released -= set(todo)
+        await self.frontend.wake_up(tags)
 
     async def release_kv_cache(self) -> None:
         """Free only the KV cache (around a checkpoint-engine weight sync)."""
-        if not self.free_cache_engine or self._released:
-            return
-        await self._release(1)
-        await self.wake_up(["weights"])
+        if self.free_cache_engine and not self.frontend.released:
+            await self.frontend.sleep(1)
+            await self.frontend.wake_up(["weights"])
 
     async def resume_kv_cache(self) -> None:
-        await self.wake_up(["kv_cache"])
+        await self.frontend.wake_up(["kv_cache"])
 
     async def clear_kv_cache(self) -> None:
         self.engine.flush_cache()  # no prefix cache: nothing computed under old weights survives a request

@@ -1,0 +1,168 @@
+"""``PatRolloutActor``: the methods of OpenRLHF's ``RolloutRayActor``, served by a pat-engine.
+
+OpenRLHF's driver calls, on every engine actor: ``init_process_group`` once,
+then per step ``wake_up`` / ``generate_responses`` (or ``generate`` from an
+agent executor) / ``sleep``, ``get_num_unfinished_requests`` for load
+balancing, and for weight sync ``update_weight(name, dtype, shape)`` followed
+by a broadcast from the trainer. Signatures follow OpenRLHF 0.11.2.
+Wrapped with ``ray.remote`` by ``create_pat_engines``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+from typing import Any
+
+import torch
+
+from pat_engine import Engine
+from pat_integrations.frontend import AsyncEngineFrontend
+from pat_integrations.openrlhf.outputs import GenerationOutput, to_vllm_shape
+from pat_integrations.openrlhf.settings import PatActorSettings
+from pat_integrations.openrlhf.weight_sync import LocalRanks
+from pat_integrations.sampling import from_vllm_like
+
+log = logging.getLogger(__name__)
+
+WEIGHT_BUCKET_BYTES = 256 << 20  # received tensors are applied in buckets of about this size
+
+
+def _load_agent_executor(path: str):
+    """OpenRLHF's rule: a .py file defining ``AgentExecutor`` (an ``AgentExecutorBase``)."""
+    if not path.endswith(".py"):
+        raise ValueError(f"agent_func_path must be a Python file, got {path!r}")
+    spec = importlib.util.spec_from_file_location("pat_agent_module", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    executor_cls = getattr(module, "AgentExecutor", None)
+    if executor_cls is None:
+        raise ValueError(f"{path} defines no AgentExecutor class")
+    try:
+        from openrlhf.utils.agent import AgentExecutorBase
+    except ImportError:  # OpenRLHF absent: accept any class with OpenRLHF's execute() signature
+        AgentExecutorBase = None
+    if AgentExecutorBase is not None and not issubclass(executor_cls, AgentExecutorBase):
+        raise TypeError("AgentExecutor must inherit from openrlhf.utils.agent.AgentExecutorBase")
+    return executor_cls()
+
+
+class PatRolloutActor:
+    def __init__(self, *args: Any, bundle_indices: list | None = None, agent_func_path: str | None = None,
+                 remote_rm_url: str | None = None, mm_pad_token_ids: set | None = None, **kwargs: Any):
+        if args:
+            raise TypeError("pass engine arguments by name (as OpenRLHF's create_vllm_engines does)")
+        self.settings = PatActorSettings.from_vllm_kwargs(kwargs)
+        s = self.settings
+        self.engine = Engine(s.model, tp=s.tp, dp=s.dp, **s.engine_kwargs)
+        self.frontend = AsyncEngineFrontend(self.engine, s.plan)
+        self._executor = _load_agent_executor(agent_func_path) if agent_func_path else None
+        self._remote_rm_url = remote_rm_url
+        self._update_group: LocalRanks | None = None
+        self._pending: list[tuple[str, torch.Tensor]] = []
+        self._pending_bytes = 0
+
+    # ---- generation ---------------------------------------------------------------------
+
+    async def generate(self, prompt_token_ids: list[int], sampling_params: Any,
+                       multi_modal_data: Any = None) -> GenerationOutput:
+        if multi_modal_data:
+            raise NotImplementedError("pat-engine serves text-only models: multi_modal_data is not supported")
+        await self._apply_pending()
+        prompt = [int(t) for t in prompt_token_ids]
+        max_len = self.engine.requests.max_model_len
+        params = from_vllm_like(sampling_params, default_max_tokens=max_len - len(prompt))
+        out = await self.frontend.generate(prompt, params)
+        skip = getattr(sampling_params, "skip_special_tokens", True)
+        tokenizer = self.engine.tokenizer
+        decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=skip)) if tokenizer is not None else None
+        return to_vllm_shape(out, decode)
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.frontend.num_in_flight
+
+    async def generate_responses(self, prompt: str, label: str, sampling_params: Any, max_length: int,
+                                 hf_tokenizer: Any, num_samples: int = 1, images: Any = None) -> list[dict]:
+        """OpenRLHF's per-prompt rollout: its agent executor, with this actor as the engine."""
+        if self._executor is None:
+            try:
+                from openrlhf.utils.agent import SingleTurnAgentExecutor
+            except ImportError as exc:
+                raise ImportError("generate_responses without agent_func_path uses OpenRLHF's "
+                                  "SingleTurnAgentExecutor: install openrlhf") from exc
+            self._executor = SingleTurnAgentExecutor(self._remote_rm_url)
+        return list(await asyncio.gather(*[
+            self._executor.execute(prompt=prompt, label=label, sampling_params=sampling_params,
+                                   max_length=max_length, hf_tokenizer=hf_tokenizer, llm_engine=self, images=images)
+            for _ in range(num_samples)
+        ]))
+
+    async def pause_generation(self) -> None:
+        """vLLM's mode="keep": stop stepping, keep requests and their KV."""
+        await self.frontend.call(self.engine.pause)
+
+    async def resume_generation(self) -> None:
+        await self.frontend.call(self.engine.resume)
+
+    # ---- memory -------------------------------------------------------------------------
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._apply_pending()
+        await self.frontend.sleep(level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        for tag in tags if tags is not None else ["weights", "kv_cache"]:  # one at a time, as OpenRLHF's actor
+            await self.frontend.wake_up([tag])
+
+    async def reset_prefix_cache(self) -> None:
+        self.engine.flush_cache()  # no prefix cache to reset
+
+    # ---- weights -----------------------------------------------------------------------------
+
+    async def init_process_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                 group_name: str, backend: str = "nccl", use_ray: bool = False) -> None:
+        if use_ray:
+            raise NotImplementedError("use_ray=True (ray.util.collective) puts one rank in each process; "
+                                      "a pat engine holds all its ranks in one actor: use the default path")
+        if backend != "gloo":
+            raise NotImplementedError(
+                f"backend={backend!r}: this actor joins the update group with gloo (CPU); on the trainer side "
+                "use pat_integrations.openrlhf.weight_sync.stateless_gloo_group (NCCL needs vLLM's "
+                "StatelessProcessGroup on both sides and is not implemented)")
+        world = self.engine.config.world
+        self._update_group = await LocalRanks.join(master_address, master_port, rank_offset, world_size,
+                                                   group_name, world)
+
+    async def update_weight(self, name: str, dtype: torch.dtype, shape: Any, empty_cache: bool = False) -> None:
+        if self._update_group is None:
+            raise RuntimeError("update_weight before init_process_group")
+        tensor = await self._update_group.receive(dtype, tuple(shape))
+        self._pending.append((name, tensor))
+        self._pending_bytes += tensor.numel() * tensor.element_size()
+        # OpenRLHF marks its last parameter with empty_cache=True; buckets bound the memory held meanwhile
+        if empty_cache or self._pending_bytes >= WEIGHT_BUCKET_BYTES:
+            await self._apply_pending()
+
+    async def update_weight_cuda_ipc(self, name: str, dtype: torch.dtype, shape: Any, ipc_handles: Any,
+                                     empty_cache: bool = False) -> None:
+        raise NotImplementedError("CUDA IPC weight handles need GPU engines sharing the trainer's devices; this "
+                                  "adapter receives weights with init_process_group + update_weight")
+
+    async def _apply_pending(self) -> None:
+        if self._pending:
+            bucket, self._pending, self._pending_bytes = self._pending, [], 0
+            await self.frontend.call(self.engine.update_weights, bucket)
+
+    # ---- introspection (not part of OpenRLHF's contract) ---------------------------------------
+
+    def layout(self) -> str:
+        return str(self.engine.layout)
+
+    def num_switches(self) -> int:
+        return len(self.engine.switches)
+
+    def shutdown(self) -> None:
+        if self._update_group is not None:
+            self._update_group.close()
+        self.engine.shutdown()

@@ -1,0 +1,68 @@
+"""From the vLLM engine arguments OpenRLHF passes to its rollout actor, to a pat-engine.
+
+``tensor_parallel_size`` is the number of devices of one engine, as in
+OpenRLHF's placement. The engine starts each stage at ``pat_base_tp``
+(default: ``tensor_parallel_size``, i.e. vLLM's layout) with
+``tensor_parallel_size / pat_base_tp`` DP groups, and may switch on
+``pat_switch_schedule`` or its controller (``pat_engine_kwargs.profile_table``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from pat_integrations.stage import StagePlan
+
+log = logging.getLogger(__name__)
+
+# vLLM arguments about placement and vLLM internals: handled by Ray or meaningless for pat-engine.
+IGNORED = {"worker_extension_cls", "distributed_executor_backend", "trust_remote_code", "num_gpus",
+           "bundle_indices", "max_logprobs", "enable_sleep_mode"}
+
+
+@dataclass(frozen=True)
+class PatActorSettings:
+    model: str
+    tp: int
+    dp: int
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    plan: StagePlan = StagePlan()
+    max_model_len: int | None = None
+
+    @classmethod
+    def from_vllm_kwargs(cls, kwargs: dict[str, Any]) -> "PatActorSettings":
+        kw = dict(kwargs)
+        model = kw.pop("model")
+        devices = int(kw.pop("tensor_parallel_size", 1))
+        base_tp = int(kw.pop("pat_base_tp", None) or devices)
+        if devices % base_tp:
+            raise ValueError(f"pat_base_tp={base_tp} must divide tensor_parallel_size={devices}")
+        engine_kwargs: dict[str, Any] = {}
+        for src, dst in (("seed", "seed"), ("max_model_len", "max_model_len"), ("dtype", "dtype"),
+                         ("gpu_memory_utilization", "gpu_memory_utilization")):
+            if kw.get(src) is not None:
+                engine_kwargs[dst] = kw[src]
+            kw.pop(src, None)
+        if "enforce_eager" in kw:
+            engine_kwargs["enable_cuda_graphs"] = not kw.pop("enforce_eager")
+        if kw.pop("enable_prefix_caching", False):
+            log.warning("pat-engine has no prefix cache: enable_prefix_caching is ignored")
+        kw.pop("full_determinism", None)  # pat sampling is always reproducible (per-request seed and position)
+        mode = kw.pop("logprobs_mode", None)
+        if mode not in (None, "raw_logprobs"):
+            raise ValueError(f"logprobs_mode={mode!r}: pat-engine returns raw logprobs (log-softmax of the "
+                             "model's logits, before temperature, top-k and top-p)")
+        if kw.pop("limit_mm_per_prompt", None):
+            raise ValueError("pat-engine serves text-only models (limit_mm_per_prompt given)")
+        for name in IGNORED:
+            kw.pop(name, None)
+        plan = StagePlan.from_options(kw.pop("pat_switch_schedule", None))
+        engine_kwargs.update(kw.pop("pat_engine_kwargs", None) or {})
+        if kw:
+            raise TypeError(f"unsupported engine argument(s) for pat-engine: {sorted(kw)}")
+        import torch
+
+        engine_kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+        return cls(str(model), base_tp, devices // base_tp, engine_kwargs, plan, engine_kwargs.get("max_model_len"))

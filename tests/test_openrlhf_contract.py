@@ -1,0 +1,163 @@
+"""pat-engine behind OpenRLHF's engine-actor contract (OpenRLHF 0.11.2), on CPU with Ray.
+
+OpenRLHF pins CUDA-only packages, so this test plays its driver: the calls,
+argument names and order are those of ``create_vllm_engines``,
+``PolicyModelActor._init_vllm_sync_group``, ``broadcast_to_vllm`` (metadata
+RPC on every engine, then a broadcast from trainer rank 0) and
+``SamplesGenerator`` (wake_up, load balance on unfinished counts,
+``generate_responses``, sleep). Two engines of 2 devices each (TP1xDP2 at
+the start of every stage, switching to TP2xDP1 on a schedule), float64.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'ray[default]==2.60.0'")
+
+from conftest import MAX_NEW, PROMPTS, _hf_model, hf_greedy_batch  # noqa: E402
+from pat_integrations.openrlhf.factory import create_pat_engines  # noqa: E402
+from pat_integrations.openrlhf.weight_sync import stateless_gloo_group  # noqa: E402
+from rl_helpers import CODE_PATHS, VllmLikeSamplingParams, export_code_paths, perturbed_checkpoint, restore_env  # noqa: E402
+
+TP = 2
+AGENT = '''
+class AgentExecutor:
+    """A single-turn agent in OpenRLHF's shape (its SingleTurnAgentExecutor, minus the reward service)."""
+
+    async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None):
+        ids = hf_tokenizer(text=prompt, add_special_tokens=False)["input_ids"]
+        out = await llm_engine.generate(ids, sampling_params, multi_modal_data=None)
+        action = out.outputs[0].token_ids
+        logprobs = [0.0] * len(ids) + [d[t].logprob for t, d in zip(action, out.outputs[0].logprobs)]
+        return {"prompt": prompt, "label": label, "observation_tokens": ids + action,
+                "action_ranges": [(len(ids), len(ids) + len(action))], "rollout_log_probs": logprobs,
+                "truncated": out.outputs[0].finish_reason == "length", "reward": None}
+'''
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir, tmp_path_factory):
+    old = export_code_paths()
+    ray.init(num_cpus=2, include_dashboard=False)
+    agent = tmp_path_factory.mktemp("agent") / "agent.py"
+    agent.write_text(AGENT)
+    try:
+        handles = create_pat_engines(
+            num_engines=2, tensor_parallel_size=TP, pretrain=model_dir("llama"), seed=0, full_determinism=False,
+            enable_prefix_caching=False, enforce_eager=True, max_model_len=512, vllm_enable_sleep=True,
+            agent_func_path=str(agent), pat_base_tp=1, pat_switch_schedule=[(4, 2)],
+            pat_engine_kwargs={"dtype": "float64"})
+        yield handles
+        ray.get([e.shutdown.remote() for e in handles])
+    finally:
+        ray.shutdown()
+        restore_env(old)
+
+
+def init_update_group(engines) -> object:
+    """``PolicyModelActor._init_vllm_sync_group``, with the CPU group in place of PyNccl."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world_size = len(engines) * TP + 1
+    refs = [e.init_process_group.remote("127.0.0.1", port, i * TP + 1, world_size, "openrlhf", backend="gloo",
+                                        use_ray=False) for i, e in enumerate(engines)]
+    group = stateless_gloo_group("127.0.0.1", port, 0, world_size)
+    ray.get(refs)
+    return group
+
+
+def broadcast_to_engines(engines, group, model) -> None:
+    """``broadcast_to_vllm``: per parameter, metadata to every engine, then a broadcast from rank 0."""
+    ray.get([e.wake_up.remote(tags=["weights"]) for e in engines])
+    params = list(model.named_parameters())
+    for count, (name, param) in enumerate(params, start=1):
+        refs = [e.update_weight.remote(name, dtype=param.dtype, shape=param.shape, empty_cache=count == len(params))
+                for e in engines]
+        group.broadcast(param.data, src=0, stream=None)
+        ray.get(refs)
+
+
+def test_weight_sync_then_generation_is_token_exact(engines, model_dir, tmp_path):
+    step = perturbed_checkpoint(model_dir("llama"), tmp_path / "step", seed=21)
+    group = init_update_group(engines)
+    broadcast_to_engines(engines, group, _hf_model(step))
+
+    ray.get([e.wake_up.remote() for e in engines])
+    pending = ray.get([e.get_num_unfinished_requests.remote() for e in engines])
+    assert pending == [0, 0]
+    refs = [engines[i % 2].generate.remote(p, VllmLikeSamplingParams(temperature=0.0, max_tokens=m, logprobs=1,
+                                                                     skip_special_tokens=False))
+            for i, (p, m) in enumerate(zip(PROMPTS, MAX_NEW))]
+    outs = ray.get(refs)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy_batch(step)
+    for o, p, m in zip(outs, PROMPTS, MAX_NEW):
+        c = o.outputs[0]
+        assert o.prompt_token_ids == p and c.finish_reason in ("stop", "length")
+        assert len(c.logprobs) == len(c.token_ids) and all(d[t].logprob <= 0 for t, d in zip(c.token_ids, c.logprobs))
+        assert isinstance(c.text, str)
+    assert all(n > 0 for n in ray.get([e.num_switches.remote() for e in engines]))
+    ray.get([e.sleep.remote() for e in engines])
+
+
+def test_driver_rollout_with_generate_responses(engines, model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    ray.get([e.wake_up.remote() for e in engines])
+    params = VllmLikeSamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=12, min_tokens=1, logprobs=1)
+    prompts = ["the sum of two prime numbers", "compute the remainder", "a theorem and its proof"]
+    refs = [engines[i % 2].generate_responses.remote(prompt=p, label="x", sampling_params=params, max_length=64,
+                                                     hf_tokenizer=tokenizer, num_samples=2)
+            for i, p in enumerate(prompts)]
+    results = ray.get(refs)
+    ray.get([e.sleep.remote() for e in engines])
+    for prompt, samples in zip(prompts, results):
+        assert len(samples) == 2
+        for r in samples:
+            (start, end), = r["action_ranges"]
+            assert start == len(tokenizer(text=prompt, add_special_tokens=False)["input_ids"])
+            assert end == len(r["observation_tokens"]) == len(r["rollout_log_probs"]) and 0 < end - start <= 12
+        assert samples[0]["observation_tokens"] != samples[1]["observation_tokens"]
+
+
+def test_pause_resume_and_unfinished_count(engines):
+    engine = engines[0]
+    ray.get(engine.wake_up.remote())
+    ray.get(engine.pause_generation.remote())
+    ref = engine.generate.remote(PROMPTS[0], VllmLikeSamplingParams(temperature=0.0, max_tokens=20))
+    ready, _ = ray.wait([ref], timeout=1.5)
+    assert not ready and ray.get(engine.get_num_unfinished_requests.remote()) == 1
+    ray.get(engine.resume_generation.remote())
+    assert len(ray.get(ref).outputs[0].token_ids) == 20
+    assert ray.get(engine.get_num_unfinished_requests.remote()) == 0
+    ray.get(engine.reset_prefix_cache.remote())
+
+
+def test_unsupported_paths_fail_clearly(engines):
+    with pytest.raises(ray.exceptions.RayTaskError, match="CUDA IPC"):
+        ray.get(engines[0].update_weight_cuda_ipc.remote("w", dtype=None, shape=(1,), ipc_handles={}))
+    with pytest.raises(ray.exceptions.RayTaskError, match="gloo"):
+        ray.get(engines[0].init_process_group.remote("127.0.0.1", 1, 1, 3, "g", backend="nccl", use_ray=False))
+    with pytest.raises(ray.exceptions.RayTaskError, match="repetition_penalty"):
+        params = VllmLikeSamplingParams(max_tokens=4)
+        params.repetition_penalty = 1.2
+        ray.get(engines[0].generate.remote(PROMPTS[0], params))
+
+
+def test_integrations_import_without_frameworks():
+    """``import pat_integrations`` (and its framework-free helpers) must work with no RL framework installed."""
+    blocked = ("ray", "verl", "openrlhf", "vllm", "sglang")
+    code = (f"import sys\nfor m in {blocked!r}: sys.modules[m] = None\n"
+            "import pat_integrations, pat_integrations.stage, pat_integrations.sampling, pat_integrations.frontend\n"
+            "try:\n    import pat_integrations.ray_cluster\nexcept ImportError as e:\n    print('needs', e.name)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(CODE_PATHS)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "needs ray"
