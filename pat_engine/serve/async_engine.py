@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from pat_engine.core.engine import Engine, RequestHandle
-from pat_engine.errors import EngineClosedError
+from pat_engine.errors import EngineClosedError, InvalidRequestError
 from pat_engine.serve.metrics import ServerMetrics
 from pat_engine.serve.translate import EngineInput
 
@@ -159,6 +159,9 @@ class AsyncEngine:
                     handle = await asyncio.to_thread(self.engine.submit, inp.prompt, inp.params, rid)
                 except EngineClosedError:
                     raise ServerShuttingDown("the engine has been shut down") from None
+                except InvalidRequestError as exc:  # the engine numbers its single prompt 0; name the real one
+                    msg = str(exc).removeprefix("prompt 0: ")
+                    raise InvalidRequestError(f"prompt {i}: {msg}" if len(inputs) > 1 else msg) from None
                 self._track(handle)
                 handles.append(handle)
         except BaseException:

@@ -143,6 +143,10 @@ def _demo(ns: argparse.Namespace) -> int:
     summary, paths = run_demo(cfg)
     print(f"pat-serve demo: {summary.line()}")
     print(f"report: {paths['report.png']}  (results: {paths['results.jsonl']}, timeline: {paths['timeline.json']})")
+    if not ns.profile:
+        print("note: the fixed schedule shows the mechanism, not a speed-up: on CPU workers a higher TP degree is "
+              "usually slower (gloo collectives cost more than the compute they split). Give a pat-profile table "
+              "(--profile) and the controller switches only when its prediction says it pays.")
     return 0
 
 

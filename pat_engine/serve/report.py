@@ -55,9 +55,14 @@ def plot_timeline(timeline: dict, out: str | Path, title: str | None = None) -> 
             ax.axvspan(start, end, color=color[name], alpha=0.18, lw=0)
     ts = [p["t"] for p in points]
     ax_act.step(ts, [p["active"] for p in points], where="post", color="black", lw=1.6, label="active requests")
-    ax_tps.plot(ts, _smooth([p["tokens_per_s"] for p in points]), color="#333333", lw=1.2)
+    rates = _smooth([p["tokens_per_s"] for p in points])
+    ax_tps.plot(ts, rates, color="#333333", lw=1.2)
+    positive = [r for r in rates if r > 0]
+    log_rates = bool(positive) and max(positive) / min(positive) > 30  # a drained tail would sit flat on zero
+    if log_rates:
+        ax_tps.set_yscale("log")
     top = max([p["active"] for p in points] + [1])
-    for s in switches:
+    for i, s in enumerate(sorted(switches, key=lambda s: s["t"])):
         begin = s["t"] - s.get("seconds", 0.0)
         style = dict(color="#B22222" if s.get("ok", True) else "#777777", lw=1.3, ls="--")
         for ax in (ax_act, ax_tps):
@@ -66,11 +71,12 @@ def plot_timeline(timeline: dict, out: str | Path, title: str | None = None) -> 
         label = f"{s['from_layout']}→{s['to_layout']}\n{s.get('seconds', 0.0):.2f} s, {s.get('kv_path', '?')}"
         if not s.get("ok", True):
             label = f"failed: {s.get('to_layout')}\n{(s.get('error') or '')[:40]}"
-        ax_act.annotate(label, xy=(s["t"], top), xytext=(4, -4), textcoords="offset points", va="top", fontsize=8,
+        # labels step down so that switches close in time do not print over each other
+        ax_act.annotate(label, xy=(s["t"], top * (1.2 - 0.25 * (i % 3))), xytext=(4, -4), textcoords="offset points", va="top", fontsize=8,
                         color=style["color"], bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="none", alpha=0.8))
     ax_act.set_ylabel("active requests")
     ax_act.set_ylim(0, top * 1.25 + 0.5)
-    ax_tps.set_ylabel("tokens/s (engine)")
+    ax_tps.set_ylabel("tokens/s (engine)" + (", log scale" if log_rates else ""))
     ax_tps.set_xlabel("time since engine start (s)")
     for ax in (ax_act, ax_tps):
         ax.grid(alpha=0.3)

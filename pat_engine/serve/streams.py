@@ -39,8 +39,8 @@ class _StreamState:
         return UsageInfo(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
                          total_tokens=prompt + self.completion_tokens).model_dump()
 
-    def chunk(self, choices: list[dict]) -> str:
-        c = {**self.head, "choices": choices}
+    def chunk(self, choices: list[dict], **extra: Any) -> str:
+        c = {**self.head, "choices": choices, **extra}
         if self.opts is not None and self.opts.continuous_usage_stats:
             c["usage"] = self.usage()
         return sse(c)
@@ -64,6 +64,7 @@ async def completion_stream(group: RequestGroup, req: CompletionRequest, tokeniz
                             response_id: str) -> AsyncIterator[str]:
     st = _StreamState(group, tokenizer, response_id, model, "text_completion", req.stream_options)
     offsets = [0] * len(group.handles)
+    echoed: set[int] = set()
     try:
         async for up in group.updates():
             if (err := st.failure(up)) is not None:
@@ -79,6 +80,9 @@ async def completion_stream(group: RequestGroup, req: CompletionRequest, tokeniz
             offsets[up.index] += len(text)
             if req.return_token_ids:
                 choice["token_ids"] = up.new_token_ids
+                if up.index not in echoed:  # the prompt's ids ride on each choice's first chunk, as in vLLM
+                    echoed.add(up.index)
+                    choice["prompt_token_ids"] = list(group.handles[up.index].seq.prompt_ids)
             if text or up.finished or req.return_token_ids or choice["logprobs"]:
                 yield st.chunk([choice])  # else: an unfinished multi-byte character, wait for the next token
         else:
@@ -93,8 +97,9 @@ async def chat_stream(group: RequestGroup, req: ChatCompletionRequest, tokenizer
                       response_id: str) -> AsyncIterator[str]:
     st = _StreamState(group, tokenizer, response_id, model, "chat.completion.chunk", req.stream_options)
     try:
+        first = {"prompt_token_ids": list(group.handles[0].seq.prompt_ids)} if req.return_token_ids else {}
         yield st.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}])
+                         "finish_reason": None}], **first)
         async for up in group.updates():
             if (err := st.failure(up)) is not None:
                 yield err.sse()
