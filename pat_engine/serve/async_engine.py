@@ -77,7 +77,7 @@ class RequestGroup:
                       poll_s: float = 0.5) -> AsyncIterator[Update]:
         """Yield new tokens per choice until every choice has finished.
 
-        ``disconnected`` is polled while nothing happens; when it says the client
+        ``disconnected`` is polled every ``poll_s`` seconds; when it says the client
         is gone, the unfinished requests are aborted and ``ClientDisconnected`` raised.
         """
         loop = asyncio.get_running_loop()
@@ -97,7 +97,9 @@ class RequestGroup:
             if index in self._finished:
                 continue
             seq = self.handles[index].seq
-            done = seq.finished  # read first: once finished, no token is appended after
+            # read first: the engine sets it last when a request ends, after its final token
+            reason = seq.finish_reason
+            done = reason is not None
             end = len(seq.output_ids)
             if seq.params.logprobs and not done:  # the engine appends a token, then its logprob
                 end = min(end, len(seq.logprobs))
@@ -107,7 +109,7 @@ class RequestGroup:
             if done:
                 self._finished.add(index)
             if new or done:
-                yield Update(index, new, lps, list(seq.output_ids[:end]), done, seq.finish_reason if done else None)
+                yield Update(index, new, lps, list(seq.output_ids[:end]), done, reason)
 
     def abort_unfinished(self) -> None:
         """Abort what has not finished, without waiting (safe inside a cancelled task)."""
@@ -199,7 +201,7 @@ class AsyncEngine:
                 log.exception("request accounting failed")
 
         handle.add_listener(on_update)
-        if handle.seq.finished:  # finished before the listener was attached
+        if handle.seq.finish_reason is not None:  # finished before the listener was attached
             self._release(handle)
 
     def _release(self, handle: RequestHandle) -> None:

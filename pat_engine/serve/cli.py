@@ -140,10 +140,11 @@ def _demo(ns: argparse.Namespace) -> int:
 
     cfg = DemoConfig(ns.model_dir.expanduser(), ns.out_dir, ns.requests, ns.world, ns.tail_tokens, ns.profile,
                      not ns.no_progress)
-    summary, paths = run_demo(cfg)
-    print(f"pat-serve demo: {summary.line()}")
+    res = run_demo(cfg)
+    paths = res.paths
+    print(f"pat-serve demo: {res.summary.line()}")
     print(f"report: {paths['report.png']}  (results: {paths['results.jsonl']}, timeline: {paths['timeline.json']})")
-    if not ns.profile:
+    if res.profile is None:
         print("note: the fixed schedule shows the mechanism, not a speed-up: on CPU workers a higher TP degree is "
               "usually slower (gloo collectives cost more than the compute they split). Give a pat-profile table "
               "(--profile) and the controller switches only when its prediction says it pays.")

@@ -94,7 +94,14 @@ def drain_schedule(lengths: list[int], world: int, tail: int) -> list[tuple[int,
     return [(s, tp) for s, tp in steps if tp > 1]
 
 
-def run_demo(cfg: DemoConfig) -> tuple[RunSummary, dict[str, Path]]:
+@dataclass(frozen=True)
+class DemoResult:
+    summary: RunSummary
+    paths: dict[str, Path]
+    profile: Path | None  # the table the controller used; None: the fixed schedule ran
+
+
+def run_demo(cfg: DemoConfig) -> DemoResult:
     created = ensure_tiny_model(cfg.model_dir)
     print(f"model: {cfg.model_dir} ({'created' if created else 'cached'}, built-in tiny Llama, random weights)")
     lengths = long_tail_lengths(cfg.requests, cfg.seed, cfg.tail_tokens)
@@ -115,4 +122,4 @@ def run_demo(cfg: DemoConfig) -> tuple[RunSummary, dict[str, Path]]:
         summary = run_batch(engine, job)
     finally:
         engine.shutdown()
-    return summary, paths
+    return DemoResult(summary, paths, profile)

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pat_engine.core.engine import Engine
-from pat_engine.errors import EngineClosedError, InvalidRequestError, LayoutError
+from pat_engine.errors import EngineClosedError, InvalidRequestError
 from pat_engine.serve.async_engine import AsyncEngine, ClientDisconnected, RequestGroup, ServerOverloaded, ServerShuttingDown
 from pat_engine.serve.errors import APIError, validation_error
 from pat_engine.serve.metrics import ServerMetrics
@@ -170,12 +170,11 @@ def _event_stream(body: Any) -> StreamingResponse:
 def _install_error_handlers(app: FastAPI, pat: PatServer) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
-        if exc.status == 400:
+        if 400 <= exc.status < 500:  # 503s are counted where they are decided
             pat.metrics.reject("invalid")
         return exc.response()
 
     @app.exception_handler(InvalidRequestError)
-    @app.exception_handler(LayoutError)
     async def invalid(request: Request, exc: Exception) -> Response:
         pat.metrics.reject("invalid")
         return APIError(400, str(exc)).response()
