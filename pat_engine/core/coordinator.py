@@ -67,7 +67,7 @@ class GlobalCoordinator:
         self.policy: SwitchPolicy | None = None
         self.pending_switch: SwitchDecision | None = None
         self.paused = False
-        self.stage_decode_steps = 0
+        self.stage_decode_steps = 0  # set before the first _set_layout, which copies it into the groups
         self._decode_ema: dict[int, float] = {}
         self._tokens_since_point = 0
         self._last_point = time.monotonic()
@@ -84,6 +84,10 @@ class GlobalCoordinator:
             GroupScheduler(g, blocks, self.config.block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens)
             for g in range(layout.dp)
         ]
+        # the stage's decode-step count goes on across a switch or restart: the policy and the timeline
+        # are consulted only when it grows, so new groups starting at 0 would silence both for a while
+        for sched in self.schedulers:
+            sched.decode_steps = self.stage_decode_steps
         self.inflight: dict[int, InFlight] = {}
         self._decode_ema = {}
 

@@ -100,10 +100,6 @@ def run_switch(coord, decision: SwitchDecision) -> SwitchEvent:
     blocks = coord.memory.num_blocks(new)
     cfg = coord.config
     schedulers = [GroupScheduler(g, blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens) for g in range(new.dp)]
-    # the stage's decode-step count goes on across the switch: the coordinator consults the policy and records
-    # timeline points only when it grows, so restarting it at 0 silenced both until it caught up again
-    for sched in schedulers:
-        sched.decode_steps = coord.stage_decode_steps
 
     # Candidate placements for every request with cached KV, blocks taken from the new pools.
     placements: list[SeqPlacement] = []
