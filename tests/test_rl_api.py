@@ -3,11 +3,13 @@
 2 worker processes, float64. Updated weights must give exactly what a fresh
 engine loaded from the updated checkpoint gives, whatever layout the update
 landed in; sleep must really give memory back (worker RSS) and generation
-must continue identically after wake-up.
+must continue identically after wake-up. Also: the async frontend every RL
+adapter serves through, and the GRPO example's loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import time
 import weakref
@@ -19,6 +21,8 @@ from safetensors.torch import load_file
 
 from conftest import MAX_NEW, PROMPTS
 from pat_engine import Engine, InvalidRequestError, ModelLoadError, SamplingParams
+from pat_integrations.frontend import AsyncEngineFrontend
+from pat_integrations.stage import StagePlan
 from rl_helpers import fresh_tensors, perturbed_checkpoint
 
 KV_BYTES = 96 << 20  # per rank: large enough that releasing it shows in RSS
@@ -220,3 +224,41 @@ def test_grpo_example_pushes_weights_every_step(tmp_path):
     rows = grpo.run(dataclasses.replace(grpo.GRPOConfig(), iterations=3), tmp_path)
     assert all(r["switches"] == "TP1xDP2->TP2xDP1" and r["tensors"] > 0 for r in rows)
     assert all(r["logprob_drift"] < 1e-3 for r in rows), [r["logprob_drift"] for r in rows]
+
+
+def test_async_frontend_stages_gate_and_bad_batches(engine):
+    """The layer every RL adapter serves through (no Ray needed): stages, gate, withdrawal, wake-up guard."""
+    long = SamplingParams(max_new_tokens=300, ignore_eos=True)
+    want = engine.generate(PROMPTS[:2], GREEDY[:2], use_tqdm=False)
+
+    async def scenario():
+        fe = AsyncEngineFrontend(engine)
+        engine.reconfigure(tp=2)  # left over from an earlier stage
+        seen = len(engine.switches)
+        outs = await fe.generate_batch(PROMPTS[:2], GREEDY[:2], plan=StagePlan.from_options([(3, 2)]))
+        stage = ([e.to_layout for e in engine.switches[seen:]], list(fe.stages.layouts_at_start))
+
+        with pytest.raises(InvalidRequestError):  # the bad second prompt withdraws the first
+            await fe.generate_batch([PROMPTS[0], [10 ** 6]], GREEDY[:2])
+        withdrawn = (fe.num_in_flight, engine.num_unfinished_requests())
+
+        running = asyncio.ensure_future(fe.generate(PROMPTS[0], long))
+        while fe.num_in_flight == 0 or not engine.num_unfinished_requests():
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        await fe.wake_up()  # awake already: must not touch the KV cache of the running request
+        aborted_ids = await fe.abort_all(reject=True)
+        aborted = await running
+        rejected = await fe.generate(PROMPTS[1], GREEDY[1])
+        fe.reopen()
+        again = await fe.generate(PROMPTS[1], GREEDY[1])
+        return outs, stage, withdrawn, aborted_ids, aborted, rejected, again
+
+    outs, stage, withdrawn, aborted_ids, aborted, rejected, again = asyncio.run(scenario())
+    assert tokens(outs) == tokens(want)
+    assert stage == (["TP1xDP2", "TP2xDP1"], ["TP1xDP2"])
+    assert withdrawn == (0, 0)
+    assert len(aborted_ids) == 1 and aborted.finish_reason == "abort" and 0 < len(aborted.token_ids) < 300
+    full = engine.generate([PROMPTS[0]], long, use_tqdm=False)[0].token_ids
+    assert aborted.token_ids == full[: len(aborted.token_ids)]
+    assert rejected is None and again.token_ids == want[1].token_ids

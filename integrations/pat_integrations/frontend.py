@@ -26,7 +26,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from pat_engine import Engine, RequestHandle, RequestOutput, SamplingParams
+from pat_engine import Engine, RequestHandle, RequestOutput, SamplingParams, WorkerFailure
 from pat_integrations.async_bridge import await_output
 from pat_integrations.stage import StageCounter, StagePlan, begin_stage
 
@@ -64,25 +64,44 @@ class AsyncEngineFrontend:
         if plan is not None:
             self.plan = plan
         async with self._admit:
-            while not self._open.is_set():
-                if self._rejecting:
-                    return None
-                await self._open.wait()
-            if not self._handles:  # the engine is idle: this batch opens a new stage
-                await asyncio.to_thread(begin_stage, self.engine, self.plan, self.stages)
-            handles = []
-            for i, (prompt, sp) in enumerate(zip(prompts, params)):
-                handle = self.engine.submit(prompt, sp, request_ids[i] if request_ids else None)
-                self._handles[handle.request_id] = handle
-                handles.append(handle)
+            while True:
+                while not self._open.is_set():
+                    if self._rejecting:
+                        return None
+                    await self._open.wait()
+                if not self._handles:  # the engine is idle: this batch opens a new stage
+                    await asyncio.to_thread(begin_stage, self.engine, self.plan, self.stages)
+                # No await from this check to the submits below: on the actor's one event loop,
+                # abort_all either closes the gate before it (we wait again) or sees our requests.
+                if self._open.is_set():
+                    break
+            handles: list[RequestHandle] = []
+            try:
+                for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                    handle = self.engine.submit(prompt, sp, request_ids[i] if request_ids else None)
+                    self._handles[handle.request_id] = handle
+                    handles.append(handle)
+            except BaseException:  # a bad request refuses the whole batch: withdraw what went in
+                if handles:
+                    self.engine.abort([h.request_id for h in handles])
+                self._forget(handles)
+                raise
             self._idle.clear()
         try:
-            return list(await asyncio.gather(*[await_output(h) for h in handles]))
+            outs = list(await asyncio.gather(*[await_output(h) for h in handles]))
         finally:
-            for h in handles:
-                self._handles.pop(h.request_id, None)
-            if not self._handles:
-                self._idle.set()
+            self._forget(handles)
+        failed = [o for o in outs if o.finish_reason == "error"]
+        if failed:  # as Engine.generate: a request lost to a worker failure is an error, not a result
+            raise WorkerFailure(f"{len(failed)} of {len(outs)} requests failed: {failed[0].error}",
+                                partial_outputs=outs)
+        return outs
+
+    def _forget(self, handles: list[RequestHandle]) -> None:
+        for h in handles:
+            self._handles.pop(h.request_id, None)
+        if not self._handles:
+            self._idle.set()
 
     @property
     def num_in_flight(self) -> int:
