@@ -173,3 +173,21 @@ def test_abort_all_requests_and_resume_generation(rollout):
     for out in aborted:
         assert out.stop_reason == "aborted" and 0 < len(out.token_ids) < 400
     assert held and late.stop_reason == "completed" and late.token_ids == hf_greedy_batch(rollout.steps[-1])[2]
+
+
+def test_adapter_release_and_resume_drive_sleep_and_wake(rollout):
+    """The trainer-side adapter's release()/resume(tags), as veRL's hybrid worker calls them."""
+    server = rollout.manager.get_replicas()[0].servers[0]
+    trainer = rollout.group.workers[0]  # rollout rank 0: the one that talks to the server
+    client = rollout.manager.get_client()
+    ray.get(trainer.release_rollout.remote())
+    assert ray.get(server.is_sleeping.remote())
+    ray.get(trainer.resume_rollout.remote(["weights"]))
+    assert ray.get(server.is_sleeping.remote())  # the KV cache is still released
+    ray.get(trainer.resume_rollout.remote(["kv_cache"]))
+    assert not ray.get(server.is_sleeping.remote())
+    # hybrid sleep is level 2: the synced weights were dropped, so generation waits for the next sync
+    with pytest.raises(Exception, match="not current"):
+        generate_all(client, prompts=PROMPTS[:1], max_new=MAX_NEW[:1])
+    rollout.checkpoints.update_weights(global_steps=3)
+    assert [o.token_ids for o in generate_all(client)] == hf_greedy_batch(rollout.steps[-1])

@@ -62,6 +62,12 @@ class HybridWorkerStandIn:
         """What the optimiser step would leave in the trainer's parameters."""
         self.actor.engine.weights = load_file(safetensors_file)
 
+    async def release_rollout(self) -> None:
+        await self.rollout.release()
+
+    async def resume_rollout(self, tags: list[str]) -> None:
+        await self.rollout.resume(tags=tags)
+
     async def update_weights(self, global_steps: int | None = None, mode: str = "auto") -> None:
         from verl.workers import engine_workers
 

@@ -131,6 +131,9 @@ class PatServer:
     def stage_layouts(self) -> list[str]:
         return list(self.frontend.stages.layouts_at_start)
 
+    def is_sleeping(self) -> bool:
+        return bool(self.frontend.released)
+
     def num_unfinished_requests(self) -> int:
         return self.frontend.num_in_flight
 
