@@ -1,9 +1,10 @@
 """Generation stages: each RL rollout batch starts from the engine's base layout.
 
 An RL framework sends one request at a time (veRL, OpenRLHF), so the adapters
-decide where a stage begins: when a request arrives at an idle engine, or
-after a weight update. ``begin_stage`` then returns the engine to its base
-layout (a cheap idle switch) and installs a fresh switch policy.
+decide where a stage begins: when a request (or batch) arrives at an idle
+engine, which is always the case after a weight update or a wake-up.
+``begin_stage`` then returns the engine to its base layout (a cheap idle
+switch) and installs a fresh switch policy.
 """
 
 from __future__ import annotations
