@@ -17,6 +17,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: bool = False  # return the log-probability of each chosen token
+    logprobs_mode: str = "raw"  # "raw": from the model's logits (vLLM's default); "processed": after
+    # temperature, top-k and top-p, i.e. under the distribution actually sampled from
     min_new_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -34,6 +36,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise InvalidRequestError(f"top_k must be -1 (off) or a non-negative integer, got {self.top_k!r}")
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise InvalidRequestError(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
 

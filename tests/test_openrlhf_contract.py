@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -161,3 +162,15 @@ def test_integrations_import_without_frameworks():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "needs ray"
+
+
+def test_logprobs_mode_maps_onto_sampling_params():
+    from pat_integrations.openrlhf.settings import PatActorSettings
+    from pat_integrations.sampling import from_vllm_like
+
+    settings = PatActorSettings.from_vllm_kwargs({"model": "m", "logprobs_mode": "processed_logprobs"})
+    assert settings.logprobs_mode == "processed"
+    params = from_vllm_like(types.SimpleNamespace(max_tokens=4, logprobs=0), logprobs_mode=settings.logprobs_mode)
+    assert params.logprobs and params.logprobs_mode == "processed"
+    with pytest.raises(ValueError, match="raw_logits"):
+        PatActorSettings.from_vllm_kwargs({"model": "m", "logprobs_mode": "raw_logits"})

@@ -32,3 +32,15 @@ def test_suppressed_tokens_are_never_drawn():
     logits = torch.tensor([[0.0, 9.0, 1.0]], dtype=torch.float64)
     tokens, _ = sample(logits, [SamplingSpec(0.0, -1, 1.0, 0, False)], [0], [(1,)])
     assert tokens == [2]
+
+
+def test_processed_logprobs_are_under_the_sampled_distribution():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]], dtype=torch.float64)
+    raw_spec = SamplingSpec(0.5, 2, 1.0, 3, True)
+    processed_spec = SamplingSpec(0.5, 2, 1.0, 3, True, processed_logprobs=True)
+    (tok,), (raw,) = sample(logits, [raw_spec], [4])
+    (tok2,), (processed,) = sample(logits, [processed_spec], [4])
+    assert tok == tok2 and tok in (1, 3)
+    assert abs(raw - torch.log_softmax(logits, -1)[0, tok].item()) < 1e-12
+    kept = torch.softmax(logits[0, [1, 3]] / 0.5, -1)  # top-2 after temperature, renormalised
+    assert abs(processed - torch.log(kept[0 if tok == 1 else 1]).item()) < 1e-12

@@ -15,7 +15,7 @@ from pat_engine import InvalidRequestError, SamplingParams
 
 # vLLM options that change only the returned text, not the tokens.
 TEXT_ONLY = {"skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
-             "detokenize", "output_kind", "logprobs_mode", "extra_args", "truncate_prompt_tokens"}
+             "detokenize", "output_kind", "extra_args", "truncate_prompt_tokens"}
 
 # vLLM options pat-engine does not implement, with the value that means "off".
 NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0, "n": 1,
@@ -40,7 +40,7 @@ def _get(values: Mapping[str, Any], *names: str, default: Any = None) -> Any:
     return default
 
 
-def _build(values: Mapping[str, Any], max_tokens: int | None) -> SamplingParams:
+def _build(values: Mapping[str, Any], max_tokens: int | None, logprobs_mode: str = "raw") -> SamplingParams:
     max_new = _get(values, "max_tokens", "max_new_tokens", default=max_tokens)
     if max_new is None:
         raise InvalidRequestError("sampling params give no max_tokens and the caller has no default")
@@ -57,24 +57,26 @@ def _build(values: Mapping[str, Any], max_tokens: int | None) -> SamplingParams:
         ignore_eos=bool(values.get("ignore_eos", False)),
         # veRL: a bool; vLLM: None or the number of top logprobs (0 = the sampled token only)
         logprobs=logprobs is not None and logprobs is not False,
+        logprobs_mode=logprobs_mode,
         min_new_tokens=min(int(min_new), int(max_new)),
     )
 
 
-def from_verl(params: Mapping[str, Any], default_max_tokens: int | None = None) -> SamplingParams:
+def from_verl(params: Mapping[str, Any], default_max_tokens: int | None = None,
+              logprobs_mode: str = "raw") -> SamplingParams:
     """veRL's agent-loop dict (``temperature``, ``top_p``, ``top_k``, ``logprobs``, ``max_tokens``, ...)."""
     for name, value in params.items():
         if name in NEUTRAL:
             _check_neutral(name, value)
         elif name not in _PAT and name not in TEXT_ONLY:
             raise InvalidRequestError(f"unknown sampling option {name!r} for pat-engine")
-    return _build(params, default_max_tokens)
+    return _build(params, default_max_tokens, logprobs_mode)
 
 
-def from_vllm_like(params: Any, default_max_tokens: int | None = None) -> SamplingParams:
+def from_vllm_like(params: Any, default_max_tokens: int | None = None, logprobs_mode: str = "raw") -> SamplingParams:
     """A ``vllm.SamplingParams`` (or any object with its attribute names)."""
     values = {name: getattr(params, name) for name in _PAT if hasattr(params, name)}
     for name in NEUTRAL:
         if hasattr(params, name):
             _check_neutral(name, getattr(params, name))
-    return _build(values, default_max_tokens)
+    return _build(values, default_max_tokens, logprobs_mode)

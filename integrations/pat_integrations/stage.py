@@ -57,12 +57,7 @@ class StageCounter:
 
 def begin_stage(engine: Engine, plan: StagePlan, counter: StageCounter | None = None) -> None:
     """Return to the base layout and reset the stage's switch policy; call with no request in flight."""
-    if engine.layout != engine.base_layout:
-        engine.reconfigure(engine.base_layout.tp)
-    policy = plan.policy(engine)
-    # Engine.generate() starts a stage internally; submit() has no public hook for it yet,
-    # so this posts the same coordinator call to the engine loop (see docs/integrations.md).
-    engine._loop.run(engine.coordinator.start_stage, policy)
+    engine.begin_stage(policy=plan.policy(engine), from_base_layout=True)
     if counter is not None:
         counter.stages += 1
         counter.layouts_at_start.append(str(engine.layout))

@@ -274,22 +274,14 @@ class Engine(RLControlMixin):
         """
         self._ensure_open()
         seqs = self._make(prompts, params, request_ids)
-        if switch_schedule is not None:
-            for _, tp in switch_schedule:
-                self._check_layout(tp)
-            if kv_transfer not in (None, "migrate", "recompute"):
-                raise InvalidRequestError(f"kv_transfer must be 'migrate' or 'recompute', got {kv_transfer!r}")
-            policy = ScheduledSwitches(switch_schedule, kv_transfer)
+        start_stage = self._stage_starter(switch_schedule, kv_transfer, policy, from_base_layout)
         handles = [RequestHandle(s, self.requests.decode) for s in seqs]
         bar = tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
 
         def start() -> None:
-            coord = self.coordinator
-            if from_base_layout and coord.layout != self.base_layout:
-                coord.switch(SwitchDecision(self.base_layout.tp, "new stage: base layout"))
-            coord.start_stage(policy if policy is not None else coord.policy)
+            start_stage()
             for s in seqs:
-                coord.add(s)
+                self.coordinator.add(s)
 
         self._loop.run(start)
         try:
@@ -312,6 +304,35 @@ class Engine(RLControlMixin):
             raise WorkerFailure(f"{len(errors)} of {len(outputs)} requests failed: {errors[0].error}",
                                 partial_outputs=outputs)
         return outputs
+
+    def begin_stage(self, switch_schedule: list[tuple[int, int]] | None = None, kv_transfer: str | None = None,
+                    policy: SwitchPolicy | None = None, from_base_layout: bool = True) -> None:
+        """Start a generation stage (an RL rollout batch) for requests sent with ``submit``.
+
+        Returns to the base layout (an idle switch when nothing runs) and restarts the stage's
+        decode-step count; ``switch_schedule`` or ``policy`` replace the engine's policy for the
+        stage, otherwise the engine's own policy (the controller, when a table is loaded) goes on.
+        ``generate`` does the same for its own batch.
+        """
+        self._ensure_open()
+        self._loop.run(self._stage_starter(switch_schedule, kv_transfer, policy, from_base_layout))
+
+    def _stage_starter(self, switch_schedule, kv_transfer, policy, from_base_layout) -> Callable[[], None]:
+        """Validate the stage options now; return the closure that starts the stage in the loop."""
+        if switch_schedule is not None:
+            for _, tp in switch_schedule:
+                self._check_layout(tp)
+            if kv_transfer not in (None, "migrate", "recompute"):
+                raise InvalidRequestError(f"kv_transfer must be 'migrate' or 'recompute', got {kv_transfer!r}")
+            policy = ScheduledSwitches(switch_schedule, kv_transfer)
+
+        def start() -> None:
+            coord = self.coordinator
+            if from_base_layout and coord.layout != self.base_layout:
+                coord.switch(SwitchDecision(self.base_layout.tp, "new stage: base layout"))
+            coord.start_stage(policy if policy is not None else coord.policy)
+
+        return start
 
     # ---- layout -----------------------------------------------------------------------------
 

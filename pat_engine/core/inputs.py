@@ -72,7 +72,8 @@ class RequestFactory:
         seq_id = next(self._ids)
         # no seed given: derive one from the engine seed and the request number, still layout-invariant
         seed = params.seed if params.seed is not None else _splitmix64(self.engine_seed * 1_000_003 + seq_id) >> 1
-        spec = SamplingSpec(params.temperature, params.top_k, params.top_p, int(seed), params.logprobs)
+        spec = SamplingSpec(params.temperature, params.top_k, params.top_p, int(seed), params.logprobs,
+                            params.logprobs_mode == "processed")
         return Sequence(
             seq_id=seq_id,
             request_id=request_id or f"req-{seq_id}",

@@ -36,9 +36,11 @@ class SamplingSpec:
     top_p: float
     seed: int
     logprobs: bool
+    processed_logprobs: bool = False  # log-prob under the distribution sampled from, not the raw logits
 
 
-def _sample_row(logits: torch.Tensor, spec: SamplingSpec, position: int) -> int:
+def _sample_row(logits: torch.Tensor, spec: SamplingSpec, position: int) -> tuple[int, float]:
+    """The drawn token and its log-probability after temperature, top-k and top-p."""
     probs = torch.softmax(logits.to(torch.float64) / spec.temperature, dim=-1)
     probs, order = probs.sort(descending=True, stable=True)
     keep = probs.numel()
@@ -52,7 +54,7 @@ def _sample_row(logits: torch.Tensor, spec: SamplingSpec, position: int) -> int:
     cum = probs.cumsum(0)
     target = uniform_for(spec.seed, position) * cum[-1].item()
     index = min(int((cum <= target).sum().item()), keep - 1)
-    return int(order[index])
+    return int(order[index]), float(torch.log(probs[index] / cum[-1]))
 
 
 def sample(
@@ -71,12 +73,18 @@ def sample(
             if ids:
                 logits[i, list(ids)] = float("-inf")
     greedy = logits.argmax(dim=-1).tolist()
-    tokens = [
-        greedy[i] if spec.temperature == 0.0 else _sample_row(logits[i], spec, positions[i])
-        for i, spec in enumerate(specs)
-    ]
+    tokens, processed = [], {}
+    for i, spec in enumerate(specs):
+        if spec.temperature == 0.0:
+            tokens.append(greedy[i])
+        else:
+            token, processed[i] = _sample_row(logits[i], spec, positions[i])
+            tokens.append(token)
     if not any(s.logprobs for s in specs):
         return tokens, None
-    logprobs = torch.log_softmax(logits.to(torch.float64), dim=-1)
-    chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    raw = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    chosen = raw[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    for i, spec in enumerate(specs):  # greedy rows have no processing: raw and processed agree
+        if spec.processed_logprobs and i in processed:
+            chosen[i] = processed[i]
     return tokens, chosen

@@ -72,7 +72,8 @@ class PatRolloutActor:
         await self._apply_pending()
         prompt = [int(t) for t in prompt_token_ids]
         max_len = self.engine.requests.max_model_len
-        params = from_vllm_like(sampling_params, default_max_tokens=max_len - len(prompt))
+        params = from_vllm_like(sampling_params, default_max_tokens=max_len - len(prompt),
+                                logprobs_mode=self.settings.logprobs_mode)
         out = await self.frontend.generate(prompt, params)
         skip = getattr(sampling_params, "skip_special_tokens", True)
         tokenizer = self.engine.tokenizer

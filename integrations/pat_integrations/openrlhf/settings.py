@@ -30,6 +30,7 @@ class PatActorSettings:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     plan: StagePlan = StagePlan()
     max_model_len: int | None = None
+    logprobs_mode: str = "raw"  # "raw" (vLLM's raw_logprobs) or "processed" (processed_logprobs)
 
     @classmethod
     def from_vllm_kwargs(cls, kwargs: dict[str, Any]) -> "PatActorSettings":
@@ -50,10 +51,10 @@ class PatActorSettings:
         if kw.pop("enable_prefix_caching", False):
             log.warning("pat-engine has no prefix cache: enable_prefix_caching is ignored")
         kw.pop("full_determinism", None)  # pat sampling is always reproducible (per-request seed and position)
-        mode = kw.pop("logprobs_mode", None)
-        if mode not in (None, "raw_logprobs"):
-            raise ValueError(f"logprobs_mode={mode!r}: pat-engine returns raw logprobs (log-softmax of the "
-                             "model's logits, before temperature, top-k and top-p)")
+        mode = kw.pop("logprobs_mode", None) or "raw_logprobs"
+        if mode not in ("raw_logprobs", "processed_logprobs"):
+            raise ValueError(f"logprobs_mode={mode!r}: pat-engine returns raw_logprobs (log-softmax of the model's "
+                             "logits) or processed_logprobs (after temperature, top-k and top-p)")
         if kw.pop("limit_mm_per_prompt", None):
             raise ValueError("pat-engine serves text-only models (limit_mm_per_prompt given)")
         for name in IGNORED:
@@ -65,4 +66,5 @@ class PatActorSettings:
         import torch
 
         engine_kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
-        return cls(str(model), base_tp, devices // base_tp, engine_kwargs, plan, engine_kwargs.get("max_model_len"))
+        return cls(str(model), base_tp, devices // base_tp, engine_kwargs, plan, engine_kwargs.get("max_model_len"),
+                   mode.removesuffix("_logprobs"))
