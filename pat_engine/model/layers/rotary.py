@@ -1,8 +1,7 @@
-"""Rotary position embedding (default and llama3-scaled), computed per step.
+"""Rotary position embedding (default and llama3-scaled).
 
 cos/sin are computed in float32 from ``positions * inv_freq`` exactly as the
-reference does, then cast to the model dtype; computing them per step (once,
-shared by all layers) costs ``T * head_dim`` flops and needs no cache.
+reference does, then cast to the model dtype.
 """
 
 from __future__ import annotations
@@ -30,13 +29,32 @@ def inverse_frequencies(rope: RopeSpec, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding:
+    """cos/sin rows per position, computed in float32 as the reference does and cached.
+
+    The table grows by doubling as longer positions appear; each row is the
+    same elementwise computation whether cached or not, so caching changes no bit.
+    """
+
     def __init__(self, rope: RopeSpec, head_dim: int, device):
         self.inv_freq = inverse_frequencies(rope, head_dim).to(device)
+        self._cos = self._sin = None  # (L, hd) in the model dtype
+        self._dtype: torch.dtype | None = None
+
+    def _grow(self, length: int, dtype: torch.dtype) -> None:
+        size = 256
+        while size < length:
+            size *= 2
+        positions = torch.arange(size, device=self.inv_freq.device)
+        freqs = positions[:, None].float() * self.inv_freq  # (L, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (L, hd)
+        self._cos, self._sin, self._dtype = emb.cos().to(dtype), emb.sin().to(dtype), dtype
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq  # (T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]  # (T, 1, hd)
+        """(T, 1, hd) cos and sin for the given positions."""
+        top = int(positions.max()) + 1 if positions.numel() else 1
+        if self._cos is None or self._dtype != dtype or top > self._cos.shape[0]:
+            self._grow(top, dtype)
+        return self._cos[positions][:, None, :], self._sin[positions][:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
