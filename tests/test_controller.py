@@ -115,3 +115,24 @@ def test_learned_lengths_avoid_the_early_switch_the_bound_makes():
     assert ctrl.decide(s) is None
     ev = ctrl.history[-1]
     assert ev.remaining_s[1] < 21 * step(1, 2, 0) * 1.05
+
+
+def test_lookahead_waits_when_switching_later_pays_more():
+    # 64 requests: 60 will stop at 50 tokens, 4 run to the 2000 cap (learned from an earlier stage).
+    # TP2 for the rest of the stage beats TP1 for the rest of the stage (Algorithm 1 switches now),
+    # but TP1 while the 60 short ones run, then TP2, is better still: the lookahead waits.
+    def dist():
+        d = LengthDistribution(draws=16)
+        d.add_stage([50] * 60 + [2000] * 4, capped=[False] * 60 + [True] * 4)
+        return d
+
+    s = status(1, spread(64, 4, 8), max_new=2000, step_no=8)
+    now_or_never = controller(dist(), lookahead=False).decide(s)
+    assert now_or_never is not None and now_or_never.tp == 2
+    patient = controller(dist())
+    assert patient.decide(s) is None
+    d = patient.history[-1].details
+    assert d["best_deferred"]["total_s"] < d["plan_s"]["2"] < d["stay_s"]
+    # once the short ones are done, it switches
+    later = patient.decide(status(1, [[(32, 56)]] * 4, max_new=2000, step_no=56))
+    assert later is not None and later.tp == 2

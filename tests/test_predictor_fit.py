@@ -140,3 +140,12 @@ def test_switch_cost_is_weights_plus_cheaper_kv_path_plus_fixed():
     assert est.recompute_s == pytest.approx(1e-4 * 3 * l_rms, rel=1e-6)
     assert est.total_s == pytest.approx(est.weights_s + min(est.migrate_s, est.recompute_s) + 0.25)
     assert pred.switch_cost(old, old, reqs, [], []).total_s == 0.0
+
+
+def test_scalar_path_equals_the_vectorised_fit():
+    truth = lambda tp, b, total: 0.01 + 0.003 * np.sqrt(b) + 1e-6 * total + 2e-6 * max(total - 500, 0)
+    fit = fit_decode(points(truth))
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        tp, b, x = int(rng.choice([1, 2])), float(rng.integers(0, 14)), float(rng.uniform(-50, 3000))
+        assert fit.scalar(tp, b, x) == pytest.approx(float(fit(tp, b, x)), rel=1e-12, abs=1e-15)

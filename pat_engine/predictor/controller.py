@@ -13,6 +13,11 @@ left under the current layout (default 2%). Switching on a predicted gain
 smaller than the predictor's own error (a few % MAPE, see
 bench/results/predictor_accuracy.md) is a coin flip that pays a certain cost;
 the margin also stops A->B->A flapping when two layouts are nearly equal.
+
+Lookahead (ours, on by default; ``lookahead=False`` is the paper's rule):
+before switching now, price switching later instead (``lookahead.py``); if
+"stay s more steps, then switch" is predicted faster than switching now, wait
+and ask again at the next check.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import numpy as np
 from pat_engine.core.policy import ClusterStatus, SwitchDecision
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.lengths import RemainingEstimator, SnapshotLengthTracker
+from pat_engine.predictor.lookahead import Future, deferral_steps, deferred, drain_groups, switch_value
 from pat_engine.predictor.predictor import LatencyPredictor, balance
 
 log = logging.getLogger(__name__)
@@ -38,6 +44,11 @@ class ControllerConfig:
     min_gain_s: float = 0.0
     seed: int = 0  # for the length draws
     check_interval: int = 8  # the engine's switch_check_interval (length inference needs it)
+    lookahead: bool = True  # also price deferred switches (see the module docstring)
+    lookahead_draws: int = 16  # of the estimator's draws, used by the (costlier) lookahead
+    # how the current layout's remaining time is estimated: "actual" = its groups as they are now;
+    # "balanced" = its requests re-spread like a candidate's (like for like: no credit for rebalancing)
+    current_placement: str = "balanced"
 
 
 @dataclass
@@ -63,7 +74,6 @@ class SwitchController:
         self.config = config
         self.can_hold = can_hold  # KV capacity check of a target layout (the coordinator refuses otherwise)
         self.tracker = tracker
-        self.rng = np.random.default_rng(config.seed)
         tps = config.candidate_tps or tuple(predictor.tps)
         self.candidates = tuple(tp for tp in tps if tp in predictor.tps)
         self.history: list[Evaluation] = []
@@ -75,12 +85,15 @@ class SwitchController:
         if not reqs:
             return None
         cur = status.layout
-        rem = self.estimator.draws(reqs, self.rng)  # (draws, n), shared by every candidate
+        # (draws, n), shared by every candidate; the same seed at every check, so consecutive checks
+        # see mostly the same futures and do not flip on sampling noise alone
+        rem = self.estimator.draws(reqs, np.random.default_rng(self.config.seed))
         placement = self.predictor.current_placement([len(g.requests) for g in status.groups])
-        remaining = {cur.tp: float(self.predictor.remaining_seconds(cur, reqs, placement, rem).mean())}
+        contexts = [r.context_len for r in reqs]
+        as_is = placement if self.config.current_placement == "actual" else balance(contexts, cur.dp)
+        remaining = {cur.tp: float(self.predictor.remaining_seconds(cur, reqs, as_is, rem).mean())}
         costs: dict[int, dict] = {}
         totals = {cur.tp: remaining[cur.tp]}
-        contexts = [r.context_len for r in reqs]
         for tp in self.candidates:
             if tp == cur.tp:
                 continue
@@ -92,10 +105,18 @@ class SwitchController:
             cost = self.predictor.switch_cost(cur, new, reqs, placement, target)
             costs[tp] = cost.to_dict()
             totals[tp] = remaining[tp] + cost.total_s
-        best = min(totals, key=lambda tp: (totals[tp], tp != cur.tp))
-        gain = totals[cur.tp] - totals[best]
+        plans = dict(totals)  # tp -> predicted total when switching there now (cur: staying)
+        later: dict[str, float] = {}
+        now: dict[int, float] = {}
+        wait: dict[int, float] = {}
+        if self.config.lookahead and costs:
+            plans, later, now, wait = self._look_ahead(cur, reqs, as_is, rem, totals, costs, contexts)
+        stay = min([totals[cur.tp], *later.values()])  # stay for good, or stay now and switch later
+        best = min((tp for tp in plans if tp != cur.tp), key=plans.get, default=cur.tp)
+        gain = totals[cur.tp] - plans.get(best, totals[cur.tp])
         margin = max(self.config.min_gain_frac * totals[cur.tp], self.config.min_gain_s)
-        chosen = best if best != cur.tp and gain > margin else cur.tp
+        sooner = best not in wait or now[best] <= wait[best]  # the same switch later is not better
+        chosen = best if best != cur.tp and gain > margin and plans[best] < stay and sooner else cur.tp
         details = {
             "estimator": self.estimator.name,
             "stage_decode_step": status.stage_decode_step,
@@ -105,14 +126,58 @@ class SwitchController:
             "switch_cost_s": {str(tp): {k: (round(v, 6) if isinstance(v, float) else v) for k, v in c.items()}
                               for tp, c in sorted(costs.items())},
             "stay_s": round(totals[cur.tp], 6),
-            "best_total_s": round(totals[best], 6),
+            "plan_s": {str(tp): round(t, 6) for tp, t in sorted(plans.items())},
+            "best_total_s": round(plans.get(best, totals[cur.tp]), 6),
             "predicted_gain_s": round(gain, 6),
             "margin_s": round(margin, 6),
         }
+        if later:
+            key = min(later, key=later.get)
+            details["best_deferred"] = {"plan": key, "total_s": round(later[key], 6)}
+        if wait:
+            details["same_switch_later_s"] = {str(tp): round(t, 6) for tp, t in wait.items()}
         self.history.append(Evaluation(status.stage_decode_step, len(reqs), cur.tp, remaining, costs, chosen, details))
         if chosen == cur.tp:
             return None
         reason = (f"{self.estimator.name}: remaining {totals[cur.tp]:.3f}s at {cur} > "
-                  f"{remaining[chosen]:.3f}s + switch {costs[chosen]['total_s']:.3f}s at TP{chosen}")
+                  f"{plans[chosen]:.3f}s switching to TP{chosen} now (switch {costs[chosen]['total_s']:.3f}s)")
         # kv_path None: the coordinator picks migrate/recompute from the exact move plan, with our rates
         return SwitchDecision(chosen, reason, None, details)
+
+    def _look_ahead(self, cur: Layout, reqs, as_is, rem, totals, costs, contexts):
+        """Plans beyond Algorithm 1's "now or never" (lookahead.py); all on the first few draws.
+
+        Returns switch-now totals per tp (best of Algorithm 1's and the lookahead's), deferred
+        single-switch totals, the lookahead's switch-now values, and "the best switch a little
+        later" values (all lookahead values are approximate; they are compared with each other)."""
+        k = self.config.check_interval
+        rem = rem[: self.config.lookahead_draws]
+        fut = Future(np.asarray(contexts, float), np.array([r.cached for r in reqs]), rem)
+        g_cur = np.full(len(reqs), -1)
+        for g, idx in enumerate(as_is):
+            g_cur[idx] = g
+        g_cur = np.broadcast_to(g_cur, rem.shape)
+        steps = deferral_steps(rem, 2 * k)
+        layouts = {tp: Layout.for_world(cur.world, tp) for tp in costs}
+        # later switches only go where a smaller batch runs faster (the batch only shrinks): higher TP
+        # on GPUs, but not necessarily on CPUs, so ask the table
+        solo = {tp: self.predictor.decode.scalar(tp, 1, float(np.max(contexts))) for tp in [*costs, cur.tp]}
+        now = {}
+        for x in costs:  # switch now, then possibly once more
+            onward = [layouts[y] for y in costs if solo[y] < solo[x]]
+            now[x] = float(switch_value(self.predictor, fut, cur, g_cur, layouts[x], onward, steps).mean())
+        plans = {tp: min(t, now.get(tp, t)) for tp, t in totals.items()}
+        later: dict[str, float] = {}
+        wait: dict[int, float] = {}
+        best = min(now, key=now.get)
+        if now[best] >= totals[cur.tp]:
+            return plans, later, now, wait  # no switch plan beats staying: nothing to defer
+        for x in costs:  # stay now, switch to x after s steps
+            t = deferred(self.predictor, fut, cur, g_cur, layouts[x], steps).mean(axis=1)
+            later.update({f"TP{x}@+{s}": float(v) for s, v in zip(steps, t)})
+        onward = [layouts[y] for y in costs if solo[y] < solo[best]]
+        for d in (k, 4 * k):  # the same switch a little later
+            reach = drain_groups(self.predictor, cur, g_cur, fut.ctx, np.minimum(rem, d))
+            value = reach + switch_value(self.predictor, fut.after(d), cur, g_cur, layouts[best], onward, steps)
+            wait[best] = min(wait.get(best, float("inf")), float(value.mean()))
+        return plans, later, now, wait

@@ -14,6 +14,7 @@ Everything is vectorised: ``tp`` is a scalar, ``batch`` and ``x`` broadcast.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from typing import Iterable
 
@@ -38,6 +39,19 @@ class LatencyCurve:
             slope = 0.0
         self.slope = max(float(slope), 0.0)
 
+        self._xs, self._ys = self.x.tolist(), self.y.tolist()  # for the scalar path
+
+    def scalar(self, x: float) -> float:
+        """Same as __call__ for one float, without numpy's per-call overhead (simulators call it a lot)."""
+        xs, ys = self._xs, self._ys
+        if x <= xs[0]:
+            return ys[0] + self.slope * (x - xs[0])
+        if x >= xs[-1]:
+            return ys[-1] + self.slope * (x - xs[-1])
+        j = bisect_right(xs, x)
+        w = (x - xs[j - 1]) / (xs[j] - xs[j - 1])
+        return ys[j - 1] + w * (ys[j] - ys[j - 1])
+
     def __call__(self, x) -> np.ndarray:
         x = np.asarray(x, float)
         out = np.interp(x, self.x, self.y)
@@ -55,10 +69,24 @@ class BatchInterpolated:
             raise ValueError("no profile points to fit")
         self.curves = curves
         self.batches = {tp: np.array(sorted(c)) for tp, c in curves.items()}
+        self._sizes = {tp: sorted(c) for tp, c in curves.items()}
 
     @property
     def tps(self) -> list[int]:
         return sorted(self.curves)
+
+    def scalar(self, tp: int, batch: float, x: float) -> float:
+        """``self(tp, batch, x)`` for scalars."""
+        if batch <= 0:
+            return 0.0
+        sizes = self._sizes[tp]
+        curves = self.curves[tp]
+        if len(sizes) == 1:
+            return max(curves[sizes[0]].scalar(x), 0.0)
+        hi = min(max(bisect_left(sizes, batch), 1), len(sizes) - 1)
+        b_lo, b_hi = sizes[hi - 1], sizes[hi]
+        w = max((batch - b_lo) / (b_hi - b_lo), 0.0)
+        return max((1 - w) * curves[b_lo].scalar(x) + w * curves[b_hi].scalar(x), 0.0)
 
     def __call__(self, tp: int, batch, x) -> np.ndarray:
         if tp not in self.curves:
