@@ -49,6 +49,22 @@ def pat_tokens_per_s(engine: Engine, prompts: list[list[int]], lengths: list[int
     return sum(lengths) / elapsed
 
 
+def gemm_floor_ms(spec: TinyModelSpec, batch: int, dtype: torch.dtype, repeats: int = 20) -> float:
+    """Time of one decode step's matrix products alone (no attention, norms or framework): a floor."""
+    h, inter, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
+    hd = h // spec.num_heads
+    shapes = [((spec.num_heads + 2 * spec.num_kv_heads) * hd, h), (h, spec.num_heads * hd), (2 * inter, h), (h, inter)]
+    weights = [torch.randn(o, i, dtype=dtype) for o, i in shapes * spec.num_layers] + [torch.randn(v, h, dtype=dtype)]
+    xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for w in weights:
+            torch.nn.functional.linear(xs[w.shape[1]], w)
+        best = min(best, time.perf_counter() - t)
+    return best * 1000
+
+
 def long_tail_lengths(n: int, cap: int, seed: int) -> list[int]:
     """Response lengths with a long tail (lognormal, median cap/5), one request at the cap."""
     g = torch.Generator().manual_seed(seed)
@@ -98,8 +114,11 @@ def main() -> None:
                     for _ in range(args.repeats):  # alternate, so slow spells of the machine hit both
                         pat = max(pat, pat_tokens_per_s(engine, prompts, lengths))
                         ref = max(ref, hf_tokens_per_s(hf, prompts, lengths))
+                    floor = gemm_floor_ms(spec, bs, getattr(torch, args.dtype))
                     rows.append([f"{name} ({spec.num_layers}L, hidden {spec.hidden_size}, vocab {spec.vocab_size})",
-                                 bs, kind, sum(lengths), round(ref, 1), round(pat, 1), f"{pat / ref:.2f}x"])
+                                 bs, kind, sum(lengths), round(ref, 1), round(pat, 1), f"{pat / ref:.2f}x",
+                                 round(floor, 2), round(1000 * bs / ref, 2) if kind == "equal" else "",
+                                 round(1000 * bs / pat, 2) if kind == "equal" else ""])
     body = (
         f"Llama-shaped models, {args.dtype}; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, EOS "
         f"ignored; {threads} threads for each side, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}; best of "
@@ -108,9 +127,11 @@ def main() -> None:
         "*equal*: every request generates the same number of tokens (the static batch's best case). "
         "*long-tail*: requests stop at different lengths (lognormal, one at the cap), as in RL rollouts; "
         "transformers' static batch keeps computing every row until the longest is done, pat-engine "
-        "drops finished requests. Throughput counts useful (requested) tokens only.\n\n"
+        "drops finished requests. Throughput counts useful (requested) tokens only. *GEMM floor*: the step's "
+        "matrix products alone at that batch (no attention, norms or framework), timed in this process; with "
+        "equal lengths, ms/step = batch / tok/s.\n\n"
         + markdown_table(["model", "batch", "lengths", "useful tokens", "transformers tok/s", "pat-engine tok/s",
-                          "speed-up"], rows)
+                          "speed-up", "GEMM floor ms/step", "transformers ms/step", "pat-engine ms/step"], rows)
     )
     write_result("decode_throughput", "Decode throughput: pat-engine vs transformers (CPU)", body)
 

@@ -68,6 +68,22 @@ def naive_restart(path: str, world: int, target_tp: int, unfinished: list[list[i
             "total_s": started + prefill + stopped}
 
 
+def crossover_summary(rows: list[list]) -> str:
+    """Where the cheaper KV path changes, measured and predicted (rows: context, mig, rec, _, pmig, prec, _)."""
+
+    def describe(mig_col: int, rec_col: int) -> str:
+        flips = [rows[i][0] for i in range(1, len(rows))
+                 if (rows[i][mig_col] <= rows[i][rec_col]) != (rows[i - 1][mig_col] <= rows[i - 1][rec_col])]
+        ratios = [r[rec_col] / r[mig_col] for r in rows if r[mig_col] > 0]
+        if flips:
+            return f"the cheaper path changes at context {flips[0]}"
+        winner = "migration" if rows[0][mig_col] <= rows[0][rec_col] else "recompute"
+        return (f"no crossover between {rows[0][0]} and {rows[-1][0]} tokens: {winner} is cheaper everywhere "
+                f"(recompute / migrate = {min(ratios):.0f}x to {max(ratios):.0f}x)")
+
+    return f"Crossover, measured: {describe(1, 2)}. Predicted: {describe(4, 5)}."
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=9)
@@ -128,11 +144,13 @@ def main() -> None:
                               mig.costs.get("predicted_recompute_s", float("nan")),
                               "migrate" if mig.costs.get("predicted_migrate_s", 0) <= mig.costs.get("predicted_recompute_s", 0)
                               else "recompute"])
+            part2_tail = crossover_summary(rows2)
             part2 = ("KV handling per path (seconds). Measured migrate = the switch's KV phase; measured recompute = "
                      "pool rebuild + the re-prefill steps after the switch. Predicted = Eq. 1-4 with the measured "
                      f"bandwidth ({bw / 1e9:.2f} GB/s one-way per rank) and the engine's measured prefill rates.\n\n"
                      + markdown_table(["context", "migrate (measured)", "recompute (measured)", "faster (measured)",
-                                       "migrate (predicted)", "recompute (predicted)", "faster (predicted)"], rows2))
+                                       "migrate (predicted)", "recompute (predicted)", "faster (predicted)"], rows2)
+                     + "\n\n" + part2_tail)
 
             # 3. memory
             part3 = (f"\n\nPeak extra memory during the headline switch: {c['peak_extra_bytes'] / 2**20:.2f} MiB per rank "

@@ -70,7 +70,9 @@ def paged_attention(
         if kernel is not None and meta.context_lens is not None:
             return kernel(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, scale)
         b, nb = meta.block_tables.shape
-        kv = kv_cache[:, meta.block_tables].view(2, b, -1, kvh, hd).transpose(2, 3)  # (2, B, kvh, nb*bs, hd)
+        # index_select over whole blocks (contiguous rows) is several times faster than advanced indexing
+        blocks = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, meta.block_tables.reshape(-1))
+        kv = blocks.view(2, b, -1, kvh, hd).transpose(2, 3)  # (2, B, kvh, nb*bs, hd)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), kv[0], kv[1], attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
         )  # (B, h, 1, hd)
