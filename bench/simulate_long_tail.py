@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from common import RESULTS, markdown_table, write_result
+from cpu_model import PROFILE as CPU_PROFILE
 from longtail.oracle import search
 from longtail.plot import plot_runs
 from longtail.policies import distribution_policy, paper_policy
@@ -36,8 +37,6 @@ from longtail.tables import a40_table, h100_table
 from longtail.workload import LongTail, make_batch
 from pat_engine.predictor.predictor import LatencyPredictor
 from pat_engine.predictor.table import ProfileTable
-
-CPU_PROFILE = Path(__file__).resolve().parent / "profiles" / "cpu_llama_h1024_l4_w2.json"
 
 
 @dataclass(frozen=True)
@@ -57,8 +56,8 @@ class Scenario:
 def deployments(cpu_profile: Path) -> dict:
     return {
         "cpu": (lambda: ProfileTable.load(cpu_profile),
-                Scenario(16, 8, 448, (32, 64), scale=448 / 16384, max_num_seqs=256),
-                "measured here with pat-profile (CPU worker processes)"),
+                Scenario(4, 8, 192, (32, 64), scale=192 / 16384, max_num_seqs=256),
+                "measured here with pat-profile (2 CPU worker processes, bench/cpu_model.py)"),
         "a40-128": (a40_table, Scenario(16, 8, 16384, (100, 400)),
                     "8xA40 paper-calibrated, 128 responses (the paper's batch)"),
         "a40": (a40_table, Scenario(128, 8, 16384, (100, 400)), "8xA40 paper-calibrated, 128 prompts x 8"),
@@ -107,7 +106,7 @@ def run_seed(table: ProfileTable, sc: Scenario, seed: int, k: int) -> tuple[dict
         runs[label] = sim
     runs["oracle"] = oracle.sim
     info = {"base": base, "best_static_tp": best_static_tp, "static": oracle.static,
-            "oracle_schedule": oracle.schedule, "n": len(batch.lengths), "max_len": int(batch.lengths.max()),
+            "oracle_start": oracle.start_tp, "oracle_schedule": oracle.schedule, "n": len(batch.lengths), "max_len": int(batch.lengths.max()),
             "capped": int((batch.lengths >= sc.cap).sum())}
     return runs, info
 

@@ -25,6 +25,7 @@ from longtail.simulator import Simulation
 @dataclass(frozen=True)
 class OracleResult:
     seconds: float
+    start_tp: int  # the base layout, or the best static layout when no schedule beats it
     schedule: tuple[tuple[int, int], ...]  # (stage decode step, tp)
     sim: Simulation
     static: dict[int, float]
@@ -99,16 +100,15 @@ def search(make: Callable[[int], Simulation], base_tp: int, tps: list[int], coar
         for snap2 in _checkpoints(first, 1, max(s1, s2 - coarse * k), s2 + coarse * k):
             add(((s1, tp1), (snap2.stage_step, tp2)), _score(snap2, tp2))
     # replay the best candidates exactly
-    best, best_sched, best_sim = min(static.values()), (), None
     best_static_tp = min(static, key=static.get)
+    best, best_sched, best_sim, start = static[best_static_tp], (), None, best_static_tp
     for sched in sorted(scored, key=scored.get)[:top]:
         sim = make(base_tp)
         sim.policy = ScheduledSwitches(list(sched))
         sim.run()
         if sim.finished_at < best:
-            best, best_sched, best_sim = sim.finished_at, sched, sim
+            best, best_sched, best_sim, start = sim.finished_at, sched, sim, base_tp
     if best_sim is None:
         best_sim = make(best_static_tp)
         best_sim.run()
-        best_sched = () if best_static_tp == base_tp else ((0, best_static_tp),)
-    return OracleResult(best, best_sched, best_sim, static, len(scored))
+    return OracleResult(best, start, best_sched, best_sim, static, len(scored))

@@ -1,0 +1,145 @@
+"""Predictor accuracy on real CPU trajectories (paper Sec. 5.5, Fig. 14).
+
+    PYTHONPATH=.:profiler python bench/predictor_accuracy.py [--requests 32] [--repeats 2]
+
+Loads the committed profile of the benchmark model (bench/profiles/, made by
+pat-profile from random-token dummy batches), runs ragged batches (random
+prompt lengths, long-tail response lengths) at TP1xDP2 and TP2xDP1 with
+``engine.record_steps()``, and compares, for every decode step as the batch
+drains, the predicted step latency (fit at the step's batch size and total
+context) with the measured one. Layouts alternate (A B A B ...) so slow
+drifts of a shared machine hit both. Reports the mean absolute percentage
+error per layout: per step, per window of 8 steps (the controller's check
+interval), and of the whole drain time; plus a PNG of the trajectories.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+
+from common import RESULTS, markdown_table, write_result
+from cpu_model import DTYPE, PROFILE, WORLD, model_path
+from longtail.workload import LongTail
+from pat_engine import Engine, SamplingParams
+from pat_engine.predictor.predictor import LatencyPredictor
+from pat_engine.predictor.table import ProfileTable
+
+
+class NeverSwitch:
+    def decide(self, status):
+        return None
+
+
+def ragged_batch(n: int, cap: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    rng = np.random.default_rng(seed)
+    lengths = LongTail.fit(scale=cap / 16384).sample(rng, max(n // 8, 1), 8, cap)[:n]
+    prompts = [rng.integers(16, 2000, int(rng.integers(32, 97))).tolist() for _ in range(n)]
+    return prompts, [int(x) for x in lengths]
+
+
+def run_layout(engine: Engine, tp: int, prompts, lengths) -> list:
+    engine.reconfigure(tp)
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in lengths]
+    with engine.record_steps() as steps:
+        engine.generate(prompts, params, policy=NeverSwitch(), use_tqdm=False)
+    first: set[int] = set()
+    out = []
+    for s in steps:  # like the profiler: drop each group's first decode step (it overlaps prefills)
+        if s.is_prefill:
+            continue
+        if s.group not in first:
+            first.add(s.group)
+            continue
+        out.append(s)
+    return out
+
+
+def mape(pred: np.ndarray, meas: np.ndarray) -> float:
+    return float(np.mean(np.abs(pred - meas) / meas) * 100)
+
+
+def windows(pred: np.ndarray, meas: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    n = len(meas) // k * k
+    return pred[:n].reshape(-1, k).mean(axis=1), meas[:n].reshape(-1, k).mean(axis=1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--cap", type=int, default=160)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--profile", default=str(PROFILE))
+    args = p.parse_args()
+    table = ProfileTable.load(args.profile)
+    pred = LatencyPredictor(table)
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    records: dict[int, list] = {1: [], 2: []}
+    with Engine(model_path(), tp=1, dp=WORLD, dtype=DTYPE, profile_table=args.profile,
+                kv_cache_bytes=1 << 30) as engine:
+        for rep in range(args.repeats):
+            prompts, lengths = ragged_batch(args.requests, args.cap, seed=rep)
+            for tp in (1, 2) if rep % 2 == 0 else (2, 1):
+                records[tp].append(run_layout(engine, tp, prompts, lengths))
+    load_after = os.getloadavg()
+    rows, curves = [], {}
+    for tp, runs in records.items():
+        steps = [s for run in runs for s in run]
+        meas = np.array([s.seconds for s in steps])
+        est = np.array([float(pred.step_seconds(tp, s.batch_size, s.context_tokens)) for s in steps])
+        wp, wm = windows(est, meas, 8)
+        drain = [(sum(float(pred.step_seconds(tp, s.batch_size, s.context_tokens)) for s in run),
+                  sum(s.seconds for s in run)) for run in runs]
+        drain_err = statistics.fmean(abs(a - b) / b * 100 for a, b in drain)
+        rows.append([f"TP{tp}xDP{WORLD // tp}", len(steps), f"{mape(est, meas):.2f}%", f"{mape(wp, wm):.2f}%",
+                     f"{drain_err:.2f}%", f"{np.mean(meas) * 1e3:.1f}"])
+        curves[tp] = (runs[0], pred)
+    png = RESULTS / "predictor_accuracy.png"
+    plot(curves, png)
+    body = (f"Profile: `{os.path.relpath(args.profile)}` ({len(table.points)} points from random-token dummy "
+            f"batches, {table.deployment.device}, {table.deployment.dtype}); model: bench/cpu_model.py; "
+            f"{args.requests} requests per batch, prompts 32-96 tokens, long-tail response lengths capped at "
+            f"{args.cap} (bench/longtail/workload.py, scaled); {args.repeats} batches per layout, layouts "
+            f"alternating. Decode steps only; each group's first decode step left out (as in the profile).\n"
+            f"Load average before/after: {load_before[0]:.2f}/{load_after[0]:.2f} (2 cores; other jobs share "
+            f"this machine). Wall time {time.perf_counter() - started:.0f} s.\n\n"
+            + markdown_table(["layout", "decode steps", "MAPE per step", "MAPE per 8-step window",
+                              "drain time error", "mean step (ms)"], rows)
+            + "\n\nPaper (Sec. 5.5, DeepScaleR, 8xA40): 4.04% (TP2xDP4) and 3.07% (TP8xDP1).\n\n"
+            + f"![trajectories]({png.name})\n")
+    write_result("predictor_accuracy", "Predictor accuracy on real CPU trajectories", body)
+
+
+def plot(curves: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(curves), figsize=(11, 3.6), squeeze=False)
+    for ax, (tp, (run, pred)) in zip(axes[0], sorted(curves.items())):
+        for g in sorted({s.group for s in run}):
+            steps = [s for s in run if s.group == g]
+            t = [s.t for s in steps]
+            ax.plot(t, [s.seconds * 1e3 for s in steps], lw=0.6, alpha=0.6, label=f"measured, group {g}")
+            ax.plot(t, [float(pred.step_seconds(tp, s.batch_size, s.context_tokens)) * 1e3 for s in steps],
+                    lw=1.4, label=f"predicted, group {g}")
+        ax2 = ax.twinx()
+        ax2.step([s.t for s in run], [s.batch_size for s in run], where="post", color="gray", lw=0.8)
+        ax2.set_ylabel("batch (per group)", color="gray")
+        ax.set_title(f"TP{tp}xDP{WORLD // tp}: decode step latency as the batch drains", fontsize=9)
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("ms per step")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
