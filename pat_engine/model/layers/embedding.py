@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pat_engine.model.layers.linear import sharded_parameter
+from pat_engine.model.layers.linear import linear, sharded_parameter
 from pat_engine.model.shard_spec import vocab_parallel
 from pat_engine.parallel.comm import TPGroup
 
@@ -39,5 +39,5 @@ class ParallelLMHead(nn.Module):
             self.weight = sharded_parameter(vocab_parallel(vocab_size, hidden_size), tp, dtype, device)
 
     def forward(self, hidden: torch.Tensor, tp: TPGroup) -> torch.Tensor | None:
-        logits = tp.gather_to_leader(F.linear(hidden, self.weight), dim=-1)
+        logits = tp.gather_to_leader(linear(hidden, self.weight), dim=-1)
         return None if logits is None else logits[:, : self.vocab_size]
