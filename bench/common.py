@@ -4,32 +4,17 @@ from __future__ import annotations
 
 import datetime
 import os
-import platform
 import shlex
 import sys
 from pathlib import Path
+
+from pat_engine.platform_info import machine_summary
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = ""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            gpu = f", GPU {torch.cuda.get_device_name(0)}"
-    except Exception:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores{gpu}, Python {platform.python_version()}"
+    return machine_summary()
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:

@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import os
-import platform
 import random
 import sys
 import tempfile
@@ -35,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from pat_engine import Engine, RequestOutput, SamplingParams  # noqa: E402
+from pat_engine.platform_info import machine_summary  # noqa: E402
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model  # noqa: E402
 
 
@@ -164,18 +163,6 @@ def format_row(r: dict) -> str:
             f"{r['tokens']} | {r['max_len']} | {r['logprob_drift']:.1e} | {r['train_s']:.2f} |")
 
 
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iterations", type=int, default=GRPOConfig.iterations)
@@ -206,7 +193,7 @@ def write_report(path: Path, rows: list[dict], cfg: GRPOConfig, control: list[di
         "# GRPO on a tiny model with pat-engine rollouts (CPU)",
         "",
         f"Command: `python examples/grpo_tiny.py {argv}`",
-        f"Machine: {machine()}",
+        f"Machine: {machine_summary()}",
         f"Date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}",
         "",
         f"{cfg.prompts} prompts x {cfg.group} samples per iteration, temperature 1, response lengths Pareto "

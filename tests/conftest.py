@@ -50,8 +50,6 @@ def hf_greedy(path: str, prompt: list[int], max_new: int) -> list[int]:
     """Greedy continuation by ``transformers`` in float64 (the reference)."""
     key = (path, tuple(prompt), max_new)
     if key not in _HF_CACHE:
-        from transformers import AutoModelForCausalLM
-
         model = _hf_model(path)
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False)
         _HF_CACHE[key] = out[0, len(prompt):].tolist()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import asdict
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -151,3 +152,20 @@ class AsyncEngineFrontend:
         if todo:
             await asyncio.to_thread(self.engine.wake_up, todo)
             self.released -= set(todo)
+
+
+class LayoutViews:
+    """Read-only layout queries shared by the actors that wrap an engine and its frontend."""
+
+    engine: Engine
+    frontend: AsyncEngineFrontend
+
+    def layout(self) -> str:
+        return str(self.engine.layout)
+
+    def switches(self) -> list[dict]:
+        return [asdict(e) for e in self.engine.switches]
+
+    def stage_layouts(self) -> list[str]:
+        """The layout each stage started in (always the base layout)."""
+        return list(self.frontend.stages.layouts_at_start)

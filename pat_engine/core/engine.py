@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from typing import Any, Callable, Iterable, Iterator, Sequence as Seq
 
 from tqdm.auto import tqdm

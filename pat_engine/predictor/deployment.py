@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 import os
 from pathlib import Path
@@ -11,28 +10,14 @@ import torch
 
 from pat_engine.model.arch import ModelArch
 from pat_engine.parallel.layout import Layout
+from pat_engine.platform_info import cpu_name, gpu_name
 from pat_engine.predictor.table import Deployment, ModelShape
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine() or "unknown cpu"
 
 
 def device_name(device: str) -> str:
     """CPU timings depend on the processor and the core count; GPU timings on the GPU model."""
-    if device == "cuda" and torch.cuda.is_available():
-        return f"cuda: {torch.cuda.get_device_name(0)}"
     if device == "cuda":
-        return "cuda: unknown"
+        return f"cuda: {gpu_name() or 'unknown'}"
     return f"cpu: {cpu_name()} ({os.cpu_count()} cores)"
 
 

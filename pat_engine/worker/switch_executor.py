@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from pat_engine.parallel.kv_plan import KVMove, SeqPlacement, kv_heads_of, plan_kv_moves, token_slots
+from pat_engine.parallel.kv_plan import SeqPlacement, kv_heads_of, plan_kv_moves, token_slots
 from pat_engine.parallel.layout import Layout
 from pat_engine.parallel.p2p import exchange
 from pat_engine.parallel.reshard_plan import allgather_bytes, plan_moves

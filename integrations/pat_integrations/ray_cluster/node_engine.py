@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from pat_engine import Engine, RequestOutput, SamplingParams
-from pat_integrations.frontend import AsyncEngineFrontend
+from pat_integrations.frontend import AsyncEngineFrontend, LayoutViews
 from pat_integrations.stage import StagePlan
 
 
-class NodeEngine:
+class NodeEngine(LayoutViews):
     def __init__(self, model: str, tp: int, dp: int, engine_kwargs: dict[str, Any] | None = None,
                  plan: StagePlan | None = None):
         self.engine = Engine(model, tp=tp, dp=dp, **(engine_kwargs or {}))
@@ -38,16 +38,6 @@ class NodeEngine:
     async def reconfigure(self, tp: int) -> dict:
         event = await self.frontend.call(self.engine.reconfigure, tp)
         return asdict(event)
-
-    def layout(self) -> str:
-        return str(self.engine.layout)
-
-    def switches(self) -> list[dict]:
-        return [asdict(e) for e in self.engine.switches]
-
-    def stage_layouts(self) -> list[str]:
-        """The layout each stage started in (always the base layout)."""
-        return list(self.frontend.stages.layouts_at_start)
 
     def num_unfinished_requests(self) -> int:
         return self.frontend.num_in_flight

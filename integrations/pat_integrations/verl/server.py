@@ -11,21 +11,20 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import asdict
 from typing import Any
 
 import torch
 from verl.workers.rollout.replica import RolloutMode, TokenOutput
 
 from pat_engine import Engine
-from pat_integrations.frontend import AsyncEngineFrontend
+from pat_integrations.frontend import AsyncEngineFrontend, LayoutViews
 from pat_integrations.sampling import from_verl
 from pat_integrations.verl.settings import PatRolloutSettings
 
 log = logging.getLogger(__name__)
 
 
-class PatServer:
+class PatServer(LayoutViews):
     def __init__(self, config: Any, model_config: Any, rollout_mode: RolloutMode, replica_rank: int,
                  devices_per_node: int, visible_devices: str | None = None):
         if visible_devices:  # the hybrid workers' GPUs: the engine's worker processes inherit them
@@ -121,15 +120,6 @@ class PatServer:
 
     async def stop_profile(self) -> None:
         return None
-
-    def layout(self) -> str:
-        return str(self.engine.layout)
-
-    def switches(self) -> list[dict]:
-        return [asdict(e) for e in self.engine.switches]
-
-    def stage_layouts(self) -> list[str]:
-        return list(self.frontend.stages.layouts_at_start)
 
     def is_sleeping(self) -> bool:
         return bool(self.frontend.released)
