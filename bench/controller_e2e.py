@@ -19,26 +19,11 @@ import os
 import statistics
 import time
 
-import numpy as np
 
 from common import markdown_table, write_result
-from cpu_model import DTYPE, PROFILE, WORLD, model_path
-from longtail.workload import LongTail
+from cpu_model import DTYPE, PROFILE, WORLD, long_tail_batch, model_path
 from pat_engine import Engine, SamplingParams
-
-
-class NeverSwitch:
-    def decide(self, status):
-        return None
-
-
-def batch(n: int, cap: int, seed: int) -> tuple[list[list[int]], list[int]]:
-    """Long-tail lengths, then the longest made a straggler at the cap (the tail the paper targets)."""
-    rng = np.random.default_rng(seed)
-    lengths = LongTail.fit(scale=cap / 16384).sample(rng, max(n // 8, 1), 8, cap)[:n]
-    lengths[int(np.argmax(lengths))] = cap
-    prompts = [rng.integers(16, 2000, int(rng.integers(32, 128))).tolist() for _ in range(n)]
-    return prompts, [int(x) for x in lengths]
+from pat_engine.core.policy import StaticLayout
 
 
 def timed(engine: Engine, prompts, params, policy=None, start_tp: int = 1):
@@ -58,7 +43,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=3)
     args = p.parse_args()
-    prompts, lengths = batch(args.requests, args.cap, args.seed)
+    prompts, lengths = long_tail_batch(args.requests, args.cap, args.seed, (32, 128), straggler=True)
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in lengths]
     load_before = os.getloadavg()
     times: dict[str, list[float]] = {"static TP1xDP2": [], "controller": [], "static TP2xDP1": []}
@@ -74,7 +59,7 @@ def main() -> None:
                     secs, toks, evs = timed(engine, prompts, params, controller, 1)
                     events.append(evs)
                 else:
-                    secs, toks, _ = timed(engine, prompts, params, NeverSwitch(), 1 if "TP1" in label else 2)
+                    secs, toks, _ = timed(engine, prompts, params, StaticLayout(), 1 if "TP1" in label else 2)
                 times[label].append(secs)
                 tokens.setdefault(label, toks)
                 assert toks == tokens[label], f"{label}: tokens changed between repeats"

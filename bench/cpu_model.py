@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
+from longtail.workload import LongTail
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
 
 SPEC = TinyModelSpec(arch="llama", vocab_size=2048, hidden_size=2048, intermediate_size=6144, num_layers=4,
@@ -23,3 +26,15 @@ def model_path() -> str:
     if not (path / "model.safetensors").is_file():
         write_tiny_model(path, SPEC)
     return str(path)
+
+
+def long_tail_batch(n: int, cap: int, seed: int, prompt_lens: tuple[int, int] = (32, 97),
+                    straggler: bool = False) -> tuple[list[list[int]], list[int]]:
+    """Random-token prompts and long-tail response lengths (bench/longtail/workload.py scaled to ``cap``);
+    with ``straggler`` the longest is set to the cap (the tail the paper targets)."""
+    rng = np.random.default_rng(seed)
+    lengths = LongTail.fit(scale=cap / 16384).sample(rng, max(n // 8, 1), 8, cap)[:n]
+    if straggler:
+        lengths[int(np.argmax(lengths))] = cap
+    prompts = [rng.integers(16, 2000, int(rng.integers(*prompt_lens))).tolist() for _ in range(n)]
+    return prompts, [int(x) for x in lengths]

@@ -23,30 +23,18 @@ import time
 import numpy as np
 
 from common import RESULTS, markdown_table, write_result
-from cpu_model import DTYPE, PROFILE, WORLD, model_path
-from longtail.workload import LongTail
+from cpu_model import DTYPE, PROFILE, WORLD, long_tail_batch, model_path
 from pat_engine import Engine, SamplingParams
+from pat_engine.core.policy import StaticLayout
 from pat_engine.predictor.predictor import LatencyPredictor
 from pat_engine.predictor.table import ProfileTable
-
-
-class NeverSwitch:
-    def decide(self, status):
-        return None
-
-
-def ragged_batch(n: int, cap: int, seed: int) -> tuple[list[list[int]], list[int]]:
-    rng = np.random.default_rng(seed)
-    lengths = LongTail.fit(scale=cap / 16384).sample(rng, max(n // 8, 1), 8, cap)[:n]
-    prompts = [rng.integers(16, 2000, int(rng.integers(32, 97))).tolist() for _ in range(n)]
-    return prompts, [int(x) for x in lengths]
 
 
 def run_layout(engine: Engine, tp: int, prompts, lengths) -> list:
     engine.reconfigure(tp)
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in lengths]
     with engine.record_steps() as steps:
-        engine.generate(prompts, params, policy=NeverSwitch(), use_tqdm=False)
+        engine.generate(prompts, params, policy=StaticLayout(), use_tqdm=False)
     first: set[int] = set()
     out = []
     for s in steps:  # like the profiler: drop each group's first decode step (it overlaps prefills)
@@ -61,6 +49,33 @@ def run_layout(engine: Engine, tp: int, prompts, lengths) -> list:
 
 def mape(pred: np.ndarray, meas: np.ndarray) -> float:
     return float(np.mean(np.abs(pred - meas) / meas) * 100)
+
+
+def step_noise(runs: list[list]) -> float:
+    """How far a step is from its neighbours (same group and batch size, up to 4 steps either side):
+    the MAPE that a predictor knowing the true local mean would still have on single steps."""
+    errs = []
+    for run in runs:
+        for g in {s.group for s in run}:
+            steps = [s for s in run if s.group == g]
+            for i, s in enumerate(steps):
+                near = [o.seconds for o in steps[max(i - 4, 0): i + 5] if o is not s and o.batch_size == s.batch_size]
+                if near:
+                    errs.append(abs(statistics.fmean(near) - s.seconds) / s.seconds * 100)
+    return statistics.fmean(errs)
+
+
+def table_repeatability(table: ProfileTable) -> dict[int, float]:
+    """Per TP: mean |difference| between passes of the same profile point, relative to their mean (needs
+    ``pat-profile --passes 2`` or more): how well this machine reproduces its own step latency."""
+    by: dict[tuple, list[float]] = {}
+    for p in table.points:
+        by.setdefault(p.key, []).append(p.decode_step_s)
+    out: dict[int, list[float]] = {}
+    for (tp, _, _), ys in by.items():
+        if len(ys) > 1:
+            out.setdefault(tp, []).append((max(ys) - min(ys)) / statistics.fmean(ys) * 100)
+    return {tp: statistics.fmean(v) for tp, v in out.items()}
 
 
 def windows(pred: np.ndarray, meas: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -83,10 +98,11 @@ def main() -> None:
     with Engine(model_path(), tp=1, dp=WORLD, dtype=DTYPE, profile_table=args.profile,
                 kv_cache_bytes=1 << 30) as engine:
         for rep in range(args.repeats):
-            prompts, lengths = ragged_batch(args.requests, args.cap, seed=rep)
+            prompts, lengths = long_tail_batch(args.requests, args.cap, seed=rep)
             for tp in (1, 2) if rep % 2 == 0 else (2, 1):
                 records[tp].append(run_layout(engine, tp, prompts, lengths))
     load_after = os.getloadavg()
+    repeat = table_repeatability(table)
     rows, curves = [], {}
     for tp, runs in records.items():
         steps = [s for run in runs for s in run]
@@ -97,7 +113,8 @@ def main() -> None:
                   sum(s.seconds for s in run)) for run in runs]
         drain_err = statistics.fmean(abs(a - b) / b * 100 for a, b in drain)
         rows.append([f"TP{tp}xDP{WORLD // tp}", len(steps), f"{mape(est, meas):.2f}%", f"{mape(wp, wm):.2f}%",
-                     f"{drain_err:.2f}%", f"{np.mean(meas) * 1e3:.1f}"])
+                     f"{drain_err:.2f}%", f"{step_noise(runs):.2f}%",
+                     f"{repeat[tp]:.2f}%" if tp in repeat else "n/a", f"{np.mean(meas) * 1e3:.1f}"])
         curves[tp] = (runs[0], pred)
     png = RESULTS / "predictor_accuracy.png"
     plot(curves, png)
@@ -109,8 +126,15 @@ def main() -> None:
             f"Load average before/after: {load_before[0]:.2f}/{load_after[0]:.2f} (2 cores; other jobs share "
             f"this machine). Wall time {time.perf_counter() - started:.0f} s.\n\n"
             + markdown_table(["layout", "decode steps", "MAPE per step", "MAPE per 8-step window",
-                              "drain time error", "mean step (ms)"], rows)
-            + "\n\nPaper (Sec. 5.5, DeepScaleR, 8xA40): 4.04% (TP2xDP4) and 3.07% (TP8xDP1).\n\n"
+                              "drain time error", "step noise", "table repeatability", "mean step (ms)"], rows)
+            + "\n\n*Step noise*: a step's distance from the mean of its neighbours (same group and batch size, "
+              "up to 4 steps either side), i.e. the per-step MAPE that even a predictor of the true local mean "
+              "would have. *Table repeatability*: the same profile point measured in two passes of the grid "
+              "(`pat-profile --passes 2`, minutes apart), mean |difference| relative to their mean: how "
+              "well this machine reproduces its own latency. *Drain time error*: predicted vs measured sum of the decode steps of a whole batch "
+              "(the quantity the controller compares between layouts).\n\nBefore the engine padded CPU GEMM rows to a "
+              "multiple of 4 (commit 2b57540), odd batch sizes ran up to 2x slower than the powers of two the "
+              "table holds, and this benchmark gave 26.7% (TP1xDP2) and 23.0% (TP2xDP1) per step.\n\nPaper (Sec. 5.5, DeepScaleR, 8xA40): 4.04% (TP2xDP4) and 3.07% (TP8xDP1).\n\n"
             + f"![trajectories]({png.name})\n")
     write_result("predictor_accuracy", "Predictor accuracy on real CPU trajectories", body)
 

@@ -13,6 +13,7 @@ import pytest
 
 from pat_engine import Engine, SamplingParams
 from pat_engine.config import EngineConfig
+from pat_engine.core.policy import StaticLayout
 from pat_engine.model.arch import load_model_arch
 from pat_engine.predictor.analytic import analytic_table
 from pat_engine.predictor.deployment import make_deployment, model_shape
@@ -26,11 +27,6 @@ STEP = lambda tp, b, total: BASE[tp] + PER_REQUEST[tp] * b + 1e-7 * total / tp
 # Long tail: most requests stop early, two run on.
 MAX_NEW = [6, 6, 8, 8, 9, 10, 10, 12, 12, 14, 40, 72]
 PROMPTS = [[10 + 7 * i + j for j in range(3 + i % 5)] for i in range(len(MAX_NEW))]
-
-
-class NeverSwitch:
-    def decide(self, status):
-        return None
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +49,7 @@ def test_controller_switches_on_its_own_and_tokens_match_static(engine):
     controller = engine.coordinator.policy
     switched = engine.generate(PROMPTS, params, use_tqdm=False)
     events = engine.switches
-    static = engine.generate(PROMPTS, params, policy=NeverSwitch(), from_base_layout=True, use_tqdm=False)
+    static = engine.generate(PROMPTS, params, policy=StaticLayout(), from_base_layout=True, use_tqdm=False)
     assert [o.token_ids for o in switched] == [o.token_ids for o in static]
     assert [len(o.token_ids) for o in switched] == MAX_NEW
 

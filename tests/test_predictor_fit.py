@@ -140,6 +140,10 @@ def test_switch_cost_is_weights_plus_cheaper_kv_path_plus_fixed():
     assert est.recompute_s == pytest.approx(1e-4 * 3 * l_rms, rel=1e-6)
     assert est.total_s == pytest.approx(est.weights_s + min(est.migrate_s, est.recompute_s) + 0.25)
     assert pred.switch_cost(old, old, reqs, [], []).total_s == 0.0
+    # a profiled weight reshard time (allocation and copies included) wins over bytes / bandwidth
+    timed = make_predictor(lambda tp, b, t: 0.01, prefill=lambda tp, b, l: 1e-4 * b * l, bandwidth=1e8,
+                           costs=[SwitchCost(1, 4, fixed_s=0.25, weight_bytes=2_000_000, weights_s=0.7)])
+    assert timed.switch_cost(old, new, reqs, [[0, 1], [2], [], []], [[0, 1, 2]]).weights_s == 0.7
 
 
 def test_scalar_path_equals_the_vectorised_fit():

@@ -16,7 +16,9 @@ from pat_engine.predictor.controller import SwitchController
 from pat_engine.predictor.deployment import make_deployment, model_shape
 from pat_engine.predictor.predictor import LatencyPredictor
 from pat_engine.predictor.table import ProfileTable, ProfileTableError, check_deployment
+from pat_engine.predictor.table import ProfilePoint
 from pat_profiler import cli
+from pat_profiler.grid import build_grid
 from pat_profiler.profile import ProfileOptions, run_profile
 
 
@@ -80,6 +82,24 @@ def test_engine_runs_static_without_its_table_and_attaches_the_controller_with_o
         assert isinstance(engine.coordinator.policy, SwitchController)
         assert isinstance(engine.coordinator.cost_source, LatencyPredictor)
         assert engine.coordinator.policy.candidates == (1, 2)
+
+
+def test_passes_measure_the_whole_grid_again_and_the_fit_averages_them(model_dir, tmp_path):
+    grid = build_grid([1, 2], [1, 4], [16, 64], window=8, budget_tokens=4096, max_position=512, max_num_seqs=8,
+                      passes=2)
+    first, second = grid[:8], grid[8:]
+    assert {p.repeat for p in first} == {0} and {p.repeat for p in second} == {1}
+    assert [p.key[:3] for p in first] == [p.key[:3] for p in second]  # same points, a whole pass later
+    table = table_for(model_dir("llama"), 2)
+    table.points = [ProfilePoint(1, 1, 16, 20.0, 0.5, 0.010, repeat=0), ProfilePoint(1, 1, 64, 70.0, 1.0, 0.020),
+                    ProfilePoint(1, 1, 16, 20.0, 0.7, 0.014, repeat=1)]
+    table.add_point(ProfilePoint(1, 1, 16, 20.0, 0.5, 0.012, repeat=0))  # a re-measured point replaces its pass only
+    path = tmp_path / "t.json"
+    table.save(path)
+    again = ProfileTable.load(path)
+    assert sorted(p.run_key for p in again.points) == [(1, 1, 16, 0), (1, 1, 16, 1), (1, 1, 64, 0)]
+    pred = LatencyPredictor(again)
+    assert float(pred.step_seconds(1, 1, 20.0)) == pytest.approx(0.013)  # mean of 0.012 and 0.014
 
 
 def test_tiny_profile_run_and_resume(model_dir, tmp_path):

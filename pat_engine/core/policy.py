@@ -68,6 +68,13 @@ class SwitchPolicy(Protocol):
     def decide(self, status: ClusterStatus) -> SwitchDecision | None: ...
 
 
+class StaticLayout:
+    """Never switch: for runs that must stay static on an engine that has a controller attached."""
+
+    def decide(self, status: ClusterStatus) -> SwitchDecision | None:
+        return None
+
+
 class ScheduledSwitches:
     """Switch to ``tp`` once the stage reaches each given decode step (deterministic)."""
 

@@ -6,7 +6,8 @@ longest-first balancing for a candidate), drain every group with the fitted
 step latency (``drain.py``) for each draw of the remaining lengths, take the
 slowest group (groups run in parallel) and average over draws.
 
-Switch cost (one-time): weights = busiest sender's reshard bytes / bandwidth;
+Switch cost (one-time): weights = the profiled weight reshard time of that layout change (else
+the busiest sender's reshard bytes / bandwidth);
 KV = min(migrate, recompute) with migrate = Eq. 1-2 (busiest source group's
 per-rank KV bytes / bandwidth) and recompute = Eq. 3-4 (prefill at the RMS
 context length of each target group, groups in parallel); plus the fixed
@@ -155,6 +156,14 @@ class LatencyPredictor:
             return cost.weight_bytes
         return self._weight_bytes(from_tp, to_tp) if self._weight_bytes else 0
 
+    def weight_seconds(self, from_tp: int, to_tp: int, bandwidth: float) -> float:
+        """The profiled weight reshard time when the table has one (it includes allocating and copying the
+        new shards, which bytes / bandwidth leaves out: 5-10x more for a CPU merge); else bytes / bandwidth."""
+        cost = self.table.switch_cost(from_tp, to_tp)
+        if cost is not None and cost.weights_s is not None:
+            return cost.weights_s
+        return self.weight_bytes(from_tp, to_tp) / bandwidth
+
     def fixed_seconds(self, from_tp: int, to_tp: int) -> float:
         cost = self.table.switch_cost(from_tp, to_tp)
         return cost.fixed_s if cost is not None else self._default_fixed
@@ -173,5 +182,5 @@ class LatencyPredictor:
             lens = [reqs[i].context_len for i in idx if reqs[i].cached]
             if lens:
                 recompute = max(recompute, self.prefill_seconds(new.tp, len(lens), rms_context(lens)))
-        return SwitchCostEstimate(self.weight_bytes(old.tp, new.tp) / bw, migrate, recompute,
+        return SwitchCostEstimate(self.weight_seconds(old.tp, new.tp, bw), migrate, recompute,
                                   self.fixed_seconds(old.tp, new.tp))

@@ -93,10 +93,15 @@ class ProfilePoint:
     decode_step_s: float  # mean decode step latency over the window
     decode_step_std_s: float = 0.0
     steps: int = 0  # decode steps averaged
+    repeat: int = 0  # which pass over the grid measured it (pat-profile --passes); fits average the passes
 
     @property
     def key(self) -> tuple[int, int, int]:
         return (self.tp, self.batch_size, self.context_len)
+
+    @property
+    def run_key(self) -> tuple[int, int, int, int]:
+        return (*self.key, self.repeat)
 
 
 @dataclass(frozen=True)
@@ -125,11 +130,11 @@ class ProfileTable:
     def tps(self) -> list[int]:
         return sorted({p.tp for p in self.points})
 
-    def done_keys(self) -> set[tuple[int, int, int]]:
-        return {p.key for p in self.points}
+    def done_keys(self) -> set[tuple[int, int, int, int]]:
+        return {p.run_key for p in self.points}
 
     def add_point(self, point: ProfilePoint) -> None:
-        self.points = [p for p in self.points if p.key != point.key] + [point]
+        self.points = [p for p in self.points if p.run_key != point.run_key] + [point]
 
     def switch_cost(self, from_tp: int, to_tp: int) -> SwitchCost | None:
         for c in self.switch_costs:
@@ -147,7 +152,7 @@ class ProfileTable:
             "version": SCHEMA_VERSION,
             "deployment": dep,
             "model": asdict(self.model),
-            "points": [asdict(p) for p in sorted(self.points, key=lambda p: p.key)],
+            "points": [asdict(p) for p in sorted(self.points, key=lambda p: p.run_key)],
             "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
             "switch_costs": [asdict(c) for c in self.switch_costs],
             "meta": self.meta,

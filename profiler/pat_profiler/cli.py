@@ -31,6 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-budget-tokens", type=int, default=65536,
                    help="keep points with batch * (context + window) <= this, per DP group")
     p.add_argument("--decode-window", type=int, default=60, help="decode steps averaged per point (paper: 60)")
+    p.add_argument("--passes", type=int, default=1,
+                   help="measure the grid this many times and average (steadier tables on a shared host)")
     p.add_argument("--output", default="profile.json")
     p.add_argument("--resume", action="store_true", help="continue the table at --output")
     p.add_argument("--threads-per-worker", type=int, help="CPU: torch threads per worker (default cores // world)")
@@ -62,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model, world=args.world, tps=tuple(args.tp) if args.tp else None, dtype=args.dtype,
             device=args.device, batches=tuple(args.batch_sizes), contexts=tuple(args.context_lens),
             budget_tokens=args.kv_budget_tokens, window=args.decode_window, output=args.output, resume=args.resume,
-            seed=args.seed, threads_per_worker=args.threads_per_worker, block_size=args.block_size)
+            seed=args.seed, threads_per_worker=args.threads_per_worker, block_size=args.block_size,
+            passes=args.passes)
         table = run_profile(opts, command)
     print(summary(table, time.perf_counter() - started, args.output))
     return 0

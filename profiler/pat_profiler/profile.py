@@ -44,12 +44,13 @@ class ProfileOptions:
     contexts: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
     budget_tokens: int = 65536  # per DP group: batch * (context + window) <= budget
     window: int = 60  # decode steps averaged per point (paper: 60)
+    passes: int = 1  # measure the grid this many times; the fit averages them
     output: str = "profile.json"
     resume: bool = False
     seed: int = 0
     threads_per_worker: int | None = None
     block_size: int = 16
-    switch_repeats: int = 2
+    switch_repeats: int = 3
     bandwidth_bytes: int = 16 << 20
     engine_kwargs: dict = field(default_factory=dict)
 
@@ -94,11 +95,16 @@ def measure_point(engine: Engine, pt: GridPoint, window: int, rng: random.Random
         decode_step_s=statistics.fmean(secs),
         decode_step_std_s=statistics.pstdev(secs) if len(secs) > 1 else 0.0,
         steps=len(secs),
+        repeat=pt.repeat,
     )
 
 
 def measure_switch_costs(engine: Engine, tps: list[int], repeats: int) -> list[SwitchCost]:
-    """Idle switches between every ordered pair; fixed = total - weights - KV (groups are cached by now)."""
+    """Idle switches between every ordered pair; fixed = total - weights - KV (groups are cached by now).
+
+    Weights keep the mean of the repeats, not the best: a merge allocates the larger shards afresh and
+    the first touch of that memory varies run to run (on the CPU bench model TP2->TP1 took 2.9-7 s),
+    and the controller should weigh the cost it will typically pay."""
     dtype = engine.config.torch_dtype()
     world = engine.config.world
     out = []
@@ -113,7 +119,8 @@ def measure_switch_costs(engine: Engine, tps: list[int], repeats: int) -> list[S
                 fixed.append(max(ev.seconds - ev.costs["weights_s"] - ev.costs["kv_s"], 0.0))
                 weights.append(ev.costs["weights_s"])
             out.append(SwitchCost(a, b, min(fixed), reshard_bytes(engine.arch, dtype, Layout.for_world(world, a),
-                                                                  Layout.for_world(world, b)), min(weights)))
+                                                                  Layout.for_world(world, b)),
+                                  statistics.fmean(weights)))
     return out
 
 
@@ -135,13 +142,15 @@ def run_profile(opts: ProfileOptions, command: str = "") -> ProfileTable:
         table = _open_table(opts, deployment, engine)
         capacity = min(engine.memory.tokens_per_group(Layout.for_world(opts.world, tp)) for tp in tps)
         grid = build_grid(tps, list(opts.batches), list(opts.contexts), opts.window,
-                          min(opts.budget_tokens, capacity), arch.max_position, engine.config.max_num_seqs)
+                          min(opts.budget_tokens, capacity), arch.max_position, engine.config.max_num_seqs,
+                          opts.passes)
         todo = [p for p in grid if p.key not in table.done_keys()]
         rng = random.Random(opts.seed)
         warmed: set[int] = set()
         bar = tqdm(todo, desc="pat-profile", unit="pt", dynamic_ncols=True)
         for pt in bar:
-            bar.set_postfix_str(f"TP{pt.tp} b={pt.batch} l={pt.context}", refresh=False)
+            bar.set_postfix_str(f"TP{pt.tp} b={pt.batch} l={pt.context}"
+                                + (f" pass {pt.repeat + 1}" if opts.passes > 1 else ""), refresh=False)
             if pt.tp not in warmed:
                 if engine.layout.tp != pt.tp:
                     engine.reconfigure(pt.tp)
