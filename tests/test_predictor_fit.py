@@ -144,6 +144,12 @@ def test_switch_cost_is_weights_plus_cheaper_kv_path_plus_fixed():
     timed = make_predictor(lambda tp, b, t: 0.01, prefill=lambda tp, b, l: 1e-4 * b * l, bandwidth=1e8,
                            costs=[SwitchCost(1, 4, fixed_s=0.25, weight_bytes=2_000_000, weights_s=0.7)])
     assert timed.switch_cost(old, new, reqs, [[0, 1], [2], [], []], [[0, 1, 2]]).weights_s == 0.7
+    # and what this engine's own switches of that kind took wins over the profile (EMA, alpha 0.3)
+    timed.record_weight_reshard(1, 4, 1.7)
+    assert timed.switch_cost(old, new, reqs, [[0, 1], [2], [], []], [[0, 1, 2]]).weights_s == 1.7
+    timed.record_weight_reshard(1, 4, 2.7)
+    assert timed.switch_cost(old, new, reqs, [[0, 1], [2], [], []], [[0, 1, 2]]).weights_s == pytest.approx(2.0)
+    assert timed.switch_cost(new, old, reqs, [[0, 1, 2]], [[0, 1], [2], [], []]).weights_s != 2.0  # per direction
 
 
 def test_scalar_path_equals_the_vectorised_fit():

@@ -139,6 +139,7 @@ def run_switch(coord, decision: SwitchDecision) -> SwitchEvent:
     kv_rank = max(results, key=lambda r: r["kv_bytes_sent"])
     if path == "migrate":
         coord.cost_source.record_kv_transfer(kv_rank["kv_bytes_sent"], kv_rank["kv_s"])
+    coord.cost_source.record_weight_reshard(old.tp, new.tp, max(r["weights_s"] for r in results))
     costs = {
         "groups_s": max(r["groups_s"] for r in results),
         "group_cache_hit": all(r["group_cache_hit"] for r in results),

@@ -1,7 +1,8 @@
 """Rates the engine measures as it runs, used when no profile table is loaded.
 
 Prefill throughput per TP degree (tokens per second of one group's prefill
-step) and the KV migration bandwidth seen by earlier switches. Before any
+step), the KV migration bandwidth and the weight reshard time per layout change seen by earlier
+switches. Before any
 measurement, migration is assumed cheap (1 GB/s) and prefill is taken from
 the nearest measured TP degree, scaled by the TP ratio.
 """
@@ -16,6 +17,7 @@ class MeasuredRates:
         self.alpha = alpha
         self.prefill_tokens_per_s: dict[int, float] = {}
         self.kv_bandwidth: float | None = None
+        self.weight_reshard_s: dict[tuple[int, int], float] = {}  # (from_tp, to_tp) -> seconds
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
@@ -27,6 +29,13 @@ class MeasuredRates:
     def record_kv_transfer(self, bytes_sent: int, seconds: float) -> None:
         if bytes_sent > 0 and seconds > 0:
             self.kv_bandwidth = self._ema(self.kv_bandwidth, bytes_sent / seconds)
+
+    def record_weight_reshard(self, from_tp: int, to_tp: int, seconds: float) -> None:
+        """A real switch's weight phase: allocating the new shards and moving them, under the engine's
+        actual memory state (an idle switch in the profiler can be 2x cheaper)."""
+        if seconds > 0:
+            key = (from_tp, to_tp)
+            self.weight_reshard_s[key] = self._ema(self.weight_reshard_s.get(key), seconds)
 
     def bandwidth(self) -> float:
         return self.kv_bandwidth or self.DEFAULT_BANDWIDTH

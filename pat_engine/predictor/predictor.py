@@ -108,6 +108,9 @@ class LatencyPredictor:
     def record_prefill(self, tp: int, tokens: int, seconds: float) -> None:
         self._measured.record_prefill(tp, tokens, seconds)
 
+    def record_weight_reshard(self, from_tp: int, to_tp: int, seconds: float) -> None:
+        self._measured.record_weight_reshard(from_tp, to_tp, seconds)
+
     # ---- step latency -------------------------------------------------------------------------------
 
     def step_seconds(self, tp: int, batch, total_tokens) -> np.ndarray:
@@ -157,8 +160,12 @@ class LatencyPredictor:
         return self._weight_bytes(from_tp, to_tp) if self._weight_bytes else 0
 
     def weight_seconds(self, from_tp: int, to_tp: int, bandwidth: float) -> float:
-        """The profiled weight reshard time when the table has one (it includes allocating and copying the
-        new shards, which bytes / bandwidth leaves out: 5-10x more for a CPU merge); else bytes / bandwidth."""
+        """What this engine's own switches of that kind took (EMA), else the profiled weight reshard time
+        (it includes allocating and copying the new shards, which bytes / bandwidth leaves out: 5-10x more
+        for a CPU merge), else bytes / bandwidth."""
+        measured = self._measured.weight_reshard_s.get((from_tp, to_tp))
+        if measured is not None:
+            return measured
         cost = self.table.switch_cost(from_tp, to_tp)
         if cost is not None and cost.weights_s is not None:
             return cost.weights_s
