@@ -133,7 +133,7 @@ def summarize(name: str, desc: str, table: ProfileTable, sc: Scenario, seeds: li
     detail = []
     for seed, (runs, info) in zip(seeds, per_seed):
         statics = ", ".join(f"TP{tp} {s:.1f}" for tp, s in sorted(info["static"].items()))
-        sw = "; ".join(f"{lbl.split(' ')[0]}: " + (", ".join(f"TP{x.from_tp}->TP{x.to_tp}@{x.t:.0f}s({x.active} left)"
+        sw = "; ".join(f"{lbl}: " + (", ".join(f"TP{x.from_tp}->TP{x.to_tp}@{x.t:.0f}s({x.active} left)"
                                                              for x in runs[lbl].switches) or "none")
                        for lbl in labels[1:])
         detail.append(f"- seed {seed}: {info['n']} requests, longest {info['max_len']}, {info['capped']} at the cap; "

@@ -32,11 +32,13 @@ def plot_runs(runs: dict, title: str, path: Path) -> None:
         for sw in sim.switches:
             ax.axvline(sw.t, color="red", lw=0.8, ls="--")
         ax.set_yscale("symlog", linthresh=4)
+        ax.set_ylim(bottom=0)  # active requests are never negative; symlog would otherwise mirror the axis
         ax.set_ylabel("active")
         ax.set_xlim(0, end * 1.01)
         ax.set_title(f"{label}: {sim.finished_at:.1f} s", fontsize=9, loc="left")
     handles = [matplotlib.patches.Patch(color=c, alpha=0.5, label=f"TP{tp}") for tp, c in COLORS.items()]
-    axes[0, 0].legend(handles=handles, ncol=4, fontsize=7, loc="upper right")
+    handles.append(matplotlib.lines.Line2D([], [], color="red", lw=0.8, ls="--", label="switch"))
+    axes[0, 0].legend(handles=handles, ncol=5, fontsize=7, loc="upper right")
     axes[-1, 0].set_xlabel("seconds")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
