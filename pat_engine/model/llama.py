@@ -104,11 +104,11 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_eps, dtype, device)
         tied = self.embed_tokens.weight if arch.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp, dtype, device, tied_to=tied)
-        self.rotary = RotaryEmbedding(arch.rope, arch.head_dim, device)
+        self.rotary = RotaryEmbedding(arch.rope, arch.head_dim, arch.max_position, dtype, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: (T,). Returns hidden states (T, hidden)."""
-        ctx.cos, ctx.sin = self.rotary.cos_sin(positions, self.dtype)
+        ctx.cos, ctx.sin = self.rotary.cos_sin(positions)
         x = self.embed_tokens(input_ids, ctx.tp)
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, i)

@@ -29,32 +29,21 @@ def inverse_frequencies(rope: RopeSpec, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """cos/sin rows per position, computed in float32 as the reference does and cached.
+    """cos/sin rows for every position up to the model's context, built once at load.
 
-    The table grows by doubling as longer positions appear; each row is the
-    same elementwise computation whether cached or not, so caching changes no bit.
+    Each row is computed in float32 exactly as the reference does, then cast, so looking rows up
+    changes no bit; a step only gathers (no host sync on the positions, no per-step math).
     """
 
-    def __init__(self, rope: RopeSpec, head_dim: int, device):
-        self.inv_freq = inverse_frequencies(rope, head_dim).to(device)
-        self._cos = self._sin = None  # (L, hd) in the model dtype
-        self._dtype: torch.dtype | None = None
-
-    def _grow(self, length: int, dtype: torch.dtype) -> None:
-        size = 256
-        while size < length:
-            size *= 2
-        positions = torch.arange(size, device=self.inv_freq.device)
-        freqs = positions[:, None].float() * self.inv_freq  # (L, hd/2)
+    def __init__(self, rope: RopeSpec, head_dim: int, max_position: int, dtype: torch.dtype, device):
+        inv_freq = inverse_frequencies(rope, head_dim).to(device)
+        freqs = torch.arange(max_position, device=device)[:, None].float() * inv_freq  # (L, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (L, hd)
-        self._cos, self._sin, self._dtype = emb.cos().to(dtype), emb.sin().to(dtype), dtype
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, 1, hd) cos and sin for the given positions."""
-        top = int(positions.max()) + 1 if positions.numel() else 1
-        if self._cos is None or self._dtype != dtype or top > self._cos.shape[0]:
-            self._grow(top, dtype)
-        return self._cos[positions][:, None, :], self._sin[positions][:, None, :]
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
