@@ -139,7 +139,6 @@ def run_switch(coord, decision: SwitchDecision) -> SwitchEvent:
     kv_rank = max(results, key=lambda r: r["kv_bytes_sent"])
     if path == "migrate":
         coord.cost_source.record_kv_transfer(kv_rank["kv_bytes_sent"], kv_rank["kv_s"])
-    coord.cost_source.record_weight_reshard(old.tp, new.tp, max(r["weights_s"] for r in results))
     costs = {
         "groups_s": max(r["groups_s"] for r in results),
         "group_cache_hit": all(r["group_cache_hit"] for r in results),
@@ -157,6 +156,7 @@ def run_switch(coord, decision: SwitchDecision) -> SwitchEvent:
         "migrated_requests": len(placements),
         "requests": len(seqs),
     }
+    coord.cost_source.record_weight_reshard(old.tp, new.tp, costs["weights_s"])
     if estimate is not None:
         costs.update(predicted_migrate_s=estimate.migrate_s, predicted_recompute_s=estimate.recompute_s)
     event = SwitchEvent(coord.timeline.now(), str(old), str(new), decision.reason, path,

@@ -93,7 +93,7 @@ def switch_seconds(pred, src: Layout, src_groups: np.ndarray, dst: Layout, fut: 
     n = live.sum(axis=-1)
     rms = np.sqrt((grown**2).sum(axis=-1) / np.maximum(n, 1))
     recompute = pred.prefill(dst.tp, np.maximum(np.ceil(n / dst.dp), 1), rms)
-    fixed = pred.weight_bytes(src.tp, dst.tp) / bw + pred.fixed_seconds(src.tp, dst.tp)
+    fixed = pred.weight_seconds(src.tp, dst.tp, bw) + pred.fixed_seconds(src.tp, dst.tp)
     return np.where((fut.rem > 0).any(axis=-1), fixed + np.minimum(migrate, recompute), 0.0)
 
 

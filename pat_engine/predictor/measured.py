@@ -1,10 +1,10 @@
 """Rates the engine measures as it runs, used when no profile table is loaded.
 
 Prefill throughput per TP degree (tokens per second of one group's prefill
-step), the KV migration bandwidth and the weight reshard time per layout change seen by earlier
-switches. Before any
-measurement, migration is assumed cheap (1 GB/s) and prefill is taken from
-the nearest measured TP degree, scaled by the TP ratio.
+step), and from earlier switches the KV migration bandwidth and the weight
+reshard time of each layout change. Before any measurement, migration is
+assumed cheap (1 GB/s) and prefill is taken from the nearest measured TP
+degree, scaled by the TP ratio.
 """
 
 from __future__ import annotations
