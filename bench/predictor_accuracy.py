@@ -109,9 +109,9 @@ def main() -> None:
         meas = np.array([s.seconds for s in steps])
         est = np.array([float(pred.step_seconds(tp, s.batch_size, s.context_tokens)) for s in steps])
         wp, wm = windows(est, meas, 8)
-        drain = [(sum(float(pred.step_seconds(tp, s.batch_size, s.context_tokens)) for s in run),
-                  sum(s.seconds for s in run)) for run in runs]
-        drain_err = statistics.fmean(abs(a - b) / b * 100 for a, b in drain)
+        ends = np.cumsum([len(run) for run in runs])[:-1]  # est and meas are the runs laid end to end
+        drain_err = statistics.fmean(abs(e.sum() - m.sum()) / m.sum() * 100
+                                     for e, m in zip(np.split(est, ends), np.split(meas, ends)))
         rows.append([f"TP{tp}xDP{WORLD // tp}", len(steps), f"{mape(est, meas):.2f}%", f"{mape(wp, wm):.2f}%",
                      f"{drain_err:.2f}%", f"{step_noise(runs):.2f}%",
                      f"{repeat[tp]:.2f}%" if tp in repeat else "n/a", f"{np.mean(meas) * 1e3:.1f}"])
