@@ -51,7 +51,7 @@ def main() -> None:
     events = []
     with Engine(model_path(), tp=1, dp=WORLD, dtype=DTYPE, profile_table=str(PROFILE),
                 kv_cache_bytes=1 << 30) as engine:
-        controller = engine.coordinator.policy
+        controller = engine.policy
         assert controller is not None, "the profile table did not attach a controller"
         for _ in range(args.repeats):
             for label in times:

@@ -16,6 +16,17 @@ import torch
 
 from pat_engine.errors import InvalidRequestError
 
+KV_PATHS = ("migrate", "recompute")  # how a switch carries unfinished requests' KV
+
+
+def check_kv_transfer(value: str | None, *, allow_auto: bool) -> None:
+    """``kv_transfer`` is a KV path, or "auto" (the cost model decides) where the caller allows it; None
+    always means "not forced"."""
+    choices = (("auto",) if allow_auto else ()) + KV_PATHS
+    if value is not None and value not in choices:
+        raise InvalidRequestError(f"kv_transfer must be one of {', '.join(choices)}, got {value!r}")
+
+
 _DTYPES = {
     "float64": torch.float64,
     "double": torch.float64,
@@ -49,7 +60,6 @@ class EngineConfig:
     kv_transfer: str = "auto"  # "auto" (cost model), "migrate" or "recompute"
     switch_check_interval: int = 8  # decode steps between policy evaluations
     profile_table: str | None = None  # latency table for the automatic switch controller
-    enable_cuda_graphs: bool = True  # GPU only
 
     # processes and failures
     threads_per_worker: int | None = None  # default: cores // world (at least 1)
@@ -62,8 +72,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.tp < 1 or self.dp < 1:
             raise InvalidRequestError(f"tp and dp must be >= 1, got tp={self.tp}, dp={self.dp}")
-        if self.kv_transfer not in ("auto", "migrate", "recompute"):
-            raise InvalidRequestError(f"kv_transfer must be auto, migrate or recompute, got {self.kv_transfer!r}")
+        check_kv_transfer(self.kv_transfer, allow_auto=True)
         if self.device not in ("cpu", "cuda"):
             raise InvalidRequestError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:

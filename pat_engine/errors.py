@@ -38,3 +38,9 @@ class WorkerFailure(PatEngineError, RuntimeError):
         self.rank = rank
         self.partial_outputs = partial_outputs or []
         self.error_type = error_type  # class name of the worker-side exception, when one was raised
+
+
+def last_traceback_line(tb: str | None) -> str:
+    """The line of a formatted traceback that names the exception (its last non-empty line)."""
+    lines = [ln for ln in (tb or "").strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "unknown error"

@@ -7,6 +7,9 @@ from pat_engine import Engine, SamplingParams
 from pat_engine.core.memory import MemoryPlan
 from pat_engine.model.arch import load_model_arch
 from pat_engine.parallel.layout import Layout
+import pytest
+
+pytestmark = pytest.mark.slow  # starts worker processes
 
 
 def test_scarce_kv_blocks_force_preemption_with_identical_tokens(model_dir):

@@ -19,6 +19,8 @@ from pat_engine.predictor.analytic import analytic_table
 from pat_engine.predictor.deployment import make_deployment, model_shape
 from pat_engine.predictor.table import SwitchCost
 
+pytestmark = pytest.mark.slow  # starts worker processes
+
 # Per-group step latency (s): TP1xDP4 wins with many requests, TP2xDP2 with a few, TP4xDP1 with one.
 BASE = {1: 0.010, 2: 0.006, 4: 0.004}
 PER_REQUEST = {1: 0.0004, 2: 0.0010, 4: 0.0020}
@@ -46,7 +48,7 @@ def engine(model_dir, tmp_path_factory):
 
 def test_controller_switches_on_its_own_and_tokens_match_static(engine):
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
-    controller = engine.coordinator.policy
+    controller = engine.policy
     switched = engine.generate(PROMPTS, params, use_tqdm=False)
     events = engine.switches
     static = engine.generate(PROMPTS, params, policy=StaticLayout(), from_base_layout=True, use_tqdm=False)

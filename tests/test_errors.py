@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from conftest import hf_greedy
+from engine_faults import inject_fault
 from pat_engine import Engine, InvalidRequestError, Layout, LayoutError, ModelLoadError, SamplingParams, WorkerFailure
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
 
@@ -19,6 +20,7 @@ def engine(model_dir):
         yield eng
 
 
+@pytest.mark.slow
 def test_prompt_longer_than_context(engine):
     with pytest.raises(InvalidRequestError, match="context holds 64"):
         engine.generate([list(range(70))], SamplingParams(max_new_tokens=4), use_tqdm=False)
@@ -26,6 +28,7 @@ def test_prompt_longer_than_context(engine):
         engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=62), use_tqdm=False)
 
 
+@pytest.mark.slow
 def test_malformed_prompts_and_params(engine):
     with pytest.raises(InvalidRequestError, match="empty prompt"):
         engine.generate([[]], use_tqdm=False)
@@ -43,6 +46,7 @@ def test_malformed_prompts_and_params(engine):
         SamplingParams(max_new_tokens=0)
 
 
+@pytest.mark.slow
 def test_bad_layout_targets_are_refused_and_nothing_moves(engine):
     with pytest.raises(LayoutError, match="does not divide the world size 2"):
         engine.reconfigure(tp=4)
@@ -53,6 +57,7 @@ def test_bad_layout_targets_are_refused_and_nothing_moves(engine):
     assert str(engine.layout) == "TP1xDP2"
 
 
+@pytest.mark.slow
 def test_engine_still_serves_after_errors(engine, model_dir):
     out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8), use_tqdm=False)[0]
     assert out.token_ids == hf_greedy(model_dir("llama"), [5, 6, 7], 8)
@@ -83,6 +88,7 @@ def test_unknown_architecture_and_missing_files(tmp_path, model_dir):
         Engine(str(empty))
 
 
+@pytest.mark.slow
 def test_shape_mismatch_is_a_load_error(tmp_path, model_dir):
     bad = tmp_path / "shape"
     shutil.copytree(model_dir("llama"), bad)
@@ -93,11 +99,12 @@ def test_shape_mismatch_is_a_load_error(tmp_path, model_dir):
         Engine(str(bad), tp=1, dp=1)
 
 
+@pytest.mark.slow
 def test_killed_worker_without_recovery_raises_and_engine_recovers(model_dir):
     path = model_dir("llama")
     with Engine(path, tp=2, dp=1, dtype="float64", recover_failed_workers=False) as engine:
-        pids = [p.pid for p in engine.coordinator.pool.procs]
-        engine._loop.run(lambda: engine.coordinator.pool.call("inject_fault", ranks=[1], where="step", how="exit"))
+        pids = engine.worker_pids()
+        inject_fault(engine, [1], "step", "exit")
         with pytest.raises(WorkerFailure, match="worker rank 1 .* died") as info:
             engine.generate([[5, 6, 7], [9]], SamplingParams(max_new_tokens=16), use_tqdm=False)
         partial = info.value.partial_outputs
@@ -105,16 +112,17 @@ def test_killed_worker_without_recovery_raises_and_engine_recovers(model_dir):
         # the engine restarted its workers and keeps serving
         out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8), use_tqdm=False)[0]
         assert out.token_ids == hf_greedy(path, [5, 6, 7], 8)
-        assert not set(pids) & {p.pid for p in engine.coordinator.pool.procs}
+        assert not set(pids) & set(engine.worker_pids())
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
 
 
+@pytest.mark.slow
 def test_hung_worker_times_out_and_the_batch_completes(model_dir):
     path = model_dir("llama")
     with Engine(path, tp=2, dp=1, dtype="float64", step_timeout_s=3) as engine:
-        engine._loop.run(lambda: engine.coordinator.pool.call("inject_fault", ranks=[1], where="step", how="hang"))
+        inject_fault(engine, [1], "step", "hang")
         out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8), use_tqdm=False)[0]
         assert out.token_ids == hf_greedy(path, [5, 6, 7], 8)
-        assert "did not finish a step" in engine._loop.failures[-1]
+        assert "did not finish a step" in engine.worker_failures[-1]

@@ -7,6 +7,8 @@ import pytest
 from conftest import MAX_NEW, PROMPTS, hf_greedy_batch
 from pat_engine import Engine, SamplingParams
 
+pytestmark = pytest.mark.slow  # starts worker processes
+
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
 
 

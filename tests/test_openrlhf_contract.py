@@ -26,6 +26,8 @@ from pat_integrations.openrlhf.factory import create_pat_engines  # noqa: E402
 from pat_integrations.openrlhf.weight_sync import stateless_gloo_group  # noqa: E402
 from rl_helpers import CODE_PATHS, VllmLikeSamplingParams, export_code_paths, perturbed_checkpoint, restore_env  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts worker processes
+
 TP = 2
 AGENT = '''
 class AgentExecutor:

@@ -10,7 +10,8 @@ from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.analytic import analytic_table, synthetic_deployment
 from pat_engine.predictor.drain import drain_seconds
 from pat_engine.predictor.fit import LatencyCurve, fit_decode, fit_prefill
-from pat_engine.predictor.predictor import LatencyPredictor, balance
+from pat_engine.parallel.dp_placement import balance_by_context
+from pat_engine.predictor.predictor import LatencyPredictor
 from pat_engine.predictor.table import ModelShape, ProfilePoint, SwitchCost
 
 SHAPE = ModelShape(num_layers=2, num_kv_heads=4, head_dim=8, elt_bytes=4)
@@ -124,7 +125,7 @@ def test_remaining_time_is_the_slowest_group():
     got = pred.remaining_seconds(layout, reqs, [[0, 1], [2], [], []], rem)
     assert got[0] == pytest.approx(20 * (0.01 + 0.002))  # group 0: two requests for 20 steps
     # the switch's balancing puts one long request per group
-    assert balance([10, 30, 20, 40], 2) == [[3, 0], [1, 2]]
+    assert balance_by_context([10, 30, 20, 40], 2) == [[3, 0], [1, 2]]
 
 
 def test_switch_cost_is_weights_plus_cheaper_kv_path_plus_fixed():

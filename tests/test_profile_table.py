@@ -63,6 +63,7 @@ def test_deployment_check_names_the_differing_fields(model_dir, caplog):
     assert "library versions differ" in caplog.text and "torch" in caplog.text
 
 
+@pytest.mark.slow
 def test_engine_refuses_a_table_for_another_deployment(model_dir, tmp_path):
     path = tmp_path / "other.json"
     table_for(model_dir("qwen3"), 2).save(path)  # another model
@@ -70,20 +71,22 @@ def test_engine_refuses_a_table_for_another_deployment(model_dir, tmp_path):
         Engine(model_dir("llama"), tp=1, dp=2, dtype="float32", profile_table=str(path))
 
 
+@pytest.mark.slow
 def test_engine_runs_static_without_its_table_and_attaches_the_controller_with_one(model_dir, tmp_path, caplog):
     model = model_dir("llama")
     with caplog.at_level(logging.WARNING, logger="pat_engine.predictor.setup"):
         with Engine(model, tp=1, dp=2, dtype="float32", profile_table=str(tmp_path / "missing.json")) as engine:
-            assert engine.coordinator.policy is None
+            assert engine.policy is None
     assert caplog.text.count("runs static") == 1
     path = tmp_path / "ok.json"
     table_for(model, 2).save(path)
     with Engine(model, tp=1, dp=2, dtype="float32", profile_table=str(path)) as engine:
-        assert isinstance(engine.coordinator.policy, SwitchController)
+        assert isinstance(engine.policy, SwitchController)
         assert isinstance(engine.coordinator.cost_source, LatencyPredictor)
-        assert engine.coordinator.policy.candidates == (1, 2)
+        assert engine.policy.candidates == (1, 2)
 
 
+@pytest.mark.slow
 def test_passes_measure_the_whole_grid_again_and_the_fit_averages_them(model_dir, tmp_path):
     grid = build_grid([1, 2], [1, 4], [16, 64], window=8, budget_tokens=4096, max_position=512, max_num_seqs=8,
                       passes=2)
@@ -102,6 +105,7 @@ def test_passes_measure_the_whole_grid_again_and_the_fit_averages_them(model_dir
     assert float(pred.step_seconds(1, 1, 20.0)) == pytest.approx(0.013)  # mean of 0.012 and 0.014
 
 
+@pytest.mark.slow
 def test_tiny_profile_run_and_resume(model_dir, tmp_path):
     out = tmp_path / "profile.json"
     opts = ProfileOptions(model=model_dir("llama"), world=2, tps=(1, 2), dtype="float32", batches=(1, 2),
@@ -127,6 +131,7 @@ def test_tiny_profile_run_and_resume(model_dir, tmp_path):
     assert all(old[p.key] == p.decode_step_s for p in resumed.points if p.key in old)
 
 
+@pytest.mark.slow
 def test_emulated_profile_on_cpu(model_dir, tmp_path, capsys):
     out = tmp_path / "emulated.json"
     cli.main(["--model", model_dir("llama"), "--emulate-world", "4", "--tp", "1", "4", "--dtype", "float32",

@@ -20,6 +20,8 @@ from pat_integrations.ray_cluster import RayClusterEngine, alive_node_ids  # noq
 from pat_integrations.stage import StagePlan  # noqa: E402
 from rl_helpers import export_code_paths, fresh_tensors, perturbed_checkpoint, restore_env  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts worker processes
+
 GREEDY = [SamplingParams(max_new_tokens=m) for m in MAX_NEW]
 SAMPLED = [SamplingParams(max_new_tokens=m, temperature=0.8, top_p=0.95, seed=40 + i, logprobs=True)
            for i, m in enumerate(MAX_NEW)]

@@ -25,6 +25,8 @@ from pat_integrations.frontend import AsyncEngineFrontend
 from pat_integrations.stage import StagePlan
 from rl_helpers import fresh_tensors, perturbed_checkpoint
 
+pytestmark = pytest.mark.slow  # starts worker processes
+
 KV_BYTES = 96 << 20  # per rank: large enough that releasing it shows in RSS
 GREEDY = [SamplingParams(max_new_tokens=m, logprobs=True) for m in MAX_NEW]
 SAMPLED = [SamplingParams(max_new_tokens=m, temperature=0.9, top_k=40, seed=7 + i, logprobs=True)
@@ -134,7 +136,7 @@ def test_update_weights_from_disk_equals_fresh_engine(engine, model_dir, updated
 
 
 def test_sleep_frees_worker_memory_and_wake_up_restores_identical_generation(engine, model_dir, updated):
-    pids = [p.pid for p in engine.coordinator.pool.procs]
+    pids = engine.worker_pids()
     before = engine.generate(PROMPTS, SAMPLED, use_tqdm=False)
     awake = [rss_kib(p) for p in pids]
 
@@ -180,7 +182,7 @@ def test_abort_returns_partial_output_with_clear_reason(engine):
     full = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=300, ignore_eos=True), use_tqdm=False)[0]
     long = engine.submit(PROMPTS[0], SamplingParams(max_new_tokens=300, ignore_eos=True, logprobs=True), "long")
     short = engine.submit(PROMPTS[1], GREEDY[1], "short")
-    _wait_for(lambda: len(long.seq.output_ids) >= 5)
+    _wait_for(lambda: long.num_generated >= 5)
     assert engine.num_unfinished_requests() >= 1
     assert engine.abort(["long", "no-such-request"]) == 1
     assert long.wait(30) and short.wait(60)
@@ -199,7 +201,7 @@ def test_pause_holds_requests_and_resume_continues_them(engine):
     try:
         handle = engine.submit(PROMPTS[2], GREEDY[2], "paused")
         time.sleep(1.0)
-        assert len(handle.seq.output_ids) == 0 and engine.num_unfinished_requests() == 1
+        assert handle.num_generated == 0 and engine.num_unfinished_requests() == 1
     finally:
         engine.resume()
     assert handle.wait(60) and handle.output().token_ids == want

@@ -57,6 +57,7 @@ def test_parse_line_names_the_problem():
 # ---- the real command ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_pat_style_batch_with_live_switch_and_bad_lines(tmp_path, model_dir):
     model = model_dir("llama")
     rows = [
@@ -100,6 +101,7 @@ def test_pat_style_batch_with_live_switch_and_bad_lines(tmp_path, model_dir):
     assert report.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_openai_batch_format(tmp_path, model_dir):
     from transformers import AutoTokenizer
 
@@ -142,6 +144,7 @@ def test_openai_batch_format(tmp_path, model_dir):
         assert rec["error"]["message"].startswith(f"line {line_no}: ") and message in rec["error"]["message"]
 
 
+@pytest.mark.slow  # runs the CLI in a subprocess
 def test_refuses_to_clobber_and_missing_input(tmp_path):
     out = write_jsonl(tmp_path / "out.jsonl", [{"id": "x", "text": ""}])
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
@@ -151,6 +154,7 @@ def test_refuses_to_clobber_and_missing_input(tmp_path):
     assert r.returncode == 1 and "does not exist" in r.stderr
 
 
+@pytest.mark.slow
 def test_resume_after_kill(tmp_path, model_dir):
     """Kill the job midway (SIGKILL), rerun with --resume: every id exactly once, nothing rewritten."""
     n = 16  # request i generates 8 * (i + 1) tokens: one finishes every 8 decode steps

@@ -9,6 +9,7 @@ import subprocess
 import time
 
 import httpx
+import pytest
 
 from pat_engine.serve.report import layout_segments
 from serve_cli_util import cli_cmd, cli_env, run_cli
@@ -21,6 +22,7 @@ TIMELINE = {
 }
 
 
+@pytest.mark.slow
 def test_serve_process_on_a_free_port_stops_cleanly_on_sigterm(model_dir):
     proc = subprocess.Popen(cli_cmd("serve", "--model", model_dir("llama"), "--port", 0, "--served-model-name", "tiny",
                                     "--dtype", "float64"),
@@ -58,6 +60,7 @@ def test_layout_segments_leave_out_the_switch():
     assert segs[0][1] == 1.0 and segs[1][0] == 1.05  # the switch itself (1.00-1.05 s) is drawn hatched
 
 
+@pytest.mark.slow  # runs the CLI in a subprocess
 def test_plot_command(tmp_path):
     tl = tmp_path / "timeline.json"
     tl.write_text(json.dumps(TIMELINE))
@@ -68,6 +71,7 @@ def test_plot_command(tmp_path):
     assert r.returncode == 1 and "cannot read timeline" in r.stderr
 
 
+@pytest.mark.slow
 def test_demo_creates_its_model_and_switches_live(tmp_path):
     """A small demo (the README's command with a smaller batch): fresh cache dir, no download."""
     model_dir, out_dir = tmp_path / "cache" / "tiny-llama", tmp_path / "demo"

@@ -20,6 +20,8 @@ from pat_engine.serve.launcher import BackgroundServer
 from pat_engine.serve.server import ServerConfig, build_app
 from pat_engine.serve.translate import apply_chat_template
 
+pytestmark = pytest.mark.slow  # starts worker processes
+
 MAX_LEN = 512  # room for requests long enough to disconnect from or switch under
 MODEL = "tiny"
 PROMPTS = ["the answer is", [5, 6, 7, 8, 9], "prove that the sum"]

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from pat_engine.model.shard_spec import Component, column_parallel, row_parallel, vocab_parallel
+from pat_engine.parallel.shard_spec import Component, column_parallel, row_parallel, vocab_parallel
 from pat_engine.parallel.kv_plan import SeqPlacement, kv_heads_of, plan_kv_moves
 from pat_engine.parallel.layout import Layout, candidate_layouts
 from pat_engine.parallel.reshard_plan import allgather_bytes, plan_moves

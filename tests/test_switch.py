@@ -13,6 +13,8 @@ import pytest
 from conftest import MAX_NEW, PROMPTS, hf_greedy_batch
 from pat_engine import Engine, SamplingParams
 
+pytestmark = pytest.mark.slow  # starts worker processes
+
 GREEDY = [SamplingParams(max_new_tokens=m) for m in MAX_NEW]
 SCHEDULES = {
     "1x4->4x1": (1, [(4, 4)]),

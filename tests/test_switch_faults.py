@@ -14,12 +14,15 @@ import pytest
 
 from conftest import MAX_NEW, PROMPTS, hf_greedy_batch
 from pat_engine import Engine, SamplingParams, WorkerFailure
+from engine_faults import inject_fault
+
+pytestmark = pytest.mark.slow  # starts worker processes
 
 GREEDY = [SamplingParams(max_new_tokens=m) for m in MAX_NEW]
 
 
 def inject(engine, rank, where, how):
-    engine._loop.run(lambda: engine.coordinator.pool.call("inject_fault", ranks=[rank], where=where, how=how))
+    inject_fault(engine, [rank], where, how)
 
 
 @pytest.fixture(scope="module")

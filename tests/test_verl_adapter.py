@@ -42,6 +42,8 @@ from verl.workers.rollout.base import get_rollout_class  # noqa: E402
 from verl.workers.rollout.llm_server import LLMServerManager  # noqa: E402
 from verl.workers.rollout.replica import get_rollout_replica_class  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts worker processes
+
 GREEDY = {"temperature": 0, "top_p": 1.0, "top_k": -1, "logprobs": True, "repetition_penalty": 1.0}
 
 

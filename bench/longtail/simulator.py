@@ -30,8 +30,9 @@ import numpy as np
 from pat_engine.core.policy import ClusterStatus, GroupSnapshot, RequestSnapshot, SwitchPolicy
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.drain import drain_seconds
-from pat_engine.predictor.kv_cost import rms_context
-from pat_engine.predictor.predictor import LatencyPredictor, balance
+from pat_engine.core.kv_path_cost import rms_context
+from pat_engine.parallel.dp_placement import balance_by_context
+from pat_engine.predictor.predictor import LatencyPredictor
 from longtail.workload import Batch
 
 
@@ -205,7 +206,7 @@ class Simulation:
         status = self.status()
         reqs = status.requests
         placement = self.pred.current_placement([len(g.requests) for g in status.groups])
-        target = balance([r.context_len for r in reqs], new.dp)
+        target = balance_by_context([r.context_len for r in reqs], new.dp)
         cost = self.pred.switch_cost(old, new, reqs, placement, target)
         migrate = cost.kv_path == "migrate"
         # recompute: the re-prefill runs as ordinary prefill steps after the switch, not inside it

@@ -16,8 +16,8 @@ async def await_output(handle: RequestHandle) -> RequestOutput:
     loop = asyncio.get_running_loop()
     done = loop.create_future()
 
-    def on_update(seq, _new_tokens: int) -> None:
-        if seq.finished:
+    def on_update(h: RequestHandle) -> None:
+        if h.done():
             loop.call_soon_threadsafe(_resolve, done)
 
     handle.add_listener(on_update)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pat_engine import Engine, Layout, LayoutError
-from pat_engine.core.policy import ScheduledSwitches, SwitchPolicy
+from pat_engine import Engine, LayoutError
+from pat_engine.core.policy import SwitchPolicy
 
 
 @dataclass(frozen=True)
@@ -37,14 +37,11 @@ class StagePlan:
 
     def policy(self, engine: Engine) -> SwitchPolicy | None:
         if self.switch_schedule is None:
-            return engine.coordinator.policy
-        for _, tp in self.switch_schedule:  # refuse a bad schedule before the stage starts
-            Layout.for_world(engine.config.world, tp)
-            try:
-                engine.arch.check_tp(tp)
-            except ValueError as exc:
-                raise LayoutError(f"switch_schedule: {exc}") from None
-        return ScheduledSwitches(list(self.switch_schedule), self.kv_transfer)
+            return engine.policy
+        try:  # refuse a bad schedule before the stage starts
+            return engine.scheduled_policy(list(self.switch_schedule), self.kv_transfer)
+        except LayoutError as exc:
+            raise LayoutError(f"switch_schedule: {exc}") from None
 
 
 @dataclass

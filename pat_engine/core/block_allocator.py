@@ -25,6 +25,9 @@ class BlockAllocator:
     def free(self, blocks: list[int]) -> None:
         self._free.extend(blocks)
 
+    def free_blocks(self) -> list[int]:
+        return list(self._free)
+
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)

@@ -5,9 +5,9 @@ and keeps every request's state, so moving requests between groups during a
 switch is a local data operation. DP groups step independently: each idle
 group gets its next batch as soon as its previous step returns.
 
-Departure from ARCHITECTURE.md sec. 4, on purpose: batches are picked here
-(per group) rather than by each group's leader, and sent to every rank of the
-group directly. With all request state in one place the switch needs no
+Departure from the architecture picture (docs/switch.md), on purpose: batches
+are picked here (per group) rather than by each group's leader, and sent to
+every rank of the group directly. With all request state in one place the switch needs no
 gathering of queues from leaders, and no per-step TP broadcast is needed.
 """
 
@@ -18,15 +18,16 @@ import time
 from dataclasses import dataclass
 
 from pat_engine.config import EngineConfig
+from pat_engine.core.layout_switch import LayoutSwitch
+from pat_engine.core.measured_rates import MeasuredRates
 from pat_engine.core.memory import MemoryPlan
 from pat_engine.core.policy import ClusterStatus, GroupSnapshot, RequestSnapshot, SwitchDecision, SwitchPolicy
 from pat_engine.core.request import Sequence
 from pat_engine.core.scheduler import GroupScheduler
 from pat_engine.core.timeline import SwitchEvent, Timeline
-from pat_engine.core.worker_pool import WorkerPool, _last_line
-from pat_engine.errors import LayoutError, WorkerFailure
+from pat_engine.core.worker_pool import WorkerPool
+from pat_engine.errors import LayoutError, WorkerFailure, last_traceback_line
 from pat_engine.parallel.layout import Layout
-from pat_engine.predictor.measured import MeasuredRates
 from pat_engine.protocol import Reply, StepCommand, StepResult
 
 log = logging.getLogger(__name__)
@@ -67,29 +68,56 @@ class GlobalCoordinator:
         self.policy: SwitchPolicy | None = None
         self.pending_switch: SwitchDecision | None = None
         self.paused = False
-        self.stage_decode_steps = 0  # set before the first _set_layout, which copies it into the groups
+        self.stage_decode_steps = 0  # set before the first install_layout, which copies it into the groups
         self._decode_ema: dict[int, float] = {}
         self._tokens_since_point = 0
         self._last_point = time.monotonic()
-        self._set_layout(layout, [])
+        self.inflight: dict[int, InFlight] = {}
+        self.install_layout(layout, self.new_schedulers(layout))
         self.seqs: dict[int, Sequence] = {}  # unfinished, by seq id
         self.step_log: list[StepRecord] | None = None  # set to a list to record every step
 
     # ---- layout ----------------------------------------------------------------------
 
-    def _set_layout(self, layout: Layout, groups: list[GroupScheduler] | None) -> None:
-        self.layout = layout
+    def new_schedulers(self, layout: Layout) -> list[GroupScheduler]:
+        """One empty scheduler per DP group of ``layout``, each with the layout's block count."""
+        cfg = self.config
         blocks = self.memory.num_blocks(layout)
-        self.schedulers = groups or [
-            GroupScheduler(g, blocks, self.config.block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens)
-            for g in range(layout.dp)
-        ]
+        return [GroupScheduler(g, blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+                for g in range(layout.dp)]
+
+    def install_layout(self, layout: Layout, schedulers: list[GroupScheduler]) -> None:
+        """Adopt ``layout`` with its groups' schedulers (after a switch, a restart, or at start)."""
+        if self.inflight:
+            raise RuntimeError("install_layout with steps in flight: drain() first")
+        self.layout = layout
+        self.schedulers = schedulers
         # the stage's decode-step count goes on across a switch or restart: the policy and the timeline
         # are consulted only when it grows, so new groups starting at 0 would silence both for a while
         for sched in self.schedulers:
             sched.decode_steps = self.stage_decode_steps
         self.inflight: dict[int, InFlight] = {}
         self._decode_ema = {}
+
+    def drain(self) -> None:
+        """Wait for every in-flight step and apply its results: the step boundary a switch or a
+        weight update needs."""
+        while self.inflight:
+            for msg in self.pool.poll(1.0):
+                self._handle(msg)
+            self._check_step_timeouts()
+
+    def take_unfinished(self) -> list[Sequence]:
+        """Every unfinished sequence out of its scheduler, by arrival (a switch re-places them);
+        their KV stays where it is until the switch has moved or dropped it."""
+        if self.inflight:
+            raise RuntimeError("take_unfinished with steps in flight: drain() first")
+        return sorted((s for sched in self.schedulers for s in sched.take_all()), key=lambda s: s.seq_id)
+
+    def check_block_invariants(self) -> None:
+        """``AssertionError`` unless every group's blocks are free or owned by exactly one sequence."""
+        for sched in self.schedulers:
+            sched.check_blocks()
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -158,7 +186,8 @@ class GlobalCoordinator:
     def _handle(self, msg: StepResult | Reply) -> None:
         if isinstance(msg, Reply):
             if not msg.ok:
-                raise WorkerFailure(f"rank {msg.rank} failed during a step: {_last_line(msg.error)}\n{msg.error}", rank=msg.rank)
+                raise WorkerFailure(f"rank {msg.rank} failed during a step: {last_traceback_line(msg.error)}\n{msg.error}",
+                                    rank=msg.rank)
             return
         flight = self.inflight.pop(msg.group, None)
         if flight is None or flight.cmd.step_id != msg.step_id:
@@ -231,16 +260,16 @@ class GlobalCoordinator:
         self.pool = pool
         self.pending_switch = None
         seqs = sorted(self.seqs.values(), key=lambda s: s.seq_id)
-        self._set_layout(layout, None)
+        self.inflight = {}  # the old world's steps will never answer
+        self.install_layout(layout, self.new_schedulers(layout))
         for seq in seqs:
-            seq.block_table, seq.blocks_sent, seq.num_cached = [], 0, 0
+            seq.forget_kv()
             self.seqs.pop(seq.seq_id)
             self.add(seq)
         return seqs
 
     # ---- switching -------------------------------------------------------------------------
 
-    def switch(self, decision: SwitchDecision):
-        from pat_engine.core.switch_coordinator import run_switch
-
-        return run_switch(self, decision)
+    def switch(self, decision: SwitchDecision) -> SwitchEvent:
+        """Change layout now (drains in-flight steps first); returns the switch's record."""
+        return LayoutSwitch(self).run(decision)

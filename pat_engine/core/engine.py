@@ -12,23 +12,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from typing import Any, Callable, Iterable, Iterator, Sequence as Seq
 
 from tqdm.auto import tqdm
 
-from pat_engine.config import EngineConfig
-from pat_engine.core.block_allocator import blocks_needed
+from pat_engine.config import EngineConfig, check_kv_transfer
 from pat_engine.core.coordinator import GlobalCoordinator, StepRecord
 from pat_engine.core.inputs import RequestFactory, load_tokenizer
 from pat_engine.core.loop import EngineLoop
 from pat_engine.core.memory import CPU_DEFAULT_KV_BYTES, MemoryPlan
 from pat_engine.core.policy import ScheduledSwitches, SwitchDecision, SwitchPolicy
 from pat_engine.core.request import Sequence
+from pat_engine.core.request_handle import RequestHandle
 from pat_engine.core.rl_control import RLControlMixin
+from pat_engine.core.served_weights import ServedWeights
 from pat_engine.core.timeline import SwitchEvent
 from pat_engine.core.worker_pool import WorkerPool
-from pat_engine.errors import InvalidRequestError, LayoutError, ModelLoadError, WorkerFailure
+from pat_engine.errors import EngineClosedError, InvalidRequestError, ModelLoadError, WorkerFailure
 from pat_engine.model.arch import load_model_arch
 from pat_engine.model.weights import safetensors_files
 from pat_engine.outputs import RequestOutput
@@ -39,67 +39,17 @@ from pat_engine.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
-class RequestHandle:
-    """A submitted request: wait for it, or watch it grow (streaming)."""
-
-    def __init__(self, seq: Sequence, decode: Callable[[list[int]], str | None]):
-        self.seq = seq
-        self._decode = decode
-        self._done = threading.Event()
-        self._cond = threading.Condition()
-        self._listeners: list[Callable[[Sequence, int], None]] = []
-        seq.on_update = self._on_update
-
-    @property
-    def request_id(self) -> str:
-        return self.seq.request_id
-
-    def add_listener(self, fn: Callable[[Sequence, int], None]) -> None:
-        """``fn(seq, new_tokens)`` runs in the engine loop thread after every update."""
-        self._listeners.append(fn)
-
-    def _on_update(self, seq: Sequence, new_tokens: int) -> None:
-        for fn in self._listeners:
-            fn(seq, new_tokens)
-        with self._cond:
-            self._cond.notify_all()
-        if seq.finished:
-            self._done.set()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._done.wait(timeout)
-
-    def output(self) -> RequestOutput:
-        return self.seq.to_output(self._decode)
-
-    def stream(self, poll_s: float = 0.5) -> Iterator[list[int]]:
-        """Yield lists of newly generated token ids until the request finishes."""
-        sent = 0
-        while True:
-            with self._cond:
-                if len(self.seq.output_ids) == sent and not self.seq.finished:
-                    self._cond.wait(poll_s)
-            ids = self.seq.output_ids[sent:]
-            if ids:
-                sent += len(ids)
-                yield ids
-            if self.seq.finished and sent >= len(self.seq.output_ids):
-                return
-
-
 class Engine(RLControlMixin):
     def __init__(self, model: str, tp: int = 1, dp: int = 1, **kwargs: Any):
         self.config = EngineConfig.from_kwargs(model, tp=tp, dp=dp, **kwargs)
         cfg = self.config
         self.arch = load_model_arch(cfg.model)  # unknown architecture / missing files fail here, before spawning
         safetensors_files(cfg.model)
-        self.base_layout = self._check_layout(cfg.tp)
+        self.base_layout = self.arch.layout(cfg.world, cfg.tp)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         max_len = min(cfg.max_model_len or self.arch.max_position, self.arch.max_position)
-        self.requests = RequestFactory(self.arch, self.tokenizer, max_len, cfg.seed)
+        self.request_factory = RequestFactory(self.arch, self.tokenizer, max_len, cfg.seed)
+        self.weights = ServedWeights(cfg.model)
         dtype = cfg.torch_dtype()
         on_gpu = cfg.device == "cuda"
         if on_gpu:
@@ -112,7 +62,7 @@ class Engine(RLControlMixin):
             try:
                 budgets = pool.call("kv_budget", utilization=cfg.gpu_memory_utilization)
                 self.memory.kv_budget_base = min(budgets)  # every rank must hold the same pool
-                pool.call("wake_up", kv_blocks=self.memory.num_blocks(self.base_layout), weights=False)
+                pool.call("allocate_kv", num_blocks=self.memory.num_blocks(self.base_layout))
             except BaseException:
                 pool.kill()
                 raise
@@ -120,7 +70,8 @@ class Engine(RLControlMixin):
             pool.kill()
             raise InvalidRequestError(f"the KV budget ({self.memory.kv_budget_base} bytes per rank) holds no KV block")
         self.coordinator = GlobalCoordinator(cfg, self.memory, pool, self.base_layout)
-        self._loop = EngineLoop(self.coordinator, self._start_pool, cfg.max_worker_restarts, cfg.recover_failed_workers)
+        self._loop = EngineLoop(self.coordinator, self._start_pool, cfg.max_worker_restarts, cfg.recover_failed_workers,
+                                self.weights)
         self._closed = False
         try:
             attach_controller(self)
@@ -130,7 +81,7 @@ class Engine(RLControlMixin):
 
     def _start_pool(self, kv_blocks: int | None = None) -> WorkerPool:
         blocks = self.memory.num_blocks(self.base_layout) if kv_blocks is None else kv_blocks
-        pool = WorkerPool(self.config, self.base_layout, blocks, self._weights_path)
+        pool = WorkerPool(self.config, self.base_layout, blocks, self.weights.path)
         try:
             pool.start()
         except WorkerFailure as exc:
@@ -138,14 +89,6 @@ class Engine(RLControlMixin):
                 raise ModelLoadError(str(exc).splitlines()[0]) from None
             raise
         return pool
-
-    def _check_layout(self, tp: int) -> Layout:
-        layout = Layout.for_world(self.config.world, tp)
-        try:
-            self.arch.check_tp(tp)
-        except ValueError as exc:
-            raise LayoutError(str(exc)) from None
-        return layout
 
     # ---- context manager / lifecycle ------------------------------------------------------------
 
@@ -172,6 +115,25 @@ class Engine(RLControlMixin):
     @property
     def layout(self) -> Layout:
         return self.coordinator.layout
+
+    @property
+    def policy(self) -> SwitchPolicy | None:
+        """The policy consulted every ``switch_check_interval`` decode steps (None: static)."""
+        return self.coordinator.policy
+
+    @property
+    def worker_failures(self) -> list[str]:
+        """Every worker failure the engine recovered from or reported, oldest first."""
+        return list(self._loop.failures)
+
+    def worker_pids(self) -> list[int]:
+        """Process ids of the current worker processes, by rank."""
+        return self._loop.run(lambda: [p.pid for p in self.coordinator.pool.procs])
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + generation a request may have (the model's context, or the configured cap)."""
+        return self.request_factory.max_model_len
 
     @property
     def timeline(self) -> dict:
@@ -204,12 +166,8 @@ class Engine(RLControlMixin):
 
     def _make(self, prompts: Seq[Any], params: SamplingParams | Seq[SamplingParams] | None,
               request_ids: Seq[str] | None) -> list[Sequence]:
-        if self._sleep_level:
-            raise InvalidRequestError("the engine is asleep; call wake_up() before generating")
-        if self._loop.stale_weights:
-            raise InvalidRequestError(
-                "the served weights are not current (workers restarted after a failure, or woken from a level-2 "
-                "sleep, after in-memory weight updates); call update_weights() or update_weights_from_disk() first")
+        if (refusal := self.weights.refusal()) is not None:
+            raise InvalidRequestError(refusal)
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None:
@@ -220,25 +178,25 @@ class Engine(RLControlMixin):
             raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         if request_ids is not None and len(request_ids) != len(prompts):
             raise InvalidRequestError(f"got {len(prompts)} prompts but {len(request_ids)} request ids")
-        seqs = [
-            self.requests.make(p, sp, request_ids[i] if request_ids else None, where=f"prompt {i}")
-            for i, (p, sp) in enumerate(zip(prompts, params))
-        ]
-        capacity = self.memory.tokens_per_group(self.layout)
-        for i, seq in enumerate(seqs):
-            need = blocks_needed(len(seq.prompt_ids) + seq.params.max_new_tokens, self.config.block_size) * self.config.block_size
-            if need > capacity:
+        single = len(prompts) == 1  # one prompt: errors need no "prompt i" to say which
+        seqs = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            where = "request" if single else f"prompt {i}"
+            seq = self.request_factory.make(p, sp, request_ids[i] if request_ids else None, where=where)
+            layout = self.layout
+            if not self.memory.fits(layout, len(seq.prompt_ids), sp.max_new_tokens):
                 raise InvalidRequestError(
-                    f"prompt {i}: needs {need} KV token slots but a DP group holds {capacity}; "
-                    "lower max_new_tokens or raise kv_cache_bytes"
-                )
+                    f"{where}: needs {self.memory.slots_needed(len(seq.prompt_ids), sp.max_new_tokens)} KV token "
+                    f"slots but a DP group of {layout} holds {self.memory.tokens_per_group(layout)}; "
+                    "lower max_new_tokens or raise kv_cache_bytes")
+            seqs.append(seq)
         return seqs
 
     def submit(self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None) -> RequestHandle:
         """Queue one request and return at once (used by the server and streaming)."""
         self._ensure_open()
         seq = self._make([prompt], params, [request_id] if request_id else None)[0]
-        handle = RequestHandle(seq, self.requests.decode)
+        handle = RequestHandle(seq, self.request_factory.decode)
         self._loop.run(self.coordinator.add, seq)
         return handle
 
@@ -274,7 +232,7 @@ class Engine(RLControlMixin):
         self._ensure_open()
         seqs = self._make(prompts, params, request_ids)
         start_stage = self._stage_starter(switch_schedule, kv_transfer, policy, from_base_layout)
-        handles = [RequestHandle(s, self.requests.decode) for s in seqs]
+        handles = [RequestHandle(s, self.request_factory.decode) for s in seqs]
         bar = tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
 
         def start() -> None:
@@ -316,14 +274,18 @@ class Engine(RLControlMixin):
         self._ensure_open()
         self._loop.run(self._stage_starter(switch_schedule, kv_transfer, policy, from_base_layout))
 
+    def scheduled_policy(self, switch_schedule: list[tuple[int, int]], kv_transfer: str | None = None) -> ScheduledSwitches:
+        """A fixed switch schedule ``[(decode_step, tp), ...]``, every target checked against this
+        model and world first (``LayoutError`` names a bad one)."""
+        check_kv_transfer(kv_transfer, allow_auto=False)
+        for _, tp in switch_schedule:
+            self.arch.layout(self.config.world, tp)
+        return ScheduledSwitches(list(switch_schedule), kv_transfer)
+
     def _stage_starter(self, switch_schedule, kv_transfer, policy, from_base_layout) -> Callable[[], None]:
         """Validate the stage options now; return the closure that starts the stage in the loop."""
         if switch_schedule is not None:
-            for _, tp in switch_schedule:
-                self._check_layout(tp)
-            if kv_transfer not in (None, "migrate", "recompute"):
-                raise InvalidRequestError(f"kv_transfer must be 'migrate' or 'recompute', got {kv_transfer!r}")
-            policy = ScheduledSwitches(switch_schedule, kv_transfer)
+            policy = self.scheduled_policy(switch_schedule, kv_transfer)
 
         def start() -> None:
             coord = self.coordinator
@@ -341,9 +303,8 @@ class Engine(RLControlMixin):
         Returns the switch's record once it is done. Invalid targets are refused before anything moves.
         """
         self._ensure_open()
-        self._check_layout(tp)
-        if kv_transfer not in (None, "migrate", "recompute"):
-            raise InvalidRequestError(f"kv_transfer must be 'migrate' or 'recompute', got {kv_transfer!r}")
+        self.arch.layout(self.config.world, tp)
+        check_kv_transfer(kv_transfer, allow_auto=False)
         decision = SwitchDecision(tp, "reconfigure() call", kv_transfer)
         return self._loop.run(self.coordinator.switch, decision, timeout=timeout)
 
@@ -353,8 +314,6 @@ class Engine(RLControlMixin):
 
     def _ensure_open(self) -> None:
         if self._closed:
-            from pat_engine.errors import EngineClosedError
-
             raise EngineClosedError("the engine has been shut down")
 
 

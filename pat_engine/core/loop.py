@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from pat_engine.core.coordinator import GlobalCoordinator
+from pat_engine.core.served_weights import ServedWeights
 from pat_engine.core.timeline import SwitchEvent
 from pat_engine.core.worker_pool import WorkerPool
 from pat_engine.errors import EngineClosedError, WorkerFailure
@@ -31,14 +32,13 @@ log = logging.getLogger(__name__)
 
 class EngineLoop:
     def __init__(self, coordinator: GlobalCoordinator, make_pool: Callable[[], WorkerPool], max_restarts: int,
-                 recover: bool):
+                 recover: bool, weights: ServedWeights):
         self.coordinator = coordinator
         self._make_pool = make_pool
         self.max_restarts = max_restarts
         self.recover = recover
         self.restarts = 0
-        self.weights_on_disk = True  # False after in-memory weight updates: a restart would lose them
-        self.stale_weights = False  # True when a restart fell back to on-disk weights after such updates
+        self.weights = weights  # a restart reloads them from disk, which loses in-memory updates
         self.failures: list[str] = []
         self._inbox: deque[tuple[Callable, tuple, Future]] = deque()
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
@@ -130,7 +130,7 @@ class EngineLoop:
         can_restart = self.restarts <= self.max_restarts
         coord.timeline.add_switch(SwitchEvent(coord.timeline.now(), str(coord.layout), str(coord.memory.base),
                                               f"worker failure: {message}", "recompute", 0.0, ok=False, error=message))
-        requeue = self.recover and can_restart and self.weights_on_disk
+        requeue = self.recover and can_restart and self.weights.on_disk
         if not requeue:
             reason = "worker failure" if can_restart else "worker failure (restart budget used up)"
             coord.abort([s.seq_id for s in affected], "error", f"{reason}: {message}")
@@ -144,7 +144,6 @@ class EngineLoop:
             self.dead = f"could not restart workers after a failure: {start_exc}"
             return
         coord.reset(pool, coord.memory.base)
-        if not self.weights_on_disk:
-            self.stale_weights = True  # refuse new requests until the trainer pushes weights again
+        self.weights.workers_restarted()  # after in-memory updates: refuse new requests until they come again
         if requeue and affected:
             log.warning("restarted workers; %d unfinished requests will be recomputed", len(affected))

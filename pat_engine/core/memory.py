@@ -1,4 +1,4 @@
-"""How many KV blocks each rank holds under a layout.
+"""How many KV blocks each rank holds under a layout, and whether a request fits a DP group.
 
 On CPU the KV budget per rank is configured (default 64 MiB). On GPU each
 worker measures what is left after loading its weights; the ranks agree on
@@ -11,28 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from pat_engine.core.block_allocator import blocks_needed
 from pat_engine.model.arch import ModelArch
+from pat_engine.model.footprint import weight_bytes_per_rank
 from pat_engine.parallel.layout import Layout
-from pat_engine.worker.kv_pool import PagedKVPool
 
 CPU_DEFAULT_KV_BYTES = 64 << 20
-
-
-def weight_bytes_per_rank(arch: ModelArch, tp: int, dtype: torch.dtype) -> int:
-    """Bytes of one rank's weight shard (vocab padding and KV-head replication included)."""
-    elt = torch.empty((), dtype=dtype).element_size()
-    h, hd = arch.hidden_size, arch.head_dim
-    q = arch.num_heads // tp * hd
-    kv = arch.kv_heads_per_rank(tp) * hd
-    inter = arch.intermediate_size // tp
-    vocab = -(-arch.vocab_size // tp)
-    per_layer = h * (q + 2 * kv) + q * h + 2 * inter * h + inter * h + 2 * h
-    if arch.qkv_bias:
-        per_layer += q + 2 * kv
-    if arch.qk_norm:
-        per_layer += 2 * hd
-    heads = vocab * h * (1 if arch.tie_word_embeddings else 2)
-    return elt * (arch.num_layers * per_layer + heads + h)
 
 
 class MemoryPlan:
@@ -50,11 +34,18 @@ class MemoryPlan:
         return max(0, self.kv_budget_base + delta)
 
     def block_bytes(self, layout: Layout) -> int:
-        return PagedKVPool.block_bytes(self.arch.num_layers, self.block_size, self.arch.kv_heads_per_rank(layout.tp),
-                                       self.arch.head_dim, self.dtype)
+        return self.block_size * self.arch.kv_bytes_per_token(layout.tp, self.dtype)
 
     def num_blocks(self, layout: Layout) -> int:
         return self.kv_budget(layout) // self.block_bytes(layout)
 
     def tokens_per_group(self, layout: Layout) -> int:
         return self.num_blocks(layout) * self.block_size
+
+    def slots_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        """KV token slots a request can grow to: its prompt plus every token it may generate, in whole blocks."""
+        return blocks_needed(prompt_len + max_new_tokens, self.block_size) * self.block_size
+
+    def fits(self, layout: Layout, prompt_len: int, max_new_tokens: int) -> bool:
+        """Whether one DP group of ``layout`` can hold the request at its longest (the one home of this rule)."""
+        return self.slots_needed(prompt_len, max_new_tokens) <= self.tokens_per_group(layout)

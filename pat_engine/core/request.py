@@ -55,6 +55,10 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
+    def forget_kv(self) -> None:
+        """The KV this sequence had is gone (freed, or left in a pool that no longer exists)."""
+        self.block_table, self.blocks_sent, self.num_cached = [], 0, 0
+
     def outstanding_tokens(self) -> int:
         """Work left: uncached context to prefill plus tokens still to generate."""
         return (self.length - self.num_cached) + (self.params.max_new_tokens - len(self.output_ids))
@@ -85,16 +89,19 @@ class Sequence:
             return ()
         return tuple(self.eos_ids) + self.params.stop_token_ids if not self.params.ignore_eos else self.params.stop_token_ids
 
-    def to_output(self, decode: Callable[[list[int]], str] | None) -> RequestOutput:
+    def to_output(self, decode: Callable[[list[int]], str] | None, token_ids: list[int], finish_reason: str | None,
+                  error: str | None) -> RequestOutput:
+        """The request's output with its first ``len(token_ids)`` tokens (a caller's consistent snapshot)."""
+        n = len(token_ids)
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=list(self.prompt_ids),
-            token_ids=list(self.output_ids),
-            text=decode(self.output_ids) if decode else None,
-            finish_reason=self.finish_reason,
-            logprobs=list(self.logprobs) if self.params.logprobs else None,
+            token_ids=token_ids,
+            text=decode(token_ids) if decode else None,
+            finish_reason=finish_reason,
+            logprobs=list(self.logprobs[:n]) if self.params.logprobs else None,
             prompt=self.prompt,
-            error=self.error,
+            error=error,
             metrics={
                 "arrival_time": self.arrival_time,
                 "first_token_time": self.first_token_time,

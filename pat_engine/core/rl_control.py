@@ -14,6 +14,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from pat_engine.core.served_weights import ServedWeights
 from pat_engine.errors import InvalidRequestError, ModelLoadError
 from pat_engine.model.arch import load_model_arch
 from pat_engine.model.llama import CausalLM
@@ -42,20 +43,14 @@ def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], limit: int, chec
 
 
 class RLControlMixin:
-    """Mixed into ``Engine``; uses its loop, coordinator and config."""
+    """Mixed into ``Engine``; uses its loop, coordinator, config and ``weights`` (``ServedWeights``)."""
 
-    _sleep_level: int = 0
-    _weights_path: str | None = None
+    weights: ServedWeights
 
     def _weight_check(self) -> WeightNameCheck:
         if not hasattr(self, "_weight_check_cache"):
             self._weight_check_cache = WeightNameCheck(CausalLM(self.arch, 1, torch.float32, "meta"))
         return self._weight_check_cache
-
-    def _drain(self) -> None:
-        from pat_engine.core.switch_coordinator import _drain
-
-        _drain(self.coordinator)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
@@ -69,12 +64,11 @@ class RLControlMixin:
         applied = 0
         for bucket in _buckets(named_tensors, bucket_bytes, check):
             def send(bucket=bucket) -> int:
-                self._drain()
+                self.coordinator.drain()
                 return self.coordinator.pool.call("load_weights", tensors=bucket)[0]
 
             applied += self._loop.run(send)
-            self._loop.weights_on_disk = False
-            self._loop.stale_weights = False
+            self.weights.updated_in_memory()
         return applied
 
     def update_weights_from_disk(self, path: str) -> None:
@@ -86,13 +80,11 @@ class RLControlMixin:
         safetensors_files(path)
 
         def reload() -> None:
-            self._drain()
+            self.coordinator.drain()
             self.coordinator.pool.call("reload_weights", path=str(path))
 
         self._loop.run(reload)
-        self._weights_path = str(path)
-        self._loop.weights_on_disk = True
-        self._loop.stale_weights = False
+        self.weights.updated_from_disk(str(path))
 
     def sleep(self, level: int = 1) -> int:
         """Release memory for a colocated trainer; returns the bytes freed (summed over ranks).
@@ -112,7 +104,7 @@ class RLControlMixin:
             return sum(self.coordinator.pool.call("sleep", level=level))
 
         freed = self._loop.run(go)
-        self._sleep_level = level
+        self.weights.slept(level)
         return freed
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -122,25 +114,19 @@ class RLControlMixin:
         unknown = set(tags) - {"weights", "kv_cache"}
         if unknown:
             raise InvalidRequestError(f"unknown wake_up tags {sorted(unknown)}; use 'weights' and/or 'kv_cache'")
-        level = self._sleep_level
         weights = "weights" in tags
         blocks = self.memory.num_blocks(self.coordinator.layout) if "kv_cache" in tags else None
 
         def go() -> None:
             self.coordinator.pool.call("wake_up", kv_blocks=blocks, weights=weights)
-            if weights and level == 2:
-                if self._loop.weights_on_disk:
-                    self.coordinator.pool.call("reload_weights", path=self._weights_path or self.config.model)
-                else:  # the weights lived only in memory: generation waits for update_weights()
-                    self._loop.stale_weights = True
+            if self.weights.woke(weights, kv_cache=blocks is not None):
+                self.coordinator.pool.call("reload_weights", path=self.weights.path)
 
         self._loop.run(go)
-        if blocks is not None:
-            self._sleep_level = 0
 
     @property
     def sleeping(self) -> bool:
-        return self._sleep_level > 0
+        return self.weights.sleep_level > 0
 
     def pause(self) -> None:
         """Stop starting new steps (requests keep their KV); ``resume`` continues them."""

@@ -37,14 +37,15 @@ class GroupScheduler:
         seq.status = SeqStatus.WAITING
         (self.waiting.appendleft if front else self.waiting.append)(seq)
 
-    def add_running(self, seq: Sequence) -> None:
+    def add_running(self, seq: Sequence, block_table: list[int]) -> None:
         """Adopt a sequence whose KV already sits in this group's pool (after a KV migration).
 
-        Its ``block_table`` must come from this group's allocator; the workers already know it.
+        ``block_table`` must come from this group's allocator; the workers already know it.
         """
         seq.group = self.group
         seq.status = SeqStatus.RUNNING
-        seq.blocks_sent = len(seq.block_table)
+        seq.block_table = block_table
+        seq.blocks_sent = len(block_table)
         self.running.append(seq)
 
     def has_work(self) -> bool:
@@ -68,7 +69,23 @@ class GroupScheduler:
         if seq.block_table:
             self.allocator.free(seq.block_table)
             self._released.append(seq.seq_id)
-        seq.block_table, seq.blocks_sent, seq.num_cached = [], 0, 0
+        seq.forget_kv()
+
+    def check_blocks(self) -> None:
+        """Raise ``AssertionError`` unless free + owned == total and no block is owned twice or also free."""
+        owned = [b for s in self.unfinished() for b in s.block_table]
+        free = self.allocator.free_blocks()
+        problems = []
+        if len(set(owned)) != len(owned):
+            problems.append("a block is owned by two sequences")
+        if len(set(free)) != len(free):
+            problems.append("a block is free twice")
+        if set(owned) & set(free):
+            problems.append(f"blocks both owned and free: {sorted(set(owned) & set(free))[:8]}")
+        if len(set(owned) | set(free)) != self.allocator.num_blocks or len(owned) + len(free) != self.allocator.num_blocks:
+            problems.append(f"{len(owned)} owned + {len(free)} free != {self.allocator.num_blocks} blocks")
+        if problems:
+            raise AssertionError(f"DP group {self.group} KV blocks: " + "; ".join(problems))
 
     def take_all(self) -> list[Sequence]:
         """Hand every unfinished sequence back (for a switch); their KV stays put until then."""

@@ -24,19 +24,12 @@ from multiprocessing.reduction import ForkingPickler
 import torch.distributed as dist
 
 from pat_engine.config import EngineConfig
-from pat_engine.errors import WorkerFailure
+from pat_engine.errors import WorkerFailure, last_traceback_line
 from pat_engine.parallel.layout import Layout
-from pat_engine.protocol import Call, Reply, StepCommand, StepResult
+from pat_engine.protocol import Call, Reply, StepCommand, StepResult, WorkerArgs
 import torch.multiprocessing  # noqa: F401  (registers the shared-memory pickling of tensors)
 
-from pat_engine.worker.worker import WorkerArgs
-
 log = logging.getLogger(__name__)
-
-
-def _last_line(tb: str | None) -> str:
-    lines = [ln for ln in (tb or "").strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else "unknown error"
 
 
 class WorkerPool:
@@ -180,11 +173,11 @@ class WorkerPool:
             for msg in self._read(min(left, 1.0)):
                 if isinstance(msg, Reply) and msg.call_id == call_id:
                     if not msg.ok:
-                        raise WorkerFailure(f"{what} failed on rank {msg.rank}: {_last_line(msg.error)}\n{msg.error}",
+                        raise WorkerFailure(f"{what} failed on rank {msg.rank}: {last_traceback_line(msg.error)}\n{msg.error}",
                                             rank=msg.rank, error_type=msg.error_type)
                     got[msg.rank] = msg
                 elif isinstance(msg, Reply) and not msg.ok:
-                    raise WorkerFailure(f"rank {msg.rank} failed: {_last_line(msg.error)}\n{msg.error}", rank=msg.rank)
+                    raise WorkerFailure(f"rank {msg.rank} failed: {last_traceback_line(msg.error)}\n{msg.error}", rank=msg.rank)
                 else:
                     self.pending.append(msg)
         return got

@@ -12,7 +12,11 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pat_engine.errors import ModelLoadError
+import torch
+
+from pat_engine.errors import LayoutError, ModelLoadError
+from pat_engine.parallel.kv_plan import kv_bytes_per_token, kv_heads_per_rank
+from pat_engine.parallel.layout import Layout, candidate_layouts
 
 # HF ``architectures`` entry -> (attention bias on qkv, q/k RMSNorm).
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -64,22 +68,36 @@ class ModelArch:
         blob = json.dumps(asdict(self), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
-    def check_tp(self, tp: int) -> None:
-        """Raise ``ValueError`` naming the problem if ``tp`` cannot shard this model."""
-        if tp < 1 or tp & (tp - 1):
-            raise ValueError(f"tp={tp} must be a power of two")
+    def layout(self, world: int, tp: int) -> Layout:
+        """The (tp, world / tp) layout, or ``LayoutError`` naming why this model or world cannot use it.
+
+        The one home of "is this TP degree valid": the world rules live in ``Layout.for_world``,
+        the model's here.
+        """
+        layout = Layout.for_world(world, tp)
         if self.num_heads % tp:
-            raise ValueError(f"tp={tp} does not divide num_attention_heads={self.num_heads}")
+            raise LayoutError(f"tp={tp} does not divide num_attention_heads={self.num_heads}")
         if self.num_kv_heads % tp and tp % self.num_kv_heads:
-            raise ValueError(
-                f"tp={tp} and num_key_value_heads={self.num_kv_heads}: one must divide the other"
-            )
+            raise LayoutError(f"tp={tp} and num_key_value_heads={self.num_kv_heads}: one must divide the other")
         if self.intermediate_size % tp:
-            raise ValueError(f"tp={tp} does not divide intermediate_size={self.intermediate_size}")
+            raise LayoutError(f"tp={tp} does not divide intermediate_size={self.intermediate_size}")
+        return layout
+
+    def valid_layouts(self, world: int) -> list[Layout]:
+        """Every layout of ``world`` ranks this model can be sharded in, smallest TP first."""
+        out = []
+        for candidate in candidate_layouts(world):
+            try:
+                out.append(self.layout(world, candidate.tp))
+            except LayoutError:
+                pass
+        return out
 
     def kv_heads_per_rank(self, tp: int) -> int:
-        # tp > num_kv_heads: each rank holds one head, shared by tp / num_kv_heads ranks.
-        return max(1, self.num_kv_heads // tp)
+        return kv_heads_per_rank(self.num_kv_heads, tp)
+
+    def kv_bytes_per_token(self, tp: int, dtype: torch.dtype) -> int:
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype.itemsize, tp)
 
 
 def _rope_from_config(cfg: dict) -> RopeSpec:

@@ -22,7 +22,7 @@ from pat_engine.model.layers.embedding import ParallelLMHead, VocabParallelEmbed
 from pat_engine.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pat_engine.model.layers.norm import RMSNorm
 from pat_engine.model.layers.rotary import RotaryEmbedding, apply_rotary
-from pat_engine.model.shard_spec import Component
+from pat_engine.parallel.shard_spec import Component
 from pat_engine.parallel.comm import TPGroup
 
 
@@ -118,6 +118,3 @@ class CausalLM(nn.Module):
         """Full-vocab logits on TP rank 0 (None on the others)."""
         return self.lm_head(hidden, tp)
 
-    def sharded_parameters(self) -> dict[str, nn.Parameter]:
-        """Every distinct parameter by its local name (a tied LM head appears once)."""
-        return dict(self.named_parameters(remove_duplicate=True))

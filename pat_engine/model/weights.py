@@ -17,7 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pat_engine.errors import ModelLoadError
-from pat_engine.model.shard_spec import ShardSpec
+from pat_engine.parallel.shard_spec import ShardSpec
 
 _FUSED = {
     "q_proj": ("qkv_proj", 0),

@@ -17,25 +17,12 @@ class TPGroup:
     rank: int  # rank inside the group (= shard index)
     size: int
     ranks: tuple[int, ...]  # global ranks, in TP-rank order
-    device_group: object | None = field(default=None, repr=False)  # nccl on GPU, gloo on CPU
-    cpu_group: object | None = field(default=None, repr=False)  # gloo, for control messages
-
-    @classmethod
-    def single(cls, global_rank: int = 0) -> "TPGroup":
-        return cls(rank=0, size=1, ranks=(global_rank,))
+    device_group: object | None = field(default=None, repr=False)  # nccl on GPU, gloo on CPU; None for one rank
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
             dist.all_reduce(x, group=self.device_group)
         return x
-
-    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Concatenate every rank's ``x`` along ``dim`` in TP-rank order."""
-        if self.size == 1:
-            return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.device_group)
-        return torch.cat(parts, dim=dim)
 
     def gather_to_leader(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """TP rank 0 gets every rank's ``x`` concatenated along ``dim``; others get None."""
@@ -45,7 +32,3 @@ class TPGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
         dist.gather(x, parts, group=self.device_group, group_dst=0)
         return torch.cat(parts, dim=dim) if parts is not None else None
-
-    def barrier(self) -> None:
-        if self.size > 1:
-            dist.barrier(group=self.cpu_group)

@@ -57,9 +57,8 @@ class CommGroupPool:
         if len(ranks) == 1:
             # A one-rank group needs no communicator; keep creation collective-free.
             return TPGroup(rank=max(my_index, 0), size=1, ranks=tuple(ranks))
-        cpu = dist.new_group(ranks, backend="gloo", timeout=self.timeout)
-        device = cpu if self.device_backend == "gloo" else dist.new_group(ranks, backend=self.device_backend, timeout=self.timeout)
-        return TPGroup(rank=my_index, size=len(ranks), ranks=tuple(ranks), device_group=device, cpu_group=cpu)
+        device = dist.new_group(ranks, backend=self.device_backend, timeout=self.timeout)
+        return TPGroup(rank=my_index, size=len(ranks), ranks=tuple(ranks), device_group=device)
 
     def __len__(self) -> int:
         return len(self._groups)

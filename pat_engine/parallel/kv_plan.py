@@ -33,6 +33,16 @@ class KVMove:
     heads: tuple[int, ...]  # global KV head ids, ascending
 
 
+def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
+    """KV heads one rank holds: tp > num_kv_heads gives each rank one head, shared by tp / num_kv_heads ranks."""
+    return max(1, num_kv_heads // tp)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, element_size: int, tp: int) -> int:
+    """KV cache bytes one token takes on one rank: K and V of every layer for the rank's heads."""
+    return 2 * num_layers * kv_heads_per_rank(num_kv_heads, tp) * head_dim * element_size
+
+
 def kv_heads_of(tp_rank: int, tp: int, num_kv_heads: int) -> range:
     """KV heads held by a TP rank (with replication, one head shared by tp / num_kv_heads ranks)."""
     if num_kv_heads % tp == 0:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pat_engine.model.shard_spec import Piece, ShardSpec
+from pat_engine.parallel.shard_spec import Piece, ShardSpec
 from pat_engine.parallel.layout import Layout
 
 

@@ -32,7 +32,8 @@ from pat_engine.core.policy import ClusterStatus, SwitchDecision
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.lengths import RemainingEstimator, SnapshotLengthTracker
 from pat_engine.predictor.lookahead import Future, deferral_steps, deferred, drain_groups, switch_value
-from pat_engine.predictor.predictor import LatencyPredictor, balance
+from pat_engine.parallel.dp_placement import balance_by_context
+from pat_engine.predictor.predictor import LatencyPredictor
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class SwitchController:
         rem = self.estimator.draws(reqs, np.random.default_rng(self.config.seed))
         placement = self.predictor.current_placement([len(g.requests) for g in status.groups])
         contexts = [r.context_len for r in reqs]
-        as_is = placement if self.config.current_placement == "actual" else balance(contexts, cur.dp)
+        as_is = placement if self.config.current_placement == "actual" else balance_by_context(contexts, cur.dp)
         remaining = {cur.tp: float(self.predictor.remaining_seconds(cur, reqs, as_is, rem).mean())}
         costs: dict[int, dict] = {}
         totals = {cur.tp: remaining[cur.tp]}
@@ -100,7 +101,7 @@ class SwitchController:
             new = Layout.for_world(cur.world, tp)
             if self.can_hold is not None and not self.can_hold(new, status):
                 continue
-            target = balance(contexts, new.dp)
+            target = balance_by_context(contexts, new.dp)
             remaining[tp] = float(self.predictor.remaining_seconds(new, reqs, target, rem).mean())
             cost = self.predictor.switch_cost(cur, new, reqs, placement, target)
             costs[tp] = cost.to_dict()

@@ -36,20 +36,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def valid_tps(arch: ModelArch, world: int) -> list[int]:
-    out = []
-    tp = 1
-    while tp <= world:
-        if world % tp == 0:
-            try:
-                arch.check_tp(tp)
-                out.append(tp)
-            except ValueError:
-                pass
-        tp *= 2
-    return out
-
-
 def make_deployment(arch: ModelArch, model_path: str, dtype: torch.dtype, device: str, world: int,
                     block_size: int, threads_per_worker: int | None, candidate_tps: list[int] | None = None,
                     emulated: bool = False, collective_model: dict | None = None) -> Deployment:
@@ -59,7 +45,7 @@ def make_deployment(arch: ModelArch, model_path: str, dtype: torch.dtype, device
         dtype=dtype_name(dtype),
         device=device_name(device),
         world=world,
-        candidate_tps=tuple(candidate_tps or valid_tps(arch, world)),
+        candidate_tps=tuple(candidate_tps or (layout.tp for layout in arch.valid_layouts(world))),
         block_size=block_size,
         threads_per_worker=threads_per_worker if device == "cpu" else None,
         libraries=library_versions(),

@@ -26,14 +26,13 @@ from typing import Callable, Sequence
 import numpy as np
 
 from pat_engine.core.policy import RequestSnapshot
+from pat_engine.parallel.dp_placement import Placement
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.drain import drain_seconds
 from pat_engine.predictor.fit import fit_decode, fit_prefill
-from pat_engine.predictor.kv_cost import rms_context
-from pat_engine.predictor.measured import MeasuredRates
+from pat_engine.core.kv_path_cost import rms_context
+from pat_engine.core.measured_rates import MeasuredRates
 from pat_engine.predictor.table import ProfileTable
-
-Placement = list[list[int]]  # per DP group, indices into the request list
 
 
 @dataclass(frozen=True)
@@ -53,20 +52,6 @@ class SwitchCostEstimate:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "kv_path": self.kv_path, "total_s": self.total_s}
-
-
-def balance(contexts: Sequence[int], groups: int) -> Placement:
-    """Longest first onto the least loaded group by context tokens: the rule the switch applies
-    (``core.switch_coordinator.balance``), restated on snapshots so predictions match placements."""
-    load = [0] * groups
-    count = [0] * groups
-    out: Placement = [[] for _ in range(groups)]
-    for i in sorted(range(len(contexts)), key=lambda i: (-contexts[i], i)):
-        g = min(range(groups), key=lambda j: (load[j], count[j], j))
-        out[g].append(i)
-        load[g] += contexts[i]
-        count[g] += 1
-    return out
 
 
 class LatencyPredictor:

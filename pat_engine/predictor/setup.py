@@ -6,7 +6,6 @@ import functools
 import logging
 from pathlib import Path
 
-from pat_engine.core.block_allocator import blocks_needed
 from pat_engine.core.policy import ClusterStatus
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.controller import ControllerConfig, SwitchController
@@ -32,16 +31,12 @@ def build_controller(engine, table: ProfileTable, estimator: str = "distribution
     def weight_bytes(from_tp: int, to_tp: int) -> int:
         return reshard_bytes(engine.arch, dtype, Layout.for_world(cfg.world, from_tp), Layout.for_world(cfg.world, to_tp))
 
+    valid = set(engine.arch.valid_layouts(cfg.world))
+
     def can_hold(layout: Layout, status: ClusterStatus) -> bool:
-        # the coordinator's check_target refuses these; asking first keeps refusals out of the timeline
-        try:
-            engine.arch.check_tp(layout.tp)
-        except ValueError:
-            return False
-        capacity = engine.memory.tokens_per_group(layout)
-        bs = status.block_size
-        return capacity > 0 and all(blocks_needed(r.prompt_len + r.max_new_tokens, bs) * bs <= capacity
-                                    for r in status.requests)
+        # the switch's check_target refuses these; asking first keeps refusals out of the timeline
+        return (layout in valid and engine.memory.num_blocks(layout) > 0
+                and all(engine.memory.fits(layout, r.prompt_len, r.max_new_tokens) for r in status.requests))
 
     predictor = LatencyPredictor(table, cfg.max_num_seqs, weight_bytes)
     config = config or ControllerConfig(check_interval=cfg.switch_check_interval)

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from pat_engine.errors import PatEngineError
+from pat_engine.parallel.kv_plan import kv_bytes_per_token
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,7 @@ class ModelShape:
     weight_bytes: int = 0  # whole model, informational
 
     def kv_bytes_per_token_per_rank(self, tp: int) -> int:
-        heads = max(1, self.num_kv_heads // tp)
-        return 2 * self.num_layers * heads * self.head_dim * self.elt_bytes  # K and V
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.elt_bytes, tp)
 
 
 @dataclass(frozen=True)

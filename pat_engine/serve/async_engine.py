@@ -3,7 +3,7 @@
 ``Engine.submit`` blocks on a round trip to the engine loop thread, so it runs
 in a worker thread. Each request's listener (run in the engine loop thread)
 only posts a wake-up onto the event loop; the consumer then reads the
-request's state itself, so an update that happened before the listener was
+request's ``snapshot()``, so an update that happened before the listener was
 attached is never missed.
 
 Accounting (the running count, finished-request metrics) hangs on its own
@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from pat_engine.core.engine import Engine, RequestHandle
 from pat_engine.errors import EngineClosedError, InvalidRequestError
@@ -48,6 +48,7 @@ class Update:
     token_ids: list[int]  # everything generated so far for this choice
     finished: bool
     finish_reason: str | None
+    error: str | None = None  # why it failed, with finish_reason "error"
 
 
 class RequestGroup:
@@ -65,7 +66,7 @@ class RequestGroup:
             self._queue.put_nowait(i)  # catch up with anything that happened before the listener
 
     def _listener(self, index: int, loop: asyncio.AbstractEventLoop) -> Callable:
-        def on_update(seq: Any, new_tokens: int) -> None:
+        def on_update(handle: RequestHandle) -> None:
             try:
                 loop.call_soon_threadsafe(self._queue.put_nowait, index)
             except RuntimeError:  # the event loop has stopped: nobody is listening any more
@@ -96,24 +97,18 @@ class RequestGroup:
                 continue
             if index in self._finished:
                 continue
-            seq = self.handles[index].seq
-            # read first: the engine sets it last when a request ends, after its final token
-            reason = seq.finish_reason
-            done = reason is not None
-            end = len(seq.output_ids)
-            if seq.params.logprobs and not done:  # the engine appends a token, then its logprob
-                end = min(end, len(seq.logprobs))
-            start, self._sent[index] = self._sent[index], end
-            new = list(seq.output_ids[start:end])
-            lps = list(seq.logprobs[start:end]) if seq.params.logprobs else []
-            if done:
+            snap = self.handles[index].snapshot()
+            start, self._sent[index] = self._sent[index], len(snap.token_ids)
+            new = snap.token_ids[start:]
+            lps = snap.logprobs[start:] if snap.logprobs is not None else []
+            if snap.finished:
                 self._finished.add(index)
-            if new or done:
-                yield Update(index, new, lps, list(seq.output_ids[:end]), done, reason)
+            if new or snap.finished:
+                yield Update(index, new, lps, snap.token_ids, snap.finished, snap.finish_reason, snap.error)
 
     def abort_unfinished(self) -> None:
         """Abort what has not finished, without waiting (safe inside a cancelled task)."""
-        ids = [h.request_id for i, h in enumerate(self.handles) if i not in self._finished and not h.seq.finished]
+        ids = [h.request_id for i, h in enumerate(self.handles) if i not in self._finished and not h.done()]
         if ids:
             self.owner.abort_soon(ids)
 
@@ -161,9 +156,8 @@ class AsyncEngine:
                     handle = await asyncio.to_thread(self.engine.submit, inp.prompt, inp.params, rid)
                 except EngineClosedError:
                     raise ServerShuttingDown("the engine has been shut down") from None
-                except InvalidRequestError as exc:  # the engine numbers its single prompt 0; name the real one
-                    msg = str(exc).removeprefix("prompt 0: ")
-                    raise InvalidRequestError(f"prompt {i}: {msg}" if len(inputs) > 1 else msg) from None
+                except InvalidRequestError as exc:  # name which prompt of a multi-prompt request it was
+                    raise (InvalidRequestError(f"prompt {i}: {exc}") if len(inputs) > 1 else exc) from None
                 self._track(handle)
                 handles.append(handle)
         except BaseException:
@@ -187,21 +181,21 @@ class AsyncEngine:
             self.metrics.running.labels(self.metrics.model_name).inc()
         last = {"t": None, "n": 0}
 
-        def on_update(seq: Any, new_tokens: int) -> None:
+        def on_update(h: RequestHandle) -> None:
             try:  # never let a metrics problem reach the engine loop
-                n = len(seq.output_ids)
+                n = h.num_generated
                 if n > last["n"]:
                     now = time.monotonic()
                     if last["t"] is not None and self.metrics is not None:
                         self.metrics.observe_step(now - last["t"], n - last["n"])
                     last["t"], last["n"] = now, n
-                if seq.finished:
-                    self._release(handle)
+                if h.done():
+                    self._release(h)
             except Exception:
                 log.exception("request accounting failed")
 
         handle.add_listener(on_update)
-        if handle.seq.finish_reason is not None:  # finished before the listener was attached
+        if handle.done():  # finished before the listener was attached
             self._release(handle)
 
     def _release(self, handle: RequestHandle) -> None:
@@ -210,7 +204,7 @@ class AsyncEngine:
                 return
         if self.metrics is not None:
             self.metrics.running.labels(self.metrics.model_name).dec()
-            self.metrics.observe_finished(handle.seq.to_output(None))
+            self.metrics.observe_finished(handle.output(with_text=False))
 
     # ---- aborts and shutdown -----------------------------------------------------------------------
 

@@ -69,7 +69,7 @@ def load_items(job: BatchJob, engine: Engine, done: set[str]) -> tuple[list[Batc
             if openai_file is None:
                 openai_file = is_openai_line(obj)
             try:
-                item = parse_line(n, obj, engine.tokenizer, engine.requests.max_model_len, job.defaults)
+                item = parse_line(n, obj, engine.tokenizer, engine.max_model_len, job.defaults)
                 key = item.key
             except LineError as exc:
                 item, key = None, exc.key
@@ -140,12 +140,12 @@ def run_batch(engine: Engine, job: BatchJob) -> RunSummary:
                 try:
                     handle = engine.submit(item.input.prompt, item.input.params, request_id=f"batch-line-{item.line}")
                 except InvalidRequestError as exc:  # e.g. longer than the context: only the engine knows
-                    out.write(error_record(LineError(item.line, str(exc).removeprefix("prompt 0: "), key=item.key,
+                    out.write(error_record(LineError(item.line, str(exc), key=item.key,
                                                      openai=item.openai is not None,
                                                      custom_id=item.openai.custom_id if item.openai else None)))
                     continue
                 outstanding[item.line] = (item, handle)
-                handle.add_listener(lambda seq, n, pair=(item, handle): seq.finished and finished.put(pair))
+                handle.add_listener(lambda h, pair=(item, handle): h.done() and finished.put(pair))
                 if handle.done():
                     finished.put((item, handle))
                 _drain(finished, outstanding, out, engine, job, block=False)

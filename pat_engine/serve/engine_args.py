@@ -12,7 +12,6 @@ import argparse
 from dataclasses import dataclass
 
 from pat_engine.core.engine import Engine
-from pat_engine.core.policy import ScheduledSwitches
 from pat_engine.errors import InvalidRequestError, LayoutError
 from pat_engine.parallel.layout import Layout
 
@@ -82,12 +81,10 @@ class EngineArgs:
             kwargs["profile_table"] = self.profile
         engine = Engine(self.model, tp=layout.tp, dp=layout.dp, **kwargs)
         try:
-            if self.switch_schedule:
-                for _, tp in self.switch_schedule:
-                    engine.arch.check_tp(tp)  # e.g. tp larger than the number of heads
+            if self.switch_schedule:  # e.g. a tp larger than the number of heads is refused here
                 kv = None if self.kv_transfer == "auto" else self.kv_transfer
-                engine.set_policy(ScheduledSwitches(list(self.switch_schedule), kv))
-        except ValueError as exc:
+                engine.set_policy(engine.scheduled_policy(list(self.switch_schedule), kv))
+        except LayoutError as exc:
             engine.shutdown()
             raise LayoutError(f"--switch-schedule: {exc}") from None
         except BaseException:

@@ -131,7 +131,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         req = await pat.parse(request, ChatCompletionRequest)
         pat.check_model(req.model)
         rid = random_id("chatcmpl")
-        inp = chat_input(req, engine.tokenizer, engine.requests.max_model_len)
+        inp = chat_input(req, engine.tokenizer, engine.max_model_len)
         group = await pat.submit([inp], rid)
         if req.stream:
             return _event_stream(chat_stream(group, req, engine.tokenizer, pat.model, rid))
@@ -143,7 +143,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = ModelCard(id=pat.model, root=engine.config.model, max_model_len=engine.requests.max_model_len)
+        card = ModelCard(id=pat.model, root=engine.config.model, max_model_len=engine.max_model_len)
         return ModelList(data=[card]).model_dump()
 
     @app.get("/health")

@@ -35,7 +35,7 @@ class _StreamState:
         self.completion_tokens = 0
 
     def usage(self) -> dict:
-        prompt = sum(len(h.seq.prompt_ids) for h in self.group.handles)
+        prompt = sum(len(h.prompt_token_ids) for h in self.group.handles)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
                          total_tokens=prompt + self.completion_tokens).model_dump()
 
@@ -56,7 +56,7 @@ class _StreamState:
 
     def failure(self, up: Update) -> APIError | None:
         if up.finish_reason == "error":
-            return APIError(500, f"generation failed: {self.group.handles[up.index].seq.error}")
+            return APIError(500, f"generation failed: {up.error}")
         return None
 
 
@@ -82,7 +82,7 @@ async def completion_stream(group: RequestGroup, req: CompletionRequest, tokeniz
                 choice["token_ids"] = up.new_token_ids
                 if up.index not in echoed:  # the prompt's ids ride on each choice's first chunk, as in vLLM
                     echoed.add(up.index)
-                    choice["prompt_token_ids"] = list(group.handles[up.index].seq.prompt_ids)
+                    choice["prompt_token_ids"] = group.handles[up.index].prompt_token_ids
             if text or up.finished or req.return_token_ids or choice["logprobs"]:
                 yield st.chunk([choice])  # else: an unfinished multi-byte character, wait for the next token
         else:
@@ -97,7 +97,7 @@ async def chat_stream(group: RequestGroup, req: ChatCompletionRequest, tokenizer
                       response_id: str) -> AsyncIterator[str]:
     st = _StreamState(group, tokenizer, response_id, model, "chat.completion.chunk", req.stream_options)
     try:
-        first = {"prompt_token_ids": list(group.handles[0].seq.prompt_ids)} if req.return_token_ids else {}
+        first = {"prompt_token_ids": group.handles[0].prompt_token_ids} if req.return_token_ids else {}
         yield st.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}], **first)
         async for up in group.updates():

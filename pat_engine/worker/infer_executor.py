@@ -3,7 +3,8 @@
 The coordinator sends the same ``StepCommand`` to every rank of a DP group;
 each rank runs its shard, TP rank 0 gathers the logits and samples. The
 executor keeps each sequence's block table and sampling spec, so decode
-messages stay small.
+messages stay small. Only the executor writes its own state: a layout switch
+hands it the new group, pool and tables through ``install``.
 """
 
 from __future__ import annotations
@@ -39,11 +40,25 @@ class InferExecutor:
         self.model = CausalLM(arch, layout.tp, dtype, device)
         self.kv = self.new_pool(layout, num_blocks)
         self.seqs: dict[int, SeqState] = {}
-        self.weights_state = "resident"  # or "offloaded" / "released" while the engine sleeps
+        self._residency = "resident"  # where this rank's weight bytes are: "resident", "offloaded" or "released"
 
-    def new_pool(self, layout: Layout, num_blocks: int) -> PagedKVPool:
-        return PagedKVPool(self.arch.num_layers, num_blocks, self.block_size, self.arch.kv_heads_per_rank(layout.tp),
-                           self.arch.head_dim, self.dtype, self.device)
+    def new_pool(self, layout: Layout, num_blocks: int, filled_later: bool = False) -> PagedKVPool:
+        """A KV pool sized for ``layout``; ``filled_later``: no layers yet (a switch appends them one by one)."""
+        geometry = (num_blocks, self.block_size, self.arch.kv_heads_per_rank(layout.tp), self.arch.head_dim,
+                    self.dtype, self.device)
+        if filled_later:
+            return PagedKVPool.filled_later(*geometry)
+        return PagedKVPool(self.arch.num_layers, *geometry)
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """A fresh, empty KV pool of ``num_blocks`` blocks under the current layout (start-up on GPU, wake-up)."""
+        self.kv.release()
+        self.kv = self.new_pool(self.layout, num_blocks)
+
+    def install(self, layout: Layout, tp: TPGroup, pool: PagedKVPool, tables: dict[int, SeqState]) -> None:
+        """Adopt a new layout after a switch: its TP group, its KV pool and the block tables of the
+        sequences this rank now serves (their KV already sits in ``pool``)."""
+        self.layout, self.tp, self.kv, self.seqs = layout, tp, pool, dict(tables)
 
     def load_weights(self, model_path: str) -> None:
         load_shard_from_disk(self.model, model_path, self.tp.rank, self.tp.size)
@@ -53,26 +68,24 @@ class InferExecutor:
     def release_memory(self, level: int) -> int:
         """Level 1: drop the KV pool (and on GPU move weights to host); level 2: drop weights too."""
         freed = self.kv.nbytes
-        self.kv.release()
-        self.kv = self.new_pool(self.layout, 0)
+        self.allocate_kv(0)
         if level >= 2 or self.device.type != "cpu":
             for p in self.model.parameters():
                 freed += p.numel() * p.element_size()
                 p.data = torch.empty(0, dtype=p.dtype) if level >= 2 else p.data.to("cpu")
-            self.weights_state = "released" if level >= 2 else "offloaded"
+            self._residency = "released" if level >= 2 else "offloaded"
         return freed
 
     def restore_weights(self) -> None:
         """Bring weights back after ``release_memory``: from host memory, or zeroed (to be reloaded)."""
-        state = self.weights_state
-        if state == "resident":
+        if self._residency == "resident":
             return
         for p in self.model.parameters():
-            if state == "offloaded":
+            if self._residency == "offloaded":
                 p.data = p.data.to(self.device)
             else:
                 p.data = torch.zeros(p.shard_spec.local_shape(self.tp.size), dtype=p.dtype, device=self.device)
-        self.weights_state = "resident"
+        self._residency = "resident"
 
     # ---- one step -------------------------------------------------------------------
 

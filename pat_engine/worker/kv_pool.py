@@ -13,6 +13,12 @@ class PagedKVPool:
         # layer l: (2, num_blocks, block_size, kv_heads, head_dim); [0] keys, [1] values
         self.layers: list[torch.Tensor] = [self.new_layer() for _ in range(num_layers)]
 
+    @classmethod
+    def filled_later(cls, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device) -> "PagedKVPool":
+        """A pool with no layers yet; ``append_layer`` adds them one by one (a switch does, so two
+        pools never hold every layer at once)."""
+        return cls(0, num_blocks, block_size, kv_heads, head_dim, dtype, device)
+
     @property
     def layer_shape(self) -> tuple[int, ...]:
         return (2, self.num_blocks, self.block_size, self.kv_heads, self.head_dim)
@@ -30,23 +36,29 @@ class PagedKVPool:
             return reuse.view(-1)[:numel].view(self.layer_shape)
         return torch.zeros(self.layer_shape, dtype=self.dtype, device=self.device)
 
+    def append_layer(self, reuse: torch.Tensor | None = None) -> torch.Tensor:
+        layer = self.new_layer(reuse)
+        self.layers.append(layer)
+        return layer
+
+    def take_layer(self, index: int) -> torch.Tensor:
+        """Hand layer ``index`` over (its memory becomes another pool's layer); this pool forgets it."""
+        layer, self.layers[index] = self.layers[index], None
+        return layer
+
     def regeometry(self, kv_heads: int, num_blocks: int) -> "PagedKVPool":
         """The same memory seen with another number of heads per rank and blocks (contents dropped)."""
-        pool = PagedKVPool(0, num_blocks, self.block_size, kv_heads, self.head_dim, self.dtype, self.device)
-        old, self.layers = self.layers, []
-        while old:
-            layer = old.pop(0)  # dropped before the next layer is made, so two pools never coexist
-            pool.layers.append(pool.new_layer(reuse=layer))
+        pool = PagedKVPool.filled_later(num_blocks, self.block_size, kv_heads, self.head_dim, self.dtype, self.device)
+        for index in range(len(self.layers)):
+            layer = self.take_layer(index)  # dropped before the next layer is made, so two pools never coexist
+            pool.append_layer(reuse=layer)
             del layer
+        self.layers = []
         return pool
-
-    @staticmethod
-    def block_bytes(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return num_layers * 2 * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.layers)
+        return sum(t.numel() * t.element_size() for t in self.layers if t is not None)
 
     def release(self) -> None:
         self.layers = []

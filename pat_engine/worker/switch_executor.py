@@ -1,12 +1,12 @@
-"""SwitchExecutor: one rank's part of a live layout change (ARCHITECTURE.md sec. 6).
+"""SwitchExecutor: one rank's part of a live layout change (docs/switch.md).
 
 Runs while every rank is paused at a step boundary:
   1. take the new layout's TP group from the pool (created once, then cached);
   2. reshard weights layer by layer, moving only rows this rank lacks;
   3. KV: migrate the valid tokens of unfinished sequences layer by layer into
      a pool sized for the new layout, or drop the pool for recompute;
-  4. install the new group, pool and block tables; recapture graphs (GPU);
-and reports the time of each part, bytes sent and the peak extra memory.
+  4. hand the executor its new group, pool and block tables (``InferExecutor.install``);
+and reports (``SwitchReport``) the time of each part, bytes sent and the peak extra memory.
 
 Peak extra memory is counted explicitly: the new shards of one layer while
 the old ones are alive, plus packed send/receive buffers. The old KV layer is
@@ -18,26 +18,19 @@ from __future__ import annotations
 import re
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from pat_engine.parallel.kv_plan import SeqPlacement, kv_heads_of, plan_kv_moves, token_slots
+from pat_engine.parallel.group_pool import CommGroupPool
+from pat_engine.parallel.kv_plan import kv_heads_of, plan_kv_moves, token_slots
 from pat_engine.parallel.layout import Layout
 from pat_engine.parallel.p2p import exchange
 from pat_engine.parallel.reshard_plan import allgather_bytes, plan_moves
-from pat_engine.worker.infer_executor import SeqState
-
-
-@dataclass(frozen=True)
-class SwitchPlan:
-    old: Layout
-    new: Layout
-    new_num_blocks: int
-    kv_path: str  # "migrate" or "recompute"
-    placements: tuple[SeqPlacement, ...] = ()  # sequences whose KV migrates
-    specs: dict = field(default_factory=dict)  # seq_id -> SamplingSpec, for the new owners
+from pat_engine.protocol import SwitchPlan, SwitchReport
+from pat_engine.worker.faults import FaultInjector
+from pat_engine.worker.infer_executor import InferExecutor, SeqState
+from pat_engine.worker.kv_pool import PagedKVPool
 
 
 class MemoryMeter:
@@ -73,59 +66,48 @@ def params_by_layer(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Par
 
 
 class SwitchExecutor:
-    def __init__(self, worker) -> None:
-        self.worker = worker
+    """One rank's switch. It owns no model state: it reshapes the executor's weights in place and
+    hands the executor its new group, pool and tables through ``InferExecutor.install``."""
 
-    @property
-    def rank(self) -> int:
-        return self.worker.rank
+    def __init__(self, rank: int, cpu_world: object, groups: CommGroupPool, faults: FaultInjector) -> None:
+        self.rank = rank
+        self.cpu_world = cpu_world  # gloo group of every rank, for the pause/resume barriers
+        self.groups = groups
+        self.faults = faults
 
-    def run(self, plan: SwitchPlan) -> dict:
-        ex = self.worker.executor
+    def run(self, plan: SwitchPlan, executor: InferExecutor) -> SwitchReport:
         meter = MemoryMeter()
         t0 = time.perf_counter()
-        self.worker.check_fault("switch_start")
-        dist.barrier(group=self.worker.cpu_world)  # every rank has paused
+        self.faults.check("switch_start")
+        dist.barrier(group=self.cpu_world)  # every rank has paused
         t = time.perf_counter()
-        tp_group, hit = self.worker.groups.get(plan.new)
+        tp_group, hit = self.groups.get(plan.new)
         groups_s = time.perf_counter() - t
 
         t = time.perf_counter()
-        weight_sent, weight_local, allgather = self._reshard_weights(ex.model, plan.old, plan.new, meter)
+        weight_sent, weight_local, allgather = self._reshard_weights(executor.model, plan.old, plan.new, meter)
         weights_s = time.perf_counter() - t
 
         t = time.perf_counter()
-        old_pool_bytes = ex.kv.nbytes
-        kv_sent = self._move_kv(plan, meter) if plan.kv_path == "migrate" else self._drop_kv(plan)
+        old_pool_bytes = executor.kv.nbytes
+        if plan.kv_path == "migrate":
+            pool, kv_sent = self._move_kv(plan, executor, meter)
+        else:
+            pool, kv_sent = executor.kv.regeometry(executor.arch.kv_heads_per_rank(plan.new.tp), plan.new_num_blocks), 0
         kv_s = time.perf_counter() - t
 
         t = time.perf_counter()
-        ex.layout, ex.tp = plan.new, tp_group
-        ex.seqs = {}
         group = plan.new.group_of(self.rank)
-        for p in plan.placements:
-            if p.dst_group == group:
-                ex.seqs[p.seq_id] = SeqState(list(p.dst_table), plan.specs.get(p.seq_id))
-        graphs = self.worker.recapture_graphs() if hasattr(self.worker, "recapture_graphs") else 0
-        dist.barrier(group=self.worker.cpu_world)  # nobody resumes before everyone is done
+        tables = {p.seq_id: SeqState(list(p.dst_table), plan.specs.get(p.seq_id))
+                  for p in plan.placements if p.dst_group == group}
+        executor.install(plan.new, tp_group, pool, tables)
+        dist.barrier(group=self.cpu_world)  # nobody resumes before everyone is done
         rebuild_s = time.perf_counter() - t
-        return {
-            "rank": self.rank,
-            "group_cache_hit": hit,
-            "groups_s": groups_s,
-            "weights_s": weights_s,
-            "kv_s": kv_s,
-            "rebuild_s": rebuild_s,
-            "total_s": time.perf_counter() - t0,
-            "weight_bytes_sent": weight_sent,
-            "weight_bytes_local": weight_local,
-            "weight_bytes_allgather": allgather,
-            "kv_bytes_sent": kv_sent,
-            "peak_extra_bytes": meter.peak,
-            "kv_pool_bytes_before": old_pool_bytes,
-            "kv_pool_bytes_after": ex.kv.nbytes,
-            "graphs_captured": graphs,
-        }
+        return SwitchReport.for_rank(
+            self.rank, group_cache_hit=hit, groups_s=groups_s, weights_s=weights_s, kv_s=kv_s, rebuild_s=rebuild_s,
+            total_s=time.perf_counter() - t0, weight_bytes_sent=weight_sent, weight_bytes_local=weight_local,
+            weight_bytes_allgather=allgather, kv_bytes_sent=kv_sent, peak_extra_bytes=meter.peak,
+            kv_pool_bytes_before=old_pool_bytes, kv_pool_bytes_after=pool.nbytes)
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -137,7 +119,7 @@ class SwitchExecutor:
         sent = local = allgather = 0
         for layer_index, params in enumerate(params_by_layer(model)):
             if layer_index == 1:
-                self.worker.check_fault("reshard")
+                self.faults.check("reshard")
             fresh: dict[str, torch.Tensor] = {}
             outgoing: dict[int, list[torch.Tensor]] = defaultdict(list)  # dst -> flattened row slices
             incoming: dict[int, list[torch.Tensor]] = defaultdict(list)  # src -> views of fresh to fill
@@ -182,22 +164,15 @@ class SwitchExecutor:
 
     # ---- KV ------------------------------------------------------------------------------------
 
-    def _drop_kv(self, plan: SwitchPlan) -> int:
-        ex = self.worker.executor
-        ex.kv = ex.kv.regeometry(ex.arch.kv_heads_per_rank(plan.new.tp), plan.new_num_blocks)
-        return 0
-
     @torch.no_grad()
-    def _move_kv(self, plan: SwitchPlan, meter: MemoryMeter) -> int:
-        ex = self.worker.executor
-        arch, me, bs = ex.arch, self.rank, ex.block_size
+    def _move_kv(self, plan: SwitchPlan, executor: InferExecutor, meter: MemoryMeter) -> tuple[PagedKVPool, int]:
+        """Migrate the placed sequences' valid tokens into a pool for the new layout; returns (pool, bytes sent)."""
+        arch, me, bs = executor.arch, self.rank, executor.block_size
         moves = plan_kv_moves(list(plan.placements), plan.old, plan.new, arch.num_kv_heads)
         old_heads = kv_heads_of(plan.old.tp_rank(me), plan.old.tp, arch.num_kv_heads)
         new_heads = kv_heads_of(plan.new.tp_rank(me), plan.new.tp, arch.num_kv_heads)
-        old_pool = ex.kv
-        new_pool = ex.new_pool(plan.new, 0)  # geometry only; layers are allocated one by one below
-        new_pool.num_blocks = plan.new_num_blocks
-        new_pool.layers = []
+        old_pool = executor.kv
+        new_pool = executor.new_pool(plan.new, plan.new_num_blocks, filled_later=True)
         sent = 0
         src_slots = {i: torch.tensor(token_slots(p.src_table, p.num_tokens, bs)) for i, p in enumerate(plan.placements)}
         dst_slots = {i: torch.tensor(token_slots(p.dst_table, p.num_tokens, bs)) for i, p in enumerate(plan.placements)}
@@ -221,11 +196,11 @@ class SwitchExecutor:
             live = sum(_nbytes(b) for b in list(bufs.values()) + list(recvs.values())) + (_nbytes(local) if local is not None else 0)
             meter.add(live)
             # the old layer is no longer needed once packed: its memory becomes the new layer
-            old_pool.layers[layer] = None
+            old_pool.take_layer(layer)
             del flat
             exchange(bufs, recvs)
             sent += sum(_nbytes(b) for b in bufs.values())
-            new_layer = new_pool.new_layer(reuse=old_layer)
+            new_layer = new_pool.append_layer(reuse=old_layer)
             del old_layer
             new_flat = new_layer.view(2, -1, new_layer.shape[-2], new_layer.shape[-1])
             offsets: dict[int, int] = defaultdict(int)
@@ -239,8 +214,6 @@ class SwitchExecutor:
                 idx = dst_slots[m.seq]
                 for j, h in enumerate(heads):
                     new_flat[:, idx, h] = chunk[:, :, j]
-            new_pool.layers.append(new_layer)
             meter.sub(live)
-        ex.kv = new_pool
-        return sent
+        return new_pool, sent
 

@@ -14,29 +14,16 @@ import os
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from pat_engine.config import EngineConfig
 from pat_engine.model.arch import load_model_arch
 from pat_engine.parallel.group_pool import CommGroupPool
-from pat_engine.parallel.layout import Layout
-from pat_engine.protocol import Call, Reply, StepCommand
-
-
-@dataclass(frozen=True)
-class WorkerArgs:
-    rank: int
-    world: int
-    store_host: str
-    store_port: int
-    config: EngineConfig
-    layout: Layout
-    num_blocks: int
-    parent_pid: int
-    weights_path: str  # where to load weights from (the model dir, or a later update_weights_from_disk)
+from pat_engine.protocol import Call, Reply, StepCommand, SwitchPlan, SwitchReport, WorkerArgs
+from pat_engine.worker.faults import FaultInjector
+from pat_engine.worker.infer_executor import InferExecutor
+from pat_engine.worker.switch_executor import SwitchExecutor
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -49,9 +36,6 @@ def _watch_parent(parent_pid: int) -> None:
 
 class Worker:
     def __init__(self, args: WorkerArgs):
-        from pat_engine.worker.infer_executor import InferExecutor
-        from pat_engine.worker.switch_executor import SwitchExecutor
-
         cfg = args.config
         self.args, self.rank = args, args.rank
         torch.set_num_threads(cfg.worker_threads())
@@ -73,16 +57,13 @@ class Worker:
         self.executor = InferExecutor(arch, args.layout, tp_group, cfg.torch_dtype(), self.device,
                                       cfg.block_size, args.num_blocks)
         self.executor.load_weights(args.weights_path)
-        self.switcher = SwitchExecutor(self)
-        self.faults: dict[str, str] = {}  # test hook: where -> "raise" | "exit"
+        self.faults = FaultInjector(args.rank)
+        self.switcher = SwitchExecutor(args.rank, self.cpu_world, self.groups, self.faults)
 
     # ---- RPC methods (called by name from the driver) -----------------------------------
 
-    def rpc_ping(self) -> dict:
-        return {"rank": self.rank, "pid": os.getpid(), "layout": str(self.executor.layout)}
-
-    def rpc_switch(self, plan) -> dict:
-        return self.switcher.run(plan)
+    def rpc_switch(self, plan: SwitchPlan) -> SwitchReport:
+        return self.switcher.run(plan, self.executor)
 
     def rpc_stats(self) -> dict:
         s = self.groups.stats
@@ -113,16 +94,7 @@ class Worker:
 
     def rpc_inject_fault(self, where: str, how: str = "raise") -> None:
         """Test hook: make the next pass through ``where`` raise, hang, or kill this process."""
-        self.faults[where] = how
-
-    def check_fault(self, where: str) -> None:
-        how = self.faults.pop(where, None)
-        if how == "exit":
-            os._exit(17)
-        if how == "hang":
-            time.sleep(3600)
-        if how == "raise":
-            raise RuntimeError(f"injected fault at {where} on rank {self.rank}")
+        self.faults.arm(where, how)
 
     # ---- weights and memory (RL colocation) -----------------------------------------------
 
@@ -146,7 +118,11 @@ class Worker:
         if weights:
             self.executor.restore_weights()
         if kv_blocks is not None:
-            self.executor.kv = self.executor.new_pool(self.executor.layout, kv_blocks)
+            self.executor.allocate_kv(kv_blocks)
+
+    def rpc_allocate_kv(self, num_blocks: int) -> None:
+        """GPU start-up: the first KV pool, once the driver knows what every rank can hold."""
+        self.executor.allocate_kv(num_blocks)
 
     def rpc_kv_budget(self, utilization: float) -> int:
         """GPU: bytes this rank can give the KV pool, after weights and an activation reserve."""
@@ -176,7 +152,7 @@ class Worker:
                 continue
             if isinstance(msg, StepCommand):
                 try:
-                    self.check_fault("step")
+                    self.faults.check("step")
                     result = self.executor.execute(msg)
                     if result is not None:
                         conn.send(result)

@@ -73,12 +73,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _emulate(args: argparse.Namespace, command: str):
     from pat_engine.model.arch import load_model_arch
-    from pat_engine.predictor.deployment import valid_tps
     from pat_profiler.emulate import CollectiveModel, emulate_profile
 
     world = args.emulate_world
     arch = load_model_arch(args.model)
-    tps = sorted(args.tp or valid_tps(arch, world))
+    tps = sorted(args.tp or (layout.tp for layout in arch.valid_layouts(world)))
     grid = build_grid(tps, args.batch_sizes, args.context_lens, args.decode_window, args.kv_budget_tokens,
                       arch.max_position, max_num_seqs=max(args.batch_sizes))
     bar = tqdm(total=len(grid), desc="pat-profile (emulated)", unit="pt", dynamic_ncols=True)

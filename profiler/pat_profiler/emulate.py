@@ -33,7 +33,7 @@ from pat_engine.config import EngineConfig
 from pat_engine.model.arch import ModelArch, load_model_arch
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.layout import Layout
-from pat_engine.predictor.deployment import make_deployment, model_shape, reshard_bytes, valid_tps
+from pat_engine.predictor.deployment import make_deployment, model_shape, reshard_bytes
 from pat_engine.predictor.table import ProfilePoint, ProfileTable, SwitchCost
 from pat_engine.protocol import SeqStep, StepCommand
 from pat_engine.sampling.sampler import SamplingSpec
@@ -136,7 +136,7 @@ def emulate_profile(model: str, world: int, tps: list[int] | None, dtype: str, d
     cfg = EngineConfig(model=model, tp=1, dp=world, dtype=dtype, device=device, block_size=block_size)
     torch_dtype = cfg.torch_dtype()
     dev = torch.device("cuda" if device == "cuda" else "cpu")
-    tps = sorted(tps or valid_tps(arch, world))
+    tps = sorted(tps or (layout.tp for layout in arch.valid_layouts(world)))
     elt = torch.empty((), dtype=torch_dtype).element_size()
     deployment = make_deployment(arch, model, torch_dtype, device, world, block_size, cfg.worker_threads(), tps,
                                  emulated=True, collective_model={"kind": "ring", **asdict(collectives)})

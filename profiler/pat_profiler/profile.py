@@ -26,7 +26,7 @@ from pat_engine.config import EngineConfig
 from pat_engine.core.memory import MemoryPlan
 from pat_engine.model.arch import load_model_arch
 from pat_engine.parallel.layout import Layout
-from pat_engine.predictor.deployment import engine_deployment, model_shape, reshard_bytes, valid_tps
+from pat_engine.predictor.deployment import engine_deployment, model_shape, reshard_bytes
 from pat_engine.predictor.table import ProfilePoint, ProfileTable, SwitchCost, check_deployment
 from pat_profiler.grid import GridPoint, build_grid
 
@@ -132,7 +132,7 @@ def _warm_up(engine: Engine, rng: random.Random) -> None:
 def run_profile(opts: ProfileOptions, command: str = "") -> ProfileTable:
     started = time.perf_counter()
     arch = load_model_arch(opts.model)
-    tps = sorted(opts.tps or valid_tps(arch, opts.world))
+    tps = sorted(opts.tps or (layout.tp for layout in arch.valid_layouts(opts.world)))
     max_batch = max(opts.batches)
     engine = Engine(opts.model, tp=tps[0], dp=opts.world // tps[0], dtype=opts.dtype, device=opts.device,
                     kv_cache_bytes=kv_bytes_for(opts, tps, max_batch), threads_per_worker=opts.threads_per_worker,

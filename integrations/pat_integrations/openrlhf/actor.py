@@ -71,7 +71,7 @@ class PatRolloutActor:
             raise NotImplementedError("pat-engine serves text-only models: multi_modal_data is not supported")
         await self._apply_pending()
         prompt = [int(t) for t in prompt_token_ids]
-        max_len = self.engine.requests.max_model_len
+        max_len = self.engine.max_model_len
         params = from_vllm_like(sampling_params, default_max_tokens=max_len - len(prompt),
                                 logprobs_mode=self.settings.logprobs_mode)
         out = await self.frontend.generate(prompt, params)

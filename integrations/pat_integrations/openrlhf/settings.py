@@ -46,8 +46,7 @@ class PatActorSettings:
             if kw.get(src) is not None:
                 engine_kwargs[dst] = kw[src]
             kw.pop(src, None)
-        if "enforce_eager" in kw:
-            engine_kwargs["enable_cuda_graphs"] = not kw.pop("enforce_eager")
+        kw.pop("enforce_eager", None)  # pat-engine captures no CUDA graphs yet: it always runs eagerly
         if kw.pop("enable_prefix_caching", False):
             log.warning("pat-engine has no prefix cache: enable_prefix_caching is ignored")
         kw.pop("full_determinism", None)  # pat sampling is always reproducible (per-request seed and position)

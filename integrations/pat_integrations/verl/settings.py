@@ -86,8 +86,7 @@ class PatRolloutSettings:
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "max_model_len": max_len,
             "seed": config.seed,
-            "enable_cuda_graphs": not config.enforce_eager,
-        }
+        }  # enforce_eager needs no mapping: pat-engine captures no CUDA graphs yet, it always runs eagerly
         engine_kwargs.update({k: v for k, v in extra.items() if k in _ENGINE_FIELDS})
         return cls(
             model=model_path(model_config), tp=tp, dp=dp, engine_kwargs=engine_kwargs,

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pat_engine.model.layers.linear import linear, sharded_parameter
-from pat_engine.model.shard_spec import vocab_parallel
+from pat_engine.parallel.shard_spec import vocab_parallel
 from pat_engine.parallel.comm import TPGroup
 
 

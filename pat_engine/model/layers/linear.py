@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pat_engine.model.shard_spec import Component, ShardSpec, column_bias, column_parallel, row_parallel
+from pat_engine.parallel.shard_spec import Component, ShardSpec, column_bias, column_parallel, row_parallel
 from pat_engine.parallel.comm import TPGroup
 
 

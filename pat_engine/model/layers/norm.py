@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pat_engine.model.shard_spec import replicated
+from pat_engine.parallel.shard_spec import replicated
 
 
 class RMSNorm(nn.Module):

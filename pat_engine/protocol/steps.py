@@ -1,14 +1,13 @@
-"""Messages between the driver (coordinator) and the worker processes.
+"""Step messages: the hot path between the driver and the ranks of one DP group.
 
-Small pickled dataclasses. A prefill sends a sequence's whole block table; a
-decode step sends only the last token and any block appended since, because
-workers keep each sequence's table (nano-vllm sends the same minimum).
+A prefill sends a sequence's whole block table; a decode step sends only the
+last token and any block appended since, because workers keep each
+sequence's table (nano-vllm sends the same minimum).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from pat_engine.sampling.sampler import SamplingSpec
 
@@ -39,22 +38,3 @@ class StepResult:
     tokens: list[int]
     logprobs: list[float] | None
     forward_seconds: float
-
-
-@dataclass
-class Call:
-    """Run ``method`` on every addressed worker; each one replies."""
-
-    call_id: int
-    method: str
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Reply:
-    call_id: int
-    rank: int
-    ok: bool
-    value: Any = None
-    error: str | None = None  # formatted traceback when ok is False
-    error_type: str | None = None  # the exception's class name, so the driver can re-raise its kind

@@ -1,0 +1,143 @@
+"""LayoutSwitch: the driver half of a live layout change (docs/switch.md).
+
+Pause at a step boundary (the coordinator drains in-flight steps), check the
+target, place every unfinished request in a target DP group balanced by
+context tokens, choose KV migration or recompute, reserve migrated requests'
+blocks in the new groups, have every rank run its ``SwitchExecutor``, then
+hand the coordinator the new layout and schedulers.
+
+If any rank fails, ``WorkerFailure`` propagates to the engine loop, which
+rebuilds a consistent world and recomputes the unfinished requests; the
+schedulers built here are dropped with their blocks, so nothing leaks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from pat_engine.core.block_allocator import blocks_needed
+from pat_engine.core.kv_path_cost import KVPathEstimate, estimate_kv_paths
+from pat_engine.core.policy import SwitchDecision
+from pat_engine.core.request import Sequence
+from pat_engine.core.scheduler import GroupScheduler
+from pat_engine.core.timeline import SwitchEvent
+from pat_engine.errors import LayoutError
+from pat_engine.parallel.dp_placement import balance_by_context
+from pat_engine.parallel.kv_plan import SeqPlacement, kv_bytes_per_token, plan_kv_moves
+from pat_engine.parallel.layout import Layout
+from pat_engine.protocol import SwitchPlan, SwitchReport
+
+if TYPE_CHECKING:  # the coordinator owns the switch; only the type is needed here
+    from pat_engine.core.coordinator import GlobalCoordinator
+
+
+class LayoutSwitch:
+    """One switch of ``coordinator`` to another TP degree; ``run`` does it and returns its record."""
+
+    def __init__(self, coordinator: GlobalCoordinator) -> None:
+        self.coord = coordinator
+
+    def check_target(self, tp: int) -> Layout:
+        """Refuse an invalid target before anything moves."""
+        coord = self.coord
+        memory = coord.memory
+        new = memory.arch.layout(coord.layout.world, tp)
+        if memory.num_blocks(new) < 1:
+            raise LayoutError(f"{new}: the KV budget holds no block under this layout")
+        for seq in coord.unfinished():
+            if not memory.fits(new, len(seq.prompt_ids), seq.params.max_new_tokens):
+                raise LayoutError(
+                    f"{new}: request {seq.request_id} needs "
+                    f"{memory.slots_needed(len(seq.prompt_ids), seq.params.max_new_tokens)} KV slots "
+                    f"but a DP group would hold {memory.tokens_per_group(new)}")
+        return new
+
+    def run(self, decision: SwitchDecision) -> SwitchEvent:
+        coord = self.coord
+        started = time.perf_counter()
+        new = self.check_target(decision.tp)
+        coord.drain()
+        old = coord.layout
+        if new == old:
+            return SwitchEvent(coord.timeline.now(), str(old), str(new), decision.reason, "none", 0.0)
+        seqs = coord.take_unfinished()
+        target = balance_by_context([s.length for s in seqs], new.dp)
+        group_of = {seqs[i].seq_id: g for g, members in enumerate(target) for i in members}
+        schedulers = coord.new_schedulers(new)
+        placements = self._reserve_blocks(seqs, group_of, schedulers)
+        path, estimate = self._choose_kv_path(decision, new, placements)
+        if path == "recompute":  # the reserved blocks go back: every request is prefilled again
+            for p in placements:
+                schedulers[p.dst_group].allocator.free(list(p.dst_table))
+            placements = []
+        moved = {p.seq_id: p for p in placements}
+        plan = SwitchPlan(old, new, coord.memory.num_blocks(new), path, tuple(placements),
+                          {s.seq_id: s.spec for s in seqs if s.seq_id in moved})
+        report = SwitchReport.merge(coord.pool.call("switch", plan=plan))
+
+        for seq in seqs:
+            sched = schedulers[group_of[seq.seq_id]]
+            placement = moved.get(seq.seq_id)
+            if placement is not None:
+                sched.add_running(seq, list(placement.dst_table))
+            else:
+                seq.forget_kv()  # its blocks belonged to the old pools: prefilled again in the new group
+                sched.add(seq)
+        for sched in schedulers:  # keep each group's admission order: running first by arrival, waiting by arrival
+            sched.running.sort(key=lambda s: s.seq_id)
+        coord.install_layout(new, schedulers)
+        return self._record(decision, old, new, path, estimate, report, len(placements), len(seqs), started)
+
+    def _reserve_blocks(self, seqs: list[Sequence], group_of: dict[int, int],
+                        schedulers: list[GroupScheduler]) -> list[SeqPlacement]:
+        """Candidate placements for every request with cached KV, blocks taken from the new groups."""
+        block_size = self.coord.config.block_size
+        placements = []
+        for seq in seqs:
+            if seq.num_cached == 0:
+                continue
+            dst = group_of[seq.seq_id]
+            alloc = schedulers[dst].allocator
+            need = blocks_needed(seq.num_cached, block_size)
+            if not alloc.can_allocate(need):
+                continue  # does not fit now: it will be recomputed
+            placements.append(SeqPlacement(seq.seq_id, seq.num_cached, seq.group, tuple(seq.block_table),
+                                           dst, tuple(alloc.allocate(need))))
+        return placements
+
+    def _choose_kv_path(self, decision: SwitchDecision, new: Layout,
+                        placements: list[SeqPlacement]) -> tuple[str, KVPathEstimate | None]:
+        coord = self.coord
+        forced = decision.kv_path or (coord.config.kv_transfer if coord.config.kv_transfer != "auto" else None)
+        if not placements:
+            return "recompute", None
+        arch, itemsize = coord.memory.arch, coord.memory.dtype.itemsize
+        sent: dict[int, int] = {}
+        for m in plan_kv_moves(placements, coord.layout, new, arch.num_kv_heads):
+            if m.src != m.dst:
+                per_token = kv_bytes_per_token(arch.num_layers, len(m.heads), arch.head_dim, itemsize, 1)
+                sent[m.src] = sent.get(m.src, 0) + placements[m.seq].num_tokens * per_token
+        per_group: list[list[int]] = [[] for _ in range(new.dp)]
+        for p in placements:
+            per_group[p.dst_group].append(p.num_tokens)
+        costs = coord.cost_source
+        estimate = estimate_kv_paths(max(sent.values(), default=0), costs.bandwidth(), per_group,
+                                     lambda n, l_rms: costs.prefill_seconds(new.tp, n, l_rms))
+        return forced or estimate.path, estimate
+
+    def _record(self, decision: SwitchDecision, old: Layout, new: Layout, path: str,
+                estimate: KVPathEstimate | None, report: SwitchReport, migrated: int, requests: int,
+                started: float) -> SwitchEvent:
+        coord = self.coord
+        if path == "migrate":
+            coord.cost_source.record_kv_transfer(report.busiest_kv_bytes, report.busiest_kv_s)
+        coord.cost_source.record_weight_reshard(old.tp, new.tp, report.weights_s)
+        costs = {**report.to_dict(), "migrated_requests": migrated, "requests": requests}
+        del costs["rank"]
+        if estimate is not None:
+            costs.update(predicted_migrate_s=estimate.migrate_s, predicted_recompute_s=estimate.recompute_s)
+        event = SwitchEvent(coord.timeline.now(), str(old), str(new), decision.reason, path,
+                            time.perf_counter() - started, costs, dict(decision.details))
+        coord.timeline.add_switch(event)
+        return event

@@ -1,0 +1,53 @@
+"""ServedWeights: which weights the workers serve, and whether a restart can bring them back.
+
+The one owner of that state. The engine's RL methods (update, sleep, wake)
+and the engine loop's restart path report what happened; generation asks
+``refusal()`` whether it may start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ServedWeights:
+    path: str  # the checkpoint workers load at start and after a restart
+    on_disk: bool = True  # False after in-memory updates: a restart would lose them
+    stale: bool = False  # the workers do not serve the latest weights (until the trainer pushes them again)
+    sleep_level: int = 0  # 0 awake; 1 KV (and on GPU weights) released; 2 weights dropped too
+
+    def updated_in_memory(self) -> None:
+        self.on_disk, self.stale = False, False
+
+    def updated_from_disk(self, path: str) -> None:
+        self.path, self.on_disk, self.stale = path, True, False
+
+    def workers_restarted(self) -> None:
+        """Fresh workers loaded ``path``: after in-memory updates those are not the latest weights."""
+        if not self.on_disk:
+            self.stale = True
+
+    def slept(self, level: int) -> None:
+        self.sleep_level = level
+
+    def woke(self, weights: bool, kv_cache: bool) -> bool:
+        """Record a wake-up; True when the weights must be reloaded from ``path`` (a level-2 sleep
+        dropped them). After in-memory updates there is nothing on disk to reload: the weights are
+        stale until the trainer pushes them."""
+        reload = weights and self.sleep_level == 2 and self.on_disk
+        if weights and self.sleep_level == 2 and not self.on_disk:
+            self.stale = True
+        if kv_cache:
+            self.sleep_level = 0
+        return reload
+
+    def refusal(self) -> str | None:
+        """Why new requests cannot run now, or None."""
+        if self.sleep_level:
+            return "the engine is asleep; call wake_up() before generating"
+        if self.stale:
+            return ("the served weights are not current (workers restarted after a failure, or woken from a "
+                    "level-2 sleep, after in-memory weight updates); call update_weights() or "
+                    "update_weights_from_disk() first")
+        return None

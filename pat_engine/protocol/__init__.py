@@ -1,0 +1,18 @@
+"""The driver-worker contract: every message that crosses the process boundary.
+
+The driver (``pat_engine.core``) and the workers (``pat_engine.worker``) both
+import this package and never each other, so the boundary is visible in the
+imports: core -> protocol <- worker.
+
+- ``steps``: the hot path (``StepCommand`` out, ``StepResult`` back).
+- ``calls``: method calls by name (``Call`` out, ``Reply`` back from every addressed rank).
+- ``switch``: a live layout change (``SwitchPlan`` out, ``SwitchReport`` back per rank).
+- ``startup``: what a worker process is started with (``WorkerArgs``).
+"""
+
+from pat_engine.protocol.calls import Call, Reply
+from pat_engine.protocol.startup import WorkerArgs
+from pat_engine.protocol.steps import SeqStep, StepCommand, StepResult
+from pat_engine.protocol.switch import SwitchPlan, SwitchReport
+
+__all__ = ["Call", "Reply", "SeqStep", "StepCommand", "StepResult", "SwitchPlan", "SwitchReport", "WorkerArgs"]

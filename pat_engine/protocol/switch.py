@@ -1,0 +1,86 @@
+"""A live layout change: the plan every rank runs, and what each rank reports back.
+
+The driver builds one ``SwitchPlan`` (target layout, KV path, where each
+migrated sequence's KV lands) and every rank runs it; each answers with a
+``SwitchReport``, and ``SwitchReport.merge`` folds them into the cluster's
+view (the slowest rank's times, bytes summed over ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+from pat_engine.config import KV_PATHS
+from pat_engine.parallel.kv_plan import SeqPlacement
+from pat_engine.parallel.layout import Layout
+from pat_engine.sampling.sampler import SamplingSpec
+
+
+@dataclass(frozen=True)
+class SwitchPlan:
+    old: Layout
+    new: Layout
+    new_num_blocks: int  # KV blocks per rank under the new layout
+    kv_path: str  # "migrate" or "recompute"
+    placements: tuple[SeqPlacement, ...] = ()  # sequences whose KV migrates (empty for recompute)
+    specs: dict[int, SamplingSpec] = field(default_factory=dict)  # seq_id -> sampling, for the new owners
+
+    def __post_init__(self) -> None:
+        if self.kv_path not in KV_PATHS:
+            raise ValueError(f"kv_path must be one of {KV_PATHS}, got {self.kv_path!r}")
+        if self.kv_path == "recompute" and self.placements:
+            raise ValueError("a recompute switch migrates no KV: placements must be empty")
+
+
+@dataclass(frozen=True)
+class SwitchReport:
+    """One rank's switch, timed by phase; ``merge`` gives the same fields for the whole cluster."""
+
+    rank: int  # -1 once merged
+    group_cache_hit: bool  # the new layout's groups came from the pool's cache
+    groups_s: float
+    weights_s: float
+    kv_s: float
+    rebuild_s: float
+    total_s: float
+    weight_bytes_sent: int
+    weight_bytes_local: int
+    weight_bytes_allgather: int  # what an all-gather-and-slice would have received instead
+    kv_bytes_sent: int
+    peak_extra_bytes: int  # temporary memory the switch held on top of weights and KV pool
+    kv_pool_bytes_before: int
+    kv_pool_bytes_after: int
+    busiest_kv_bytes: int  # KV bytes of the rank that sent the most, and how long its KV phase took:
+    busiest_kv_s: float  # the sample a bandwidth estimate learns from
+
+    @classmethod
+    def for_rank(cls, rank: int, **values) -> "SwitchReport":
+        return cls(rank=rank, busiest_kv_bytes=values["kv_bytes_sent"], busiest_kv_s=values["kv_s"], **values)
+
+    @classmethod
+    def merge(cls, reports: list["SwitchReport"]) -> "SwitchReport":
+        """Times: the slowest rank (ranks run in parallel); bytes: summed; peak memory: the largest."""
+        if not reports:
+            raise ValueError("no switch reports to merge")
+        busiest = max(reports, key=lambda r: r.kv_bytes_sent)
+        return replace(
+            reports[0],
+            rank=-1,
+            group_cache_hit=all(r.group_cache_hit for r in reports),
+            groups_s=max(r.groups_s for r in reports),
+            weights_s=max(r.weights_s for r in reports),
+            kv_s=max(r.kv_s for r in reports),
+            rebuild_s=max(r.rebuild_s for r in reports),
+            total_s=max(r.total_s for r in reports),
+            weight_bytes_sent=sum(r.weight_bytes_sent for r in reports),
+            weight_bytes_local=sum(r.weight_bytes_local for r in reports),
+            weight_bytes_allgather=sum(r.weight_bytes_allgather for r in reports),
+            kv_bytes_sent=sum(r.kv_bytes_sent for r in reports),
+            peak_extra_bytes=max(r.peak_extra_bytes for r in reports),
+            busiest_kv_bytes=busiest.kv_bytes_sent,
+            busiest_kv_s=busiest.kv_s,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+

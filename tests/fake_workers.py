@@ -1,0 +1,118 @@
+"""An in-process stand-in for ``WorkerPool``: the driver logic runs against it in milliseconds.
+
+It speaks the real protocol (``StepCommand`` in, ``StepResult`` out; ``Call`` by
+method name; ``SwitchPlan`` in, ``SwitchReport`` per rank out) and checks the
+driver keeps its side of the contract: a prefill brings a block table, a decode
+only appends blocks, every slot a step writes lies inside the rank's pool, and
+no two sequences of a group hold the same block. The next token is a pure
+function of (sequence, position), as real sampling is, so a switch, a
+preemption or a restart never changes what a request generates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pat_engine.errors import WorkerFailure
+from pat_engine.parallel.layout import Layout
+from pat_engine.protocol import Reply, StepCommand, StepResult, SwitchPlan, SwitchReport
+
+
+def fake_token(seq_id: int, position: int, vocab: int) -> int:
+    """The token a fake worker samples at ``position`` of sequence ``seq_id``."""
+    return (seq_id * 7919 + position * 104729) % vocab
+
+
+@dataclass
+class FakeWorkerPool:
+    layout: Layout
+    num_blocks: int
+    block_size: int
+    vocab: int = 1000
+    hung_groups: set[int] = field(default_factory=set)  # groups whose steps never answer
+    failing_seqs: set[int] = field(default_factory=set)  # a step holding one of these makes its leader raise
+    fail_switch: bool = False  # the next switch call fails on rank 0
+    steps: list[StepCommand] = field(default_factory=list)
+    plans: list[SwitchPlan] = field(default_factory=list)
+    calls: list[tuple[str, dict]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.world = self.layout.world
+        self.pending: list[StepResult | Reply] = []
+        self.tables: dict[int, dict[int, list[int]]] = {g: {} for g in range(self.layout.dp)}  # group -> seq -> table
+        self.killed = False
+
+    # ---- the WorkerPool surface the driver uses ------------------------------------------------
+
+    def send(self, ranks: list[int], msg: StepCommand) -> None:
+        assert isinstance(msg, StepCommand), f"only steps are sent without a reply, got {type(msg).__name__}"
+        group = self.layout.group_of(ranks[0])
+        assert ranks == self.layout.group_ranks(group), f"a step goes to a whole DP group, got ranks {ranks}"
+        self.steps.append(msg)
+        if group in self.hung_groups:
+            return
+        if any(s.seq_id in self.failing_seqs for s in msg.seqs):
+            self.pending.append(Reply(-msg.step_id, ranks[0], False, error="Traceback:\nIndexError: poisoned step"))
+            return
+        self.pending.append(self._execute(group, msg))
+
+    def call(self, method: str, ranks: list[int] | None = None, timeout: float | None = None, **kwargs) -> list:
+        self.calls.append((method, kwargs))
+        ranks = list(range(self.world)) if ranks is None else ranks
+        if method == "switch":
+            return self._switch(kwargs["plan"])
+        return [None for _ in ranks]
+
+    def poll(self, timeout: float | None, extra: list | None = None) -> list[StepResult | Reply]:
+        out, self.pending = self.pending, []
+        return out
+
+    def alive(self) -> bool:
+        return not self.killed
+
+    def kill(self) -> None:
+        self.killed = True
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self.killed = True
+
+    # ---- what a group of ranks would do ---------------------------------------------------------
+
+    def _execute(self, group: int, cmd: StepCommand) -> StepResult:
+        tables = self.tables[group]
+        for sid in cmd.released:
+            tables.pop(sid, None)
+        tokens = []
+        for s in cmd.seqs:
+            if cmd.is_prefill:
+                assert s.block_table is not None and s.sampling is not None, "a prefill brings its table and sampling"
+                tables[s.seq_id] = list(s.block_table)
+            else:
+                assert s.block_table is None and len(s.token_ids) == 1, "a decode sends one token and new blocks only"
+                assert s.seq_id in tables, f"decode of sequence {s.seq_id} this group never prefilled"
+                tables[s.seq_id].extend(s.new_blocks)
+            table = tables[s.seq_id]
+            end = s.start_pos + len(s.token_ids)
+            assert len(table) * self.block_size >= end, f"sequence {s.seq_id}: {end} tokens do not fit its table"
+            assert all(0 <= b < self.num_blocks for b in table), f"sequence {s.seq_id}: block outside the pool"
+            tokens.append(fake_token(s.seq_id, end, self.vocab))
+        owned = [b for sid, t in tables.items() for b in t]
+        assert len(owned) == len(set(owned)), f"group {group}: a block is held by two sequences"
+        return StepResult(cmd.step_id, group, tokens, None, 0.001)
+
+    def _switch(self, plan: SwitchPlan) -> list[SwitchReport]:
+        assert plan.old == self.layout, f"switch from {plan.old} but the workers are in {self.layout}"
+        self.plans.append(plan)
+        if self.fail_switch:
+            self.fail_switch = False
+            raise WorkerFailure("switch failed on rank 0: RuntimeError: injected", rank=0)
+        self.layout, self.num_blocks = plan.new, plan.new_num_blocks
+        self.tables = {g: {} for g in range(plan.new.dp)}
+        for p in plan.placements:
+            assert len(p.dst_table) * self.block_size >= p.num_tokens
+            self.tables[p.dst_group][p.seq_id] = list(p.dst_table)
+        return [SwitchReport.for_rank(r, group_cache_hit=False, groups_s=0.0, weights_s=0.001, kv_s=0.001,
+                                      rebuild_s=0.0, total_s=0.002, weight_bytes_sent=0, weight_bytes_local=0,
+                                      weight_bytes_allgather=0, kv_bytes_sent=0, peak_extra_bytes=0,
+                                      kv_pool_bytes_before=0, kv_pool_bytes_after=0)
+                for r in range(self.world)]
