@@ -27,8 +27,13 @@ class Partial:
     prompt_token_ids: list[int]
     token_ids: list[int]
     logprobs: list[float] | None
-    finished: bool  # ran to its end (stop or length) rather than being aborted
+    finish_reason: str | None  # "stop" or "length" when it ran to its end; None when it was aborted
     weights_version: int  # the weights it was generated under; older ones are stale (see docs/rollout.md)
+    params: Any = None  # the SamplingParams it ran with (explicit seed): resumption reuses them
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
