@@ -108,3 +108,43 @@ def test_stale_partials_are_regenerated_from_the_prompt(engine):
     for entry, outs in s2.groups:
         for o in outs:
             assert o.token_ids == reference(engine, entry, params_for(entry, int(o.request_id.rsplit("-r", 1)[1])))
+
+
+def test_engine_uses_the_placement_hook_and_outputs_do_not_change(engine):
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    ref = [o.token_ids for o in engine.generate(PROMPTS, params, use_tqdm=False)]
+    calls = []
+
+    def all_on_group_one(seq, schedulers):
+        calls.append(len(schedulers))
+        return 1
+
+    engine.set_placement(all_on_group_one)
+    try:
+        handles = [engine.submit(p, params) for p in PROMPTS]
+        for h in handles:
+            h.wait(60)
+        assert calls == [2] * len(PROMPTS) and {h.seq.group for h in handles} == {1}
+        assert [h.output().token_ids for h in handles] == ref
+    finally:
+        engine.set_placement(None)
+
+
+def test_adapter_frontend_learned_placement_is_token_exact(engine):
+    import asyncio
+
+    from pat_integrations.frontend import AsyncEngineFrontend
+    from pat_integrations.learned_placement import LearnedPlacement, prompt_key
+
+    params = [SamplingParams(max_new_tokens=4 + 6 * (i % 3), ignore_eos=True) for i in range(len(PROMPTS))]
+    ref = [o.token_ids for o in engine.generate(PROMPTS, params, use_tqdm=False)]
+    learned = LearnedPlacement()
+    fe = AsyncEngineFrontend(engine, placement=learned)
+    try:
+        for _ in range(2):  # the second batch places with the lengths learned from the first
+            outs = asyncio.run(fe.generate_batch(PROMPTS, params))
+            assert [o.token_ids for o in outs] == ref
+        assert learned.hook.expected == {}
+        assert learned.history.predict(prompt_key(PROMPTS[2])) == 16  # learned: 4 + 6 * 2
+    finally:
+        engine.set_placement(None)

@@ -279,3 +279,28 @@ def test_resume_request_reduces_budgets():
         resume_request([1], [2], SamplingParams(max_new_tokens=4, temperature=1.0))
     with pytest.raises(InvalidRequestError, match="nothing left"):
         resume_request([1], [2, 3], SamplingParams(max_new_tokens=2))
+
+
+# ---- adapters -----------------------------------------------------------------------------------------
+
+def test_learned_placement_predicts_from_a_prompts_past_lengths():
+    from pat_engine.outputs import RequestOutput
+    from pat_integrations.learned_placement import LearnedPlacement
+
+    lp = LearnedPlacement()
+    params = SamplingParams(max_new_tokens=100)
+    lp.expect("a", [1, 2], params)
+    assert lp.hook.expected["a"].response_len == 100  # nothing learned yet: the max_tokens bound
+    lp.record([1, 2], RequestOutput("a", [1, 2], [0] * 30, None, "length"))
+    lp.record([3], RequestOutput("b", [3], [0] * 7, None, "abort"))  # aborted: not a length
+    assert "a" not in lp.hook.expected
+    lp.expect("c", [1, 2], params)
+    lp.expect("d", [9, 9], params)
+    assert lp.hook.expected["c"].response_len == 30 and lp.hook.expected["d"].response_len == 30  # mean so far
+
+
+def test_adapter_settings_take_the_placement_switch():
+    from pat_integrations.openrlhf.settings import PatActorSettings
+
+    assert PatActorSettings.from_vllm_kwargs({"model": "m", "pat_placement": True}).placement is True
+    assert PatActorSettings.from_vllm_kwargs({"model": "m"}).placement is False

@@ -63,8 +63,10 @@ class _Job:
 class RolloutRunner:
     def __init__(self, engine, scheduler: RolloutScheduler,
                  params_for: Callable[[PromptEntry, int], SamplingParams], predictor=None,
-                 placement: PlacementConfig | None = None, seed: int = 0, name: str = "rollout"):
+                 placement: PlacementConfig | None = None, seed: int = 0, name: str = "rollout",
+                 stage_options: dict | None = None):
         self.engine = engine
+        self.stage_options = dict(stage_options or {})  # begin_stage's switch_schedule / policy / kv_transfer
         self.scheduler = scheduler
         self.params_for = params_for
         self.predictor = predictor
@@ -85,7 +87,7 @@ class RolloutRunner:
         step = sched.step
         tracker = RoundTracker(plan)
         jobs, instant, resumed, stale = self._jobs(plan, step)
-        engine.begin_stage(from_base_layout=True)
+        engine.begin_stage(from_base_layout=True, **self.stage_options)
         if plan.kind == "long":
             self._long_round_layout(jobs)
         start_tp = engine.layout.tp
