@@ -17,115 +17,17 @@ Writes bench/results/grpo_tail_batching.md.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import tempfile
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 from common import markdown_table, write_result  # noqa: E402
-from grpo_tiny import grpo_step, target_set  # noqa: E402
-from pat_engine import Engine, SamplingParams  # noqa: E402
-from pat_engine.rollout import GroupSizingConfig, PromptEntry, RolloutConfig, RolloutScheduler  # noqa: E402
-from pat_engine.rollout import TailBatchingConfig, straggler_ratio  # noqa: E402
-from pat_engine.rollout.runner import RolloutRunner, derived_seed  # noqa: E402
+from grpo_tiny import RESPONSES, Arm, PromptPool, rollout_config  # noqa: E402
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model  # noqa: E402
-
-POOL = 48
-RESPONSES = 32
-MIN_LEN, MAX_LEN = 6, 96
-
-
-@dataclass
-class PromptPool:
-    seed: int
-    prompts: list[list[int]] = field(init=False)
-    scale: list[float] = field(init=False)
-
-    def __post_init__(self) -> None:
-        rng = random.Random(self.seed)
-        self.prompts = [[rng.randrange(8, 380) for _ in range(rng.randrange(3, 9))] for _ in range(POOL)]
-        self.scale = [min(rng.paretovariate(1.2), 12.0) for _ in range(POOL)]  # persistent per prompt
-
-    def drawer(self):
-        order = list(range(POOL))
-        pos = [0]
-
-        def draw(n: int) -> list[PromptEntry]:
-            out = []
-            for _ in range(n):
-                epoch, k = divmod(pos[0], POOL)
-                if k == 0:
-                    random.Random(self.seed * 1000 + epoch).shuffle(order)
-                out.append(PromptEntry(order[k], self.prompts[order[k]]))
-                pos[0] += 1
-            return out
-
-        return draw
-
-    def length(self, uid: int, launch: int, r: int) -> int:
-        e = random.Random(derived_seed(self.seed, uid, launch, r)).expovariate(1.0)
-        return min(MAX_LEN, MIN_LEN + int(3 * self.scale[uid] * e))
-
-
-class Arm:
-    def __init__(self, label: str, rollout: RolloutConfig, pool: PromptPool, model_dir: Path, seed: int, lr: float):
-        from transformers import AutoModelForCausalLM
-
-        self.label = label
-        torch.manual_seed(seed)
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        self.model.train()
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
-        self.target = target_set(self.model.config.vocab_size)
-        self.engine = Engine(str(model_dir), tp=1, dp=2, dtype="float32")
-        self.launches: dict[int, int] = {}
-        self.pool = pool
-        sched = RolloutScheduler(rollout, pool.drawer(), default_length=20)
-        self.runner = RolloutRunner(self.engine, sched, self.params_for, seed=seed, name=label[:1],
-                                    stage_options={"switch_schedule": [(16, 2)]})
-        self.rows: list[dict] = []
-
-    def params_for(self, entry: PromptEntry, r: int) -> SamplingParams:
-        if r == 0:
-            self.launches[entry.uid] = self.launches.get(entry.uid, 0) + 1
-        launch = self.launches[entry.uid]
-        return SamplingParams(max_new_tokens=self.pool.length(entry.uid, launch, r), temperature=1.0, ignore_eos=True,
-                              seed=derived_seed(7, entry.uid, launch, r), logprobs=True)
-
-    def step(self, it: int, clip: float) -> None:
-        res = self.runner.step()
-        outs, advantages, rewards = [], [], []
-        for _, group in res.groups:
-            r = torch.tensor([self.target[torch.tensor(o.token_ids)].float().mean().item() for o in group])
-            advantages.append((r - r.mean()) / (r.std() + 1e-6))
-            rewards.append(r)
-            outs += group
-        reward = torch.cat(rewards)
-        t1 = time.perf_counter()
-        grpo_step(self.model, self.opt, outs, torch.cat(advantages), clip)
-        self.engine.update_weights((n, p.detach()) for n, p in self.model.named_parameters())
-        self.runner.weights_updated()
-        s = res.summary
-        self.rows.append({"it": it, "reward": reward.mean().item(), "rollout_s": res.seconds, "kind": s.kind,
-                          "group": s.group_size, "launched": s.responses_launched, "returned": s.responses_returned,
-                          "tokens": sum(len(o.token_ids) for o in outs), "longest": max(len(o.token_ids) for o in outs),
-                          "stragglers": sum(straggler_ratio([len(o.token_ids) for o in g]) > 1.25 for _, g in res.groups),
-                          "groups": len(res.groups), "deferred": s.prompts_deferred,
-                          "train_s": time.perf_counter() - t1})
-        print(f"{self.label[:40]:40s} it {it:2d} {s.kind:5s} G{s.group_size} reward {reward.mean():.3f} "
-              f"rollout {res.seconds:.2f}s longest {self.rows[-1]['longest']}", flush=True)
-
-    def close(self) -> None:
-        self.engine.shutdown()
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -135,11 +37,9 @@ def main() -> None:
     args = ap.parse_args()
     pool = PromptPool(args.seed)
     arms_cfg = [
-        ("A: PAT alone (plain rounds, 8 x 4)", RolloutConfig(RESPONSES, 4)),
-        ("B: tail batching + PAT", RolloutConfig(RESPONSES, 4, tail_batching=TailBatchingConfig(0.25))),
-        ("C: tail batching + PAT + SAGC", RolloutConfig(RESPONSES, 4, tail_batching=TailBatchingConfig(0.25),
-                                                         group_sizing=GroupSizingConfig(sizes=(2, 4, 8), seed=args.seed,
-                                                                                        straggler_threshold=2.0))),
+        ("A: PAT alone (plain rounds, 8 x 4)", rollout_config(False, False, False, args.seed)),
+        ("B: tail batching + PAT", rollout_config(True, False, False, args.seed)),
+        ("C: tail batching + PAT + SAGC", rollout_config(True, True, False, args.seed)),
     ]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_model(Path(tmp) / "policy", TinyModelSpec(seed=args.seed))

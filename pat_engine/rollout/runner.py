@@ -108,7 +108,13 @@ class RolloutRunner:
                     events.put(job.key)
             seen: set = set(instant)
             while not tracker.done:
-                key = events.get()
+                try:
+                    key = events.get(timeout=1.0)
+                except queue.Empty:
+                    if all(h.done() for h in handles.values()) and events.empty():
+                        raise WorkerFailure("every request ended but the round is not complete",
+                                            partial_outputs=[h.output() for h in handles.values()]) from None
+                    continue
                 if key in seen:
                     continue
                 seen.add(key)
