@@ -216,8 +216,9 @@ def test_keep_units_keeps_a_prompts_responses_together():
 
 
 class FakeSeq:
-    def __init__(self, rid, prompt_len, max_new, generated=0):
+    def __init__(self, rid, prompt_len, max_new, generated=0, seq_id=0):
         self.request_id, self.prompt_ids, self.output_ids = rid, [0] * prompt_len, [0] * generated
+        self.seq_id = seq_id
         self.params = SamplingParams(max_new_tokens=max_new)
 
 
@@ -304,3 +305,16 @@ def test_adapter_settings_take_the_placement_switch():
 
     assert PatActorSettings.from_vllm_kwargs({"model": "m", "pat_placement": True}).placement is True
     assert PatActorSettings.from_vllm_kwargs({"model": "m"}).placement is False
+
+
+def test_rebalance_for_a_switch_is_lpt_on_remaining_predicted_cost():
+    hook = AdmissionPlacement()
+    lens = [50, 40, 30, 20, 10, 10]
+    seqs = [FakeSeq(f"r{i}", 5, 64, generated=3, seq_id=100 + i) for i in range(len(lens))]
+    for s, n in zip(seqs, lens):
+        hook.expect(s.request_id, n)
+    target = hook.rebalance(seqs, 2)
+    items = [PlacementItem(5 + 3 + n - 3, 5 + 3 + n - 3) for n in lens]
+    assert [target[s.seq_id] for s in seqs] == place_lpt(items, 2, default_token_cap(items, 2))
+    loads = [sum(n for s, n in zip(seqs, lens) if target[s.seq_id] == g) for g in range(2)]
+    assert max(loads) == 80  # 50+30 / 40+20+10+10: the optimum

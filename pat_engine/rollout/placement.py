@@ -138,6 +138,21 @@ class AdmissionPlacement:
         left = max(total - done, 1.0)
         return self.cost(len(seq.prompt_ids) + done, left), int(len(seq.prompt_ids) + done + left)
 
+    def rebalance(self, seqs: Sequence, groups: int, token_cap_factor: float = 1.1) -> dict[int, int]:
+        """seq_id -> group for a layout switch: LPT on predicted remaining cost under the token cap.
+
+        What the switch's rebalancing should call instead of longest-context-first when this
+        hook is installed (``core.switch_coordinator``; see docs/rollout.md).
+        """
+        items = []
+        for s in seqs:
+            c, t = self._remaining(s)
+            exp = self.expected.get(s.request_id)
+            items.append(PlacementItem(c, t, exp.unit if exp is not None else None))
+        cap = default_token_cap(items, groups, token_cap_factor) if items else None
+        target = place_lpt(items, groups, cap, self.keep_units)
+        return {s.seq_id: g for s, g in zip(seqs, target)}
+
     def __call__(self, seq, schedulers: Sequence) -> int:
         groups = len(schedulers)
         cost, tokens = [0.0] * groups, [0] * groups
