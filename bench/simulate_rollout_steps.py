@@ -69,7 +69,8 @@ def run_table(name: str, args) -> tuple[str, dict]:
     table = make()
     pred = LatencyPredictor(table, max_num_seqs=args.max_num_seqs)
     world = table.deployment.world
-    data = PromptDataset(args.dataset, LongTail.fit(), cap, (100, 400), seed=args.seed)
+    dist = LongTail.fit(prompt_corr=0.6)
+    data = PromptDataset(args.dataset, dist, cap, (100, 400), seed=args.seed)
     n = args.responses
     plain = RolloutConfig(n, 8)
     tb = RolloutConfig(n, 8, tail_batching=TailBatchingConfig(eta=args.eta))
@@ -115,8 +116,7 @@ def run_table(name: str, args) -> tuple[str, dict]:
                                       for r in runs] for k in range(args.steps)])
     text = (f"### {name}: {desc}\n\n- table: {table.meta.get('source', table.deployment.device)}\n"
             f"- workload: {args.dataset} prompts (100-400 tokens), {n} responses per step (8 per prompt unless SAGC "
-            f"picks), lengths {LongTail.fit().describe()}, per-prompt share of log-length variance 0.6 "
-            f"(persists across steps); eta {args.eta}; controller checks every {args.check_interval} decode steps, "
+            f"picks), lengths {dist.describe()} (the prompt's part persists across steps); eta {args.eta}; controller checks every {args.check_interval} decode steps, "
             f"{args.draws} length draws; seed {args.seed}\n- static layouts: {static_line}\n"
             f"- RollPacker's TP pair picked from uniform-TP tail-batching runs: short TP{short_tp}, long TP{long_tp}\n\n"
             + main + "\n\nTail batching with one static TP for both round kinds (the shape of RollPacker's Fig. 7b):\n\n"

@@ -25,7 +25,7 @@ def pred():
 
 
 def data():
-    return PromptDataset(64, LongTail.fit(scale=1 / 16), 1024, (50, 100), seed=3)
+    return PromptDataset(64, LongTail.fit(prompt_corr=0.6, scale=1 / 16), 1024, (50, 100), seed=3)
 
 
 def test_dataset_lengths_persist_per_prompt_and_reproduce():

@@ -39,7 +39,6 @@ class PromptDataset:
     cap: int
     prompt_range: tuple[int, int]
     seed: int = 0
-    prompt_corr: float = 0.6  # share of log-length variance that belongs to the prompt (persists)
 
     def __post_init__(self) -> None:
         rng = np.random.default_rng(self.seed)
@@ -66,7 +65,7 @@ class PromptDataset:
 
     def lengths(self, uid: int, launch: int, n: int) -> np.ndarray:
         zs = np.random.default_rng((self.seed, 7, uid, launch)).standard_normal(n)
-        c = self.prompt_corr
+        c = self.dist.prompt_corr  # share of log-length variance that belongs to the prompt (persists)
         z = math.sqrt(c) * self.z[uid] + math.sqrt(1 - c) * zs
         return np.clip(np.round(np.exp(self.dist.mu + self.dist.sigma * z) * self.dist.scale), 1, self.cap).astype(
             np.int64)
