@@ -14,6 +14,11 @@ tokens in the set; a random policy scores about 0.25. Each iteration:
 
     python examples/grpo_tiny.py                      # under a minute on 2 cores
     python examples/grpo_tiny.py --out bench/results/grpo_tiny.md
+    python examples/grpo_tiny.py --tail-batching [--sagc] [--placement]   # rollouts via pat_engine.rollout
+
+With ``--tail-batching`` / ``--sagc`` / ``--placement`` the prompts come from a fixed pool whose
+prompts keep their length scale across steps and every rollout goes through the rollout
+layer (docs/rollout.md); bench/grpo_tail_batching.py compares the policies side by side.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,6 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from pat_engine import Engine, RequestOutput, SamplingParams  # noqa: E402
 from pat_engine.platform_info import machine_summary  # noqa: E402
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model  # noqa: E402
+from pat_engine.rollout import GroupSizingConfig, PlacementConfig, PromptEntry, RolloutConfig  # noqa: E402
+from pat_engine.rollout import RolloutScheduler, TailBatchingConfig, straggler_ratio  # noqa: E402
+from pat_engine.rollout.runner import RolloutRunner, derived_seed  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -153,6 +161,111 @@ def run(cfg: GRPOConfig, workdir: Path) -> list[dict]:
     return rows
 
 
+# ---- rollouts through the rollout layer (tail batching, SAGC, placement; docs/rollout.md) -------------------
+
+POOL = 48  # prompts in the pool the rollout-layer runs draw from
+RESPONSES = 32  # returned per step
+MIN_LEN, MAX_LEN = 6, 96
+
+
+def rollout_config(tail_batching: bool, sagc: bool, placement: bool, seed: int) -> RolloutConfig:
+    """RESPONSES per step, 4 per prompt; SAGC picks from {2, 4, 8} with kappa 2.0 (1.25 flags nearly every
+    group of this heavy-tailed toy)."""
+    return RolloutConfig(RESPONSES, 4, tail_batching=TailBatchingConfig(0.25) if tail_batching else None,
+                         group_sizing=GroupSizingConfig(sizes=(2, 4, 8), seed=seed, straggler_threshold=2.0)
+                         if sagc else None,
+                         placement=PlacementConfig() if placement else None)
+
+
+@dataclass
+class PromptPool:
+    """Prompts with a persistent length scale (long-tail prompts stay long); a launch's lengths are a
+    function of (prompt, launch, response), so every arm draws the same ones."""
+
+    seed: int
+    prompts: list[list[int]] = field(init=False)
+    scale: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        rng = random.Random(self.seed)
+        self.prompts = [[rng.randrange(8, 380) for _ in range(rng.randrange(3, 9))] for _ in range(POOL)]
+        self.scale = [min(rng.paretovariate(1.2), 12.0) for _ in range(POOL)]  # persistent per prompt
+
+    def drawer(self):
+        order = list(range(POOL))
+        pos = [0]
+
+        def draw(n: int) -> list[PromptEntry]:
+            out = []
+            for _ in range(n):
+                epoch, k = divmod(pos[0], POOL)
+                if k == 0:
+                    random.Random(self.seed * 1000 + epoch).shuffle(order)
+                out.append(PromptEntry(order[k], self.prompts[order[k]]))
+                pos[0] += 1
+            return out
+
+        return draw
+
+    def length(self, uid: int, launch: int, r: int) -> int:
+        e = random.Random(derived_seed(self.seed, uid, launch, r)).expovariate(1.0)
+        return min(MAX_LEN, MIN_LEN + int(3 * self.scale[uid] * e))
+
+
+class Arm:
+    """One GRPO run whose rollouts go through the rollout layer (``pat_engine.rollout``)."""
+
+    def __init__(self, label: str, rollout: RolloutConfig, pool: PromptPool, model_dir: Path, seed: int, lr: float):
+        from transformers import AutoModelForCausalLM
+
+        self.label = label
+        torch.manual_seed(seed)
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        self.model.train()
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
+        self.target = target_set(self.model.config.vocab_size)
+        self.engine = Engine(str(model_dir), tp=1, dp=2, dtype="float32")
+        self.launches: dict[int, int] = {}
+        self.pool = pool
+        sched = RolloutScheduler(rollout, pool.drawer(), default_length=20)
+        self.runner = RolloutRunner(self.engine, sched, self.params_for, seed=seed, name=label[:1],
+                                    stage_options={"switch_schedule": [(16, 2)]})
+        self.rows: list[dict] = []
+
+    def params_for(self, entry: PromptEntry, r: int) -> SamplingParams:
+        if r == 0:
+            self.launches[entry.uid] = self.launches.get(entry.uid, 0) + 1
+        launch = self.launches[entry.uid]
+        return SamplingParams(max_new_tokens=self.pool.length(entry.uid, launch, r), temperature=1.0, ignore_eos=True,
+                              seed=derived_seed(7, entry.uid, launch, r), logprobs=True)
+
+    def step(self, it: int, clip: float) -> None:
+        res = self.runner.step()
+        outs, advantages, rewards = [], [], []
+        for _, group in res.groups:
+            r = torch.tensor([self.target[torch.tensor(o.token_ids)].float().mean().item() for o in group])
+            advantages.append((r - r.mean()) / (r.std() + 1e-6))
+            rewards.append(r)
+            outs += group
+        reward = torch.cat(rewards)
+        t1 = time.perf_counter()
+        grpo_step(self.model, self.opt, outs, torch.cat(advantages), clip)
+        self.engine.update_weights((n, p.detach()) for n, p in self.model.named_parameters())
+        self.runner.weights_updated()
+        s = res.summary
+        self.rows.append({"it": it, "reward": reward.mean().item(), "rollout_s": res.seconds, "kind": s.kind,
+                          "group": s.group_size, "launched": s.responses_launched, "returned": s.responses_returned,
+                          "tokens": sum(len(o.token_ids) for o in outs), "longest": max(len(o.token_ids) for o in outs),
+                          "stragglers": sum(straggler_ratio([len(o.token_ids) for o in g]) > 1.25 for _, g in res.groups),
+                          "groups": len(res.groups), "deferred": s.prompts_deferred,
+                          "train_s": time.perf_counter() - t1})
+        print(f"{self.label[:40]:40s} it {it:2d} {s.kind:5s} G{s.group_size} reward {reward.mean():.3f} "
+              f"rollout {res.seconds:.2f}s longest {self.rows[-1]['longest']}", flush=True)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
 HEADER = ("| iter | mean reward | rollout s | switches during rollout | tokens | longest | "
           "max abs(trainer - rollout logprob) | train+sync s |")
 SEPARATOR = "|---:|---:|---:|---|---:|---:|---:|---:|"
@@ -170,12 +283,30 @@ def main() -> None:
     ap.add_argument("--no-sync", action="store_true", help="never call update_weights (the control run)")
     ap.add_argument("--with-control", action="store_true", help="then repeat without update_weights, for contrast")
     ap.add_argument("--out", help="also write the table, command and machine to this markdown file")
+    ap.add_argument("--tail-batching", action="store_true", help="rollouts through pat_engine.rollout: tail batching")
+    ap.add_argument("--sagc", action="store_true", help="rollouts through pat_engine.rollout: SAGC group sizing")
+    ap.add_argument("--placement", action="store_true", help="rollouts through pat_engine.rollout: cost-aware placement")
     args = ap.parse_args()
+    if args.tail_batching or args.sagc or args.placement:  # a prompt pool with persistent lengths, rollout layer
+        run_rollout_layer(rollout_config(args.tail_batching, args.sagc, args.placement, args.seed), args)
+        return
     cfg = GRPOConfig(iterations=args.iterations, seed=args.seed, sync=not args.no_sync)
     rows = table(cfg)
     control = table(dataclasses.replace(cfg, sync=False)) if args.with_control and cfg.sync else None
     if args.out:
         write_report(Path(args.out), rows, cfg, control, " ".join(sys.argv[1:]))
+
+
+def run_rollout_layer(rollout: RolloutConfig, args) -> None:
+    """GRPO with rollouts through the rollout layer (bench/grpo_tail_batching.py compares the policies)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_tiny_model(Path(tmp) / "policy", TinyModelSpec(seed=args.seed))
+        arm = Arm("rollout layer", rollout, PromptPool(args.seed), model_dir, args.seed, GRPOConfig.lr)
+        try:
+            for it in range(args.iterations):
+                arm.step(it, GRPOConfig.clip)
+        finally:
+            arm.close()
 
 
 def table(cfg: GRPOConfig) -> list[dict]:

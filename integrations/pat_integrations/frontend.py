@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from dataclasses import asdict
 from typing import Any, Iterable, Sequence
 
@@ -29,15 +30,19 @@ import torch
 
 from pat_engine import Engine, RequestHandle, RequestOutput, SamplingParams, WorkerFailure
 from pat_integrations.async_bridge import await_output
+from pat_integrations.learned_placement import LearnedPlacement
 from pat_integrations.stage import StageCounter, StagePlan, begin_stage
 
 log = logging.getLogger(__name__)
 
 
 class AsyncEngineFrontend:
-    def __init__(self, engine: Engine, plan: StagePlan | None = None):
+    def __init__(self, engine: Engine, plan: StagePlan | None = None, placement: LearnedPlacement | None = None):
         self.engine = engine
         self.plan = plan or StagePlan()
+        self.placement = placement  # cost-aware admission (pat_integrations.learned_placement), None: engine default
+        if placement is not None:
+            engine.set_placement(placement.hook)
         self.stages = StageCounter()
         self._handles: dict[str, RequestHandle] = {}
         self._admit = asyncio.Lock()
@@ -79,7 +84,11 @@ class AsyncEngineFrontend:
             handles: list[RequestHandle] = []
             try:
                 for i, (prompt, sp) in enumerate(zip(prompts, params)):
-                    handle = self.engine.submit(prompt, sp, request_ids[i] if request_ids else None)
+                    rid = request_ids[i] if request_ids else None
+                    if self.placement is not None:
+                        rid = rid or f"pat-{uuid.uuid4().hex}"
+                        self.placement.expect(rid, prompt, sp)
+                    handle = self.engine.submit(prompt, sp, rid)
                     self._handles[handle.request_id] = handle
                     handles.append(handle)
             except BaseException:  # a bad request refuses the whole batch: withdraw what went in
@@ -92,6 +101,9 @@ class AsyncEngineFrontend:
             outs = list(await asyncio.gather(*[await_output(h) for h in handles]))
         finally:
             self._forget(handles)
+        if self.placement is not None:
+            for prompt, out in zip(prompts, outs):
+                self.placement.record(prompt, out)
         failed = [o for o in outs if o.finish_reason == "error"]
         if failed:  # as Engine.generate: a request lost to a worker failure is an error, not a result
             raise WorkerFailure(f"{len(failed)} of {len(outs)} requests failed: {failed[0].error}",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from pat_engine.config import EngineConfig
 from pat_engine.core.layout_switch import LayoutSwitch
@@ -66,6 +67,8 @@ class GlobalCoordinator:
         self.timeline = Timeline()
         self.cost_source = MeasuredRates()  # replaced by the predictor when a profile table is loaded
         self.policy: SwitchPolicy | None = None
+        # optional admission rule: placement(seq, schedulers) -> group (pat_engine.rollout.placement)
+        self.placement: Callable[[Sequence, list[GroupScheduler]], int] | None = None
         self.pending_switch: SwitchDecision | None = None
         self.paused = False
         self.stage_decode_steps = 0  # set before the first install_layout, which copies it into the groups
@@ -122,7 +125,10 @@ class GlobalCoordinator:
     # ---- requests ----------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        group = min(range(self.layout.dp), key=lambda g: (self.schedulers[g].outstanding_tokens(), g))
+        if self.placement is not None:
+            group = self.placement(seq, self.schedulers)
+        else:
+            group = min(range(self.layout.dp), key=lambda g: (self.schedulers[g].outstanding_tokens(), g))
         self.schedulers[group].add(seq)
         self.seqs[seq.seq_id] = seq
 

@@ -312,6 +312,13 @@ class Engine(RLControlMixin):
         """Install the policy consulted every ``switch_check_interval`` decode steps."""
         self._loop.run(lambda: setattr(self.coordinator, "policy", policy))
 
+    def set_placement(self, placement: Callable[[Sequence, list], int] | None) -> None:
+        """Install the DP-group rule used at admission (None: fewest outstanding tokens).
+
+        ``placement(seq, group_schedulers) -> group index``, e.g. ``pat_engine.rollout.placement.AdmissionPlacement``.
+        """
+        self._loop.run(lambda: setattr(self.coordinator, "placement", placement))
+
     def _ensure_open(self) -> None:
         if self._closed:
             raise EngineClosedError("the engine has been shut down")

@@ -5,6 +5,7 @@ OpenRLHF's placement. The engine starts each stage at ``pat_base_tp``
 (default: ``tensor_parallel_size``, i.e. vLLM's layout) with
 ``tensor_parallel_size / pat_base_tp`` DP groups, and may switch on
 ``pat_switch_schedule`` or its controller (``pat_engine_kwargs.profile_table``).
+``pat_placement=True``: cost-aware DP admission with per-prompt learned lengths (docs/rollout.md).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class PatActorSettings:
     plan: StagePlan = StagePlan()
     max_model_len: int | None = None
     logprobs_mode: str = "raw"  # "raw" (vLLM's raw_logprobs) or "processed" (processed_logprobs)
+    placement: bool = False  # cost-aware DP admission (pat_integrations.learned_placement)
 
     @classmethod
     def from_vllm_kwargs(cls, kwargs: dict[str, Any]) -> "PatActorSettings":
@@ -59,6 +61,7 @@ class PatActorSettings:
         for name in IGNORED:
             kw.pop(name, None)
         plan = StagePlan.from_options(kw.pop("pat_switch_schedule", None))
+        placement = bool(kw.pop("pat_placement", False))
         engine_kwargs.update(kw.pop("pat_engine_kwargs", None) or {})
         if kw:
             raise TypeError(f"unsupported engine argument(s) for pat-engine: {sorted(kw)}")
@@ -66,4 +69,4 @@ class PatActorSettings:
 
         engine_kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
         return cls(str(model), base_tp, devices // base_tp, engine_kwargs, plan, engine_kwargs.get("max_model_len"),
-                   mode.removesuffix("_logprobs"))
+                   mode.removesuffix("_logprobs"), placement)

@@ -18,6 +18,7 @@ from verl.workers.rollout.replica import RolloutMode, TokenOutput
 
 from pat_engine import Engine
 from pat_integrations.frontend import AsyncEngineFrontend, LayoutViews
+from pat_integrations.learned_placement import LearnedPlacement
 from pat_integrations.sampling import from_verl
 from pat_integrations.verl.settings import PatRolloutSettings
 
@@ -35,7 +36,7 @@ class PatServer(LayoutViews):
         self.replica_rank = replica_rank
         s = self.settings
         self.engine = Engine(s.model, tp=s.tp, dp=s.dp, **s.engine_kwargs)
-        self.frontend = AsyncEngineFrontend(self.engine, s.plan)
+        self.frontend = AsyncEngineFrontend(self.engine, s.plan, LearnedPlacement() if s.placement else None)
         self.global_steps: int | None = None
 
     def get_server_address(self) -> str:

@@ -6,7 +6,8 @@ veRL's ``tensor_model_parallel_size`` is the base TP of the engine and
 ``actor_rollout_ref.rollout.engine_kwargs.pat`` (Hydra: ``+...engine_kwargs.pat.KEY=VALUE``):
 any ``pat_engine.config.EngineConfig`` field, plus ``switch_schedule``
 (``[[decode_step, tp], ...]``, applied afresh in every stage) and
-``sleep_level`` (what ``sleep()`` releases in hybrid mode; default 2 like vLLM).
+``sleep_level`` (what ``sleep()`` releases in hybrid mode; default 2 like vLLM) and ``placement``
+(true: cost-aware DP admission with per-prompt learned lengths, see docs/rollout.md).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pat_engine.config import EngineConfig
 from pat_integrations.stage import StagePlan
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "tp", "dp"}
-_OWN_KEYS = {"switch_schedule", "sleep_level"}
+_OWN_KEYS = {"switch_schedule", "sleep_level", "placement"}
 
 
 def _plain(value: Any) -> Any:
@@ -52,6 +53,7 @@ class PatRolloutSettings:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     plan: StagePlan = StagePlan()
     sleep_level: int = 2
+    placement: bool = False  # cost-aware DP admission (pat_integrations.learned_placement)
     prompt_length: int = 512
     response_length: int = 512
     max_model_len: int = 1024
@@ -91,7 +93,7 @@ class PatRolloutSettings:
         return cls(
             model=model_path(model_config), tp=tp, dp=dp, engine_kwargs=engine_kwargs,
             plan=StagePlan.from_options(extra.get("switch_schedule")),
-            sleep_level=int(extra.get("sleep_level", 2)),
+            sleep_level=int(extra.get("sleep_level", 2)), placement=bool(extra.get("placement", False)),
             prompt_length=config.prompt_length, response_length=config.response_length, max_model_len=max_len,
         )
 

@@ -1,0 +1,233 @@
+"""RolloutRunner: runs the scheduler's rounds on an ``Engine`` through its public API only.
+
+Per step: ``begin_stage`` (back to the base, throughput layout), for a long round
+``reconfigure`` to the layout the predictor picks, ``submit`` every request with an
+explicit seed (in decreasing predicted cost, so the cost-aware admission hook places
+them as LPT would), follow finishes through handle listeners into the ``RoundTracker``,
+``abort`` the rest once the round is over (aborted requests keep their tokens), and
+hand back the accepted groups. Partial outputs of deferred prompts are kept with the
+weights version they were generated under: resumed exactly if the weights are
+unchanged when their long round comes, regenerated from the prompt otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from pat_engine.errors import WorkerFailure
+from pat_engine.outputs import RequestOutput
+from pat_engine.rollout.config import PlacementConfig
+from pat_engine.rollout.placement import AdmissionPlacement, PredictorCost, default_token_cap, token_cost
+from pat_engine.rollout.placement import PlacementItem
+from pat_engine.rollout.resume import join_outputs, resume_request
+from pat_engine.rollout.round_layout import best_round_tp
+from pat_engine.rollout.scheduler import RolloutScheduler, RoundSummary
+from pat_engine.rollout.tail_batching import Partial, PromptEntry, RoundTracker
+from pat_engine.sampling_params import SamplingParams
+
+
+@dataclass
+class RolloutStep:
+    summary: RoundSummary
+    groups: list[tuple[PromptEntry, list[RequestOutput]]]  # the P0 prompts returned, R0 outputs each
+    seconds: float  # wall time of the round
+    start_tp: int  # layout the round started at
+    resumed: int  # responses continued from a partial generated under the same weights
+    stale_regenerated: int  # deferred responses whose partials were from older weights: run again from the prompt
+    weights_version: int
+
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        return [o for _, outs in self.groups for o in outs]
+
+
+def derived_seed(*parts) -> int:
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+@dataclass
+class _Job:
+    key: tuple[int, int]
+    request_id: str
+    prompt: object
+    params: SamplingParams
+    prefix: Partial | None  # resumed from this partial
+    predicted: float
+
+
+class RolloutRunner:
+    def __init__(self, engine, scheduler: RolloutScheduler,
+                 params_for: Callable[[PromptEntry, int], SamplingParams], predictor=None,
+                 placement: PlacementConfig | None = None, seed: int = 0, name: str = "rollout",
+                 stage_options: dict | None = None):
+        self.engine = engine
+        self.stage_options = dict(stage_options or {})  # begin_stage's switch_schedule / policy / kv_transfer
+        self.scheduler = scheduler
+        self.params_for = params_for
+        self.predictor = predictor
+        self.placement = placement if placement is not None else scheduler.config.placement
+        self.seed = seed
+        self.name = name
+        self.weights_version = 0
+
+    def weights_updated(self) -> None:
+        """Call after every ``update_weights``: partials from before become stale."""
+        self.weights_version += 1
+
+    # ---- one round ------------------------------------------------------------------------------------
+
+    def step(self) -> RolloutStep:
+        sched, engine = self.scheduler, self.engine
+        plan = sched.next_round()
+        step = sched.step
+        tracker = RoundTracker(plan)
+        jobs, instant, resumed, stale = self._jobs(plan, step)
+        engine.begin_stage(from_base_layout=True, **self.stage_options)
+        if plan.kind == "long":
+            self._long_round_layout(jobs)
+        start_tp = engine.layout.tp
+        t0 = time.perf_counter()
+        if self.placement is not None:
+            jobs.sort(key=lambda j: -self._cost(j))
+            engine.set_placement(self._admission_hook(jobs))
+        events: queue.Queue = queue.Queue()
+        handles = {}
+        try:
+            for key, out in instant.items():  # finished partials under the current weights: done already
+                tracker.on_finished(*key)
+            for job in jobs:
+                h = engine.submit(job.prompt, job.params, request_id=job.request_id)
+                h.add_listener(lambda seq, n, key=job.key: events.put(key) if seq.finished else None)
+                handles[job.key] = h
+                if h.done():
+                    events.put(job.key)
+            seen: set = set(instant)
+            while not tracker.done:
+                try:
+                    key = events.get(timeout=1.0)
+                except queue.Empty:
+                    if all(h.done() for h in handles.values()) and events.empty():
+                        raise WorkerFailure("every request ended but the round is not complete",
+                                            partial_outputs=[h.output() for h in handles.values()]) from None
+                    continue
+                if key in seen:
+                    continue
+                seen.add(key)
+                out = handles[key].output()
+                if out.finish_reason in ("abort", "error"):
+                    raise WorkerFailure(f"request {out.request_id} ended with {out.finish_reason}: {out.error}",
+                                        partial_outputs=[h.output() for h in handles.values()])
+                tracker.on_finished(*key)
+            late = [handles[k].request_id for k in tracker.unfinished() if k in handles]
+            engine.abort(late)
+            for h in handles.values():
+                h.wait()
+        finally:
+            if self.placement is not None:
+                engine.set_placement(None)
+        seconds = time.perf_counter() - t0
+        outputs = dict(instant)
+        for job in jobs:
+            out = handles[job.key].output()
+            if job.prefix is not None:
+                out = join_outputs(job.prefix.prompt_token_ids, job.prefix.token_ids, job.prefix.logprobs, out)
+                out = self._decoded(out)
+            outputs[job.key] = out
+        lengths = {k: len(o.token_ids) for k, o in outputs.items()}
+        partials = self._partials(plan, tracker, outputs, {j.key: j.params for j in jobs})
+        summary = sched.finish_round(plan, tracker, lengths, partials)
+        groups = [(plan.prompts[p], [outputs[(p, r)] for r in rs]) for p, rs in tracker.accepted()]
+        return RolloutStep(summary, groups, seconds, start_tp, resumed, stale, self.weights_version)
+
+    # ---- helpers ----------------------------------------------------------------------------------------
+
+    def _jobs(self, plan, step: int):
+        jobs, instant, resumed, stale = [], {}, 0, 0
+        for p, entry in enumerate(plan.prompts):
+            predicted = self.scheduler.predicted_length(entry)
+            for r in range(plan.responses):
+                key = (p, r)
+                rid = f"{self.name}-s{step}-u{entry.uid}-r{r}"
+                part = entry.partials.get(r)
+                if part is not None and part.weights_version == self.weights_version \
+                        and self.scheduler.config.tail_batching.resume_partials:
+                    if part.finished:
+                        instant[key] = self._decoded(RequestOutput(rid, part.prompt_token_ids, list(part.token_ids),
+                                                                   None, part.finish_reason, part.logprobs))
+                        resumed += 1
+                        continue
+                    if len(part.token_ids) < part.params.max_new_tokens:
+                        prompt, params = resume_request(part.prompt_token_ids, part.token_ids, part.params)
+                        jobs.append(_Job(key, rid, prompt, params, part, predicted))
+                        resumed += 1
+                        continue
+                if part is not None:
+                    stale += 1  # older weights: the staleness rule regenerates it from the prompt
+                params = self.params_for(entry, r)
+                if params.seed is None:
+                    params = replace(params, seed=derived_seed(self.seed, step, entry.uid, r))
+                jobs.append(_Job(key, rid, entry.prompt, params, None, predicted))
+        return jobs, instant, resumed, stale
+
+    def _partials(self, plan, tracker: RoundTracker, outputs, params) -> dict[int, dict[int, Partial]]:
+        if plan.kind != "short":
+            return {}
+        out: dict[int, dict[int, Partial]] = {}
+        for p in tracker.deferred():
+            keep = {}
+            for r in range(min(plan.responses, plan.accept_responses)):
+                o = outputs[(p, r)]
+                if (p, r) not in params:
+                    continue
+                reason = o.finish_reason if o.finish_reason in ("stop", "length") else None
+                keep[r] = Partial(list(o.prompt_token_ids), list(o.token_ids), o.logprobs, reason,
+                                  self.weights_version, params[(p, r)])
+            out[p] = keep
+        return out
+
+    def _prompt_len(self, prompt) -> int:
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return len(prompt)
+        tok = getattr(self.engine, "tokenizer", None)
+        if isinstance(prompt, str) and tok is not None:
+            return len(tok.encode(prompt))
+        return max(len(str(prompt)) // 4, 1)  # chat messages or no tokenizer: a rough size is enough for costing
+
+    def _decoded(self, out: RequestOutput) -> RequestOutput:
+        tok = getattr(self.engine, "tokenizer", None)
+        return replace(out, text=tok.decode(out.token_ids)) if tok is not None else out
+
+    def _cost(self, job: _Job) -> float:
+        return self._cost_fn()(self._prompt_len(job.prompt), min(job.predicted, job.params.max_new_tokens))
+
+    def _cost_fn(self):
+        if self.predictor is None:
+            return token_cost
+        per_group = max(self.scheduler.config.responses_per_step // max(self.engine.layout.dp, 1), 1)
+        return PredictorCost(self.predictor, self.engine.layout.tp, per_group)
+
+    def _admission_hook(self, jobs: list[_Job]) -> AdmissionPlacement:
+        cfg = self.placement
+        items = []
+        for j in jobs:
+            plen = self._prompt_len(j.prompt)
+            items.append(PlacementItem(0.0, int(plen + min(j.predicted, j.params.max_new_tokens))))
+        cap = default_token_cap(items, self.engine.layout.dp, cfg.token_cap_factor)
+        hook = AdmissionPlacement(self._cost_fn(), cap, cfg.keep_prompt_together)
+        for j in jobs:
+            hook.expect(j.request_id, min(j.predicted, j.params.max_new_tokens), unit=j.key[0])
+        return hook
+
+    def _long_round_layout(self, jobs: list[_Job]) -> None:
+        if self.predictor is None or not self.scheduler.config.predictor_long_round_layout or not jobs:
+            return
+        plens = [self._prompt_len(j.prompt) for j in jobs]
+        cap = max(j.params.max_new_tokens for j in jobs)
+        tp = best_round_tp(self.predictor, self.engine.config.world, plens, [j.predicted for j in jobs], cap)
+        if tp != self.engine.layout.tp:
+            self.engine.reconfigure(tp)

@@ -1,0 +1,62 @@
+"""The multi-step rollout simulator behind bench/simulate_rollout_steps.py: small, fast consistency checks."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+from longtail.multistep import PromptDataset, Variant, run_variant  # noqa: E402
+from longtail.simulator import Simulation  # noqa: E402
+from longtail.tables import a40_table  # noqa: E402
+from longtail.workload import Batch, LongTail  # noqa: E402
+from pat_engine.predictor.predictor import LatencyPredictor  # noqa: E402
+from pat_engine.rollout import RolloutConfig, TailBatchingConfig  # noqa: E402
+from pat_engine.rollout.config import PlacementConfig  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pred():
+    return LatencyPredictor(a40_table(), max_num_seqs=256)
+
+
+def data():
+    return PromptDataset(64, LongTail.fit(prompt_corr=0.6, scale=1 / 16), 1024, (50, 100), seed=3)
+
+
+def test_dataset_lengths_persist_per_prompt_and_reproduce():
+    d = data()
+    assert np.array_equal(d.lengths(5, 0, 8), d.lengths(5, 0, 8))
+    long_uid, short_uid = int(np.argmax(d.z)), int(np.argmin(d.z))
+    assert all(d.lengths(long_uid, k, 8).mean() > d.lengths(short_uid, k, 8).mean() for k in range(5))
+
+
+def test_tail_batching_steps_return_n_responses_with_a_long_round_every_fifth(pred):
+    cfg = RolloutConfig(32, 4, tail_batching=TailBatchingConfig(0.25))
+    run = run_variant(Variant("tb", cfg, short_tp=2, long_tp=2), data(), pred, 8, 10, 256, 64)
+    assert [s.kind for s in run.steps] == (["short"] * 4 + ["long"]) * 2
+    assert all(s.returned == 32 and s.max_age == 0 for s in run.steps)
+    assert all(s.launched == 10 * 5 for s in run.steps if s.kind == "short")
+
+
+def test_short_round_ends_before_the_whole_batch_would(pred):
+    cfg = RolloutConfig(32, 4, tail_batching=TailBatchingConfig(0.25))
+    plain = run_variant(Variant("p", RolloutConfig(32, 4), short_tp=2), data(), pred, 8, 4, 256, 64)
+    tb = run_variant(Variant("tb", cfg, short_tp=2), data(), pred, 8, 4, 256, 64)
+    assert sum(s.seconds for s in tb.steps) < sum(s.seconds for s in plain.steps)
+
+
+def test_placement_variant_runs_and_round_simulation_honours_a_given_placement(pred):
+    cfg = RolloutConfig(32, 4, placement=PlacementConfig())
+    run = run_variant(Variant("placed", cfg, short_tp=2), data(), pred, 8, 2, 256, 64)
+    assert all(s.returned == 32 for s in run.steps)
+    from longtail.multistep import RoundSimulation
+
+    batch = Batch(np.full(8, 10), np.arange(1, 9) * 10, 1024)
+    sim = RoundSimulation(pred, batch, 2, 8, 256, 64, None, placement=[0] * 8)
+    assert len(sim.groups[0].waiting) == 8 and all(not g.waiting for g in sim.groups[1:])
+    assert isinstance(sim, Simulation) and sim.run_round() == sim.finished_at

@@ -1,0 +1,150 @@
+"""Real-engine tests of the rollout layer (float64, worker processes): exact resume and tail-batched rounds."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+
+from pat_engine import Engine, SamplingParams
+from pat_engine.rollout import PromptEntry, RolloutConfig, RolloutScheduler, TailBatchingConfig
+from pat_engine.rollout.config import PlacementConfig
+from pat_engine.rollout.resume import join_outputs, resume_request
+from pat_engine.rollout.runner import RolloutRunner
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 6, 7], [100, 20, 30, 40, 50, 60, 70], [9], [250, 251], [300, 12, 13, 14, 15], [17, 18]]
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    with Engine(model_dir("llama"), tp=1, dp=2, dtype="float64") as e:
+        yield e
+
+
+def abort_after(engine, prompt, params, k):
+    """Submit, abort once at least k tokens exist; the aborted output keeps them."""
+    handle = engine.submit(prompt, params)
+    reached = threading.Event()
+    handle.add_listener(lambda seq, n: reached.set() if len(seq.output_ids) >= k else None)
+    reached.wait(60)
+    engine.abort([handle.request_id])
+    handle.wait(60)
+    return handle.output()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_new_tokens=40, ignore_eos=True, logprobs=True),
+    SamplingParams(max_new_tokens=40, temperature=1.0, top_p=0.9, seed=1234, min_new_tokens=30, logprobs=True),
+], ids=["greedy", "seeded"])
+def test_abort_and_resume_equals_uninterrupted(engine, params):
+    prompt = PROMPTS[1]
+    full = engine.generate([prompt], params, use_tqdm=False)[0]
+    part = abort_after(engine, prompt, params, 7)
+    assert part.finish_reason == "abort" and 7 <= len(part.token_ids) < 40
+    assert part.token_ids == full.token_ids[: len(part.token_ids)]
+    new_prompt, rest = resume_request(part.prompt_token_ids, part.token_ids, params)
+    cont = engine.generate([new_prompt], rest, use_tqdm=False)[0]
+    joined = join_outputs(part.prompt_token_ids, part.token_ids, part.logprobs, cont)
+    assert joined.token_ids == full.token_ids
+    assert joined.logprobs == pytest.approx(full.logprobs, abs=1e-9)
+
+
+def lengths_of(uid: int, r: int) -> int:
+    return 24 if uid % 3 == 2 else 3 + 2 * r  # every third prompt is long-tail
+
+
+def make_runner(engine, eta=0.5, placement=None, seed=0):
+    counter = itertools.count()
+    draw = lambda n: [PromptEntry(u, PROMPTS[u % len(PROMPTS)]) for u in (next(counter) for _ in range(n))]
+    cfg = RolloutConfig(responses_per_step=4, group_size=2, tail_batching=TailBatchingConfig(eta=eta),
+                        placement=placement)
+    sched = RolloutScheduler(cfg, draw, default_length=10)
+
+    def params_for(entry, r):
+        return SamplingParams(max_new_tokens=lengths_of(entry.uid, r), temperature=1.0, ignore_eos=True,
+                              seed=1000 * entry.uid + r, logprobs=True)
+
+    return RolloutRunner(engine, sched, params_for, seed=seed), params_for
+
+
+def reference(engine, entry, params):
+    return engine.generate([entry.prompt], params, use_tqdm=False)[0].token_ids
+
+
+@pytest.mark.parametrize("placement", [None, PlacementConfig(keep_prompt_together=True)], ids=["plain", "placed"])
+def test_tail_batched_rounds_return_exact_outputs_and_resume_deferred(engine, placement):
+    runner, params_for = make_runner(engine, placement=placement)
+    # step 0: 3 prompts (uids 0,1,2) x 3 responses; uid 2 is long -> deferred
+    s0 = runner.step()
+    assert s0.summary.kind == "short" and s0.summary.responses_launched == 9
+    assert sorted(e.uid for e, _ in s0.groups) == [0, 1] and s0.summary.prompts_deferred == 1
+    for entry, outs in s0.groups:
+        assert len(outs) == 2
+        for o in outs:
+            r = int(o.request_id.rsplit("-r", 1)[1])
+            assert o.token_ids == reference(engine, entry, params_for(entry, r))
+    # step 1: uids 3,4,5; uid 5 deferred; the queue now holds 2 = P0 -> step 2 is the long round
+    s1 = runner.step()
+    assert s1.summary.kind == "short" and runner.scheduler.queue_len == 2
+    s2 = runner.step()  # same weights: the deferred partials resume exactly
+    assert s2.summary.kind == "long" and s2.summary.responses_launched == 4 and s2.resumed >= 1
+    assert sorted(e.uid for e, _ in s2.groups) == [2, 5] and s2.stale_regenerated == 0
+    for entry, outs in s2.groups:
+        for r, o in enumerate(outs):
+            assert len(o.token_ids) == 24
+            assert o.token_ids == reference(engine, entry, params_for(entry, int(o.request_id.rsplit("-r", 1)[1])))
+
+
+def test_stale_partials_are_regenerated_from_the_prompt(engine):
+    runner, params_for = make_runner(engine)
+    runner.step()
+    runner.step()
+    runner.weights_updated()  # what an RL loop does after update_weights
+    s2 = runner.step()
+    assert s2.summary.kind == "long" and s2.resumed == 0 and s2.stale_regenerated >= 1
+    for entry, outs in s2.groups:
+        for o in outs:
+            assert o.token_ids == reference(engine, entry, params_for(entry, int(o.request_id.rsplit("-r", 1)[1])))
+
+
+def test_engine_uses_the_placement_hook_and_outputs_do_not_change(engine):
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    ref = [o.token_ids for o in engine.generate(PROMPTS, params, use_tqdm=False)]
+    calls = []
+
+    def all_on_group_one(seq, schedulers):
+        calls.append(len(schedulers))
+        return 1
+
+    engine.set_placement(all_on_group_one)
+    try:
+        handles = [engine.submit(p, params) for p in PROMPTS]
+        for h in handles:
+            h.wait(60)
+        assert calls == [2] * len(PROMPTS) and {h.seq.group for h in handles} == {1}
+        assert [h.output().token_ids for h in handles] == ref
+    finally:
+        engine.set_placement(None)
+
+
+def test_adapter_frontend_learned_placement_is_token_exact(engine):
+    import asyncio
+
+    from pat_integrations.frontend import AsyncEngineFrontend
+    from pat_integrations.learned_placement import LearnedPlacement, prompt_key
+
+    params = [SamplingParams(max_new_tokens=4 + 6 * (i % 3), ignore_eos=True) for i in range(len(PROMPTS))]
+    ref = [o.token_ids for o in engine.generate(PROMPTS, params, use_tqdm=False)]
+    learned = LearnedPlacement()
+    fe = AsyncEngineFrontend(engine, placement=learned)
+    try:
+        for _ in range(2):  # the second batch places with the lengths learned from the first
+            outs = asyncio.run(fe.generate_batch(PROMPTS, params))
+            assert [o.token_ids for o in outs] == ref
+        assert learned.hook.expected == {}
+        assert learned.history.predict(prompt_key(PROMPTS[2])) == 16  # learned: 4 + 6 * 2
+    finally:
+        engine.set_placement(None)

@@ -1,0 +1,320 @@
+"""Pure-logic tests of the rollout layer: tail batching rounds and queue, SAGC, placement, resume."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from pat_engine.errors import InvalidRequestError
+from pat_engine.rollout import (GroupSizeController, GroupSizingConfig, PlacementItem, PromptEntry, RolloutConfig,
+                                RolloutScheduler, RoundTracker, TailBatcher, TailBatchingConfig, max_group_cost,
+                                place_lpt, straggler_ratio)
+from pat_engine.rollout.placement import AdmissionPlacement, default_token_cap
+from pat_engine.rollout.resume import resume_request
+from pat_engine.rollout.tail_batching import overprovision
+from pat_engine.sampling_params import SamplingParams
+
+
+def fresh(start: int = 0):
+    counter = itertools.count(start)
+    return lambda n: [PromptEntry(next(counter), f"p{k}") for k in range(n)]
+
+
+# ---- tail batching -----------------------------------------------------------------------------------
+
+def test_short_round_sizes_and_exact_boundary():
+    tb = TailBatcher(0.25)
+    plan = tb.plan(4, 8, fresh())
+    assert plan.kind == "short" and len(plan.prompts) == 5 and plan.responses == 10
+    assert (plan.accept_prompts, plan.accept_responses) == (4, 8)
+    tr = RoundTracker(plan)
+    # prompts 0..3 finish 8 responses each, interleaved; prompt 4 finishes 7 (one short of R0) first
+    order = [(4, r) for r in range(7)]
+    for r in range(8):
+        order += [(p, r) for p in range(4)]
+    events = []
+    for ev in order:
+        events.append(tr.on_finished(*ev))
+    assert events.index(True) == len(order) - 1  # over exactly when prompt 3 gets its 8th response
+    assert [p for p, _ in tr.accepted()] == [0, 1, 2, 3]
+    assert tr.deferred() == [4]
+    # the 8 accepted responses are the first 8 finished (0..7); 8 and 9 of prompts 0-3 are aborted
+    assert all(rs == list(range(8)) for _, rs in tr.accepted())
+    assert (4, 9) in tr.unfinished() and (0, 8) in tr.unfinished() and (4, 0) not in tr.unfinished()
+
+
+def test_round_ends_when_p0th_prompt_completes_not_before():
+    tb = TailBatcher(0.5)
+    plan = tb.plan(2, 2, fresh())  # 3 prompts x 3 responses
+    tr = RoundTracker(plan)
+    assert not tr.on_finished(2, 1)
+    assert not tr.on_finished(2, 0)  # prompt 2 complete: 1 of 2
+    assert not tr.on_finished(0, 2)
+    assert not tr.on_finished(1, 0)
+    assert tr.on_finished(0, 0)  # prompt 0 complete: 2 of 2
+    assert [p for p, _ in tr.accepted()] == [2, 0] and tr.deferred() == [1]
+    assert tr.accepted()[1] == (0, [2, 0])  # finish order, not index order
+    assert tr.on_finished(1, 1)  # ignored once over
+    twice = RoundTracker(plan)
+    twice.on_finished(0, 0)
+    with pytest.raises(ValueError, match="twice"):
+        twice.on_finished(0, 0)
+
+
+def test_queue_fills_and_long_round_takes_exactly_p0_oldest_without_overprovisioning():
+    cfg = RolloutConfig(responses_per_step=16, group_size=4, tail_batching=TailBatchingConfig(eta=0.25))
+    sched = RolloutScheduler(cfg, fresh(), default_length=10)
+    kinds, deferred_uids = [], []
+    for step in range(10):
+        plan = sched.next_round()
+        kinds.append(plan.kind)
+        tr = RoundTracker(plan)
+        lengths = {}
+        if plan.kind == "short":
+            assert len(plan.prompts) == 5 and plan.responses == 5
+            # the last-launched prompt is slow; everything else finishes in index order
+            for p in range(len(plan.prompts) - 1):
+                for r in range(plan.responses):
+                    lengths[(p, r)] = 5 + r
+                    if tr.on_finished(p, r):
+                        break
+                if tr.done:
+                    break
+            deferred_uids.append(plan.prompts[-1].uid)
+        else:
+            assert len(plan.prompts) == 4 and plan.responses == 4
+            assert [e.uid for e in plan.prompts] == deferred_uids[:4]  # FIFO: the 4 oldest deferred
+            del deferred_uids[:4]
+            for p in range(4):
+                for r in range(4):
+                    lengths[(p, r)] = 100
+                    tr.on_finished(p, r)
+        for p in range(len(plan.prompts)):
+            for r in range(plan.responses):
+                lengths.setdefault((p, r), 3)
+        s = sched.finish_round(plan, tr, lengths)
+        assert s.responses_returned == 16
+    # 4 short rounds each defer 1 prompt -> the 5th step is a long round (RollPacker's period of 5)
+    assert kinds == ["short"] * 4 + ["long"] + ["short"] * 4 + ["long"]
+    assert sched.queue_len == 0
+
+
+def test_overprovision_rounds_up():
+    assert overprovision(8, 0.25) == 10 and overprovision(3, 0.25) == 4 and overprovision(4, 0.0) == 4
+
+
+def test_config_validation_names_the_problem():
+    with pytest.raises(InvalidRequestError, match="multiple"):
+        RolloutConfig(responses_per_step=10, group_sizing=GroupSizingConfig(sizes=(4, 8)))
+    with pytest.raises(InvalidRequestError, match="eta"):
+        TailBatchingConfig(eta=-1)
+    with pytest.raises(InvalidRequestError, match="initial"):
+        GroupSizingConfig(sizes=(4, 8), initial=16)
+
+
+# ---- SAGC ---------------------------------------------------------------------------------------------
+
+def test_straggler_ratio():
+    assert straggler_ratio([10, 10, 30]) == 3.0
+    assert straggler_ratio([4, 6]) == 6 / 5
+    assert straggler_ratio([]) == 1.0
+
+
+def test_dual_update_is_projected_ascent_and_posterior_discounted():
+    cfg = GroupSizingConfig(sizes=(4, 8, 16), target_rate=0.25, dual_step=2.0, dual_max=3.0, forgetting=0.5,
+                            straggler_threshold=1.25)
+    c = GroupSizeController(cfg)
+    strag, calm = [10, 10, 20], [10, 10, 11]
+    obs = c.observe(8, [strag, strag, calm, calm])  # rate 0.5
+    assert obs.stragglers == 2 and obs.dual == pytest.approx(2.0 * (0.5 - 0.25))
+    assert (c.alpha[8], c.beta[8]) == (0.5 * 1 + 2, 0.5 * 1 + 2)
+    obs = c.observe(8, [strag] * 4)  # rate 1: 0.5 + 1.5 = 2.0
+    assert obs.dual == pytest.approx(2.0)
+    assert c.observe(8, [strag] * 4).dual == 3.0  # projected onto [0, dual_max]
+    c2 = GroupSizeController(cfg)
+    assert c2.observe(4, [calm] * 4).dual == 0.0  # projected at 0
+    assert (c2.alpha[16], c2.beta[16]) == (1.0, 1.0)  # other sizes untouched
+
+
+def test_neighbor_moves_and_convergence():
+    cfg = GroupSizingConfig(sizes=(4, 8, 16), target_rate=0.2, dual_step=1.0, seed=3)
+    calm = GroupSizeController(cfg)
+    seen = []
+    for _ in range(30):
+        g = calm.choose()
+        seen.append(g)
+        calm.observe(g, [[10, 10, 10]] * (64 // g))
+    assert seen[0] in (8, 16) and seen[-1] == 16  # never straggles: the largest group wins
+    assert all(abs(cfg.sizes.index(a) - cfg.sizes.index(b)) <= 1 for a, b in zip(seen, seen[1:]))
+    stormy = GroupSizeController(cfg)
+    seen = []
+    for _ in range(60):
+        g = stormy.choose()
+        seen.append(g)
+        # small groups rarely straggle, large groups always
+        groups = [[10, 10, 40]] * (64 // g) if g >= 8 else [[10, 10, 10]] * (64 // g)
+        stormy.observe(g, groups)
+    assert seen[-10:].count(4) >= 8 and stormy.dual > 0
+
+
+# ---- placement ----------------------------------------------------------------------------------------
+
+def brute_force(items, groups, cap=None, keep_units=False):
+    best = None
+    for assign in itertools.product(range(groups), repeat=len(items)):
+        if keep_units:
+            unit_group = {}
+            if any(unit_group.setdefault(it.unit, g) != g for it, g in zip(items, assign) if it.unit is not None):
+                continue
+        if cap is not None:
+            tok = [0] * groups
+            for it, g in zip(items, assign):
+                tok[g] += it.tokens
+            if max(tok) > cap:
+                continue
+        cost = max_group_cost(assign, items, groups)
+        best = cost if best is None else min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_lpt_within_graham_bound_of_brute_force(seed):
+    rng = random.Random(seed)
+    n, groups = rng.randint(2, 7), rng.randint(2, 3)
+    items = [PlacementItem(cost=rng.choice([1, 2, 3, 5, 8, 13]) * rng.random() + 0.1, tokens=rng.randint(1, 9))
+             for _ in range(n)]
+    got = max_group_cost(place_lpt(items, groups), items, groups)
+    opt = brute_force(items, groups)
+    assert opt - 1e-9 <= got <= (4 / 3 - 1 / (3 * groups)) * opt + 1e-9
+
+
+def test_lpt_optimal_on_a_classic_case_and_beats_round_robin():
+    items = [PlacementItem(c, 1) for c in (7, 6, 5, 4, 3, 2, 1)]
+    a = place_lpt(items, 2)
+    assert max_group_cost(a, items, 2) == 14 == brute_force(items, 2)
+
+
+def test_token_cap_respected_when_feasible():
+    # cost says put the two heavy ones apart, tokens force the two big-KV ones apart
+    items = [PlacementItem(10, 1), PlacementItem(9, 1), PlacementItem(1, 50), PlacementItem(1, 50)]
+    cap = 52
+    a = place_lpt(items, 2, token_cap=cap)
+    tok = [sum(it.tokens for it, g in zip(items, a) if g == k) for k in range(2)]
+    assert max(tok) <= cap
+    assert max_group_cost(a, items, 2) == brute_force(items, 2, cap=cap)
+    assert default_token_cap(items, 2) == 57  # ceil(1.1 * 102 / 2)
+
+
+def test_keep_units_keeps_a_prompts_responses_together():
+    items = [PlacementItem(3, 1, unit="a"), PlacementItem(3, 1, unit="a"), PlacementItem(4, 1, unit="b"),
+             PlacementItem(1, 1, unit="c"), PlacementItem(1, 1, unit="c")]
+    a = place_lpt(items, 2, keep_units=True)
+    assert a[0] == a[1] and a[3] == a[4]
+    assert max_group_cost(a, items, 2) == brute_force(items, 2, keep_units=True) == 6
+
+
+class FakeSeq:
+    def __init__(self, rid, prompt_len, max_new, generated=0, seq_id=0):
+        self.request_id, self.prompt_ids, self.output_ids = rid, [0] * prompt_len, [0] * generated
+        self.seq_id = seq_id
+        self.params = SamplingParams(max_new_tokens=max_new)
+
+
+class FakeGroup:
+    def __init__(self):
+        self.seqs = []
+
+    def unfinished(self):
+        return self.seqs
+
+
+def test_admission_placement_in_descending_order_is_lpt():
+    rng = random.Random(1)
+    lens = [rng.randint(1, 200) for _ in range(12)]
+    hook = AdmissionPlacement()
+    seqs = [FakeSeq(f"r{i}", 10, 256) for i in range(len(lens))]
+    for s, n in zip(seqs, lens):
+        hook.expect(s.request_id, n)
+    groups = [FakeGroup() for _ in range(3)]
+    got = {}
+    for i in sorted(range(len(lens)), key=lambda i: -(10 + lens[i])):
+        g = hook(seqs[i], groups)
+        groups[g].seqs.append(seqs[i])
+        got[i] = g
+    items = [PlacementItem(10 + n, 10 + n) for n in lens]
+    assert [got[i] for i in range(len(lens))] == place_lpt(items, 3)
+
+
+def test_admission_placement_unit_affinity_and_cap():
+    hook = AdmissionPlacement(token_cap=100, keep_units=True)
+    groups = [FakeGroup(), FakeGroup()]
+    a, b = FakeSeq("a", 10, 50), FakeSeq("b", 10, 50)
+    hook.expect("a", 40, unit="u")
+    hook.expect("b", 40, unit="u")
+    groups[1].seqs.append(FakeSeq("other", 1, 1))  # group 1 is now the cheaper one
+    groups[0].seqs.append(a)
+    assert hook(b, groups) == 0  # joins its prompt's group anyway
+    def decode_heavy(prompt_len, response_len):
+        return 10.0 * response_len
+
+    capped = AdmissionPlacement(cost=decode_heavy, token_cap=60)
+    two = [FakeGroup(), FakeGroup()]
+    two[0].seqs.append(FakeSeq("k", 45, 5))  # cost 50, 50 tokens: the cheaper group...
+    two[1].seqs += [FakeSeq(f"x{i}", 1, 9) for i in range(3)]  # cost 270, 30 tokens
+    assert capped(FakeSeq("h", 10, 10), two) == 1  # ...but 50 + 20 tokens would pass the cap
+    assert AdmissionPlacement(cost=decode_heavy)(FakeSeq("h", 10, 10), two) == 0  # without a cap: least cost
+    assert AdmissionPlacement(cost=decode_heavy, token_cap=10)(FakeSeq("h", 10, 10), two) == 1  # none fits: least over
+
+
+# ---- resume convention --------------------------------------------------------------------------------
+
+def test_resume_request_reduces_budgets():
+    p = SamplingParams(max_new_tokens=20, min_new_tokens=8, temperature=1.0, seed=5)
+    prompt, rest = resume_request([1, 2], [7, 8, 9], p)
+    assert prompt == [1, 2, 7, 8, 9] and rest.max_new_tokens == 17 and rest.min_new_tokens == 5 and rest.seed == 5
+    _, rest = resume_request([1], list(range(10)), p)
+    assert rest.min_new_tokens == 0
+    with pytest.raises(InvalidRequestError, match="seed"):
+        resume_request([1], [2], SamplingParams(max_new_tokens=4, temperature=1.0))
+    with pytest.raises(InvalidRequestError, match="nothing left"):
+        resume_request([1], [2, 3], SamplingParams(max_new_tokens=2))
+
+
+# ---- adapters -----------------------------------------------------------------------------------------
+
+def test_learned_placement_predicts_from_a_prompts_past_lengths():
+    from pat_engine.outputs import RequestOutput
+    from pat_integrations.learned_placement import LearnedPlacement
+
+    lp = LearnedPlacement()
+    params = SamplingParams(max_new_tokens=100)
+    lp.expect("a", [1, 2], params)
+    assert lp.hook.expected["a"].response_len == 100  # nothing learned yet: the max_tokens bound
+    lp.record([1, 2], RequestOutput("a", [1, 2], [0] * 30, None, "length"))
+    lp.record([3], RequestOutput("b", [3], [0] * 7, None, "abort"))  # aborted: not a length
+    assert "a" not in lp.hook.expected
+    lp.expect("c", [1, 2], params)
+    lp.expect("d", [9, 9], params)
+    assert lp.hook.expected["c"].response_len == 30 and lp.hook.expected["d"].response_len == 30  # mean so far
+
+
+def test_adapter_settings_take_the_placement_switch():
+    from pat_integrations.openrlhf.settings import PatActorSettings
+
+    assert PatActorSettings.from_vllm_kwargs({"model": "m", "pat_placement": True}).placement is True
+    assert PatActorSettings.from_vllm_kwargs({"model": "m"}).placement is False
+
+
+def test_rebalance_for_a_switch_is_lpt_on_remaining_predicted_cost():
+    hook = AdmissionPlacement()
+    lens = [50, 40, 30, 20, 10, 10]
+    seqs = [FakeSeq(f"r{i}", 5, 64, generated=3, seq_id=100 + i) for i in range(len(lens))]
+    for s, n in zip(seqs, lens):
+        hook.expect(s.request_id, n)
+    target = hook.rebalance(seqs, 2)
+    items = [PlacementItem(5 + 3 + n - 3, 5 + 3 + n - 3) for n in lens]
+    assert [target[s.seq_id] for s in seqs] == place_lpt(items, 2, default_token_cap(items, 2))
+    loads = [sum(n for s, n in zip(seqs, lens) if target[s.seq_id] == g) for g in range(2)]
+    assert max(loads) == 80  # 50+30 / 40+20+10+10: the optimum
