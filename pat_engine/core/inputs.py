@@ -8,14 +8,16 @@ engine keeps running.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from pat_engine.errors import InvalidRequestError
 from pat_engine.model.arch import ModelArch
-from pat_engine.sampling.sampler import SamplingSpec, _splitmix64
+from pat_engine.sampling.sampler import SamplingSpec, _splitmix64, sample_seed
 from pat_engine.sampling_params import SamplingParams
 from pat_engine.core.request import Sequence
+from pat_engine.core.stop_strings import StopStringMatcher
 
 
 def load_tokenizer(path: str | None):
@@ -56,6 +58,20 @@ class RequestFactory:
             raise InvalidRequestError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {self.arch.vocab_size})")
         return list(prompt), None
 
+    def make_samples(self, prompt: Any, params: SamplingParams, request_id: str | None = None,
+                     where: str = "request") -> list[Sequence]:
+        """The ``params.n`` samples of one prompt: one request id, sample 0 first; the later samples
+        wait for sample 0's prefill and share its prompt blocks."""
+        first = self.make(prompt, params, request_id, where)
+        samples = [first]
+        for i in range(1, params.n):
+            seq_id = next(self._ids)
+            samples.append(replace(first, seq_id=seq_id, spec=replace(first.spec, seed=sample_seed(first.spec.seed, i)),
+                                   sample_index=i, first_sample=first, prompt_ids=list(first.prompt_ids),
+                                   output_ids=[], logprobs=[], block_table=[], arrival_time=first.arrival_time,
+                                   stop_strings=self._stop_matcher(params)))
+        return samples
+
     def make(self, prompt: Any, params: SamplingParams, request_id: str | None = None, where: str = "request") -> Sequence:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"{where}: sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -69,6 +85,20 @@ class RequestFactory:
                 f"{where}: prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
                 f"the context length {self.max_model_len}"
             )
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError(f"{where}: stop strings need a tokenizer but the model has none; "
+                                      "use stop_token_ids")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"{where}: stop token id {bad[0]} is outside the vocabulary "
+                                      f"[0, {self.arch.vocab_size})")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"{where}: logit_bias token id {bad[0]} is outside the vocabulary "
+                                      f"[0, {self.arch.vocab_size})")
+        if params.has_logit_processors:  # the sampler applies them once the batched processors land
+            raise InvalidRequestError(f"{where}: repetition/frequency/presence penalties, min_p and logit_bias "
+                                      "are not supported yet")
         seq_id = next(self._ids)
         # no seed given: derive one from the engine seed and the request number, still layout-invariant
         seed = params.seed if params.seed is not None else _splitmix64(self.engine_seed * 1_000_003 + seq_id) >> 1
@@ -83,7 +113,13 @@ class RequestFactory:
             eos_ids=self.arch.eos_token_ids,
             max_len=self.max_model_len,
             prompt=text,
+            stop_strings=self._stop_matcher(params),
         )
+
+    def _stop_matcher(self, params: SamplingParams) -> StopStringMatcher | None:
+        if not params.stop:
+            return None
+        return StopStringMatcher(self.tokenizer, params.stop, params.include_stop_str_in_output)
 
     def decode(self, ids: list[int]) -> str | None:
         if self.tokenizer is None:

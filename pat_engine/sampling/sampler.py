@@ -22,6 +22,13 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def sample_seed(seed: int, sample_index: int) -> int:
+    """The seed of sample ``sample_index`` of a request seeded ``seed`` (sample 0 keeps ``seed``)."""
+    if sample_index == 0:
+        return seed
+    return _splitmix64((seed & _MASK64) ^ _splitmix64(sample_index)) >> 1
+
+
 def uniform_for(seed: int, position: int) -> float:
     """A uniform draw in [0, 1) that is a pure function of (seed, position)."""
     return (_splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 11) * 2.0**-53
@@ -37,6 +44,19 @@ class SamplingSpec:
     seed: int
     logprobs: bool
     processed_logprobs: bool = False  # log-prob under the distribution sampled from, not the raw logits
+    top_logprobs: int = 0  # also report the k most likely tokens and their log-probs
+    repetition_penalty: float = 1.0  # logit processors (sampling/processors.py)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_len: int = 0  # where the output starts in the sequence (frequency and presence count the output)
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether logits change before sampling (then the worker keeps the sequence's token history)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or bool(self.logit_bias) or self.min_p != 0.0)
 
 
 def _sample_row(logits: torch.Tensor, spec: SamplingSpec, position: int) -> tuple[int, float]:

@@ -59,10 +59,29 @@ def sampling_params(req: Any, max_new_tokens: int, logprobs: bool) -> SamplingPa
         top_k=req.top_k,
         seed=req.seed,
         stop_token_ids=tuple(req.stop_token_ids or ()),
+        stop=tuple(req.stop or ()),
+        include_stop_str_in_output=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         min_new_tokens=req.min_tokens,
+        n=req.n,
+        repetition_penalty=req.repetition_penalty,
+        frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty,
+        min_p=req.min_p,
+        logit_bias=logit_bias(req.logit_bias),
     )
+
+
+def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI sends token ids as strings; the engine checks them against the vocabulary."""
+    out = []
+    for key, value in (bias or {}).items():
+        try:
+            out.append((int(key), float(value)))
+        except ValueError:
+            raise InvalidRequestError(f"logit_bias: key {key!r} is not a token id") from None
+    return tuple(out)
 
 
 def completion_inputs(req: CompletionRequest) -> list[EngineInput]:
@@ -85,15 +104,9 @@ def chat_input(req: ChatCompletionRequest, tokenizer: Any, max_model_len: int) -
 # ---- outputs -----------------------------------------------------------------------------------
 
 
-def stop_reason(finish_reason: str | None, token_ids: list[int], stop_token_ids: list[int] | None) -> int | None:
-    """The stop token that ended the request (None for EOS or length), as vLLM reports it."""
-    if finish_reason == "stop" and token_ids and token_ids[-1] in (stop_token_ids or ()):
-        return token_ids[-1]
-    return None
-
-
 def usage(outputs: list[RequestOutput]) -> UsageInfo:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    """Token counts; the n samples of a prompt count its prompt once (they share it)."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs if o.sample_index == 0)
     completion = sum(len(o.token_ids) for o in outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
@@ -104,6 +117,8 @@ def _token_text(tokenizer: Any, token: int) -> str:
 
 def completion_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[float], top: int,
                         offset: int = 0) -> CompletionLogprobs:
+    """``text_offset`` counts the characters of each token's own text from ``offset``, so a stream
+    (which passes where its previous chunk ended) gives the offsets a whole response gives."""
     tokens = [_token_text(tokenizer, t) for t in token_ids]
     offsets = []
     for tok in tokens:
@@ -131,22 +146,22 @@ def completion_choice(index: int, out: RequestOutput, req: CompletionRequest, to
         text=out.text or "",
         logprobs=lp,
         finish_reason=out.finish_reason,
-        stop_reason=stop_reason(out.finish_reason, out.token_ids, req.stop_token_ids),
+        stop_reason=out.stop_reason,
         token_ids=list(out.token_ids) if req.return_token_ids else None,
         prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None,
     )
 
 
-def chat_choice(out: RequestOutput, req: ChatCompletionRequest, tokenizer: Any) -> ChatChoice:
+def chat_choice(index: int, out: RequestOutput, req: ChatCompletionRequest, tokenizer: Any) -> ChatChoice:
     lp = None
     if req.logprobs and out.logprobs is not None:
         lp = chat_logprobs(tokenizer, out.token_ids, out.logprobs, req.top_logprobs or 0)
     return ChatChoice(
-        index=0,
+        index=index,
         message=ChatResponseMessage(content=out.text or ""),
         logprobs=lp,
         finish_reason=out.finish_reason,
-        stop_reason=stop_reason(out.finish_reason, out.token_ids, req.stop_token_ids),
+        stop_reason=out.stop_reason,
         token_ids=list(out.token_ids) if req.return_token_ids else None,
     )
 
@@ -163,10 +178,14 @@ class TextDelta:
         self.tokenizer = tokenizer
         self.sent = ""
 
-    def update(self, token_ids: list[int], final: bool) -> str:
-        if self.tokenizer is None:
+    def update(self, token_ids: list[int], final: bool, engine_text: str | None = None) -> str:
+        """The new text; ``engine_text``: the engine's own text so far (stop strings), used as it is."""
+        if engine_text is not None:
+            text = engine_text
+        elif self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        else:
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         if not final and text.endswith("\ufffd"):
             return ""
         common = len(self.sent)
