@@ -13,6 +13,7 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # OpenAI accepts up to 300
 MAX_PENALTY = 100.0
+MAX_TOP_LOGPROBS = 20  # alternatives per position (OpenAI's chat maximum)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text
     ignore_eos: bool = False
     logprobs: bool = False  # return the log-probability of each chosen token
+    top_logprobs: int = 0  # with logprobs: also the k most likely tokens at each position (raw log-probs)
+    prompt_logprobs: int | None = None  # also the log-probability of each prompt token (and the top k)
     logprobs_mode: str = "raw"  # "raw": from the model's logits (vLLM's default); "processed": after
     # temperature, top-k and top-p, i.e. under the distribution actually sampled from
     min_new_tokens: int = 0
@@ -48,6 +51,12 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(f"prompt_logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], "
+                                      f"got {self.prompt_logprobs!r}")
         if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_PENALTY):
             raise InvalidRequestError(f"repetition_penalty must be in (0, {MAX_PENALTY}], got {self.repetition_penalty!r}")
         for name in ("frequency_penalty", "presence_penalty"):

@@ -114,3 +114,30 @@ def test_bad_values_are_400s_naming_the_field_and_the_server_keeps_serving(clien
     assert_error(r, 400, field)
     assert field in r.json()["error"]["message"]
     assert client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_echo_with_logprobs_returns_the_prompt_and_its_logprobs(client, engine):
+    prompt = [11, 12, 13, 14, 15]
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True,
+                                             "logprobs": 2})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    ref = engine.generate([prompt], SamplingParams(max_new_tokens=3, logprobs=True, prompt_logprobs=2),
+                          use_tqdm=False)[0]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:5] == pytest.approx(ref.prompt_logprobs[1:], abs=1e-9)
+    assert lp["token_logprobs"][5:] == pytest.approx(ref.logprobs, abs=1e-9)
+    assert all(len(t) >= 2 for t in lp["top_logprobs"][1:])
+    text = r.json()["choices"][0]["text"]
+    assert text == engine.tokenizer.decode(prompt) + ref.text
+    assert lp["text_offset"][0] == 0 and len(lp["tokens"]) == 8
+
+
+def test_top_logprobs_up_to_twenty_in_chat(client):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+                                                  "logprobs": True, "top_logprobs": 20, "temperature": 0})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert all(len(c["top_logprobs"]) == 20 for c in content)
+    tops = [t["logprob"] for t in content[0]["top_logprobs"]]
+    assert tops == sorted(tops, reverse=True) and content[0]["logprob"] == pytest.approx(tops[0])

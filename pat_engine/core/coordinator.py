@@ -221,7 +221,7 @@ class GlobalCoordinator:
                 self.timeline.now(), self.layout.tp, self.layout.dp, msg.group, is_prefill, len(flight.batch),
                 sum(s.start_pos + len(s.token_ids) for s in flight.cmd.seqs), sum(len(s.token_ids) for s in flight.cmd.seqs),
                 time.monotonic() - flight.sent_at, msg.forward_seconds, flight.busy_groups))
-        finished = sched.on_result(flight.batch, is_prefill, msg.tokens, msg.logprobs)
+        finished = sched.on_result(flight.batch, is_prefill, msg)
         for seq in flight.batch:
             if seq.seq_id in self.seqs:
                 self._notify(seq, 1)

@@ -187,12 +187,12 @@ class Engine(RLControlMixin):
         single = len(prompts) == 1  # one prompt: errors need no "prompt i" to say which
         families = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
-            where = "request" if single else f"prompt {i}"
+            where = "" if single else f"prompt {i}"
             samples = self.request_factory.make_samples(p, sp, request_ids[i] if request_ids else None, where=where)
             layout, prompt_len = self.layout, len(samples[0].prompt_ids)
             if not self.memory.fits(layout, prompt_len, sp.max_new_tokens):
                 raise InvalidRequestError(
-                    f"{where}: needs {self.memory.slots_needed(prompt_len, sp.max_new_tokens)} KV token "
+                    f"{where + ': ' if where else ''}needs {self.memory.slots_needed(prompt_len, sp.max_new_tokens)} KV token "
                     f"slots but a DP group of {layout} holds {self.memory.tokens_per_group(layout)}; "
                     "lower max_new_tokens or raise kv_cache_bytes")
             families.append(samples)

@@ -32,6 +32,11 @@ def load_tokenizer(path: str | None):
     return AutoTokenizer.from_pretrained(str(p))
 
 
+def _place(where: str) -> str:
+    """The start of an error message: which prompt of a batch (empty for a single request)."""
+    return f"{where}: " if where else ""
+
+
 class RequestFactory:
     def __init__(self, arch: ModelArch, tokenizer, max_model_len: int, engine_seed: int):
         self.arch = arch
@@ -43,23 +48,23 @@ class RequestFactory:
     def tokenize(self, prompt: Any, where: str) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise InvalidRequestError(f"{where}: text prompt given but the model has no tokenizer; pass token ids")
+                raise InvalidRequestError(f"{_place(where)}text prompt given but the model has no tokenizer; pass token ids")
             if not prompt:
-                raise InvalidRequestError(f"{where}: empty prompt")
+                raise InvalidRequestError(f"{_place(where)}empty prompt")
             return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"]), prompt
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             prompt = prompt["prompt_token_ids"]
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise InvalidRequestError(f"{where}: a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise InvalidRequestError(f"{_place(where)}a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not prompt:
-            raise InvalidRequestError(f"{where}: empty prompt")
+            raise InvalidRequestError(f"{_place(where)}empty prompt")
         bad = [t for t in prompt if not 0 <= t < self.arch.vocab_size]
         if bad:
-            raise InvalidRequestError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {self.arch.vocab_size})")
+            raise InvalidRequestError(f"{_place(where)}token id {bad[0]} is outside the vocabulary [0, {self.arch.vocab_size})")
         return list(prompt), None
 
     def make_samples(self, prompt: Any, params: SamplingParams, request_id: str | None = None,
-                     where: str = "request") -> list[Sequence]:
+                     where: str = "") -> list[Sequence]:
         """The ``params.n`` samples of one prompt: one request id, sample 0 first; the later samples
         wait for sample 0's prefill and share its prompt blocks."""
         first = self.make(prompt, params, request_id, where)
@@ -72,38 +77,37 @@ class RequestFactory:
                                    stop_strings=self._stop_matcher(params)))
         return samples
 
-    def make(self, prompt: Any, params: SamplingParams, request_id: str | None = None, where: str = "request") -> Sequence:
+    def make(self, prompt: Any, params: SamplingParams, request_id: str | None = None, where: str = "") -> Sequence:
         if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"{where}: sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(f"{_place(where)}sampling params must be a SamplingParams, got {type(params).__name__}")
         ids, text = self.tokenize(prompt, where)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
-                f"{where}: prompt has {len(ids)} tokens but the context holds {self.max_model_len}; shorten the prompt"
+                f"{_place(where)}prompt has {len(ids)} tokens but the context holds {self.max_model_len}; shorten the prompt"
             )
         if len(ids) + params.max_new_tokens > self.max_model_len:
             raise InvalidRequestError(
-                f"{where}: prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                f"{_place(where)}prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
                 f"the context length {self.max_model_len}"
             )
         if params.stop and self.tokenizer is None:
-            raise InvalidRequestError(f"{where}: stop strings need a tokenizer but the model has none; "
+            raise InvalidRequestError(f"{_place(where)}stop strings need a tokenizer but the model has none; "
                                       "use stop_token_ids")
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.arch.vocab_size]
         if bad:
-            raise InvalidRequestError(f"{where}: stop token id {bad[0]} is outside the vocabulary "
+            raise InvalidRequestError(f"{_place(where)}stop token id {bad[0]} is outside the vocabulary "
                                       f"[0, {self.arch.vocab_size})")
         bad = [t for t, _ in params.logit_bias if not 0 <= t < self.arch.vocab_size]
         if bad:
-            raise InvalidRequestError(f"{where}: logit_bias token id {bad[0]} is outside the vocabulary "
+            raise InvalidRequestError(f"{_place(where)}logit_bias token id {bad[0]} is outside the vocabulary "
                                       f"[0, {self.arch.vocab_size})")
-        if params.has_logit_processors:  # the sampler applies them once the batched processors land
-            raise InvalidRequestError(f"{where}: repetition/frequency/presence penalties, min_p and logit_bias "
-                                      "are not supported yet")
         seq_id = next(self._ids)
         # no seed given: derive one from the engine seed and the request number, still layout-invariant
         seed = params.seed if params.seed is not None else _splitmix64(self.engine_seed * 1_000_003 + seq_id) >> 1
         spec = SamplingSpec(params.temperature, params.top_k, params.top_p, int(seed), params.logprobs,
-                            params.logprobs_mode == "processed")
+                            params.logprobs_mode == "processed", params.top_logprobs if params.logprobs else 0,
+                            params.repetition_penalty, params.frequency_penalty, params.presence_penalty,
+                            params.min_p, params.logit_bias, len(ids))
         return Sequence(
             seq_id=seq_id,
             request_id=request_id or f"req-{seq_id}",

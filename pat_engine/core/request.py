@@ -9,6 +9,7 @@ from typing import Callable
 
 from pat_engine.core.stop_strings import StopStringMatcher
 from pat_engine.outputs import RequestOutput
+from pat_engine.protocol import PromptLogprobs
 from pat_engine.sampling.sampler import SamplingSpec
 from pat_engine.sampling_params import SamplingParams
 
@@ -48,6 +49,8 @@ class Sequence:
     on_update: Callable[["Sequence", int], None] | None = None  # called with the number of new tokens
     stop_strings: StopStringMatcher | None = None  # detokenizes the response when it has stop strings
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per output token, when asked
+    prompt_logprobs: PromptLogprobs | None = None  # when asked, from the first prefill of the whole prompt
 
     @property
     def tokens(self) -> list[int]:
@@ -82,12 +85,18 @@ class Sequence:
         """Work left: uncached context to prefill plus tokens still to generate."""
         return (self.length - self.num_cached) + (self.params.max_new_tokens - len(self.output_ids))
 
-    def append_token(self, token: int, logprob: float | None) -> None:
+    def wants_prompt_logprobs(self) -> bool:
+        """Sample 0 of a request asking for prompt log-probs, until it has them (its samples share them)."""
+        return self.params.prompt_logprobs is not None and self.sample_index == 0 and self.prompt_logprobs is None
+
+    def append_token(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None = None) -> None:
         if self.first_token_time is None:
             self.first_token_time = time.time()
         self.output_ids.append(token)
         if logprob is not None and self.params.logprobs:
             self.logprobs.append(logprob)
+            if self.params.top_logprobs:
+                self.top_logprobs.append(top or [])
         n, p = len(self.output_ids), self.params
         may_stop = n >= p.min_new_tokens
         matched = self.stop_strings.add(self.output_ids, check=may_stop) if self.stop_strings is not None else None
@@ -106,6 +115,14 @@ class Sequence:
         self.stop_reason = stop_reason
         self.error = error
         self.finish_time = time.time()
+
+    def _prompt_logprobs_out(self) -> dict:
+        source = self.first_sample.prompt_logprobs if self.first_sample is not None else self.prompt_logprobs
+        if self.params.prompt_logprobs is None or source is None:
+            return {}
+        tops = [[]] + [list(t) for t in source.top] if source.top is not None else None
+        return {"prompt_logprobs": [None] + list(source.logprobs),  # the first prompt token has none
+                "prompt_top_logprobs": tops}
 
     def visible_text(self) -> str | None:
         """The response text a reader may see now, when the engine detokenizes it (stop strings): a
@@ -138,6 +155,9 @@ class Sequence:
             prompt=self.prompt,
             error=error,
             sample_index=self.sample_index,
+            top_logprobs=[list(t) for t in self.top_logprobs[:n]] if self.params.top_logprobs and self.params.logprobs
+            else None,
+            **self._prompt_logprobs_out(),
             metrics={
                 "arrival_time": self.arrival_time,
                 "first_token_time": self.first_token_time,

@@ -31,6 +31,7 @@ class RequestProgress:
     text: str | None = None  # the engine's response text when it detokenizes (stop strings), partial
     # stop-string matches held back; None otherwise (readers decode ``token_ids`` themselves)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per generated token, when asked
 
     @property
     def finished(self) -> bool:
@@ -61,6 +62,11 @@ class RequestHandle:
     @property
     def request_id(self) -> str:
         return self._seq.request_id
+
+    @property
+    def prompt(self) -> str | None:
+        """The prompt's text, when it was sent as text."""
+        return self._seq.prompt
 
     @property
     def sample_index(self) -> int:
@@ -101,8 +107,9 @@ class RequestHandle:
         seq = self._seq
         n = pub.num_tokens
         logprobs = list(seq.logprobs[:n]) if seq.params.logprobs else None
+        tops = list(seq.top_logprobs[:n]) if seq.params.logprobs and seq.params.top_logprobs else None
         return RequestProgress(seq.request_id, list(seq.prompt_ids), list(seq.output_ids[:n]), logprobs,
-                               pub.finish_reason, pub.error, pub.text, pub.stop_reason)
+                               pub.finish_reason, pub.error, pub.text, pub.stop_reason, tops)
 
     def output(self, with_text: bool = True) -> RequestOutput:
         """The request as it stands (final once ``done()``); ``with_text=False`` skips detokenizing."""

@@ -17,7 +17,7 @@ from collections import deque
 
 from pat_engine.core.block_pool import BlockPool, blocks_needed
 from pat_engine.core.request import Sequence, SeqStatus
-from pat_engine.protocol import SeqStep, StepCommand
+from pat_engine.protocol import SeqStep, StepCommand, StepResult
 
 
 class GroupScheduler:
@@ -153,9 +153,12 @@ class GroupScheduler:
         steps = []
         for seq in batch:
             if is_prefill:
-                steps.append(SeqStep(seq.seq_id, seq.tokens[seq.num_cached:], seq.num_cached,
+                tokens = seq.tokens
+                steps.append(SeqStep(seq.seq_id, tokens[seq.num_cached:], seq.num_cached,
                                      block_table=list(seq.block_table), sampling=seq.spec,
-                                     suppressed=seq.suppressed_now()))
+                                     suppressed=seq.suppressed_now(),
+                                     context=tokens[:seq.num_cached] if seq.spec.has_processors else None,
+                                     prompt_logprobs=seq.params.prompt_logprobs if seq.wants_prompt_logprobs() else None))
             else:
                 steps.append(SeqStep(seq.seq_id, [seq.tokens[-1]], seq.length - 1,
                                      new_blocks=seq.block_table[seq.blocks_sent:], suppressed=seq.suppressed_now()))
@@ -164,7 +167,7 @@ class GroupScheduler:
         released, self._released = self._released, []
         return StepCommand(self._step_id, is_prefill, steps, released)
 
-    def on_result(self, batch: list[Sequence], is_prefill: bool, tokens: list[int], logprobs: list[float] | None) -> list[Sequence]:
+    def on_result(self, batch: list[Sequence], is_prefill: bool, result: StepResult) -> list[Sequence]:
         """Apply one step's sampled tokens; returns the sequences that finished."""
         finished = []
         for i, seq in enumerate(batch):
@@ -175,7 +178,10 @@ class GroupScheduler:
             if is_prefill:
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
-            seq.append_token(tokens[i], logprobs[i] if logprobs else None)
+                if result.prompt_logprobs and seq.seq_id in result.prompt_logprobs and seq.prompt_logprobs is None:
+                    seq.prompt_logprobs = result.prompt_logprobs[seq.seq_id]
+            seq.append_token(result.tokens[i], result.logprobs[i] if result.logprobs else None,
+                             result.top_logprobs[i] if result.top_logprobs else None)
             if seq.finished:
                 self.remove(seq)
                 finished.append(seq)
@@ -184,8 +190,8 @@ class GroupScheduler:
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Referenced blocks holding the longest cached prefix of ``seq`` (none when it cannot share)."""
         namespace = seq.prefix_namespace(self.blocks.enable_caching)
-        if namespace is None and not self.blocks.enable_caching:
-            return []
+        if (namespace is None and not self.blocks.enable_caching) or seq.wants_prompt_logprobs():
+            return []  # prompt log-probs need the whole prompt run through the model
         # the last token always runs again: its logits are what the next token is sampled from
         return self.blocks.match_prefix(seq.tokens, namespace, seq.length - 1)
 

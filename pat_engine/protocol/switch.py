@@ -24,6 +24,7 @@ class SeqTable:
     group: int  # new DP group
     block_table: tuple[int, ...]  # blocks of the new group's pool holding its valid tokens
     sampling: SamplingSpec
+    history: tuple[int, ...] | None = None  # its tokens so far, when its sampling has logit processors
 
 
 @dataclass(frozen=True)

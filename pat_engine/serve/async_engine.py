@@ -51,6 +51,7 @@ class Update:
     error: str | None = None  # why it failed, with finish_reason "error"
     text: str | None = None  # the engine's text so far, when it detokenizes (stop strings)
     stop_reason: int | str | None = None  # the stop token id or string that ended it
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None  # alternatives of the new tokens
 
 
 class RequestGroup:
@@ -103,11 +104,12 @@ class RequestGroup:
             start, self._sent[index] = self._sent[index], len(snap.token_ids)
             new = snap.token_ids[start:]
             lps = snap.logprobs[start:] if snap.logprobs is not None else []
+            tops = snap.top_logprobs[start:] if snap.top_logprobs is not None else None
             if snap.finished:
                 self._finished.add(index)
             if new or snap.finished:
                 yield Update(index, new, lps, snap.token_ids, snap.finished, snap.finish_reason, snap.error,
-                             snap.text, snap.stop_reason)
+                             snap.text, snap.stop_reason, tops)
 
     def abort_unfinished(self) -> None:
         """Abort what has not finished, without waiting (safe inside a cancelled task)."""

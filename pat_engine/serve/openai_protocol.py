@@ -98,15 +98,14 @@ class _SamplingFields(_Request):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=1)  # the engine returns the chosen token's only
-    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # OpenAI's maximum for completions
+    echo: bool = False  # the prompt comes back before the completion (with logprobs: its log-probs too)
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo=true is not supported by pat-serve")
-        return v
+    @model_validator(mode="after")
+    def _echo_not_streamed(self):
+        if self.echo and self.stream:
+            raise ValueError("echo is supported without stream only")
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -138,7 +137,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # newer OpenAI name of max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=1)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True  # vLLM extra
 
     def max_new_tokens(self) -> int | None:

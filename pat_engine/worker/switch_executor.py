@@ -98,7 +98,8 @@ class SwitchExecutor:
 
         t = time.perf_counter()
         group = plan.new.group_of(self.rank)
-        tables = {t.seq_id: SeqState(list(t.block_table), t.sampling) for t in plan.tables if t.group == group}
+        tables = {t.seq_id: SeqState(list(t.block_table), t.sampling, None if t.history is None else list(t.history))
+                  for t in plan.tables if t.group == group}
         executor.install(plan.new, tp_group, pool, tables)
         dist.barrier(group=self.cpu_world)  # nobody resumes before everyone is done
         rebuild_s = time.perf_counter() - t
