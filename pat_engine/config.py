@@ -55,6 +55,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 256  # per DP group
     max_num_batched_tokens: int = 8192  # per prefill step and DP group
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks of earlier prompts with the same prefix
 
     # switching
     kv_transfer: str = "auto"  # "auto" (cost model), "migrate" or "recompute"

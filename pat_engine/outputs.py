@@ -11,11 +11,18 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated tokens only; the response starts at len(prompt_token_ids)
     text: str | None  # decoded response, when the model has a tokenizer
-    finish_reason: str | None  # "stop" (EOS or stop token), "length", "abort", "error"; None while running
+    finish_reason: str | None  # "stop" (EOS, stop token or stop string), "length", "abort", "error"; None while running
     logprobs: list[float] | None = None  # log-probability of each chosen token, when asked for
     prompt: str | None = None
     error: str | None = None  # why a request ended with finish_reason "error" or "abort"
     metrics: dict = field(default_factory=dict)  # arrival/first-token/finish times, preemptions
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: the k most likely (id, log-prob)
+    prompt_logprobs: list[float | None] | None = None  # per prompt token (None for the first), when asked
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None  # per prompt position, the top k
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None for EOS)
+    sample_index: int = 0  # which of the n samples of the prompt this is
+    samples: list["RequestOutput"] = field(default_factory=list)  # with n > 1: all n samples, sample 0
+    # first (this object's own fields are sample 0's)
 
     @property
     def finished(self) -> bool:

@@ -36,6 +36,14 @@ class Driver:
         self.coord.add(seq)
         return seq
 
+    def add_samples(self, prompt: list[int], max_new: int, n: int, **params) -> list[Sequence]:
+        seqs = self.factory.make_samples(prompt, SamplingParams(max_new_tokens=max_new, n=n, **params))
+        self.coord.add_samples(seqs)
+        return seqs
+
+    def used_blocks(self) -> int:
+        return sum(s.blocks.num_blocks - s.blocks.num_free for s in self.coord.schedulers)
+
     def ticks(self, n: int) -> None:
         for _ in range(n):
             self.coord.tick(0)

@@ -96,9 +96,22 @@ class FakeWorkerPool:
             assert len(table) * self.block_size >= end, f"sequence {s.seq_id}: {end} tokens do not fit its table"
             assert all(0 <= b < self.num_blocks for b in table), f"sequence {s.seq_id}: block outside the pool"
             tokens.append(fake_token(s.seq_id, end, self.vocab))
-        owned = [b for sid, t in tables.items() for b in t]
-        assert len(owned) == len(set(owned)), f"group {group}: a block is held by two sequences"
+        self._check_writes(group, cmd)
         return StepResult(cmd.step_id, group, tokens, None, 0.001)
+
+    def _check_writes(self, group: int, cmd: StepCommand) -> None:
+        """A step writes only blocks no other sequence holds: shared (prefix) blocks are read-only."""
+        tables = self.tables[group]
+        holders: dict[int, set[int]] = {}
+        for sid, table in tables.items():
+            for b in table:
+                holders.setdefault(b, set()).add(sid)
+        for s in cmd.seqs:
+            table = tables[s.seq_id]
+            for pos in range(s.start_pos, s.start_pos + len(s.token_ids)):
+                block = table[pos // self.block_size]
+                assert holders[block] == {s.seq_id}, \
+                    f"group {group}: sequence {s.seq_id} writes block {block}, also held by {holders[block] - {s.seq_id}}"
 
     def _switch(self, plan: SwitchPlan) -> list[SwitchReport]:
         assert plan.old == self.layout, f"switch from {plan.old} but the workers are in {self.layout}"
@@ -108,9 +121,11 @@ class FakeWorkerPool:
             raise WorkerFailure("switch failed on rank 0: RuntimeError: injected", rank=0)
         self.layout, self.num_blocks = plan.new, plan.new_num_blocks
         self.tables = {g: {} for g in range(plan.new.dp)}
-        for p in plan.placements:
-            assert len(p.dst_table) * self.block_size >= p.num_tokens
-            self.tables[p.dst_group][p.seq_id] = list(p.dst_table)
+        for run in plan.runs:
+            assert len(run.dst_table) * self.block_size >= run.num_tokens
+            assert all(0 <= b < self.num_blocks for b in run.dst_table)
+        for t in plan.tables:
+            self.tables[t.group][t.seq_id] = list(t.block_table)
         return [SwitchReport.for_rank(r, group_cache_hit=False, groups_s=0.0, weights_s=0.001, kv_s=0.001,
                                       rebuild_s=0.0, total_s=0.002, weight_bytes_sent=0, weight_bytes_local=0,
                                       weight_bytes_allgather=0, kv_bytes_sent=0, peak_extra_bytes=0,

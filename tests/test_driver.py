@@ -27,7 +27,7 @@ def add_all(driver, prompts=PROMPTS, max_new=MAX_NEW):
 def assert_all_free(driver):
     driver.coord.check_block_invariants()
     for sched in driver.coord.schedulers:
-        assert sched.allocator.num_free == sched.allocator.num_blocks
+        assert sched.blocks.num_free == sched.blocks.num_blocks
 
 
 def test_requests_are_routed_to_the_group_with_fewest_outstanding_tokens():
@@ -86,10 +86,10 @@ def test_a_recompute_switch_returns_the_blocks_it_reserved():
     add_all(d)
     d.ticks(12)
     d.coord.switch(SwitchDecision(2, "test", kv_path="recompute"))
-    assert d.pool.plans[-1].placements == ()
+    assert d.pool.plans[-1].runs == () and d.pool.plans[-1].tables == ()
     d.coord.check_block_invariants()
     sched = d.coord.schedulers[0]
-    assert sched.allocator.num_free == sched.allocator.num_blocks  # nothing runs until prefilled again
+    assert sched.blocks.num_free == sched.blocks.num_blocks  # nothing runs until prefilled again
     d.run()
     assert_all_free(d)
 
@@ -106,7 +106,7 @@ def test_switch_places_requests_by_the_shared_balance_rule():
     for group, members in enumerate(placement):
         assert {live[i].group for i in members} == {group}
     plan = d.pool.plans[-1]
-    assert plan.new == Layout(1, 2) and {p.seq_id for p in plan.placements} == cached
+    assert plan.new == Layout(1, 2) and {t.seq_id for t in plan.tables} == cached
     d.run()
     for s in seqs:
         assert s.output_ids == expected_tokens(s)
@@ -184,15 +184,15 @@ def test_block_invariant_check_catches_a_leak_and_a_double_owner():
     seqs = add_all(d)
     d.ticks(4)
     sched = d.coord.schedulers[0]
-    sched.allocator.allocate(1)  # a block taken and owned by nobody
-    with pytest.raises(AssertionError, match="owned .* free"):
+    sched.blocks.allocate(1)  # a block taken and owned by nobody
+    with pytest.raises(AssertionError, match="reference counts differ"):
         d.coord.check_block_invariants()
     d2 = make_driver(dp=1)
     s2 = add_all(d2)
     d2.ticks(4)
     running = [s for s in s2 if s.block_table]
     running[1].block_table.append(running[0].block_table[0])
-    with pytest.raises(AssertionError, match="owned by two"):
+    with pytest.raises(AssertionError, match="reference counts differ"):
         d2.coord.check_block_invariants()
     assert seqs  # the first driver's requests are untouched by the check
 

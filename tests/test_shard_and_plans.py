@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pat_engine.parallel.shard_spec import Component, column_parallel, row_parallel, vocab_parallel
-from pat_engine.parallel.kv_plan import SeqPlacement, kv_heads_of, plan_kv_moves
+from pat_engine.parallel.kv_plan import KVRun, kv_heads_of, plan_kv_moves
 from pat_engine.parallel.layout import Layout, candidate_layouts
 from pat_engine.parallel.reshard_plan import allgather_bytes, plan_moves
 
@@ -69,18 +69,18 @@ def test_merging_replicas_needs_no_communication_and_beats_allgather():
 
 
 def test_kv_plan_covers_every_needed_head_once():
-    placements = [SeqPlacement(7, 5, 0, (0, 1), 0, (3, 4)), SeqPlacement(8, 3, 1, (2,), 0, (5,))]
+    placements = [KVRun(5, 0, (0, 1), 0, (3, 4)), KVRun(3, 1, (2,), 0, (5,))]
     for num_kv in (2, 4):
         for old, new in itertools.permutations(candidate_layouts(4), 2):
             # move seq 8 from group 1 of the old layout only when it exists
             ps = [p if p.src_group < old.dp and p.dst_group < new.dp else
-                  SeqPlacement(p.seq_id, p.num_tokens, 0, p.src_table, 0, p.dst_table) for p in placements]
+                  KVRun(p.num_tokens, 0, p.src_table, 0, p.dst_table) for p in placements]
             moves = plan_kv_moves(ps, old, new, num_kv)
             for i, p in enumerate(ps):
                 for dst in new.group_ranks(p.dst_group):
-                    got = sorted(h for m in moves if m.dst == dst and m.seq == i for h in m.heads)
+                    got = sorted(h for m in moves if m.dst == dst and m.run == i for h in m.heads)
                     assert got == list(kv_heads_of(new.tp_rank(dst), new.tp, num_kv))
                     for m in moves:
-                        if m.dst == dst and m.seq == i:
+                        if m.dst == dst and m.run == i:
                             assert m.src in old.group_ranks(p.src_group)
                             assert set(m.heads) <= set(kv_heads_of(old.tp_rank(m.src), old.tp, num_kv))

@@ -86,7 +86,8 @@ class GlobalCoordinator:
         """One empty scheduler per DP group of ``layout``, each with the layout's block count."""
         cfg = self.config
         blocks = self.memory.num_blocks(layout)
-        return [GroupScheduler(g, blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        return [GroupScheduler(g, blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                               cfg.enable_prefix_caching)
                 for g in range(layout.dp)]
 
     def install_layout(self, layout: Layout, schedulers: list[GroupScheduler]) -> None:
@@ -117,6 +118,14 @@ class GlobalCoordinator:
             raise RuntimeError("take_unfinished with steps in flight: drain() first")
         return sorted((s for sched in self.schedulers for s in sched.take_all()), key=lambda s: s.seq_id)
 
+    def prefix_cache_stats(self) -> dict:
+        """Prefix-cache hit rate (prompt tokens found cached at admission) and unreferenced cached blocks."""
+        queried = sum(s.blocks.stats.queried_tokens for s in self.schedulers)
+        hit = sum(s.blocks.stats.hit_tokens for s in self.schedulers)
+        return {"queried_tokens": queried, "hit_tokens": hit, "hit_rate": hit / queried if queried else 0.0,
+                "cached_blocks": sum(s.blocks.num_cached for s in self.schedulers),
+                "used_blocks": sum(s.blocks.num_blocks - s.blocks.num_free for s in self.schedulers)}
+
     def check_block_invariants(self) -> None:
         """``AssertionError`` unless every group's blocks are free or owned by exactly one sequence."""
         for sched in self.schedulers:
@@ -125,12 +134,19 @@ class GlobalCoordinator:
     # ---- requests ----------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        self.add_samples([seq])
+
+    def add_samples(self, seqs: list[Sequence]) -> None:
+        """Queue the samples of one prompt on one DP group, so they can share the prompt's KV blocks:
+        the group the admission placement picks for the first (``placement``), else the one with the
+        fewest outstanding tokens."""
         if self.placement is not None:
-            group = self.placement(seq, self.schedulers)
+            group = self.placement(seqs[0], self.schedulers)
         else:
             group = min(range(self.layout.dp), key=lambda g: (self.schedulers[g].outstanding_tokens(), g))
-        self.schedulers[group].add(seq)
-        self.seqs[seq.seq_id] = seq
+        for seq in seqs:
+            self.schedulers[group].add(seq)
+            self.seqs[seq.seq_id] = seq
 
     def abort(self, seq_ids: list[int], reason: str = "abort", error: str | None = None) -> list[Sequence]:
         out = []
@@ -212,7 +228,7 @@ class GlobalCoordinator:
                 self.timeline.now(), self.layout.tp, self.layout.dp, msg.group, is_prefill, len(flight.batch),
                 sum(s.start_pos + len(s.token_ids) for s in flight.cmd.seqs), sum(len(s.token_ids) for s in flight.cmd.seqs),
                 time.monotonic() - flight.sent_at, msg.forward_seconds, flight.busy_groups))
-        finished = sched.on_result(flight.batch, is_prefill, msg.tokens, msg.logprobs)
+        finished = sched.on_result(flight.batch, is_prefill, msg)
         for seq in flight.batch:
             if seq.seq_id in self.seqs:
                 self._notify(seq, 1)
@@ -252,7 +268,7 @@ class GlobalCoordinator:
                 RequestSnapshot(len(s.prompt_ids), len(s.output_ids), s.params.max_new_tokens, s.num_cached > 0)
                 for s in sched.unfinished()
             )
-            groups.append(GroupSnapshot(g, reqs, sched.allocator.num_free, sched.allocator.num_blocks, self._decode_ema.get(g)))
+            groups.append(GroupSnapshot(g, reqs, sched.blocks.num_free, sched.blocks.num_blocks, self._decode_ema.get(g)))
         return ClusterStatus(time.time(), self.layout, tuple(groups), self.stage_decode_steps, self.config.block_size)
 
     def start_stage(self, policy: SwitchPolicy | None) -> None:
@@ -268,10 +284,13 @@ class GlobalCoordinator:
         seqs = sorted(self.seqs.values(), key=lambda s: s.seq_id)
         self.inflight = {}  # the old world's steps will never answer
         self.install_layout(layout, self.new_schedulers(layout))
+        families: dict[int, list[Sequence]] = {}  # the samples of one prompt stay together
         for seq in seqs:
             seq.forget_kv()
             self.seqs.pop(seq.seq_id)
-            self.add(seq)
+            families.setdefault((seq.first_sample or seq).seq_id, []).append(seq)
+        for family in families.values():
+            self.add_samples(family)
         return seqs
 
     # ---- switching -------------------------------------------------------------------------

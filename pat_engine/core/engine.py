@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator, Sequence as Seq
 
 from tqdm.auto import tqdm
@@ -126,6 +127,10 @@ class Engine(RLControlMixin):
         """Every worker failure the engine recovered from or reported, oldest first."""
         return list(self._loop.failures)
 
+    def prefix_cache_stats(self) -> dict:
+        """Prefix-cache hit rate (prompt tokens found cached at admission), cached and used KV blocks."""
+        return self._loop.run(self.coordinator.prefix_cache_stats)
+
     def worker_pids(self) -> list[int]:
         """Process ids of the current worker processes, by rank."""
         return self._loop.run(lambda: [p.pid for p in self.coordinator.pool.procs])
@@ -165,7 +170,8 @@ class Engine(RLControlMixin):
     # ---- requests --------------------------------------------------------------------------------
 
     def _make(self, prompts: Seq[Any], params: SamplingParams | Seq[SamplingParams] | None,
-              request_ids: Seq[str] | None) -> list[Sequence]:
+              request_ids: Seq[str] | None) -> list[list[Sequence]]:
+        """Validated sequences, one list per prompt (its ``n`` samples, sample 0 first)."""
         if (refusal := self.weights.refusal()) is not None:
             raise InvalidRequestError(refusal)
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
@@ -179,26 +185,34 @@ class Engine(RLControlMixin):
         if request_ids is not None and len(request_ids) != len(prompts):
             raise InvalidRequestError(f"got {len(prompts)} prompts but {len(request_ids)} request ids")
         single = len(prompts) == 1  # one prompt: errors need no "prompt i" to say which
-        seqs = []
+        families = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
-            where = "request" if single else f"prompt {i}"
-            seq = self.request_factory.make(p, sp, request_ids[i] if request_ids else None, where=where)
-            layout = self.layout
-            if not self.memory.fits(layout, len(seq.prompt_ids), sp.max_new_tokens):
+            where = "" if single else f"prompt {i}"
+            samples = self.request_factory.make_samples(p, sp, request_ids[i] if request_ids else None, where=where)
+            layout, prompt_len = self.layout, len(samples[0].prompt_ids)
+            if not self.memory.fits(layout, prompt_len, sp.max_new_tokens):
                 raise InvalidRequestError(
-                    f"{where}: needs {self.memory.slots_needed(len(seq.prompt_ids), sp.max_new_tokens)} KV token "
+                    f"{where + ': ' if where else ''}needs {self.memory.slots_needed(prompt_len, sp.max_new_tokens)} KV token "
                     f"slots but a DP group of {layout} holds {self.memory.tokens_per_group(layout)}; "
                     "lower max_new_tokens or raise kv_cache_bytes")
-            seqs.append(seq)
-        return seqs
+            families.append(samples)
+        return families
 
     def submit(self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None) -> RequestHandle:
-        """Queue one request and return at once (used by the server and streaming)."""
+        """Queue one request (``n`` = 1) and return at once (used by the server and streaming)."""
+        if params is not None and params.n > 1:
+            raise InvalidRequestError(f"submit() queues one sample; use submit_samples() for n={params.n}")
+        return self.submit_samples(prompt, params, request_id)[0]
+
+    def submit_samples(self, prompt: Any, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> list[RequestHandle]:
+        """Queue the ``params.n`` samples of one prompt (one request id; they share the prompt's KV)
+        and return a handle per sample, sample 0 first."""
         self._ensure_open()
-        seq = self._make([prompt], params, [request_id] if request_id else None)[0]
-        handle = RequestHandle(seq, self.request_factory.decode)
-        self._loop.run(self.coordinator.add, seq)
-        return handle
+        samples = self._make([prompt], params, [request_id] if request_id else None)[0]
+        handles = [RequestHandle(s, self.request_factory.decode) for s in samples]
+        self._loop.run(self.coordinator.add_samples, samples)
+        return handles
 
     def abort(self, request_ids: Iterable[str]) -> int:
         """Stop requests; they finish with reason "abort" and keep what they generated."""
@@ -230,15 +244,15 @@ class Engine(RLControlMixin):
         ``from_base_layout``: return to the engine's base layout first (a new RL generation stage).
         """
         self._ensure_open()
-        seqs = self._make(prompts, params, request_ids)
+        families = self._make(prompts, params, request_ids)
         start_stage = self._stage_starter(switch_schedule, kv_transfer, policy, from_base_layout)
-        handles = [RequestHandle(s, self.request_factory.decode) for s in seqs]
-        bar = tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        handles = [RequestHandle(s, self.request_factory.decode) for family in families for s in family]
+        bar = tqdm(total=len(handles), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
 
         def start() -> None:
             start_stage()
-            for s in seqs:
-                self.coordinator.add(s)
+            for family in families:
+                self.coordinator.add_samples(family)
 
         self._loop.run(start)
         try:
@@ -255,10 +269,10 @@ class Engine(RLControlMixin):
                     raise WorkerFailure(self._loop.dead, partial_outputs=[h.output() for h in handles])
         finally:
             bar.close()
-        outputs = [h.output() for h in handles]
-        errors = [o for o in outputs if o.finish_reason == "error"]
+        outputs = _per_prompt([h.output() for h in handles], [len(f) for f in families])
+        errors = [s for o in outputs for s in (o.samples or [o]) if s.finish_reason == "error"]
         if errors:
-            raise WorkerFailure(f"{len(errors)} of {len(outputs)} requests failed: {errors[0].error}",
+            raise WorkerFailure(f"{len(errors)} of {len(handles)} requests failed: {errors[0].error}",
                                 partial_outputs=outputs)
         return outputs
 
@@ -329,3 +343,13 @@ def raise_if_no_cuda() -> None:
 
     if not torch.cuda.is_available():
         raise InvalidRequestError("device='cuda' but no CUDA device is visible")
+
+
+def _per_prompt(outputs: list[RequestOutput], sizes: list[int]) -> list[RequestOutput]:
+    """One output per prompt: sample 0, carrying all its prompt's samples when n > 1."""
+    grouped, start = [], 0
+    for n in sizes:
+        samples = outputs[start : start + n]
+        start += n
+        grouped.append(replace(samples[0], samples=list(samples)) if n > 1 else samples[0])
+    return grouped

@@ -8,14 +8,16 @@ engine keeps running.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from pat_engine.errors import InvalidRequestError
 from pat_engine.model.arch import ModelArch
-from pat_engine.sampling.sampler import SamplingSpec, _splitmix64
+from pat_engine.sampling.sampler import SamplingSpec, _splitmix64, sample_seed
 from pat_engine.sampling_params import SamplingParams
 from pat_engine.core.request import Sequence
+from pat_engine.core.stop_strings import StopStringMatcher
 
 
 def load_tokenizer(path: str | None):
@@ -30,6 +32,11 @@ def load_tokenizer(path: str | None):
     return AutoTokenizer.from_pretrained(str(p))
 
 
+def _place(where: str) -> str:
+    """The start of an error message: which prompt of a batch (empty for a single request)."""
+    return f"{where}: " if where else ""
+
+
 class RequestFactory:
     def __init__(self, arch: ModelArch, tokenizer, max_model_len: int, engine_seed: int):
         self.arch = arch
@@ -41,39 +48,66 @@ class RequestFactory:
     def tokenize(self, prompt: Any, where: str) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise InvalidRequestError(f"{where}: text prompt given but the model has no tokenizer; pass token ids")
+                raise InvalidRequestError(f"{_place(where)}text prompt given but the model has no tokenizer; pass token ids")
             if not prompt:
-                raise InvalidRequestError(f"{where}: empty prompt")
+                raise InvalidRequestError(f"{_place(where)}empty prompt")
             return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"]), prompt
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             prompt = prompt["prompt_token_ids"]
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise InvalidRequestError(f"{where}: a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise InvalidRequestError(f"{_place(where)}a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not prompt:
-            raise InvalidRequestError(f"{where}: empty prompt")
+            raise InvalidRequestError(f"{_place(where)}empty prompt")
         bad = [t for t in prompt if not 0 <= t < self.arch.vocab_size]
         if bad:
-            raise InvalidRequestError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {self.arch.vocab_size})")
+            raise InvalidRequestError(f"{_place(where)}token id {bad[0]} is outside the vocabulary [0, {self.arch.vocab_size})")
         return list(prompt), None
 
-    def make(self, prompt: Any, params: SamplingParams, request_id: str | None = None, where: str = "request") -> Sequence:
+    def make_samples(self, prompt: Any, params: SamplingParams, request_id: str | None = None,
+                     where: str = "") -> list[Sequence]:
+        """The ``params.n`` samples of one prompt: one request id, sample 0 first; the later samples
+        wait for sample 0's prefill and share its prompt blocks."""
+        first = self.make(prompt, params, request_id, where)
+        samples = [first]
+        for i in range(1, params.n):
+            seq_id = next(self._ids)
+            samples.append(replace(first, seq_id=seq_id, spec=replace(first.spec, seed=sample_seed(first.spec.seed, i)),
+                                   sample_index=i, first_sample=first, prompt_ids=list(first.prompt_ids),
+                                   output_ids=[], logprobs=[], block_table=[], arrival_time=first.arrival_time,
+                                   stop_strings=self._stop_matcher(params)))
+        return samples
+
+    def make(self, prompt: Any, params: SamplingParams, request_id: str | None = None, where: str = "") -> Sequence:
         if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"{where}: sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(f"{_place(where)}sampling params must be a SamplingParams, got {type(params).__name__}")
         ids, text = self.tokenize(prompt, where)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
-                f"{where}: prompt has {len(ids)} tokens but the context holds {self.max_model_len}; shorten the prompt"
+                f"{_place(where)}prompt has {len(ids)} tokens but the context holds {self.max_model_len}; shorten the prompt"
             )
         if len(ids) + params.max_new_tokens > self.max_model_len:
             raise InvalidRequestError(
-                f"{where}: prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                f"{_place(where)}prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
                 f"the context length {self.max_model_len}"
             )
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError(f"{_place(where)}stop strings need a tokenizer but the model has none; "
+                                      "use stop_token_ids")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"{_place(where)}stop token id {bad[0]} is outside the vocabulary "
+                                      f"[0, {self.arch.vocab_size})")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"{_place(where)}logit_bias token id {bad[0]} is outside the vocabulary "
+                                      f"[0, {self.arch.vocab_size})")
         seq_id = next(self._ids)
         # no seed given: derive one from the engine seed and the request number, still layout-invariant
         seed = params.seed if params.seed is not None else _splitmix64(self.engine_seed * 1_000_003 + seq_id) >> 1
         spec = SamplingSpec(params.temperature, params.top_k, params.top_p, int(seed), params.logprobs,
-                            params.logprobs_mode == "processed")
+                            params.logprobs_mode == "processed", params.top_logprobs if params.logprobs else 0,
+                            params.repetition_penalty, params.frequency_penalty, params.presence_penalty,
+                            params.min_p, params.logit_bias, len(ids))
         return Sequence(
             seq_id=seq_id,
             request_id=request_id or f"req-{seq_id}",
@@ -83,7 +117,13 @@ class RequestFactory:
             eos_ids=self.arch.eos_token_ids,
             max_len=self.max_model_len,
             prompt=text,
+            stop_strings=self._stop_matcher(params),
         )
+
+    def _stop_matcher(self, params: SamplingParams) -> StopStringMatcher | None:
+        if not params.stop:
+            return None
+        return StopStringMatcher(self.tokenizer, params.stop, params.include_stop_str_in_output)
 
     def decode(self, ids: list[int]) -> str | None:
         if self.tokenizer is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pat_engine.core.block_allocator import blocks_needed
+from pat_engine.core.block_pool import blocks_needed
 from pat_engine.model.arch import ModelArch
 from pat_engine.model.footprint import weight_bytes_per_rank
 from pat_engine.parallel.layout import Layout

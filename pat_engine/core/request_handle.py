@@ -28,6 +28,10 @@ class RequestProgress:
     logprobs: list[float] | None  # one per generated token, when the request asked for them
     finish_reason: str | None  # None while it runs
     error: str | None
+    text: str | None = None  # the engine's response text when it detokenizes (stop strings), partial
+    # stop-string matches held back; None otherwise (readers decode ``token_ids`` themselves)
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per generated token, when asked
 
     @property
     def finished(self) -> bool:
@@ -39,6 +43,8 @@ class _Published:
     num_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    text: str | None = None
+    stop_reason: int | str | None = None
 
 
 class RequestHandle:
@@ -58,6 +64,15 @@ class RequestHandle:
         return self._seq.request_id
 
     @property
+    def prompt(self) -> str | None:
+        """The prompt's text, when it was sent as text."""
+        return self._seq.prompt
+
+    @property
+    def sample_index(self) -> int:
+        return self._seq.sample_index
+
+    @property
     def prompt_token_ids(self) -> list[int]:
         return list(self._seq.prompt_ids)
 
@@ -67,7 +82,8 @@ class RequestHandle:
 
     def _on_update(self, seq: Sequence, new_tokens: int) -> None:
         with self._cond:  # publish first: listeners and waiters read what is published
-            self._published = _Published(len(seq.output_ids), seq.finish_reason, seq.error)
+            self._published = _Published(len(seq.output_ids), seq.finish_reason, seq.error, seq.visible_text(),
+                                         seq.stop_reason)
             self._cond.notify_all()
         if seq.finished:  # before the listeners: they may ask done()
             self._done.set()
@@ -91,14 +107,15 @@ class RequestHandle:
         seq = self._seq
         n = pub.num_tokens
         logprobs = list(seq.logprobs[:n]) if seq.params.logprobs else None
+        tops = list(seq.top_logprobs[:n]) if seq.params.logprobs and seq.params.top_logprobs else None
         return RequestProgress(seq.request_id, list(seq.prompt_ids), list(seq.output_ids[:n]), logprobs,
-                               pub.finish_reason, pub.error)
+                               pub.finish_reason, pub.error, pub.text, pub.stop_reason, tops)
 
     def output(self, with_text: bool = True) -> RequestOutput:
         """The request as it stands (final once ``done()``); ``with_text=False`` skips detokenizing."""
         progress = self.snapshot()
         return self._seq.to_output(self._decode if with_text else None, progress.token_ids,
-                                   progress.finish_reason, progress.error)
+                                   progress.finish_reason, progress.error, progress.text if with_text else None)
 
     def stream(self, poll_s: float = 0.5) -> Iterator[list[int]]:
         """Yield lists of newly generated token ids until the request finishes."""

@@ -2,26 +2,30 @@
 
 Each step is either a prefill of newly admitted sequences (admission limited
 by free KV blocks, sequence count and the token budget) or one decode step of
-every running sequence. When a decode step needs a block and none is free,
-the most recently admitted sequence is preempted: its blocks are freed and it
-is prefilled again later from its tokens (recompute), which yields the same
-tokens because sampling depends only on (seed, position).
+every running sequence. At admission a sequence reuses the cached full blocks
+of its longest cached prefix and prefills only the rest. When a decode step
+needs a block and none is free, the most recently admitted sequence is
+preempted: its blocks are released and it is prefilled again later from its
+tokens (recompute), which yields the same tokens because sampling depends only
+on (seed, position). The n samples of one prompt wait for the first sample's
+prefill, then share its full prompt blocks.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from pat_engine.core.block_allocator import BlockAllocator, blocks_needed
+from pat_engine.core.block_pool import BlockPool, blocks_needed
 from pat_engine.core.request import Sequence, SeqStatus
-from pat_engine.protocol import SeqStep, StepCommand
+from pat_engine.protocol import SeqStep, StepCommand, StepResult
 
 
 class GroupScheduler:
-    def __init__(self, group: int, num_blocks: int, block_size: int, max_num_seqs: int, max_batched_tokens: int):
+    def __init__(self, group: int, num_blocks: int, block_size: int, max_num_seqs: int, max_batched_tokens: int,
+                 enable_prefix_caching: bool = True):
         self.group = group
         self.block_size = block_size
-        self.allocator = BlockAllocator(num_blocks)
+        self.blocks = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -40,7 +44,7 @@ class GroupScheduler:
     def add_running(self, seq: Sequence, block_table: list[int]) -> None:
         """Adopt a sequence whose KV already sits in this group's pool (after a KV migration).
 
-        ``block_table`` must come from this group's allocator; the workers already know it.
+        ``block_table`` must hold references taken from this group's pool; the workers already know it.
         """
         seq.group = self.group
         seq.status = SeqStatus.RUNNING
@@ -58,7 +62,7 @@ class GroupScheduler:
         return sum(s.outstanding_tokens() for s in self.unfinished())
 
     def remove(self, seq: Sequence) -> None:
-        """Drop a sequence (finished or aborted) and free its blocks."""
+        """Drop a sequence (finished or aborted) and release its blocks."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -67,23 +71,14 @@ class GroupScheduler:
 
     def _drop_kv(self, seq: Sequence) -> None:
         if seq.block_table:
-            self.allocator.free(seq.block_table)
+            self.blocks.free(seq.block_table)
             self._released.append(seq.seq_id)
         seq.forget_kv()
 
     def check_blocks(self) -> None:
-        """Raise ``AssertionError`` unless free + owned == total and no block is owned twice or also free."""
-        owned = [b for s in self.unfinished() for b in s.block_table]
-        free = self.allocator.free_blocks()
-        problems = []
-        if len(set(owned)) != len(owned):
-            problems.append("a block is owned by two sequences")
-        if len(set(free)) != len(free):
-            problems.append("a block is free twice")
-        if set(owned) & set(free):
-            problems.append(f"blocks both owned and free: {sorted(set(owned) & set(free))[:8]}")
-        if len(set(owned) | set(free)) != self.allocator.num_blocks or len(owned) + len(free) != self.allocator.num_blocks:
-            problems.append(f"{len(owned)} owned + {len(free)} free != {self.allocator.num_blocks} blocks")
+        """Raise ``AssertionError`` unless every block is free, cached, or referenced exactly as often
+        as the sequence tables of this group hold it."""
+        problems = self.blocks.check([b for s in self.unfinished() for b in s.block_table])
         if problems:
             raise AssertionError(f"DP group {self.group} KV blocks: " + "; ".join(problems))
 
@@ -108,18 +103,26 @@ class GroupScheduler:
     def _schedule_prefill(self) -> list[Sequence]:
         batch: list[Sequence] = []
         tokens = 0
+        held: list[Sequence] = []  # samples waiting for their first sibling's prefill keep their place
         while self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
             seq = self.waiting[0]
-            need = blocks_needed(seq.length, self.block_size)
-            if batch and tokens + seq.length > self.max_batched_tokens:
-                break
-            if not self.allocator.can_allocate(need):
+            if seq.waits_for_sibling():
+                held.append(self.waiting.popleft())
+                continue
+            hits = self._cached_prefix(seq)
+            cached = len(hits) * self.block_size
+            need = blocks_needed(seq.length, self.block_size) - len(hits)
+            if (batch and tokens + seq.length - cached > self.max_batched_tokens) or not self.blocks.can_allocate(need):
+                self.blocks.free(hits)
                 break
             self.waiting.popleft()
-            seq.block_table = self.allocator.allocate(need)
+            seq.block_table = hits + self.blocks.allocate(need)
             seq.blocks_sent = 0
+            seq.num_cached = cached
+            seq.blocks_registered = len(hits)
             batch.append(seq)
-            tokens += seq.length
+            tokens += seq.length - cached
+        self.waiting.extendleft(reversed(held))
         return batch
 
     def _schedule_decode(self) -> list[Sequence]:
@@ -129,8 +132,8 @@ class GroupScheduler:
             seq = running.pop(0)
             # the last token (position length-1) is written this step
             while blocks_needed(seq.length, self.block_size) > len(seq.block_table):
-                if self.allocator.can_allocate(1):
-                    seq.block_table += self.allocator.allocate(1)
+                if self.blocks.can_allocate(1):
+                    seq.block_table += self.blocks.allocate(1)
                 elif running:
                     self._preempt(running.pop())  # latest admitted gives way
                 else:
@@ -150,8 +153,12 @@ class GroupScheduler:
         steps = []
         for seq in batch:
             if is_prefill:
-                steps.append(SeqStep(seq.seq_id, seq.tokens, 0, block_table=list(seq.block_table), sampling=seq.spec,
-                                     suppressed=seq.suppressed_now()))
+                tokens = seq.tokens
+                steps.append(SeqStep(seq.seq_id, tokens[seq.num_cached:], seq.num_cached,
+                                     block_table=list(seq.block_table), sampling=seq.spec,
+                                     suppressed=seq.suppressed_now(),
+                                     context=tokens[:seq.num_cached] if seq.spec.has_processors else None,
+                                     prompt_logprobs=seq.params.prompt_logprobs if seq.wants_prompt_logprobs() else None))
             else:
                 steps.append(SeqStep(seq.seq_id, [seq.tokens[-1]], seq.length - 1,
                                      new_blocks=seq.block_table[seq.blocks_sent:], suppressed=seq.suppressed_now()))
@@ -160,18 +167,41 @@ class GroupScheduler:
         released, self._released = self._released, []
         return StepCommand(self._step_id, is_prefill, steps, released)
 
-    def on_result(self, batch: list[Sequence], is_prefill: bool, tokens: list[int], logprobs: list[float] | None) -> list[Sequence]:
+    def on_result(self, batch: list[Sequence], is_prefill: bool, result: StepResult) -> list[Sequence]:
         """Apply one step's sampled tokens; returns the sequences that finished."""
         finished = []
         for i, seq in enumerate(batch):
             if seq.finished:  # aborted while the step ran
                 continue
             seq.num_cached = seq.length
+            self._register_full_blocks(seq)
             if is_prefill:
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
-            seq.append_token(tokens[i], logprobs[i] if logprobs else None)
+                if result.prompt_logprobs and seq.seq_id in result.prompt_logprobs and seq.prompt_logprobs is None:
+                    seq.prompt_logprobs = result.prompt_logprobs[seq.seq_id]
+            seq.append_token(result.tokens[i], result.logprobs[i] if result.logprobs else None,
+                             result.top_logprobs[i] if result.top_logprobs else None)
             if seq.finished:
                 self.remove(seq)
                 finished.append(seq)
         return finished
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Referenced blocks holding the longest cached prefix of ``seq`` (none when it cannot share)."""
+        namespace = seq.prefix_namespace(self.blocks.enable_caching)
+        if (namespace is None and not self.blocks.enable_caching) or seq.wants_prompt_logprobs():
+            return []  # prompt log-probs need the whole prompt run through the model
+        # the last token always runs again: its logits are what the next token is sampled from
+        return self.blocks.match_prefix(seq.tokens, namespace, seq.length - 1)
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        """Blocks whose KV is now complete become findable by later requests with the same prefix."""
+        namespace = seq.prefix_namespace(self.blocks.enable_caching)
+        if namespace is None and not self.blocks.enable_caching:
+            return
+        full = seq.num_cached // self.block_size
+        if full > seq.blocks_registered:
+            self.blocks.register(seq.block_table, seq.tokens, seq.blocks_registered, full - seq.blocks_registered,
+                                 namespace)
+            seq.blocks_registered = full

@@ -1,11 +1,13 @@
-"""KV migration plan: which KV heads of which sequence each target rank needs, and from whom.
+"""KV migration plan: which KV heads of which run of tokens each target rank needs, and from whom.
 
-Pure function of the sequences' old/new placement and the two layouts; every
-rank computes the same plan. A target rank needs the KV heads of its new TP
-rank for every sequence assigned to its new DP group; it copies those it
-already holds and receives the others from a rank of the sequence's old
-group that holds them (with KV-head replication, the least loaded one).
-Only the sequence's valid tokens move, never whole blocks of the pool.
+A ``KVRun`` is a run of valid tokens in some blocks of an old DP group that
+lands in blocks of a new DP group: a sequence's own blocks, or a prefix its
+samples share (moved once per target group). Pure function of the runs and
+the two layouts; every rank computes the same plan. A target rank needs the
+KV heads of its new TP rank for every run landing in its new DP group; it
+copies those it already holds and receives the others from a rank of the
+run's old group that holds them (with KV-head replication, the least loaded
+one). Only valid tokens move, never whole blocks of the pool.
 """
 
 from __future__ import annotations
@@ -16,9 +18,8 @@ from pat_engine.parallel.layout import Layout
 
 
 @dataclass(frozen=True)
-class SeqPlacement:
-    seq_id: int
-    num_tokens: int  # valid (cached) tokens
+class KVRun:
+    num_tokens: int  # valid tokens, from the start of ``src_table`` (and of ``dst_table``)
     src_group: int
     src_table: tuple[int, ...]
     dst_group: int
@@ -29,7 +30,7 @@ class SeqPlacement:
 class KVMove:
     src: int
     dst: int
-    seq: int  # index into the placements list
+    run: int  # index into the runs list
     heads: tuple[int, ...]  # global KV head ids, ascending
 
 
@@ -52,10 +53,10 @@ def kv_heads_of(tp_rank: int, tp: int, num_kv_heads: int) -> range:
     return range(head, head + 1)
 
 
-def plan_kv_moves(placements: list[SeqPlacement], old: Layout, new: Layout, num_kv_heads: int) -> list[KVMove]:
+def plan_kv_moves(runs: list[KVRun], old: Layout, new: Layout, num_kv_heads: int) -> list[KVMove]:
     load: dict[int, int] = {}
     moves: list[KVMove] = []
-    for index, p in enumerate(placements):
+    for index, p in enumerate(runs):
         sources = old.group_ranks(p.src_group)
         for dst in new.group_ranks(p.dst_group):
             by_src: dict[int, list[int]] = {}

@@ -12,7 +12,7 @@ imports: core -> protocol <- worker.
 
 from pat_engine.protocol.calls import Call, Reply
 from pat_engine.protocol.startup import WorkerArgs
-from pat_engine.protocol.steps import SeqStep, StepCommand, StepResult
-from pat_engine.protocol.switch import SwitchPlan, SwitchReport
+from pat_engine.protocol.steps import PromptLogprobs, SeqStep, StepCommand, StepResult
+from pat_engine.protocol.switch import SeqTable, SwitchPlan, SwitchReport
 
-__all__ = ["Call", "Reply", "SeqStep", "StepCommand", "StepResult", "SwitchPlan", "SwitchReport", "WorkerArgs"]
+__all__ = ["PromptLogprobs", "Call", "Reply", "SeqStep", "StepCommand", "SeqTable", "StepResult", "SwitchPlan", "SwitchReport", "WorkerArgs"]

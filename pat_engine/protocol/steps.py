@@ -21,6 +21,8 @@ class SeqStep:
     new_blocks: list[int] = field(default_factory=list)  # decode: blocks appended since last step
     sampling: SamplingSpec | None = None  # prefill: how to sample this sequence
     suppressed: tuple[int, ...] = ()  # token ids not allowed this step (EOS before min_new_tokens)
+    context: list[int] | None = None  # prefill of a sequence with penalties: its tokens before start_pos
+    prompt_logprobs: int | None = None  # prefill from position 0: also return prompt log-probs (top k)
 
 
 @dataclass
@@ -32,9 +34,17 @@ class StepCommand:
 
 
 @dataclass
+class PromptLogprobs:
+    logprobs: list[float]  # for prompt tokens 1..n-1 (token 0 has none)
+    top: list[list[tuple[int, float]]] | None  # per position, the k most likely (id, log-prob)
+
+
+@dataclass
 class StepResult:
     step_id: int
     group: int
     tokens: list[int]
     logprobs: list[float] | None
     forward_seconds: float
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per sequence, when any asked
+    prompt_logprobs: dict[int, PromptLogprobs] | None = None  # by seq_id

@@ -8,12 +8,23 @@ view (the slowest rank's times, bytes summed over ranks).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 from pat_engine.config import KV_PATHS
-from pat_engine.parallel.kv_plan import SeqPlacement
+from pat_engine.parallel.kv_plan import KVRun
 from pat_engine.parallel.layout import Layout
 from pat_engine.sampling.sampler import SamplingSpec
+
+
+@dataclass(frozen=True)
+class SeqTable:
+    """A migrated sequence as its new group's ranks must know it."""
+
+    seq_id: int
+    group: int  # new DP group
+    block_table: tuple[int, ...]  # blocks of the new group's pool holding its valid tokens
+    sampling: SamplingSpec
+    history: tuple[int, ...] | None = None  # its tokens so far, when its sampling has logit processors
 
 
 @dataclass(frozen=True)
@@ -22,14 +33,14 @@ class SwitchPlan:
     new: Layout
     new_num_blocks: int  # KV blocks per rank under the new layout
     kv_path: str  # "migrate" or "recompute"
-    placements: tuple[SeqPlacement, ...] = ()  # sequences whose KV migrates (empty for recompute)
-    specs: dict[int, SamplingSpec] = field(default_factory=dict)  # seq_id -> sampling, for the new owners
+    runs: tuple[KVRun, ...] = ()  # KV that moves: each run of shared or own blocks once per target group
+    tables: tuple[SeqTable, ...] = ()  # the migrated sequences' tables in their new groups
 
     def __post_init__(self) -> None:
         if self.kv_path not in KV_PATHS:
             raise ValueError(f"kv_path must be one of {KV_PATHS}, got {self.kv_path!r}")
-        if self.kv_path == "recompute" and self.placements:
-            raise ValueError("a recompute switch migrates no KV: placements must be empty")
+        if self.kv_path == "recompute" and (self.runs or self.tables):
+            raise ValueError("a recompute switch migrates no KV: runs and tables must be empty")
 
 
 @dataclass(frozen=True)

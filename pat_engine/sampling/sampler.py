@@ -1,9 +1,20 @@
-"""Token sampling that gives the same draw under every layout.
+"""Token sampling that gives the same draw under every layout, for a whole batch in one pass.
 
 Each draw uses one uniform number that depends only on ``(seed, position)``
 (a SplitMix64 hash), so a request sampled under TP1xDP4, TP4xDP1 or after a
 recompute picks the same token: the logits are the same, and so is the
 random number. Greedy is argmax.
+
+The rule for a sampled row (float64): softmax of ``logits / temperature``, tokens in
+descending probability (ties: lower id first), the first ``top_k`` of them, cut to the
+smallest prefix whose mass reaches ``top_p``; the token is the first whose running mass
+exceeds ``u * kept mass``. The batch runs this as tensor ops over all sampled rows at
+once: a ``topk`` of the largest ``top_k`` (a full sort only for rows without a ``top_k``),
+per-row cut-offs as tensors, one host transfer at the end.
+
+Per-row settings travel as tensors in ``SamplingBatch`` (built once per step from the
+specs); logit processors that come later (penalties, min_p, logit_bias) are more
+per-row tensors applied in ``SamplingBatch.process`` before the temperature.
 """
 
 from __future__ import annotations
@@ -11,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from pat_engine.sampling.processors import ProcessorRows, min_p_keep
 
 _MASK64 = (1 << 64) - 1
 
@@ -22,9 +35,40 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def sample_seed(seed: int, sample_index: int) -> int:
+    """The seed of sample ``sample_index`` of a request seeded ``seed`` (sample 0 keeps ``seed``)."""
+    if sample_index == 0:
+        return seed
+    return _splitmix64((seed & _MASK64) ^ _splitmix64(sample_index)) >> 1
+
+
 def uniform_for(seed: int, position: int) -> float:
     """A uniform draw in [0, 1) that is a pure function of (seed, position)."""
     return (_splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 11) * 2.0**-53
+
+
+def _signed(c: int) -> int:
+    """A 64-bit constant as the int64 with the same bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64_t(x: torch.Tensor) -> torch.Tensor:
+    # int64 arithmetic wraps modulo 2**64, so the bits match the Python version above
+    x = x + _signed(0x9E3779B97F4A7C15)
+    x = (x ^ _shr(x, 30)) * _signed(0xBF58476D1CE4E5B9)
+    x = (x ^ _shr(x, 27)) * _signed(0x94D049BB133111EB)
+    return x ^ _shr(x, 31)
+
+
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``uniform_for`` for every row at once; seeds and positions: int64 (B,) -> float64 (B,)."""
+    bits = _shr(_splitmix64_t(_splitmix64_t(seeds) ^ positions), 11)
+    return bits.to(torch.float64) * 2.0**-53  # < 2**53: exact
 
 
 @dataclass(frozen=True)
@@ -37,24 +81,175 @@ class SamplingSpec:
     seed: int
     logprobs: bool
     processed_logprobs: bool = False  # log-prob under the distribution sampled from, not the raw logits
+    top_logprobs: int = 0  # also report the k most likely tokens and their log-probs
+    repetition_penalty: float = 1.0  # logit processors (sampling/processors.py)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_len: int = 0  # where the output starts in the sequence (frequency and presence count the output)
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether logits change before sampling (then the worker keeps the sequence's token history)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or bool(self.logit_bias) or self.min_p != 0.0)
 
 
-def _sample_row(logits: torch.Tensor, spec: SamplingSpec, position: int) -> tuple[int, float]:
-    """The drawn token and its log-probability after temperature, top-k and top-p."""
-    probs = torch.softmax(logits.to(torch.float64) / spec.temperature, dim=-1)
-    probs, order = probs.sort(descending=True, stable=True)
-    keep = probs.numel()
-    if spec.top_k > 0:
-        keep = min(keep, spec.top_k)
-    if spec.top_p < 1.0:
-        # smallest prefix whose mass reaches top_p (always at least one token)
-        cum = probs.cumsum(0)
-        keep = min(keep, int((cum < spec.top_p).sum().item()) + 1)
-    probs = probs[:keep]
-    cum = probs.cumsum(0)
-    target = uniform_for(spec.seed, position) * cum[-1].item()
-    index = min(int((cum <= target).sum().item()), keep - 1)
-    return int(order[index]), float(torch.log(probs[index] / cum[-1]))
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings of one step as tensors (row ``i`` is the batch's ``i``-th sequence)."""
+
+    sampled: torch.Tensor  # int64 (S,): rows drawn at random (temperature > 0); the rest are greedy
+    # the rest are None when no row is sampled
+    temperature: torch.Tensor | None  # float64 (S, 1)
+    top_k: torch.Tensor | None  # int64 (S,), <= 0 means off
+    top_p: torch.Tensor | None  # float64 (S, 1)
+    seeds: torch.Tensor | None  # int64 (S,): the seeds' 64 bits
+    positions: torch.Tensor | None  # int64 (S,): index the new token takes in its sequence
+    max_top_k: int  # largest top_k among sampled rows, 0 when some row has none (needs a full sort)
+    suppressed: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) that may not be drawn
+    logprobs: bool  # any row wants log-probs
+    processed_rows: torch.Tensor | None  # bool (S,): sampled rows that report the processed log-prob
+    processors: ProcessorRows | None = None  # penalties and logit bias of the rows that have them
+    min_p: torch.Tensor | None = None  # float64 (S, 1) for sampled rows, when any has min_p
+    top_logprobs: int = 0  # the most alternatives any row asked for
+    greedy_processed: torch.Tensor | None = None  # int64: greedy rows reporting processed log-probs
+
+    @classmethod
+    def build(cls, specs: list[SamplingSpec], positions: list[int],
+              suppressed: list[tuple[int, ...]] | None = None, device: torch.device | str = "cpu",
+              histories: list[list[int] | None] | None = None, vocab: int = 0) -> "SamplingBatch":
+        """``histories[i]``: row ``i``'s tokens so far, needed (and given) only for rows with processors."""
+        rows = [i for i, s in enumerate(specs) if s.temperature != 0.0]
+        chosen = [specs[i] for i in rows]
+        top_ks = [s.top_k for s in chosen]
+        banned_rows = [i for i, ids in enumerate(suppressed or ()) for _ in ids]
+        banned_ids = [t for ids in (suppressed or ()) for t in ids]
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            sampled=tensor(rows, torch.long),
+            temperature=tensor([s.temperature for s in chosen], torch.float64).view(-1, 1) if rows else None,
+            top_k=tensor(top_ks, torch.long) if rows else None,
+            top_p=tensor([s.top_p for s in chosen], torch.float64).view(-1, 1) if rows else None,
+            seeds=tensor([s.seed & _MASK64 for s in chosen], torch.uint64).view(torch.long) if rows else None,
+            positions=tensor([positions[i] for i in rows], torch.long) if rows else None,
+            max_top_k=0 if any(k <= 0 for k in top_ks) else max(top_ks, default=0),
+            suppressed=(tensor(banned_rows, torch.long), tensor(banned_ids, torch.long)) if banned_ids else None,
+            logprobs=any(s.logprobs for s in specs),
+            processed_rows=tensor([s.processed_logprobs for s in chosen], torch.bool) if rows else None,
+            processors=_processor_rows(specs, histories, vocab, device),
+            min_p=tensor([s.min_p for s in chosen], torch.float64).view(-1, 1)
+            if any(s.min_p > 0 for s in chosen) else None,
+            top_logprobs=max((s.top_logprobs for s in specs), default=0),
+            greedy_processed=tensor([i for i, s in enumerate(specs) if s.temperature == 0.0 and s.processed_logprobs
+                                     and s.has_processors], torch.long),
+        )
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """Tokens suppressed before min_new_tokens, then logit bias and penalties (float64 when any)."""
+        if self.suppressed is not None:
+            logits = logits.index_put(self.suppressed, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+        if self.processors is not None:
+            logits = self.processors.apply(logits.to(torch.float64))
+        return logits
+
+
+def _processor_rows(specs: list[SamplingSpec], histories: list[list[int] | None] | None, vocab: int,
+                    device: torch.device | str) -> ProcessorRows | None:
+    rows = [i for i, s in enumerate(specs) if s.repetition_penalty != 1.0 or s.frequency_penalty != 0.0
+            or s.presence_penalty != 0.0 or s.logit_bias]
+    if not rows:
+        return None
+    if histories is None or any(histories[i] is None for i in rows):
+        raise ValueError("rows with penalties need their token history")
+    chosen = [specs[i] for i in rows]
+    return ProcessorRows.build(rows, [s.repetition_penalty for s in chosen], [s.frequency_penalty for s in chosen],
+                               [s.presence_penalty for s in chosen], [histories[i] for i in rows],
+                               [s.prompt_len for s in chosen], [s.logit_bias for s in chosen], vocab, device)
+
+
+def _descending(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest of each row in the order of a stable descending sort (``k`` = 0: all)."""
+    vocab = probs.shape[-1]
+    if k <= 0 or k >= vocab:
+        return probs.sort(dim=-1, descending=True, stable=True)
+    values, order = probs.topk(k, dim=-1, sorted=False)
+    # a stable sort puts equal values by ascending id: sort the candidates by id, then stably by value
+    order, by_id = order.sort(dim=-1)
+    values = values.gather(-1, by_id)
+    values, by_value = values.sort(dim=-1, descending=True, stable=True)
+    order = order.gather(-1, by_value)
+    # a tie across the k-th place may have let topk keep a larger id than the stable sort would
+    ties = (probs >= values[:, -1:]).sum(dim=-1) > k
+    if bool(ties.any()):
+        full_values, full_order = probs[ties].sort(dim=-1, descending=True, stable=True)
+        values[ties], order[ties] = full_values[:, :k], full_order[:, :k]
+    return values, order
+
+
+def _draw(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and processed log-probs of the sampled rows; logits: (S, vocab) float64."""
+    probs = torch.softmax(logits / batch.temperature, dim=-1)
+    probs, order = _descending(probs, batch.max_top_k)  # (S, K)
+    width = probs.shape[-1]
+    keep = torch.where(batch.top_k > 0, batch.top_k.clamp(max=width), width)
+    cum = probs.cumsum(dim=-1)
+    # smallest prefix whose mass reaches top_p (at least one token); top_p = 1 keeps everything
+    nucleus = (cum < batch.top_p).sum(dim=-1) + 1
+    keep = torch.where(batch.top_p.squeeze(1) < 1.0, torch.minimum(keep, nucleus), keep)
+    if batch.min_p is not None:  # min_p = 0 keeps every token
+        keep = torch.minimum(keep, min_p_keep(probs, batch.min_p))
+    total = cum.gather(-1, (keep - 1).unsqueeze(1))  # (S, 1): mass of the kept prefix
+    target = uniforms(batch.seeds, batch.positions).unsqueeze(1) * total
+    within = torch.arange(width, device=probs.device) < keep.unsqueeze(1)
+    index = torch.minimum(((cum <= target) & within).sum(dim=-1), keep - 1).unsqueeze(1)
+    tokens = order.gather(-1, index).squeeze(1)
+    processed = torch.log(probs.gather(-1, index) / total).squeeze(1)
+    return tokens, processed
+
+
+@dataclass
+class Sampled:
+    """One step's draws: a token per row; when asked, its log-prob and the top alternatives."""
+
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    top: list[list[tuple[int, float]]] | None = None  # per row: (token id, log-prob), most likely first
+
+
+def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
+    """logits: (B, vocab). Raw log-probs come from the model's logits (tokens suppressed before
+    ``min_new_tokens`` excluded); processed ones from the distribution the token was drawn from."""
+    raw_logits = logits
+    if batch.suppressed is not None:
+        raw_logits = logits.index_put(batch.suppressed, torch.tensor(float("-inf"), dtype=logits.dtype,
+                                                                    device=logits.device))
+    logits = batch.process(logits)
+    tokens = logits.argmax(dim=-1)
+    processed = None
+    if batch.sampled.numel():
+        drawn, processed = _draw(logits.index_select(0, batch.sampled).to(torch.float64), batch)
+        tokens = tokens.index_copy(0, batch.sampled, drawn)
+    if not batch.logprobs:
+        return Sampled(tokens.tolist())
+    raw = torch.log_softmax(raw_logits.to(torch.float64), dim=-1)
+    chosen = raw.gather(-1, tokens.unsqueeze(1)).squeeze(1)
+    if processed is not None:  # sampled rows in processed mode: under the distribution drawn from
+        rows = batch.sampled[batch.processed_rows]
+        chosen = chosen.index_copy(0, rows, processed[batch.processed_rows])
+    if batch.greedy_processed is not None and batch.greedy_processed.numel():  # greedy after penalties
+        rows = batch.greedy_processed
+        lp = torch.log_softmax(logits.index_select(0, rows).to(torch.float64), dim=-1)
+        chosen = chosen.index_copy(0, rows, lp.gather(-1, tokens.index_select(0, rows).unsqueeze(1)).squeeze(1))
+    top = None
+    if batch.top_logprobs:
+        values, ids = raw.topk(min(batch.top_logprobs, raw.shape[-1]), dim=-1)
+        top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return Sampled(tokens.tolist(), chosen.tolist(), top)
 
 
 def sample(
@@ -67,24 +262,5 @@ def sample(
 
     ``suppressed[i]`` lists token ids row ``i`` may not pick (EOS before ``min_new_tokens``).
     """
-    if suppressed and any(suppressed):
-        logits = logits.clone()
-        for i, ids in enumerate(suppressed):
-            if ids:
-                logits[i, list(ids)] = float("-inf")
-    greedy = logits.argmax(dim=-1).tolist()
-    tokens, processed = [], {}
-    for i, spec in enumerate(specs):
-        if spec.temperature == 0.0:
-            tokens.append(greedy[i])
-        else:
-            token, processed[i] = _sample_row(logits[i], spec, positions[i])
-            tokens.append(token)
-    if not any(s.logprobs for s in specs):
-        return tokens, None
-    raw = torch.log_softmax(logits.to(torch.float64), dim=-1)
-    chosen = raw[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
-    for i, spec in enumerate(specs):  # greedy rows have no processing: raw and processed agree
-        if spec.processed_logprobs and i in processed:
-            chosen[i] = processed[i]
-    return tokens, chosen
+    out = sample_batch(logits, SamplingBatch.build(specs, positions, suppressed, logits.device))
+    return out.tokens, out.logprobs

@@ -49,6 +49,9 @@ class Update:
     finished: bool
     finish_reason: str | None
     error: str | None = None  # why it failed, with finish_reason "error"
+    text: str | None = None  # the engine's text so far, when it detokenizes (stop strings)
+    stop_reason: int | str | None = None  # the stop token id or string that ended it
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None  # alternatives of the new tokens
 
 
 class RequestGroup:
@@ -101,10 +104,12 @@ class RequestGroup:
             start, self._sent[index] = self._sent[index], len(snap.token_ids)
             new = snap.token_ids[start:]
             lps = snap.logprobs[start:] if snap.logprobs is not None else []
+            tops = snap.top_logprobs[start:] if snap.top_logprobs is not None else None
             if snap.finished:
                 self._finished.add(index)
             if new or snap.finished:
-                yield Update(index, new, lps, snap.token_ids, snap.finished, snap.finish_reason, snap.error)
+                yield Update(index, new, lps, snap.token_ids, snap.finished, snap.finish_reason, snap.error,
+                             snap.text, snap.stop_reason, tops)
 
     def abort_unfinished(self) -> None:
         """Abort what has not finished, without waiting (safe inside a cancelled task)."""
@@ -129,16 +134,18 @@ class AsyncEngine:
             return len(self._active)
 
     async def submit(self, inputs: list[EngineInput], request_id: str) -> RequestGroup:
-        """Queue every input (one per choice); refuse at once when stopping or over the queue limit."""
+        """Queue every input (its ``n`` samples are choices ``i*n .. i*n+n-1``); refuse at once when
+        stopping or over the queue limit."""
         if self.closing:
             raise ServerShuttingDown("the server is shutting down")
+        choices = sum(inp.params.n for inp in inputs)
         with self._lock:
             busy = len(self._active) + self._reserved
-            if busy + len(inputs) > self.max_queued_requests:
+            if busy + choices > self.max_queued_requests:
                 raise ServerOverloaded(
                     f"the server is overloaded: {busy} requests in flight, at most {self.max_queued_requests} "
                     "queued; retry later")
-            self._reserved += len(inputs)
+            self._reserved += choices
         task = asyncio.ensure_future(self._submit_all(inputs, request_id))
         try:
             handles = await asyncio.shield(task)
@@ -149,23 +156,25 @@ class AsyncEngine:
 
     async def _submit_all(self, inputs: list[EngineInput], request_id: str) -> list[RequestHandle]:
         handles: list[RequestHandle] = []
+        choices = sum(inp.params.n for inp in inputs)
         try:
             for i, inp in enumerate(inputs):
                 rid = request_id if len(inputs) == 1 else f"{request_id}-{i}"
                 try:
-                    handle = await asyncio.to_thread(self.engine.submit, inp.prompt, inp.params, rid)
+                    samples = await asyncio.to_thread(self.engine.submit_samples, inp.prompt, inp.params, rid)
                 except EngineClosedError:
                     raise ServerShuttingDown("the engine has been shut down") from None
                 except InvalidRequestError as exc:  # name which prompt of a multi-prompt request it was
                     raise (InvalidRequestError(f"prompt {i}: {exc}") if len(inputs) > 1 else exc) from None
-                self._track(handle)
-                handles.append(handle)
+                for handle in samples:
+                    self._track(handle)
+                handles.extend(samples)
         except BaseException:
             self.abort_soon([h.request_id for h in handles])
             raise
         finally:
             with self._lock:
-                self._reserved -= len(inputs)
+                self._reserved -= choices
         return handles
 
     def _abort_when_submitted(self, task: asyncio.Future) -> None:

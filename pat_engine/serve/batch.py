@@ -129,8 +129,8 @@ def run_batch(engine: Engine, job: BatchJob) -> RunSummary:
     bar = tqdm(total=len(items) + len(bad), desc="pat-serve batch", unit="req", disable=not job.progress,
                dynamic_ncols=True)
     start = time.perf_counter()
-    finished: queue.Queue[tuple[BatchItem, RequestHandle]] = queue.Queue()
-    outstanding: dict[int, tuple[BatchItem, RequestHandle]] = {}
+    finished: queue.Queue[tuple[BatchItem, list[RequestHandle]]] = queue.Queue()
+    outstanding: dict[int, tuple[BatchItem, list[RequestHandle]]] = {}
     try:
         with job.output.open("a", encoding="utf-8") as f:
             out = _Writer(f, summary, bar)
@@ -138,22 +138,25 @@ def run_batch(engine: Engine, job: BatchJob) -> RunSummary:
                 out.write(error_record(err))
             for item in items:
                 try:
-                    handle = engine.submit(item.input.prompt, item.input.params, request_id=f"batch-line-{item.line}")
+                    handles = engine.submit_samples(item.input.prompt, item.input.params,
+                                                    request_id=f"batch-line-{item.line}")
                 except InvalidRequestError as exc:  # e.g. longer than the context: only the engine knows
                     out.write(error_record(LineError(item.line, str(exc), key=item.key,
                                                      openai=item.openai is not None,
                                                      custom_id=item.openai.custom_id if item.openai else None)))
                     continue
-                outstanding[item.line] = (item, handle)
-                handle.add_listener(lambda h, pair=(item, handle): h.done() and finished.put(pair))
-                if handle.done():
-                    finished.put((item, handle))
+                outstanding[item.line] = (item, handles)
+                for handle in handles:  # a line is done when all its samples are
+                    handle.add_listener(lambda h, pair=(item, handles): all(x.done() for x in pair[1])
+                                        and finished.put(pair))
+                if all(h.done() for h in handles):
+                    finished.put((item, handles))
                 _drain(finished, outstanding, out, engine, job, block=False)
             while outstanding:
                 _drain(finished, outstanding, out, engine, job, block=True)
                 _postfix(bar, summary, engine, start, switches_before)
     except KeyboardInterrupt:
-        engine.abort([h.request_id for _, h in outstanding.values()])
+        engine.abort([hs[0].request_id for _, hs in outstanding.values()])
         bar.close()
         print(f"\ninterrupted: {summary.requests} results written to {job.output}, {len(outstanding)} requests "
               "aborted and not written; run again with --resume to finish")
@@ -168,14 +171,14 @@ def run_batch(engine: Engine, job: BatchJob) -> RunSummary:
 def _drain(finished: queue.Queue, outstanding: dict, out: _Writer, engine: Engine, job: BatchJob, block: bool) -> None:
     while outstanding:
         try:
-            item, handle = finished.get(timeout=0.5) if block else finished.get_nowait()
+            item, handles = finished.get(timeout=0.5) if block else finished.get_nowait()
         except queue.Empty:
             return
         if outstanding.pop(item.line, None) is None:
             continue  # already written (the listener and the done() check both reported it)
-        res = handle.output()
-        out.write(result_record(item, res, engine.tokenizer, job.model_name),
-                  prompt_tokens=len(res.prompt_token_ids), tokens=len(res.token_ids))
+        outs = [h.output() for h in handles]
+        out.write(result_record(item, outs, engine.tokenizer, job.model_name),
+                  prompt_tokens=len(outs[0].prompt_token_ids), tokens=sum(len(o.token_ids) for o in outs))
         block = False  # after one result, take whatever else is ready without waiting
 
 

@@ -2,8 +2,9 @@
 
 Two input styles, told apart per line:
 - pat style: ``{"id": .., "prompt": "..."}`` or ``"messages": [..]`` or ``"input_ids": [..]``, with optional
-  sampling fields (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop_token_ids``,
-  ``ignore_eos``, ``logprobs``, ``min_tokens``) that override the command-line defaults;
+  sampling fields (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
+  ``stop_token_ids``, ``ignore_eos``, ``logprobs``, ``min_tokens``, ``n``) that override the command-line
+  defaults; with ``n`` > 1 the record carries every sample under ``samples``;
 - OpenAI Batch API: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
   "body": {...}}``, answered with OpenAI Batch output lines.
 
@@ -73,9 +74,11 @@ class PatLine(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)
     seed: int | None = None
     stop_token_ids: list[int] | None = None
+    stop: str | list[str] | None = None
     ignore_eos: bool | None = None
     logprobs: bool | None = None
     min_tokens: int = Field(default=0, ge=0)
+    n: int = Field(default=1, ge=1)
 
     @model_validator(mode="after")
     def _one_prompt(self):
@@ -137,9 +140,11 @@ def parse_line(line: int, obj: Any, tokenizer: Any, max_model_len: int, defaults
             top_k=d.top_k if pat.top_k is None else pat.top_k,
             seed=d.seed if pat.seed is None else pat.seed,
             stop_token_ids=tuple(pat.stop_token_ids or ()),
+            stop=pat.stop or (),
             ignore_eos=d.ignore_eos if pat.ignore_eos is None else pat.ignore_eos,
             logprobs=d.logprobs if pat.logprobs is None else pat.logprobs,
             min_new_tokens=pat.min_tokens,
+            n=pat.n,
         )
         if pat.messages is not None:
             prompt: Any = apply_chat_template(tokenizer, [{"role": m.role, "content": m.text()} for m in pat.messages])
@@ -177,24 +182,27 @@ def _parse_openai(line: int, obj: dict, tokenizer: Any, max_model_len: int) -> B
 # ---- output records ------------------------------------------------------------------------------
 
 
-def result_record(item: BatchItem, out: RequestOutput, tokenizer: Any, model: str) -> dict:
-    if out.finish_reason == "error":
-        return error_record(LineError(item.line, f"generation failed: {out.error}", key=item.key,
+def result_record(item: BatchItem, outs: list[RequestOutput], tokenizer: Any, model: str) -> dict:
+    """The output line of one input line; ``outs``: its samples (one unless it asked for n > 1)."""
+    failed = [o for o in outs if o.finish_reason == "error"]
+    if failed:
+        return error_record(LineError(item.line, f"generation failed: {failed[0].error}", key=item.key,
                                       openai=item.openai is not None,
                                       custom_id=item.openai.custom_id if item.openai else None, status=500))
     if item.openai is None:
-        rec = {"id": item.pat.id if item.pat.id is not None else item.key, "line": item.line, "text": out.text,
-               "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-               "usage": usage([out]).model_dump(exclude={"prompt_tokens_details"})}
-        if out.logprobs is not None:
-            rec["logprobs"] = out.logprobs
+        rec = {"id": item.pat.id if item.pat.id is not None else item.key, "line": item.line,
+               **_pat_sample(outs[0]), "usage": usage(outs).model_dump(exclude={"prompt_tokens_details"})}
+        if len(outs) > 1:
+            rec["samples"] = [_pat_sample(o) for o in outs]
         rec["error"] = None
         return rec
     req = item.request
     if isinstance(req, ChatCompletionRequest):
-        body = ChatCompletionResponse(model=model, choices=[chat_choice(out, req, tokenizer)], usage=usage([out]))
+        choices = [chat_choice(i, o, req, tokenizer) for i, o in enumerate(outs)]
+        body = ChatCompletionResponse(model=model, choices=choices, usage=usage(outs))
     else:
-        body = CompletionResponse(model=model, choices=[completion_choice(0, out, req, tokenizer)], usage=usage([out]))
+        choices = [completion_choice(i, o, req, tokenizer) for i, o in enumerate(outs)]
+        body = CompletionResponse(model=model, choices=choices, usage=usage(outs))
     response = BatchResponseData(status_code=200, request_id=random_id("pat-batch"), body=body.model_dump())
     return BatchRequestOutput(custom_id=item.openai.custom_id, response=response).model_dump()
 
@@ -237,3 +245,12 @@ def finished_keys(path: Path) -> set[str]:
         if key is not None:
             keys.add(key)
     return keys
+
+
+def _pat_sample(out: RequestOutput) -> dict:
+    rec = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}
+    if out.stop_reason is not None:
+        rec["stop_reason"] = out.stop_reason
+    if out.logprobs is not None:
+        rec["logprobs"] = out.logprobs
+    return rec

@@ -1,9 +1,12 @@
 """Request and response schemas of the OpenAI-compatible API (the shapes vLLM's server uses).
 
-Requests forbid unknown fields: a misspelt or unsupported option (``logit_bias``,
-``tools``, ...) is a 400 naming the field rather than silently ignored.
-Supported fields that the engine cannot honour for every value (``n``, ``stop``,
-``echo``, logprob counts) are checked here too, so the error names the field.
+Requests forbid unknown fields: a misspelt or unsupported option (``tools``,
+``functions``, ...) is a 400 naming the field rather than silently ignored.
+OpenAI fields whose default value is all the engine does (``best_of=1``,
+``response_format={"type": "text"}``, ``tool_choice="none"``) are accepted
+with that value, so clients that send explicit defaults work; any other
+value is a 400 naming the field. Value ranges of sampling fields are checked
+once, by ``SamplingParams``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pat_engine.sampling_params import MAX_SAMPLES
 
 
 def random_id(prefix: str) -> str:
@@ -36,30 +41,52 @@ class _SamplingFields(_Request):
     temperature: float | None = Field(default=None, ge=0.0)  # None: 1.0, as OpenAI
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1)
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_SAMPLES)
+    best_of: int | None = None  # accepted when it equals n (no extra candidates are drawn)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False  # vLLM extra
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM extra (Hugging Face semantics)
+    min_p: float = 0.0  # vLLM extra
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     user: str | None = None
+    response_format: dict | None = None
+    tool_choice: str | None = None
     return_token_ids: bool = False  # vLLM extra: add token_ids / prompt_token_ids to each choice
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported; send n separate requests (with different seeds)")
-        return v
 
     @field_validator("stop")
     @classmethod
-    def _no_stop_strings(cls, v):
-        if v:  # None, "" and [] mean "no stop strings"
-            raise ValueError("stop strings are not supported by pat-serve; use stop_token_ids")
-        return None
+    def _stop_list(cls, v):
+        if v is None or v == "":
+            return None
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v):
+        if v is not None and v.get("type") != "text":
+            raise ValueError("only response_format {\"type\": \"text\"} is supported (no structured output)")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tools(cls, v):
+        if v not in (None, "none"):
+            raise ValueError("tool calling is not supported; tool_choice may only be \"none\"")
+        return v
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of} with n={self.n}: only best_of equal to n is supported")
+        return self
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -71,15 +98,14 @@ class _SamplingFields(_Request):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=1)  # the engine returns the chosen token's only
-    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # OpenAI's maximum for completions
+    echo: bool = False  # the prompt comes back before the completion (with logprobs: its log-probs too)
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo=true is not supported by pat-serve")
-        return v
+    @model_validator(mode="after")
+    def _echo_not_streamed(self):
+        if self.echo and self.stream:
+            raise ValueError("echo is supported without stream only")
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -111,7 +137,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # newer OpenAI name of max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=1)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True  # vLLM extra
 
     def max_new_tokens(self) -> int | None:

@@ -135,10 +135,10 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         group = await pat.submit([inp], rid)
         if req.stream:
             return _event_stream(chat_stream(group, req, engine.tokenizer, pat.model, rid))
-        out = (await pat.collect(group, request))[0]
-        resp = ChatCompletionResponse(id=rid, model=pat.model, choices=[chat_choice(out, req, engine.tokenizer)],
-                                      usage=usage([out]),
-                                      prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None)
+        outs = await pat.collect(group, request)
+        resp = ChatCompletionResponse(id=rid, model=pat.model, usage=usage(outs),
+                                      choices=[chat_choice(i, o, req, engine.tokenizer) for i, o in enumerate(outs)],
+                                      prompt_token_ids=list(outs[0].prompt_token_ids) if req.return_token_ids else None)
         return JSONResponse(resp.model_dump())
 
     @app.get("/v1/models")

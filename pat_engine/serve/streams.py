@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 from pat_engine.serve.async_engine import RequestGroup, Update
 from pat_engine.serve.errors import APIError
 from pat_engine.serve.openai_protocol import ChatCompletionRequest, CompletionRequest, UsageInfo
-from pat_engine.serve.translate import TextDelta, chat_logprobs, completion_logprobs, stop_reason
+from pat_engine.serve.translate import TextDelta, chat_logprobs, completion_logprobs
 
 DONE = "data: [DONE]\n\n"
 
@@ -35,7 +35,7 @@ class _StreamState:
         self.completion_tokens = 0
 
     def usage(self) -> dict:
-        prompt = sum(len(h.prompt_token_ids) for h in self.group.handles)
+        prompt = sum(len(h.prompt_token_ids) for h in self.group.handles if h.sample_index == 0)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
                          total_tokens=prompt + self.completion_tokens).model_dump()
 
@@ -47,7 +47,7 @@ class _StreamState:
 
     def text(self, up: Update) -> str:
         self.completion_tokens += len(up.new_token_ids)
-        return self.deltas[up.index].update(up.token_ids, up.finished)
+        return self.deltas[up.index].update(up.token_ids, up.finished, up.text)
 
     def usage_chunk(self) -> str | None:
         if self.opts is not None and self.opts.include_usage:
@@ -73,11 +73,12 @@ async def completion_stream(group: RequestGroup, req: CompletionRequest, tokeniz
             text = st.text(up)
             choice: dict = {"index": up.index, "text": text, "logprobs": None,
                             "finish_reason": up.finish_reason,
-                            "stop_reason": stop_reason(up.finish_reason, up.token_ids, req.stop_token_ids)}
+                            "stop_reason": up.stop_reason}
             if req.logprobs is not None and up.new_token_ids:
-                choice["logprobs"] = completion_logprobs(tokenizer, up.new_token_ids, up.new_logprobs, req.logprobs,
-                                                         offsets[up.index]).model_dump()
-            offsets[up.index] += len(text)
+                lp = completion_logprobs(tokenizer, up.new_token_ids, up.new_logprobs, req.logprobs, offsets[up.index],
+                                         up.new_top_logprobs)
+                offsets[up.index] = lp.text_offset[-1] + len(lp.tokens[-1])  # where the next token's text starts
+                choice["logprobs"] = lp.model_dump()
             if req.return_token_ids:
                 choice["token_ids"] = up.new_token_ids
                 if up.index not in echoed:  # the prompt's ids ride on each choice's first chunk, as in vLLM
@@ -98,22 +99,22 @@ async def chat_stream(group: RequestGroup, req: ChatCompletionRequest, tokenizer
     st = _StreamState(group, tokenizer, response_id, model, "chat.completion.chunk", req.stream_options)
     try:
         first = {"prompt_token_ids": group.handles[0].prompt_token_ids} if req.return_token_ids else {}
-        yield st.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}], **first)
+        yield st.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None} for i in range(len(group.handles))], **first)
         async for up in group.updates():
             if (err := st.failure(up)) is not None:
                 yield err.sse()
                 break
             text = st.text(up)
-            choice: dict = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
+            choice: dict = {"index": up.index, "delta": {"content": text} if text else {}, "logprobs": None,
                             "finish_reason": up.finish_reason}
             if req.logprobs and up.new_token_ids:
                 choice["logprobs"] = chat_logprobs(tokenizer, up.new_token_ids, up.new_logprobs,
-                                                   req.top_logprobs or 0).model_dump()
+                                                   req.top_logprobs or 0, up.new_top_logprobs).model_dump()
             if req.return_token_ids:
                 choice["token_ids"] = up.new_token_ids
             if up.finished:
-                choice["stop_reason"] = stop_reason(up.finish_reason, up.token_ids, req.stop_token_ids)
+                choice["stop_reason"] = up.stop_reason
             if text or up.finished or req.return_token_ids or choice["logprobs"]:
                 yield st.chunk([choice])
         else:

@@ -50,26 +50,50 @@ def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_pro
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def sampling_params(req: Any, max_new_tokens: int, logprobs: bool) -> SamplingParams:
+def sampling_params(req: Any, max_new_tokens: int, logprobs: bool, top_logprobs: int = 0,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from the fields both endpoints share (SamplingParams validates them)."""
     return SamplingParams(
+        top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
         max_new_tokens=max_new_tokens,
         temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=req.top_k,
         seed=req.seed,
         stop_token_ids=tuple(req.stop_token_ids or ()),
+        stop=tuple(req.stop or ()),
+        include_stop_str_in_output=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         min_new_tokens=req.min_tokens,
+        n=req.n,
+        repetition_penalty=req.repetition_penalty,
+        frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty,
+        min_p=req.min_p,
+        logit_bias=logit_bias(req.logit_bias),
     )
+
+
+def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI sends token ids as strings; the engine checks them against the vocabulary."""
+    out = []
+    for key, value in (bias or {}).items():
+        try:
+            out.append((int(key), float(value)))
+        except ValueError:
+            raise InvalidRequestError(f"logit_bias: key {key!r} is not a token id") from None
+    return tuple(out)
 
 
 def completion_inputs(req: CompletionRequest) -> list[EngineInput]:
     prompt = req.prompt
     # one prompt (text or token ids) or a list of prompts, one choice each
     prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
-    params = sampling_params(req, req.max_tokens, req.logprobs is not None)
+    top = req.logprobs or 0
+    params = sampling_params(req, req.max_tokens, req.logprobs is not None, top,
+                             top if req.echo and req.logprobs is not None else None)
     return [EngineInput(p, params) for p in prompts]
 
 
@@ -79,21 +103,15 @@ def chat_input(req: ChatCompletionRequest, tokenizer: Any, max_model_len: int) -
     max_new = req.max_new_tokens()
     if max_new is None:  # OpenAI's default for chat: whatever room the context leaves
         max_new = max(1, max_model_len - len(ids))
-    return EngineInput(ids, sampling_params(req, max_new, req.logprobs))
+    return EngineInput(ids, sampling_params(req, max_new, req.logprobs, req.top_logprobs or 0 if req.logprobs else 0))
 
 
 # ---- outputs -----------------------------------------------------------------------------------
 
 
-def stop_reason(finish_reason: str | None, token_ids: list[int], stop_token_ids: list[int] | None) -> int | None:
-    """The stop token that ended the request (None for EOS or length), as vLLM reports it."""
-    if finish_reason == "stop" and token_ids and token_ids[-1] in (stop_token_ids or ()):
-        return token_ids[-1]
-    return None
-
-
 def usage(outputs: list[RequestOutput]) -> UsageInfo:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    """Token counts; the n samples of a prompt count its prompt once (they share it)."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs if o.sample_index == 0)
     completion = sum(len(o.token_ids) for o in outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
@@ -102,51 +120,85 @@ def _token_text(tokenizer: Any, token: int) -> str:
     return tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
 
 
-def completion_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[float], top: int,
-                        offset: int = 0) -> CompletionLogprobs:
+TopList = list[list[tuple[int, float]]]
+
+
+def completion_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[float | None], top: int,
+                        offset: int = 0, alternatives: TopList | None = None) -> CompletionLogprobs:
+    """``text_offset`` counts the characters of each token's own text from ``offset``, so a stream
+    (which passes where its previous chunk ended) gives the offsets a whole response gives.
+    ``top_logprobs`` per token: the chosen token and the ``top`` most likely (None where the
+    log-prob is None: the first prompt token of an echo)."""
     tokens = [_token_text(tokenizer, t) for t in token_ids]
     offsets = []
     for tok in tokens:
         offsets.append(offset)
         offset += len(tok)
-    tops = [{tok: lp} for tok, lp in zip(tokens, logprobs)] if top >= 1 else None
+    tops = None
+    if top >= 1:
+        tops = []
+        for i, (tok, lp) in enumerate(zip(tokens, logprobs)):
+            if lp is None:
+                tops.append(None)
+                continue
+            entry = {_token_text(tokenizer, t): v for t, v in (alternatives[i][:top] if alternatives else [])}
+            entry[tok] = lp
+            tops.append(entry)
     return CompletionLogprobs(text_offset=offsets, token_logprobs=list(logprobs), tokens=tokens, top_logprobs=tops)
 
 
-def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[float], top: int) -> ChatLogprobs:
-    content = []
-    for t, lp in zip(token_ids, logprobs):
+def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[float], top: int,
+                  alternatives: TopList | None = None) -> ChatLogprobs:
+    def entry(t: int, lp: float) -> TopLogprob:
         tok = _token_text(tokenizer, t)
-        entry = TopLogprob(token=tok, logprob=lp, bytes=list(tok.encode("utf-8")))
-        content.append(ChatLogprobToken(**entry.model_dump(), top_logprobs=[entry] if top >= 1 else []))
+        return TopLogprob(token=tok, logprob=lp, bytes=list(tok.encode("utf-8")))
+
+    content = []
+    for i, (t, lp) in enumerate(zip(token_ids, logprobs)):
+        alts = [entry(a, v) for a, v in (alternatives[i][:top] if alternatives and top else [])]
+        content.append(ChatLogprobToken(**entry(t, lp).model_dump(), top_logprobs=alts))
     return ChatLogprobs(content=content)
+
+
+def echo_prefix(out: RequestOutput, tokenizer: Any) -> str:
+    """The prompt as an echo shows it: its text when it was sent as text, else its decoded ids."""
+    if out.prompt is not None:
+        return out.prompt
+    return tokenizer.decode(out.prompt_token_ids) if tokenizer is not None else ""
 
 
 def completion_choice(index: int, out: RequestOutput, req: CompletionRequest, tokenizer: Any) -> CompletionChoice:
     lp = None
+    prefix = echo_prefix(out, tokenizer) if req.echo else ""
     if req.logprobs is not None and out.logprobs is not None:
-        lp = completion_logprobs(tokenizer, out.token_ids, out.logprobs, req.logprobs)
+        ids, lps, alts = list(out.token_ids), list(out.logprobs), out.top_logprobs
+        if req.echo:  # prompt tokens first, the first of them without a log-prob (as OpenAI and vLLM)
+            ids = list(out.prompt_token_ids) + ids
+            lps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + lps
+            if alts is not None:
+                alts = list(out.prompt_top_logprobs or [[]] * len(out.prompt_token_ids)) + list(alts)
+        lp = completion_logprobs(tokenizer, ids, lps, req.logprobs, alternatives=alts)
     return CompletionChoice(
         index=index,
-        text=out.text or "",
+        text=prefix + (out.text or ""),
         logprobs=lp,
         finish_reason=out.finish_reason,
-        stop_reason=stop_reason(out.finish_reason, out.token_ids, req.stop_token_ids),
+        stop_reason=out.stop_reason,
         token_ids=list(out.token_ids) if req.return_token_ids else None,
         prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None,
     )
 
 
-def chat_choice(out: RequestOutput, req: ChatCompletionRequest, tokenizer: Any) -> ChatChoice:
+def chat_choice(index: int, out: RequestOutput, req: ChatCompletionRequest, tokenizer: Any) -> ChatChoice:
     lp = None
     if req.logprobs and out.logprobs is not None:
-        lp = chat_logprobs(tokenizer, out.token_ids, out.logprobs, req.top_logprobs or 0)
+        lp = chat_logprobs(tokenizer, out.token_ids, out.logprobs, req.top_logprobs or 0, out.top_logprobs)
     return ChatChoice(
-        index=0,
+        index=index,
         message=ChatResponseMessage(content=out.text or ""),
         logprobs=lp,
         finish_reason=out.finish_reason,
-        stop_reason=stop_reason(out.finish_reason, out.token_ids, req.stop_token_ids),
+        stop_reason=out.stop_reason,
         token_ids=list(out.token_ids) if req.return_token_ids else None,
     )
 
@@ -163,10 +215,14 @@ class TextDelta:
         self.tokenizer = tokenizer
         self.sent = ""
 
-    def update(self, token_ids: list[int], final: bool) -> str:
-        if self.tokenizer is None:
+    def update(self, token_ids: list[int], final: bool, engine_text: str | None = None) -> str:
+        """The new text; ``engine_text``: the engine's own text so far (stop strings), used as it is."""
+        if engine_text is not None:
+            text = engine_text
+        elif self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        else:
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         if not final and text.endswith("\ufffd"):
             return ""
         common = len(self.sent)

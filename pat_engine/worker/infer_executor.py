@@ -21,14 +21,17 @@ from pat_engine.model.weights import load_shard_from_disk
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import StepCommand, StepResult
-from pat_engine.sampling.sampler import SamplingSpec, sample
+from pat_engine.sampling.sampler import SamplingBatch, SamplingSpec, sample_batch
 from pat_engine.worker.kv_pool import PagedKVPool
+from pat_engine.protocol import PromptLogprobs
+from pat_engine.worker.logprob_outputs import prompt_logprobs
 
 
 @dataclass
 class SeqState:
     block_table: list[int]
     sampling: SamplingSpec | None
+    history: list[int] | None = None  # every token so far, kept for sequences with logit processors
 
 
 class InferExecutor:
@@ -97,15 +100,30 @@ class InferExecutor:
         ids, positions, meta, last_index = self._prepare(cmd)
         ctx = ForwardContext(tp=self.tp, kv_caches=self.kv.layers, attn=meta)
         hidden = self.model(ids, positions, ctx)
+        prompts = self._prompt_logprobs(cmd, hidden, meta)  # every TP rank joins the logits gather
         logits = self.model.compute_logits(hidden[last_index], self.tp)
         if logits is None:  # not the TP leader: nothing to report
             return None
-        specs = [self.seqs[s.seq_id].sampling for s in cmd.seqs]
-        next_positions = [s.start_pos + len(s.token_ids) for s in cmd.seqs]
-        suppressed = [s.suppressed for s in cmd.seqs]
-        tokens, logprobs = sample(logits, specs, next_positions, suppressed)
-        return StepResult(cmd.step_id, self.layout.group_of(self.tp.ranks[0]), tokens, logprobs,
-                          time.perf_counter() - start)
+        states = [self.seqs[s.seq_id] for s in cmd.seqs]
+        batch = SamplingBatch.build([st.sampling for st in states], [s.start_pos + len(s.token_ids) for s in cmd.seqs],
+                                    [s.suppressed for s in cmd.seqs], logits.device,
+                                    [st.history for st in states], self.arch.vocab_size)
+        out = sample_batch(logits, batch)
+        return StepResult(cmd.step_id, self.layout.group_of(self.tp.ranks[0]), out.tokens, out.logprobs,
+                          time.perf_counter() - start, out.top, prompts or None)
+
+    def _prompt_logprobs(self, cmd: StepCommand, hidden: torch.Tensor, meta) -> dict[int, PromptLogprobs]:
+        out = {}
+        if not cmd.is_prefill:
+            return out
+        for i, s in enumerate(cmd.seqs):
+            if s.prompt_logprobs is not None:
+                rows = hidden[meta.query_starts[i] : meta.query_starts[i + 1]]
+                result = prompt_logprobs(rows, s.token_ids, s.prompt_logprobs,
+                                         lambda h: self.model.compute_logits(h, self.tp))
+                if result is not None:
+                    out[s.seq_id] = result
+        return out
 
     def _prepare(self, cmd: StepCommand):
         bs = self.block_size
@@ -114,8 +132,12 @@ class InferExecutor:
         tables: list[list[int]] = []
         for s in cmd.seqs:
             if s.block_table is not None:
-                self.seqs[s.seq_id] = SeqState(list(s.block_table), s.sampling)
+                history = list(s.context or []) if s.sampling is not None and s.sampling.has_processors else None
+                self.seqs[s.seq_id] = SeqState(list(s.block_table), s.sampling, history)
             state = self.seqs[s.seq_id]
+            if state.history is not None:  # the tokens run now take their positions in the history
+                del state.history[s.start_pos :]
+                state.history.extend(s.token_ids)
             state.block_table.extend(s.new_blocks)
             if s.sampling is not None:
                 state.sampling = s.sampling

@@ -98,8 +98,8 @@ class SwitchExecutor:
 
         t = time.perf_counter()
         group = plan.new.group_of(self.rank)
-        tables = {p.seq_id: SeqState(list(p.dst_table), plan.specs.get(p.seq_id))
-                  for p in plan.placements if p.dst_group == group}
+        tables = {t.seq_id: SeqState(list(t.block_table), t.sampling, None if t.history is None else list(t.history))
+                  for t in plan.tables if t.group == group}
         executor.install(plan.new, tp_group, pool, tables)
         dist.barrier(group=self.cpu_world)  # nobody resumes before everyone is done
         rebuild_s = time.perf_counter() - t
@@ -166,16 +166,16 @@ class SwitchExecutor:
 
     @torch.no_grad()
     def _move_kv(self, plan: SwitchPlan, executor: InferExecutor, meter: MemoryMeter) -> tuple[PagedKVPool, int]:
-        """Migrate the placed sequences' valid tokens into a pool for the new layout; returns (pool, bytes sent)."""
+        """Migrate the runs' valid tokens into a pool for the new layout; returns (pool, bytes sent)."""
         arch, me, bs = executor.arch, self.rank, executor.block_size
-        moves = plan_kv_moves(list(plan.placements), plan.old, plan.new, arch.num_kv_heads)
+        moves = plan_kv_moves(list(plan.runs), plan.old, plan.new, arch.num_kv_heads)
         old_heads = kv_heads_of(plan.old.tp_rank(me), plan.old.tp, arch.num_kv_heads)
         new_heads = kv_heads_of(plan.new.tp_rank(me), plan.new.tp, arch.num_kv_heads)
         old_pool = executor.kv
         new_pool = executor.new_pool(plan.new, plan.new_num_blocks, filled_later=True)
         sent = 0
-        src_slots = {i: torch.tensor(token_slots(p.src_table, p.num_tokens, bs)) for i, p in enumerate(plan.placements)}
-        dst_slots = {i: torch.tensor(token_slots(p.dst_table, p.num_tokens, bs)) for i, p in enumerate(plan.placements)}
+        src_slots = {i: torch.tensor(token_slots(p.src_table, p.num_tokens, bs)) for i, p in enumerate(plan.runs)}
+        dst_slots = {i: torch.tensor(token_slots(p.dst_table, p.num_tokens, bs)) for i, p in enumerate(plan.runs)}
         outgoing = [m for m in moves if m.src == me]
         incoming = [m for m in moves if m.dst == me]
         for layer in range(arch.num_layers):
@@ -184,13 +184,13 @@ class SwitchExecutor:
             packed: dict[int, list[torch.Tensor]] = defaultdict(list)
             for m in outgoing:
                 heads = [h - old_heads.start for h in m.heads]
-                packed[m.dst].append(flat[:, src_slots[m.seq]][:, :, heads].reshape(-1))  # (2, n, h, hd) flattened
+                packed[m.dst].append(flat[:, src_slots[m.run]][:, :, heads].reshape(-1))  # (2, n, h, hd) flattened
             bufs = {d: torch.cat(parts) for d, parts in packed.items()}
             local = bufs.pop(me, None)
             recvs = {}
             for m in incoming:
                 if m.src != me:
-                    n = 2 * plan.placements[m.seq].num_tokens * len(m.heads) * arch.head_dim
+                    n = 2 * plan.runs[m.run].num_tokens * len(m.heads) * arch.head_dim
                     recvs[m.src] = recvs.get(m.src, 0) + n
             recvs = {s: torch.empty(n, dtype=old_layer.dtype, device=old_layer.device) for s, n in recvs.items()}
             live = sum(_nbytes(b) for b in list(bufs.values()) + list(recvs.values())) + (_nbytes(local) if local is not None else 0)
@@ -206,12 +206,12 @@ class SwitchExecutor:
             offsets: dict[int, int] = defaultdict(int)
             for m in incoming:
                 buf = local if m.src == me else recvs[m.src]
-                n_tok = plan.placements[m.seq].num_tokens
+                n_tok = plan.runs[m.run].num_tokens
                 n = 2 * n_tok * len(m.heads) * arch.head_dim
                 chunk = buf[offsets[m.src] : offsets[m.src] + n].view(2, n_tok, len(m.heads), arch.head_dim)
                 offsets[m.src] += n
                 heads = [h - new_heads.start for h in m.heads]
-                idx = dst_slots[m.seq]
+                idx = dst_slots[m.run]
                 for j, h in enumerate(heads):
                     new_flat[:, idx, h] = chunk[:, :, j]
             meter.sub(live)

@@ -1,0 +1,73 @@
+"""Shared KV blocks change nothing (float64): n samples, the prefix cache, under layouts and switches.
+
+- Greedy continuations of prompts that share a long system prompt (prefix-cache hits) equal
+  transformers token for token.
+- n seeded samples of one prompt equal n separate requests seeded ``sample_seed(seed, i)`` (the
+  same draws without any sharing), in every layout, with prefix caching on and off, and under a
+  switch schedule with both KV paths.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import hf_greedy
+from pat_engine import Engine, SamplingParams
+from pat_engine.sampling.sampler import sample_seed
+
+pytestmark = pytest.mark.slow  # starts worker processes
+
+SYSTEM = [(7 * i + 3) % 250 + 1 for i in range(37)]  # 37 tokens: two full blocks of 16 shared, then a tail
+QUESTIONS = [[11, 12], [13, 14, 15, 16, 17], [18], [19, 20, 21]]
+PROMPT = [5, 6, 7, 8, 9] * 7  # 35 tokens
+N = 4
+PARAMS = SamplingParams(max_new_tokens=20, temperature=0.9, top_p=0.95, seed=123, n=N, logprobs=True)
+
+
+def singles(params: SamplingParams) -> list[SamplingParams]:
+    from dataclasses import replace
+
+    return [replace(params, n=1, seed=sample_seed(params.seed, i)) for i in range(params.n)]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """The n samples as n unrelated requests, on one rank with caching off."""
+    with Engine(model_dir("llama"), tp=1, dp=1, dtype="float64", enable_prefix_caching=False) as engine:
+        outs = engine.generate([PROMPT] * N, singles(PARAMS), use_tqdm=False)
+    return [(o.token_ids, o.logprobs) for o in outs]
+
+
+def test_prefix_cache_hits_keep_greedy_tokens_equal_to_transformers(model_dir):
+    path = model_dir("llama")
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    with Engine(path, tp=2, dp=1, dtype="float64") as engine:
+        first = engine.generate(prompts[:1], SamplingParams(max_new_tokens=24), use_tqdm=False)
+        rest = engine.generate(prompts[1:], SamplingParams(max_new_tokens=24), use_tqdm=False)
+        stats = engine.prefix_cache_stats()
+    assert stats["hit_tokens"] >= 3 * 32  # every later prompt found the system prompt's two full blocks
+    for prompt, out in zip(prompts, first + rest):
+        assert out.token_ids == hf_greedy(path, prompt, 24)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("tp,dp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_n_samples_equal_separate_requests_in_every_layout(model_dir, reference, tp, dp, caching):
+    with Engine(model_dir("llama"), tp=tp, dp=dp, dtype="float64", enable_prefix_caching=caching) as engine:
+        out = engine.generate([PROMPT], PARAMS, use_tqdm=False)[0]
+    assert len(out.samples) == N and [s.sample_index for s in out.samples] == list(range(N))
+    assert out.token_ids == out.samples[0].token_ids
+    for i, sample in enumerate(out.samples):
+        tokens, logprobs = reference[i]
+        assert sample.token_ids == tokens, f"TP{tp}xDP{dp} caching={caching}: sample {i} differs"
+        assert sample.logprobs == pytest.approx(logprobs, abs=1e-9)
+
+
+@pytest.mark.parametrize("kv", ["migrate", "recompute"])
+def test_n_samples_survive_switch_schedules(model_dir, reference, kv):
+    with Engine(model_dir("llama"), tp=1, dp=4, dtype="float64") as engine:
+        out = engine.generate([PROMPT, SYSTEM + [3]], [PARAMS, SamplingParams(max_new_tokens=30)],
+                              switch_schedule=[(3, 2), (8, 4), (14, 1)], kv_transfer=kv, use_tqdm=False)
+        assert len(engine.switches) == 3
+    for i, sample in enumerate(out[0].samples):
+        assert sample.token_ids == reference[i][0]
