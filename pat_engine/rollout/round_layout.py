@@ -14,14 +14,15 @@ import numpy as np
 
 from pat_engine.core.policy import RequestSnapshot
 from pat_engine.parallel.layout import Layout
-from pat_engine.predictor.predictor import LatencyPredictor, balance
+from pat_engine.parallel.dp_placement import balance_by_context
+from pat_engine.predictor.predictor import LatencyPredictor
 
 
 def predicted_round_seconds(predictor: LatencyPredictor, world: int, tp: int, prompt_lens: Sequence[int],
                             lengths: Sequence[float], max_new_tokens: int) -> float:
     layout = Layout.for_world(world, tp)
     reqs = [RequestSnapshot(int(p), 0, int(max_new_tokens), False) for p in prompt_lens]
-    placement = balance([int(p) for p in prompt_lens], layout.dp)
+    placement = balance_by_context([int(p) for p in prompt_lens], layout.dp)
     rem = np.clip(np.round(np.asarray(lengths, dtype=float)), 1, max_new_tokens).astype(np.int64)
     return float(predictor.remaining_seconds(layout, reqs, placement, rem[None])[0])
 
