@@ -204,3 +204,24 @@ def test_the_stage_decode_count_survives_a_switch_so_schedules_stay_on_time():
     d.run()
     assert [str(p.new) for p in d.pool.plans] == ["TP2xDP1", "TP1xDP2"]
     assert BLOCK == d.coord.config.block_size
+
+
+def test_an_installed_placement_with_rebalance_decides_where_a_switch_puts_requests():
+    d = make_driver(tp=2, dp=1)
+    seqs = add_all(d)
+    d.ticks(3)
+
+    class Reverse:
+        def __call__(self, seq, schedulers):
+            return 0
+
+        def rebalance(self, live, groups):  # everything on the last group but the first request
+            return {s.seq_id: (0 if i == 0 else groups - 1) for i, s in enumerate(live)}
+
+    d.coord.placement = Reverse()
+    live = sorted(d.coord.unfinished(), key=lambda s: s.seq_id)
+    d.coord.switch(SwitchDecision(1, "test", kv_path="migrate"))
+    assert live[0].group == 0 and {s.group for s in live[1:]} == {1}
+    d.run()
+    for s in seqs:
+        assert s.output_ids == expected_tokens(s)

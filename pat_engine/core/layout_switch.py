@@ -67,8 +67,7 @@ class LayoutSwitch:
         if new == old:
             return SwitchEvent(coord.timeline.now(), str(old), str(new), decision.reason, "none", 0.0)
         seqs = coord.take_unfinished()
-        target = balance_by_context([s.length for s in seqs], new.dp)
-        group_of = {seqs[i].seq_id: g for g, members in enumerate(target) for i in members}
+        group_of = self._target_groups(seqs, new)
         schedulers = coord.new_schedulers(new)
         placed = _KVPlacement(coord.schedulers, schedulers, coord.config.block_size)
         for seq in seqs:
@@ -96,6 +95,16 @@ class LayoutSwitch:
             sched.running.sort(key=lambda s: s.seq_id)
         coord.install_layout(new, schedulers)
         return self._record(decision, old, new, path, estimate, report, len(placed.tables), len(seqs), started)
+
+    def _target_groups(self, seqs: list[Sequence], new: Layout) -> dict[int, int]:
+        """seq_id -> new DP group: the admission placement's own rebalancing when one is installed
+        (cost-aware, pat_engine/rollout/placement.py), else longest context first onto the least
+        loaded group, the rule the predictor prices switches with."""
+        rebalance = getattr(self.coord.placement, "rebalance", None)
+        if rebalance is not None:
+            return rebalance(seqs, new.dp)
+        target = balance_by_context([s.length for s in seqs], new.dp)
+        return {seqs[i].seq_id: g for g, members in enumerate(target) for i in members}
 
     def _choose_kv_path(self, decision: SwitchDecision, new: Layout, runs: list[KVRun],
                         contexts: list[tuple[int, int]]) -> tuple[str, KVPathEstimate | None]:

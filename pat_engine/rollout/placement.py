@@ -141,8 +141,9 @@ class AdmissionPlacement:
     def rebalance(self, seqs: Sequence, groups: int, token_cap_factor: float = 1.1) -> dict[int, int]:
         """seq_id -> group for a layout switch: LPT on predicted remaining cost under the token cap.
 
-        What the switch's rebalancing should call instead of longest-context-first when this
-        hook is installed (``core.switch_coordinator``; see docs/rollout.md).
+        What the switch's rebalancing calls instead of longest-context-first when this hook is
+        installed (``core/layout_switch.py``; see docs/rollout.md). The predictor still prices a
+        switch with the longest-context-first placement.
         """
         items = []
         for s in seqs:
