@@ -143,11 +143,11 @@ def test_chat_equals_engine_generate(client, engine):
 @pytest.mark.parametrize("body, content_type, status, match", [
     ('{"prompt": "hi", "max_tokens": 4', "application/json", 400, "not valid JSON"),
     ('["a list"]', "application/json", 400, "must be a JSON object"),
-    ('{"prompt": "hi", "max_tokens": 4, "logit_bias": {}}', "application/json", 400, "unknown or unsupported field 'logit_bias'"),
+    ('{"prompt": "hi", "max_tokens": 4, "functions": []}', "application/json", 400, "unknown or unsupported field 'functions'"),
     ('{"prompt": "hi", "max_tokens": -3}', "application/json", 400, "max_tokens: Input should be greater than or equal to 1"),
     ('{"prompt": "hi", "max_tokens": 1000000}', "application/json", 400, "exceeds the context length 512"),
     (json.dumps({"prompt": [7] * 600, "max_tokens": 4}), "application/json", 400, "context holds 512"),
-    ('{"prompt": "hi", "max_tokens": 4, "n": 2}', "application/json", 400, "only n=1"),
+    ('{"prompt": "hi", "max_tokens": 4, "n": 0}', "application/json", 400, "n: Input should be greater than or equal to 1"),
     ('{"prompt": "hi", "max_tokens": 4, "model": "gpt-9"}', "application/json", 404, "does not exist"),
     ('{"prompt": "hi", "max_tokens": 4}', "text/plain", 415, "Content-Type must be application/json"),
     ('prompt=hi', "application/x-www-form-urlencoded", 415, "Content-Type must be application/json"),

@@ -125,7 +125,7 @@ class AsyncEngine:
         self.metrics = metrics
         self.closing = False
         self._lock = threading.Lock()
-        self._active: dict[str, RequestHandle] = {}
+        self._active: dict[tuple[str, int], RequestHandle] = {}  # (request id, sample index) -> handle
         self._reserved = 0
 
     @property
@@ -185,7 +185,7 @@ class AsyncEngine:
 
     def _track(self, handle: RequestHandle) -> None:
         with self._lock:
-            self._active[handle.request_id] = handle
+            self._active[(handle.request_id, handle.sample_index)] = handle
         if self.metrics is not None:
             self.metrics.running.labels(self.metrics.model_name).inc()
         last = {"t": None, "n": 0}
@@ -209,7 +209,7 @@ class AsyncEngine:
 
     def _release(self, handle: RequestHandle) -> None:
         with self._lock:
-            if self._active.pop(handle.request_id, None) is None:
+            if self._active.pop((handle.request_id, handle.sample_index), None) is None:
                 return
         if self.metrics is not None:
             self.metrics.running.labels(self.metrics.model_name).dec()
@@ -235,6 +235,6 @@ class AsyncEngine:
         """Refuse new requests and abort the ones in flight (their streams end with "abort")."""
         self.closing = True
         with self._lock:
-            ids = list(self._active)
+            ids = sorted({rid for rid, _ in self._active})
         if ids:
             await asyncio.to_thread(self._abort_quietly, ids)
