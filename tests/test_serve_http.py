@@ -194,6 +194,7 @@ def test_metrics(client):
     assert _metric(text, "pat:layout_tp") == 1 and _metric(text, "pat:layout_dp") == 2
     assert _metric(text, "pat:layout_switches_total", ok="true") == 0
     assert 'pat:layout_switch_seconds_total{component="kv"' in text
+    assert 0 <= _metric(text, "pat:prefix_cache_hit_rate") <= 1 and _metric(text, "pat:prefix_cache_cached_blocks") >= 0
 
 
 def _wait_idle(engine, timeout: float = 10.0) -> None:

@@ -85,6 +85,15 @@ def test_streamed_logprob_offsets_equal_the_whole_response(client):
     assert streamed == whole
 
 
+def test_metrics_show_prefix_cache_hits(client):
+    prompt = list(range(40, 80))  # 40 tokens: two full blocks of 16 reusable
+    for _ in range(2):
+        assert client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).status_code == 200
+    text = client.get("/metrics").text
+    rate = float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith("pat:prefix_cache_hit_rate")))
+    assert rate > 0
+
+
 def test_explicit_openai_defaults_are_accepted(client):
     body = {"prompt": PROMPT, "max_tokens": 4, "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {},
             "best_of": 1, "n": 1, "response_format": {"type": "text"}, "tool_choice": "none", "stop": None,

@@ -31,8 +31,14 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator:
         labels = ["model_name"]
         layout = self.engine.layout
+        cache = self.engine.prefix_cache_stats()
         for name, value, doc in (("pat:layout_tp", layout.tp, "current tensor-parallel degree"),
-                                 ("pat:layout_dp", layout.dp, "current data-parallel degree")):
+                                 ("pat:layout_dp", layout.dp, "current data-parallel degree"),
+                                 ("pat:prefix_cache_hit_rate", cache["hit_rate"],
+                                  "prompt tokens found in cached KV blocks at admission / prompt tokens looked up"),
+                                 ("pat:prefix_cache_cached_blocks", cache["cached_blocks"],
+                                  "unreferenced KV blocks kept for later prefix hits (all DP groups)"),
+                                 ("pat:kv_blocks_used", cache["used_blocks"], "KV blocks in use (all DP groups)")):
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric([self.model_name], value)
             yield g
