@@ -197,8 +197,13 @@ class Engine(RLControlMixin):
         self._ensure_open()
         seq = self._make([prompt], params, [request_id] if request_id else None)[0]
         handle = RequestHandle(seq, self.request_factory.decode)
-        self._loop.run(self.coordinator.add, seq)
+        self._loop.run(self._admit, seq)
         return handle
+
+    def _admit(self, seq: Sequence) -> None:
+        """Queue ``seq`` (in the engine loop), noting the weight version it starts under."""
+        seq.weight_versions = [(0, self.weights.version)]
+        self.coordinator.add(seq)
 
     def abort(self, request_ids: Iterable[str]) -> int:
         """Stop requests; they finish with reason "abort" and keep what they generated."""
@@ -209,6 +214,15 @@ class Engine(RLControlMixin):
             return len(self.coordinator.abort(ids, "abort", "aborted by the caller"))
 
         return self._loop.run(_abort)
+
+    def abort_all(self, message: str = "aborted by the caller") -> int:
+        """Abort every unfinished request (each keeps what it generated); returns how many."""
+        return self._loop.run(lambda: len(self.coordinator.abort(
+            [s.seq_id for s in self.coordinator.unfinished()], "abort", message)))
+
+    def cluster_status(self):
+        """A ``ClusterStatus`` snapshot: the layout and, per DP group, its requests and free KV blocks."""
+        return self._loop.run(self.coordinator.status)
 
     def generate(
         self,
@@ -238,7 +252,7 @@ class Engine(RLControlMixin):
         def start() -> None:
             start_stage()
             for s in seqs:
-                self.coordinator.add(s)
+                self._admit(s)
 
         self._loop.run(start)
         try:

@@ -42,6 +42,8 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     on_update: Callable[["Sequence", int], None] | None = None  # called with the number of new tokens
+    # (first output index, weight version): the weights that produced each token from there on
+    weight_versions: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -82,6 +84,22 @@ class Sequence:
         self.finish_reason = reason
         self.error = error
         self.finish_time = time.time()
+
+    def weight_version_spans(self, num_tokens: int) -> list[tuple[str, int, int]]:
+        """``(version, start, end)`` over the first ``num_tokens`` output tokens (SGLang's
+        ``meta_info["weight_versions"]``); a version that produced no token is left out, except the
+        one the request started under when it has produced nothing yet."""
+        spans: list[tuple[str, int, int]] = []
+        points = list(self.weight_versions)
+        for i, (start, version) in enumerate(points):
+            end = points[i + 1][0] if i + 1 < len(points) else num_tokens
+            start, end = min(start, num_tokens), min(end, num_tokens)
+            if end > start or (not spans and i == len(points) - 1):
+                if spans and spans[-1][0] == version:
+                    spans[-1] = (version, spans[-1][1], end)
+                else:
+                    spans.append((version, start, end))
+        return spans
 
     def suppressed_now(self) -> tuple[int, ...]:
         """Token ids the next draw may not take (EOS and stop ids before min_new_tokens)."""

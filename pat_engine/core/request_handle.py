@@ -28,6 +28,7 @@ class RequestProgress:
     logprobs: list[float] | None  # one per generated token, when the request asked for them
     finish_reason: str | None  # None while it runs
     error: str | None
+    weight_versions: list[tuple[str, int, int]]  # (version, start, end) over token_ids: which weights made them
 
     @property
     def finished(self) -> bool:
@@ -92,7 +93,7 @@ class RequestHandle:
         n = pub.num_tokens
         logprobs = list(seq.logprobs[:n]) if seq.params.logprobs else None
         return RequestProgress(seq.request_id, list(seq.prompt_ids), list(seq.output_ids[:n]), logprobs,
-                               pub.finish_reason, pub.error)
+                               pub.finish_reason, pub.error, seq.weight_version_spans(n))
 
     def output(self, with_text: bool = True) -> RequestOutput:
         """The request as it stands (final once ``done()``); ``with_text=False`` skips detokenizing."""

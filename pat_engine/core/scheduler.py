@@ -140,6 +140,14 @@ class GroupScheduler:
                 batch.append(seq)
         return batch
 
+    def retract_running(self) -> int:
+        """Free the KV of every running sequence and queue it again at the front, in its order
+        (preemption by recompute, for all of them: a pause in SGLang's "retract" mode)."""
+        seqs = list(self.running)
+        for seq in reversed(seqs):
+            self._preempt(seq)
+        return len(seqs)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._drop_kv(seq)

@@ -1,0 +1,199 @@
+"""Between SGLang's ``/generate`` body and the engine: prompts and sampling parameters in, SGLang's
+response objects (``text``, ``output_ids``, ``meta_info``) out.
+
+What pat-engine does not support yet is listed once, in ``UNSUPPORTED_SAMPLING`` and
+``UNSUPPORTED_REQUEST`` (field -> the values that mean "off"). A request that
+turns one on gets a 400 naming the field. Supporting one later is one line:
+delete its entry and pass it on in ``to_sampling_params``.
+
+Exact partial-rollout resume: a draw depends only on ``(sampling_seed, absolute
+position)``, where the position counts from the first prompt token. Resubmitting
+``prompt + generated`` as the new prompt with the same ``sampling_seed`` and
+``max_new_tokens`` lowered by ``len(generated)`` gives exactly the tokens the
+uninterrupted request would have given next (docs/pat-serve.md).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pat_engine.core.request_handle import RequestHandle, RequestProgress
+from pat_engine.errors import InvalidRequestError
+from pat_engine.sampling_params import SamplingParams
+from pat_engine.serve.sglang.protocol import GenerateRequest, SGLSamplingParams
+from pat_engine.serve.translate import EngineInput
+
+UNSUPPORTED_SAMPLING: dict[str, tuple] = {
+    "min_p": (0.0,),
+    "stop": (None, "", []),
+    "stop_regex": (None, "", []),
+    "n": (1,),
+    "frequency_penalty": (0.0,),
+    "presence_penalty": (0.0,),
+    "repetition_penalty": (1.0,),
+    "json_schema": (None,),
+    "regex": (None,),
+    "ebnf": (None,),
+    "structural_tag": (None,),
+    "logit_bias": (None, {}),
+    "custom_params": (None, {}),
+}
+UNSUPPORTED_REQUEST: dict[str, tuple] = {
+    "token_ids_logprob": (None,),
+    "return_hidden_states": (False,),
+    "input_embeds": (None,),
+    "image_data": (None,),
+    "video_data": (None,),
+    "audio_data": (None,),
+    "modalities": (None, []),
+    "session_params": (None,),
+    "lora_path": (None,),
+    "custom_logit_processor": (None,),
+    "bootstrap_host": (None,),
+    "bootstrap_port": (None,),
+    "bootstrap_room": (None,),
+}
+
+
+@dataclass(frozen=True)
+class GenerateItem:
+    """One prompt of a ``/generate`` call, ready for the engine, with what its response needs."""
+
+    rid: str
+    input: EngineInput
+    return_logprob: bool
+    logprob_start_len: int
+    return_text_in_logprobs: bool
+    skip_special_tokens: bool
+    no_stop_trim: bool
+    stop_token_ids: tuple[int, ...]
+
+
+def _refuse_unsupported(obj: Any, table: dict[str, tuple], where: str) -> None:
+    for name, off in table.items():
+        value = getattr(obj, name)
+        if value not in off:
+            raise InvalidRequestError(f"{where}{name}={value!r} is not supported by pat-engine yet")
+
+
+def to_sampling_params(sp: SGLSamplingParams, return_logprob: bool, where: str = "") -> SamplingParams:
+    _refuse_unsupported(sp, UNSUPPORTED_SAMPLING, f"{where}sampling_params.")
+    return SamplingParams(
+        max_new_tokens=sp.max_new_tokens,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        seed=sp.sampling_seed,
+        stop_token_ids=tuple(sp.stop_token_ids or ()),
+        ignore_eos=sp.ignore_eos,
+        logprobs=return_logprob,
+        logprobs_mode="processed",  # under the distribution sampled from, as SGLang reports them
+        min_new_tokens=sp.min_new_tokens,
+    )
+
+
+def _per_item(value: Any, n: int, name: str, default: Any) -> list:
+    """A field given once for the whole batch or once per prompt."""
+    if isinstance(value, list):
+        if len(value) != n:
+            raise InvalidRequestError(f"{name} has {len(value)} entries for {n} prompts")
+        return [default if v is None else v for v in value]
+    return [default if value is None else value] * n
+
+
+def generate_items(req: GenerateRequest, room: Callable[[Any], int]) -> tuple[list[GenerateItem], bool]:
+    """The prompts of one ``/generate`` body and whether it was a batch (the response is then a list).
+
+    ``room(prompt)``: how many tokens the context leaves after ``prompt`` (for ``max_new_tokens: null``)."""
+    if (req.text is None) == (req.input_ids is None):
+        raise InvalidRequestError("give exactly one of text or input_ids")
+    _refuse_unsupported(req, UNSUPPORTED_REQUEST, "")
+    if req.text is not None:
+        batch = isinstance(req.text, list)
+        prompts: list = list(req.text) if batch else [req.text]
+    else:
+        batch = bool(req.input_ids) and isinstance(req.input_ids[0], list)
+        prompts = [list(p) for p in req.input_ids] if batch else [list(req.input_ids)]
+    n = len(prompts)
+    if n == 0:
+        raise InvalidRequestError("empty batch: no prompt given")
+    if batch and isinstance(req.rid, str):
+        raise InvalidRequestError("a batch needs rid as a list (one per prompt) or none")
+    rids = _per_item(req.rid, n, "rid", None)
+    rids = [r or uuid.uuid4().hex for r in rids]
+    if len(set(rids)) != n:
+        raise InvalidRequestError("rid values must be unique within a batch")
+    sps = _per_item(req.sampling_params, n, "sampling_params", SGLSamplingParams())
+    logprob = _per_item(req.return_logprob, n, "return_logprob", False)
+    starts = _per_item(req.logprob_start_len, n, "logprob_start_len", -1)
+    tops = _per_item(req.top_logprobs_num, n, "top_logprobs_num", 0)
+    items = []
+    for i in range(n):
+        where = f"prompt {i}: " if batch else ""
+        if tops[i]:
+            raise InvalidRequestError(f"{where}top_logprobs_num={tops[i]} is not supported by pat-engine yet")
+        if logprob[i] and starts[i] != -1 and isinstance(prompts[i], list) and starts[i] < len(prompts[i]):
+            raise InvalidRequestError(f"{where}logprob_start_len={starts[i]} asks for prompt-token logprobs, which "
+                                      "pat-engine does not compute yet; use -1 (output tokens only)")
+        sp = sps[i]
+        if sp.max_new_tokens is None:  # SGLang: as many as the context leaves
+            sp = sp.model_copy(update={"max_new_tokens": room(prompts[i])})
+        params = to_sampling_params(sp, logprob[i], where)
+        items.append(GenerateItem(rids[i], EngineInput(prompts[i], params), logprob[i], starts[i],
+                                  req.return_text_in_logprobs, sp.skip_special_tokens, sp.no_stop_trim,
+                                  tuple(sp.stop_token_ids or ())))
+    return items, batch
+
+
+# ---- outputs -----------------------------------------------------------------------------------
+
+
+def finish_reason(snap: RequestProgress) -> dict | None:
+    """SGLang's ``meta_info["finish_reason"]``: ``{"type": "stop", "matched": id}``, ``{"type": "length",
+    "length": n}`` or ``{"type": "abort", "message": ...}``; None while the request runs."""
+    reason = snap.finish_reason
+    if reason is None:
+        return None
+    if reason == "stop":
+        return {"type": "stop", "matched": snap.token_ids[-1] if snap.token_ids else None}
+    if reason == "length":
+        return {"type": "length", "length": len(snap.token_ids)}
+    status = 500 if reason == "error" else None
+    return {"type": "abort", "message": snap.error or "aborted", "status_code": status,
+            "err_type": "InternalServerError" if status else None}
+
+
+def _text(tokenizer: Any, ids: list[int], skip_special: bool) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=skip_special) if tokenizer is not None else ""
+
+
+def response_object(item: GenerateItem, handle: RequestHandle, tokenizer: Any) -> dict:
+    """One prompt's SGLang response as it stands (cumulative: SGLang's default streaming form too)."""
+    snap = handle.snapshot()
+    ids = snap.token_ids
+    fr = finish_reason(snap)
+    stop_matched = fr is not None and fr["type"] == "stop" and ids
+    text_ids = ids[:-1] if stop_matched and not item.no_stop_trim else ids
+    out = handle.output(with_text=False)
+    end = out.metrics.get("finish_time") or time.time()
+    spans = snap.weight_versions
+    meta: dict[str, Any] = {
+        "id": item.rid,
+        "finish_reason": fr,
+        "prompt_tokens": len(snap.prompt_token_ids),
+        "completion_tokens": len(ids),
+        "cached_tokens": 0,  # pat-engine keeps no prefix cache
+        "weight_version": spans[-1][0] if spans else None,
+        "weight_versions": [{"version": v, "start": s, "end": e} for v, s, e in spans],
+        "e2e_latency": end - out.metrics["arrival_time"],
+        "num_retractions": out.metrics.get("preemptions", 0),
+    }
+    if item.return_logprob:
+        lps = snap.logprobs or []
+        texts = [_text(tokenizer, [t], False) if item.return_text_in_logprobs else None for t in ids]
+        meta["output_token_logprobs"] = [[lp, t, tx] for lp, t, tx in zip(lps, ids, texts)]
+        meta["input_token_logprobs"] = []
+    return {"text": _text(tokenizer, text_ids, item.skip_special_tokens), "output_ids": list(ids), "meta_info": meta}
