@@ -53,7 +53,9 @@ class GenerateRequest(_Strict):
 
     text: Optional[Union[StrictStr, list[StrictStr]]] = None
     input_ids: Optional[Union[list[StrictInt], list[list[StrictInt]]]] = None
-    sampling_params: Optional[Union[SGLSamplingParams, list[SGLSamplingParams]]] = None
+    # one dict for every prompt or one per prompt; checked against SGLSamplingParams in translate.py, per prompt,
+    # so an error names the field rather than both branches of a union
+    sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
     rid: Optional[Union[StrictStr, list[StrictStr]]] = None
     return_logprob: Optional[Union[StrictBool, list[StrictBool]]] = None
     logprob_start_len: Optional[Union[StrictInt, list[StrictInt]]] = None

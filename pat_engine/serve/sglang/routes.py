@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import pat_engine
-from pat_engine.errors import EngineClosedError, InvalidRequestError
+from pat_engine.errors import EngineClosedError, InvalidRequestError, LayoutError
 from pat_engine.sampling_params import SamplingParams
 from pat_engine.serve.async_engine import ClientDisconnected, RequestGroup
 from pat_engine.serve.errors import APIError
@@ -169,7 +169,10 @@ def register_sglang_routes(app: FastAPI, pat: "PatServer") -> None:
     @app.post("/pat/reconfigure")
     async def reconfigure(request: Request) -> dict:
         req = await pat.parse(request, ReconfigureRequest)
-        event = await asyncio.to_thread(engine.reconfigure, req.tp, req.kv_transfer)
+        try:
+            event = await asyncio.to_thread(engine.reconfigure, req.tp, req.kv_transfer)
+        except LayoutError as exc:
+            raise APIError(400, str(exc), param="tp") from None
         return {"success": event.ok, "layout": str(engine.layout), "kv_path": event.kv_path,
                 "seconds": event.seconds, "error": event.error}
 

@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from pydantic import ValidationError
+
 from pat_engine.core.request_handle import RequestHandle, RequestProgress
 from pat_engine.errors import InvalidRequestError
 from pat_engine.sampling_params import SamplingParams
@@ -95,6 +97,20 @@ def to_sampling_params(sp: SGLSamplingParams, return_logprob: bool, where: str =
     )
 
 
+def parse_sampling_params(raw: dict[str, Any], where: str = "") -> SGLSamplingParams:
+    try:
+        return SGLSamplingParams.model_validate(raw)
+    except ValidationError as exc:
+        parts = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err.get("loc", ()))
+            if err.get("type") == "extra_forbidden":
+                parts.append(f"{where}unknown field 'sampling_params.{loc}'")
+            else:
+                parts.append(f"{where}sampling_params.{loc}: {err.get('msg', 'invalid')}")
+        raise InvalidRequestError("; ".join(parts)) from None
+
+
 def _per_item(value: Any, n: int, name: str, default: Any) -> list:
     """A field given once for the whole batch or once per prompt."""
     if isinstance(value, list):
@@ -126,7 +142,7 @@ def generate_items(req: GenerateRequest, room: Callable[[Any], int]) -> tuple[li
     rids = [r or uuid.uuid4().hex for r in rids]
     if len(set(rids)) != n:
         raise InvalidRequestError("rid values must be unique within a batch")
-    sps = _per_item(req.sampling_params, n, "sampling_params", SGLSamplingParams())
+    sps = _per_item(req.sampling_params, n, "sampling_params", {})
     logprob = _per_item(req.return_logprob, n, "return_logprob", False)
     starts = _per_item(req.logprob_start_len, n, "logprob_start_len", -1)
     tops = _per_item(req.top_logprobs_num, n, "top_logprobs_num", 0)
@@ -138,7 +154,7 @@ def generate_items(req: GenerateRequest, room: Callable[[Any], int]) -> tuple[li
         if logprob[i] and starts[i] != -1 and isinstance(prompts[i], list) and starts[i] < len(prompts[i]):
             raise InvalidRequestError(f"{where}logprob_start_len={starts[i]} asks for prompt-token logprobs, which "
                                       "pat-engine does not compute yet; use -1 (output tokens only)")
-        sp = sps[i]
+        sp = parse_sampling_params(sps[i], where)
         if sp.max_new_tokens is None:  # SGLang: as many as the context leaves
             sp = sp.model_copy(update={"max_new_tokens": room(prompts[i])})
         params = to_sampling_params(sp, logprob[i], where)
