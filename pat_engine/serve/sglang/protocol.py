@@ -78,6 +78,15 @@ class GenerateRequest(_Strict):
     bootstrap_room: Optional[Any] = None
     data_parallel_rank: Optional[int] = None
     routed_dp_rank: Optional[int] = None
+    # added by sglang-router (0.3.x) to every request it forwards; not GenerateReqInput fields
+    model: Optional[str] = None
+    background: Optional[bool] = None
+    no_logs: Optional[bool] = None
+    return_bytes: Optional[bool] = None
+    return_entropy: Optional[bool] = None
+
+
+ROUTER_FIELDS = {"model", "background", "no_logs", "return_bytes", "return_entropy"}
 
 
 class AbortRequest(_Strict):

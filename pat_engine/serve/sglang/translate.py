@@ -57,6 +57,8 @@ UNSUPPORTED_REQUEST: dict[str, tuple] = {
     "bootstrap_host": (None,),
     "bootstrap_port": (None,),
     "bootstrap_room": (None,),
+    "return_bytes": (None, False),
+    "return_entropy": (None, False),
 }
 
 
