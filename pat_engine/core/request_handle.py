@@ -70,10 +70,10 @@ class RequestHandle:
         with self._cond:  # publish first: listeners and waiters read what is published
             self._published = _Published(len(seq.output_ids), seq.finish_reason, seq.error)
             self._cond.notify_all()
+        if seq.finished:  # before the listeners: they may ask done()
+            self._done.set()
         for fn in self._listeners:
             fn(self)
-        if seq.finished:
-            self._done.set()
 
     @property
     def num_generated(self) -> int:
