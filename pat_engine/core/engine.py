@@ -21,7 +21,7 @@ from pat_engine.core.coordinator import GlobalCoordinator, StepRecord
 from pat_engine.core.inputs import RequestFactory, load_tokenizer
 from pat_engine.core.loop import EngineLoop
 from pat_engine.core.memory import CPU_DEFAULT_KV_BYTES, MemoryPlan
-from pat_engine.core.policy import ScheduledSwitches, SwitchDecision, SwitchPolicy
+from pat_engine.core.policy import ClusterStatus, ScheduledSwitches, SwitchDecision, SwitchPolicy
 from pat_engine.core.request import Sequence
 from pat_engine.core.request_handle import RequestHandle
 from pat_engine.core.rl_control import RLControlMixin
@@ -220,7 +220,7 @@ class Engine(RLControlMixin):
         return self._loop.run(lambda: len(self.coordinator.abort(
             [s.seq_id for s in self.coordinator.unfinished()], "abort", message)))
 
-    def cluster_status(self):
+    def cluster_status(self) -> ClusterStatus:
         """A ``ClusterStatus`` snapshot: the layout and, per DP group, its requests and free KV blocks."""
         return self._loop.run(self.coordinator.status)
 
