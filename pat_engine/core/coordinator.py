@@ -160,6 +160,12 @@ class GlobalCoordinator:
             self._notify(seq, 0)
         return out
 
+    def retract_all(self) -> int:
+        """Every running sequence frees its KV and waits to be prefilled again; drain() first."""
+        if self.inflight:
+            raise RuntimeError("retract_all with steps in flight: drain() first")
+        return sum(sched.retract_running() for sched in self.schedulers)
+
     def has_work(self) -> bool:
         return bool(self.inflight) or any(s.has_work() for s in self.schedulers)
 

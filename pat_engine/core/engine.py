@@ -22,7 +22,7 @@ from pat_engine.core.coordinator import GlobalCoordinator, StepRecord
 from pat_engine.core.inputs import RequestFactory, load_tokenizer
 from pat_engine.core.loop import EngineLoop
 from pat_engine.core.memory import CPU_DEFAULT_KV_BYTES, MemoryPlan
-from pat_engine.core.policy import ScheduledSwitches, SwitchDecision, SwitchPolicy
+from pat_engine.core.policy import ClusterStatus, ScheduledSwitches, SwitchDecision, SwitchPolicy
 from pat_engine.core.request import Sequence
 from pat_engine.core.request_handle import RequestHandle
 from pat_engine.core.rl_control import RLControlMixin
@@ -211,8 +211,14 @@ class Engine(RLControlMixin):
         self._ensure_open()
         samples = self._make([prompt], params, [request_id] if request_id else None)[0]
         handles = [RequestHandle(s, self.request_factory.decode) for s in samples]
-        self._loop.run(self.coordinator.add_samples, samples)
+        self._loop.run(self._admit, samples)
         return handles
+
+    def _admit(self, samples: list[Sequence]) -> None:
+        """Queue the samples of one prompt (in the engine loop), noting the weight version they start under."""
+        for seq in samples:
+            seq.weight_versions = [(0, self.weights.version)]
+        self.coordinator.add_samples(samples)
 
     def abort(self, request_ids: Iterable[str]) -> int:
         """Stop requests; they finish with reason "abort" and keep what they generated."""
@@ -223,6 +229,15 @@ class Engine(RLControlMixin):
             return len(self.coordinator.abort(ids, "abort", "aborted by the caller"))
 
         return self._loop.run(_abort)
+
+    def abort_all(self, message: str = "aborted by the caller") -> int:
+        """Abort every unfinished request (each keeps what it generated); returns how many."""
+        return self._loop.run(lambda: len(self.coordinator.abort(
+            [s.seq_id for s in self.coordinator.unfinished()], "abort", message)))
+
+    def cluster_status(self) -> ClusterStatus:
+        """A ``ClusterStatus`` snapshot: the layout and, per DP group, its requests and free KV blocks."""
+        return self._loop.run(self.coordinator.status)
 
     def generate(
         self,
@@ -252,7 +267,7 @@ class Engine(RLControlMixin):
         def start() -> None:
             start_stage()
             for family in families:
-                self.coordinator.add_samples(family)
+                self._admit(family)
 
         self._loop.run(start)
         try:

@@ -73,7 +73,8 @@ class RequestFactory:
             seq_id = next(self._ids)
             samples.append(replace(first, seq_id=seq_id, spec=replace(first.spec, seed=sample_seed(first.spec.seed, i)),
                                    sample_index=i, first_sample=first, prompt_ids=list(first.prompt_ids),
-                                   output_ids=[], logprobs=[], block_table=[], arrival_time=first.arrival_time,
+                                   output_ids=[], logprobs=[], top_logprobs=[], weight_versions=[], block_table=[],
+                                   arrival_time=first.arrival_time,
                                    stop_strings=self._stop_matcher(params)))
         return samples
 

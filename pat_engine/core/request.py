@@ -43,6 +43,7 @@ class Sequence:
     sample_index: int = 0  # which of the n samples of its prompt
     first_sample: "Sequence | None" = None  # sample 0 of the same prompt, when this is a later sample
     blocks_registered: int = 0  # leading blocks of the table already indexed in the prefix cache
+    cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     arrival_time: float = field(default_factory=time.time)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -51,6 +52,8 @@ class Sequence:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per output token, when asked
     prompt_logprobs: PromptLogprobs | None = None  # when asked, from the first prefill of the whole prompt
+    # (first output index, weight version): the weights that produced each token from there on
+    weight_versions: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -131,6 +134,22 @@ class Sequence:
             return None
         return self.stop_strings.text[: self.stop_strings.safe_len(self.finished)]
 
+    def weight_version_spans(self, num_tokens: int) -> list[tuple[str, int, int]]:
+        """``(version, start, end)`` over the first ``num_tokens`` output tokens (SGLang's
+        ``meta_info["weight_versions"]``); a version that produced no token is left out, except the
+        one the request started under when it has produced nothing yet."""
+        spans: list[tuple[str, int, int]] = []
+        points = list(self.weight_versions)
+        for i, (start, version) in enumerate(points):
+            end = points[i + 1][0] if i + 1 < len(points) else num_tokens
+            start, end = min(start, num_tokens), min(end, num_tokens)
+            if end > start or (not spans and i == len(points) - 1):
+                if spans and spans[-1][0] == version:
+                    spans[-1] = (version, spans[-1][1], end)
+                else:
+                    spans.append((version, start, end))
+        return spans
+
     def suppressed_now(self) -> tuple[int, ...]:
         """Token ids the next draw may not take (EOS and stop ids before min_new_tokens)."""
         if len(self.output_ids) >= self.params.min_new_tokens:
@@ -163,5 +182,6 @@ class Sequence:
                 "first_token_time": self.first_token_time,
                 "finish_time": self.finish_time,
                 "preemptions": self.preemptions,
+                "cached_tokens": self.cached_tokens,
             },
         )

@@ -11,7 +11,7 @@ only ever appended, so the published prefix never changes under a reader.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from pat_engine.core.request import Sequence
@@ -32,6 +32,8 @@ class RequestProgress:
     # stop-string matches held back; None otherwise (readers decode ``token_ids`` themselves)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per generated token, when asked
+    weight_versions: list[tuple[str, int, int]] = field(default_factory=list)  # (version, start, end) over
+    # token_ids: which weights made them
 
     @property
     def finished(self) -> bool:
@@ -109,7 +111,8 @@ class RequestHandle:
         logprobs = list(seq.logprobs[:n]) if seq.params.logprobs else None
         tops = list(seq.top_logprobs[:n]) if seq.params.logprobs and seq.params.top_logprobs else None
         return RequestProgress(seq.request_id, list(seq.prompt_ids), list(seq.output_ids[:n]), logprobs,
-                               pub.finish_reason, pub.error, pub.text, pub.stop_reason, tops)
+                               pub.finish_reason, pub.error, pub.text, pub.stop_reason, tops,
+                               seq.weight_version_spans(n))
 
     def output(self, with_text: bool = True) -> RequestOutput:
         """The request as it stands (final once ``done()``); ``with_text=False`` skips detokenizing."""

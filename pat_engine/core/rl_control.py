@@ -19,10 +19,12 @@ from pat_engine.errors import InvalidRequestError, ModelLoadError
 from pat_engine.model.arch import load_model_arch
 from pat_engine.model.llama import CausalLM
 from pat_engine.model.weights import WeightNameCheck, safetensors_files
+from pat_engine.parallel.update_group import BACKENDS, parse_dtype
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 256 << 20
+PAUSE_MODES = ("in_place", "retract", "abort")
 
 
 def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], limit: int, check: WeightNameCheck) -> Iterator[list]:
@@ -52,12 +54,29 @@ class RLControlMixin:
             self._weight_check_cache = WeightNameCheck(CausalLM(self.arch, 1, torch.float32, "meta"))
         return self._weight_check_cache
 
+    def check_weight_update(self, names: list[str], shapes: list[tuple[int, ...]], dtypes: list) -> None:
+        """Refuse a whole update before anything is applied: an unknown name, a wrong shape, a dtype
+        that is not floating point, or lists of different lengths (``InvalidRequestError`` names it)."""
+        if not len(names) == len(shapes) == len(dtypes):
+            raise InvalidRequestError(f"names, shapes and dtypes differ in length ({len(names)}, {len(shapes)}, "
+                                      f"{len(dtypes)})")
+        check = self._weight_check()
+        for name, shape, dtype in zip(names, shapes, dtypes):
+            try:
+                dt = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype)
+                if not dt.is_floating_point:
+                    raise ValueError(f"{dt} is not a floating-point dtype")
+                check.check(name, tuple(shape))
+            except (ValueError, ModelLoadError) as exc:
+                raise InvalidRequestError(f"weight {name!r}: {exc}") from None
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, weight_version: str | None = None) -> int:
         """Load new weights from ``(hf_name, full_tensor)`` pairs; returns how many tensors were applied.
 
         Names and shapes are checked before anything is sent. Runs at a step boundary; requests in
-        flight continue with the new weights (as vLLM and SGLang do).
+        flight continue with the new weights (as vLLM and SGLang do). ``weight_version`` names the
+        new weights in outputs (default: the count of updates so far).
         """
         self._ensure_open()
         check = self._weight_check()
@@ -69,9 +88,10 @@ class RLControlMixin:
 
             applied += self._loop.run(send)
             self.weights.updated_in_memory()
+        self._new_weight_version(weight_version)
         return applied
 
-    def update_weights_from_disk(self, path: str) -> None:
+    def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> None:
         """Reload every rank's shard from a checkpoint of the same architecture and shapes."""
         self._ensure_open()
         arch = load_model_arch(path)
@@ -85,6 +105,65 @@ class RLControlMixin:
 
         self._loop.run(reload)
         self.weights.updated_from_disk(str(path))
+        self._new_weight_version(weight_version)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str | None = None,
+                                  timeout_s: float | None = None) -> None:
+        """Every worker joins a trainer's group (trainer = rank 0, worker r = ``rank_offset + r``).
+
+        Blocks until the trainer has joined too. ``backend`` defaults to gloo on CPU, NCCL on GPU.
+        """
+        self._ensure_open()
+        backend = backend or ("nccl" if self.config.device == "cuda" else "gloo")
+        if backend not in BACKENDS:
+            raise InvalidRequestError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if rank_offset < 1 or rank_offset + self.config.world > world_size:
+            raise InvalidRequestError(f"ranks {rank_offset}..{rank_offset + self.config.world - 1} of this engine's "
+                                      f"{self.config.world} workers do not fit a group of {world_size} (rank 0 is the trainer)")
+        timeout = timeout_s or self.config.collective_timeout_s
+        self._loop.run(lambda: self.coordinator.pool.call(
+            "init_weights_update_group", master_address=master_address, master_port=int(master_port),
+            rank_offset=rank_offset, world_size=world_size, group_name=group_name, backend=backend,
+            timeout_s=timeout, timeout=timeout + 30))
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", weight_version: str | None = None,
+                                        timeout_s: float | None = None) -> int:
+        """Receive full tensors the trainer broadcasts (in ``names`` order) and load them under the current
+        layout. The update is checked whole first; a refused one leaves the weights as they were."""
+        self._ensure_open()
+        self.check_weight_update(names, [tuple(s) for s in shapes], dtypes)
+
+        def receive() -> int:
+            self.coordinator.drain()
+            return self.coordinator.pool.call("update_weights_from_distributed", names=list(names),
+                                              dtypes=[str(d) for d in dtypes], shapes=[list(s) for s in shapes],
+                                              group_name=group_name, timeout=timeout_s)[0]
+
+        applied = self._loop.run(receive)
+        self.weights.updated_in_memory()
+        self._new_weight_version(weight_version)
+        return applied
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> bool:
+        self._ensure_open()
+        return all(self._loop.run(lambda: self.coordinator.pool.call("destroy_weights_update_group",
+                                                                     group_name=group_name)))
+
+    @property
+    def weight_version(self) -> str:
+        return self.weights.version
+
+    def _new_weight_version(self, version: str | None) -> str:
+        """Count one finished update; unfinished requests note from which token the new weights apply."""
+        def mark() -> str:
+            name = self.weights.new_version(version)
+            for seq in self.coordinator.unfinished():
+                seq.weight_versions.append((len(seq.output_ids), name))
+            return name
+
+        return self._loop.run(mark)
 
     def sleep(self, level: int = 1) -> int:
         """Release memory for a colocated trainer; returns the bytes freed (summed over ranks).
@@ -128,12 +207,35 @@ class RLControlMixin:
     def sleeping(self) -> bool:
         return self.weights.sleep_level > 0
 
-    def pause(self) -> None:
-        """Stop starting new steps (requests keep their KV); ``resume`` continues them."""
-        self._loop.run(lambda: setattr(self.coordinator, "paused", True))
+    def pause(self, mode: str = "in_place") -> int:
+        """Stop starting new steps until ``resume``; returns how many requests the mode touched.
+
+        ``in_place``: requests keep their KV and continue where they were. ``retract``: every
+        running request frees its KV and waits to be prefilled again (same tokens: sampling depends
+        only on (seed, position)). ``abort``: every unfinished request finishes with reason "abort",
+        keeping what it generated. Requests submitted while paused wait.
+        """
+        if mode not in PAUSE_MODES:
+            raise InvalidRequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+
+        def go() -> int:
+            coord = self.coordinator
+            coord.paused = True
+            coord.drain()
+            if mode == "retract":
+                return coord.retract_all()
+            if mode == "abort":
+                return len(coord.abort([s.seq_id for s in coord.unfinished()], "abort", "aborted by pause (mode abort)"))
+            return len(coord.unfinished())
+
+        return self._loop.run(go)
 
     def resume(self) -> None:
         self._loop.run(lambda: setattr(self.coordinator, "paused", False))
+
+    @property
+    def paused(self) -> bool:
+        return self.coordinator.paused
 
     def flush_cache(self) -> bool:
         """API compatibility with vLLM/SGLang: pat-engine keeps no prefix cache, so there is nothing to drop."""

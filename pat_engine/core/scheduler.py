@@ -120,6 +120,8 @@ class GroupScheduler:
             seq.blocks_sent = 0
             seq.num_cached = cached
             seq.blocks_registered = len(hits)
+            if seq.preemptions == 0 and not seq.output_ids:  # its first admission
+                seq.cached_tokens = cached
             batch.append(seq)
             tokens += seq.length - cached
         self.waiting.extendleft(reversed(held))
@@ -142,6 +144,14 @@ class GroupScheduler:
             else:
                 batch.append(seq)
         return batch
+
+    def retract_running(self) -> int:
+        """Free the KV of every running sequence and queue it again at the front, in its order
+        (preemption by recompute, for all of them: a pause in SGLang's "retract" mode)."""
+        seqs = list(self.running)
+        for seq in reversed(seqs):
+            self._preempt(seq)
+        return len(seqs)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+INITIAL_WEIGHT_VERSION = "default"  # SGLang's name for the weights a server started with
+
 
 @dataclass
 class ServedWeights:
@@ -16,6 +18,14 @@ class ServedWeights:
     on_disk: bool = True  # False after in-memory updates: a restart would lose them
     stale: bool = False  # the workers do not serve the latest weights (until the trainer pushes them again)
     sleep_level: int = 0  # 0 awake; 1 KV (and on GPU weights) released; 2 weights dropped too
+    updates: int = 0  # weight updates applied so far (every kind: tensors, disk, distributed)
+    version: str = INITIAL_WEIGHT_VERSION  # what responses report; the caller's string, else the update count
+
+    def new_version(self, version: str | None = None) -> str:
+        """One whole weight update finished: count it and name the version now served."""
+        self.updates += 1
+        self.version = str(version) if version is not None else str(self.updates)
+        return self.version
 
     def updated_in_memory(self) -> None:
         self.on_disk, self.stale = False, False

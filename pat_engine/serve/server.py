@@ -26,6 +26,7 @@ from pat_engine.errors import EngineClosedError, InvalidRequestError
 from pat_engine.serve.async_engine import AsyncEngine, ClientDisconnected, RequestGroup, ServerOverloaded, ServerShuttingDown
 from pat_engine.serve.errors import APIError, validation_error
 from pat_engine.serve.metrics import ServerMetrics
+from pat_engine.serve.sglang import register_sglang_routes
 from pat_engine.serve.openai_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -160,6 +161,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     async def timeline() -> dict:
         return engine.timeline
 
+    register_sglang_routes(app, pat)  # SGLang's native API: /generate, control, weight sync (serve/sglang/)
     return app
 
 

@@ -59,6 +59,7 @@ class Worker:
         self.executor.load_weights(args.weights_path)
         self.faults = FaultInjector(args.rank)
         self.switcher = SwitchExecutor(args.rank, self.cpu_world, self.groups, self.faults)
+        self.update_groups: dict[str, dist.ProcessGroup] = {}  # trainer weight-update groups, by name
 
     # ---- RPC methods (called by name from the driver) -----------------------------------
 
@@ -105,6 +106,33 @@ class Worker:
         self.executor.restore_weights()
         tp = self.executor.tp
         return len(load_shard_from_tensors(self.executor.model, tensors, tp.rank, tp.size))
+
+    def rpc_init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                      world_size: int, group_name: str, backend: str, timeout_s: float) -> None:
+        """Join a trainer's weight-update group as rank ``rank_offset + self.rank``."""
+        from pat_engine.parallel.update_group import join_update_group
+
+        if group_name in self.update_groups:
+            raise ValueError(f"weight-update group {group_name!r} already exists; destroy it first")
+        self.update_groups[group_name] = join_update_group(master_address, master_port, rank_offset + self.rank,
+                                                           world_size, group_name, backend, timeout_s)
+
+    def rpc_update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                            group_name: str) -> int:
+        """Receive the trainer's broadcast of full tensors and load this rank's shards of them."""
+        from pat_engine.model.weights import load_shard_from_tensors
+        from pat_engine.parallel.update_group import receive_broadcast
+
+        tensors = receive_broadcast(self.update_groups[group_name], names, dtypes, shapes, self.device)
+        self.executor.restore_weights()
+        tp = self.executor.tp
+        return len(load_shard_from_tensors(self.executor.model, tensors, tp.rank, tp.size))
+
+    def rpc_destroy_weights_update_group(self, group_name: str) -> bool:
+        pg = self.update_groups.pop(group_name, None)
+        if pg is not None:
+            dist.destroy_process_group(pg)
+        return pg is not None
 
     def rpc_reload_weights(self, path: str) -> None:
         self.executor.restore_weights()
