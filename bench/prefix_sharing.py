@@ -5,7 +5,8 @@ A. ``--n`` samples of each of ``--prompts`` prompts of ``--prompt-len`` random t
    - shared: ``SamplingParams(n=N)`` (the prompt is prefilled once, its full blocks shared);
    - unshared: the same N draws sent as N separate requests (seeds ``sample_seed(seed, i)``) with
      prefix caching off, i.e. what an engine without sharing does.
-   Reported: peak KV blocks in use (polled), wall time, decode tokens/s; the tokens must agree.
+   Reported: peak KV blocks in use (polled), wall time, and "decode tok/s" = generated tokens / wall time
+   (prefill included); the tokens must agree.
 B. ``--requests`` requests, each one of ``--systems`` system prompts of ``--system-len`` tokens plus
    a unique question: prefix caching on vs off; hit rate and wall time.
 
