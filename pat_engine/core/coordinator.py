@@ -62,7 +62,7 @@ class GlobalCoordinator:
         self.config = config
         self.memory = memory
         self.pool = pool
-        self.timeline = Timeline()
+        self.timeline = Timeline(config.timeline_max_events)
         self.cost_source = MeasuredRates()  # replaced by the predictor when a profile table is loaded
         self.policy: SwitchPolicy | None = None
         self.pending_switch: SwitchDecision | None = None
@@ -74,6 +74,7 @@ class GlobalCoordinator:
         self._set_layout(layout, [])
         self.seqs: dict[int, Sequence] = {}  # unfinished, by seq id
         self.step_log: list[StepRecord] | None = None  # set to a list to record every step
+        self.last_step_at: float | None = None  # monotonic time of the last step result (for /health)
 
     # ---- layout ----------------------------------------------------------------------
 
@@ -109,6 +110,23 @@ class GlobalCoordinator:
             out.append(seq)
             self._notify(seq, 0)
         return out
+
+    def withdraw(self, seq_ids: list[int]) -> list[Sequence]:
+        """Take requests out of the queues without finishing them (held back after a crash); KV dropped."""
+        out = []
+        for sid in seq_ids:
+            seq = self.seqs.pop(sid, None)
+            if seq is None:
+                continue
+            self.schedulers[seq.group].remove(seq)
+            seq.block_table, seq.blocks_sent, seq.num_cached = [], 0, 0
+            out.append(seq)
+        return out
+
+    def step_members(self, rank: int | None) -> list[Sequence]:
+        """Unfinished requests in the steps in flight on ``rank``'s DP group (every group's when None)."""
+        groups = [g for g in self.inflight if rank is None or rank in self.layout.group_ranks(g)]
+        return [s for g in groups for s in self.inflight[g].batch if s.seq_id in self.seqs]
 
     def has_work(self) -> bool:
         return bool(self.inflight) or any(s.has_work() for s in self.schedulers)
@@ -163,6 +181,7 @@ class GlobalCoordinator:
         flight = self.inflight.pop(msg.group, None)
         if flight is None or flight.cmd.step_id != msg.step_id:
             return  # a stale answer from before a restart
+        self.last_step_at = time.monotonic()
         sched = self.schedulers[msg.group]
         is_prefill = flight.cmd.is_prefill
         if is_prefill:

@@ -25,12 +25,13 @@ from pat_engine.core.loop import EngineLoop
 from pat_engine.core.memory import CPU_DEFAULT_KV_BYTES, MemoryPlan
 from pat_engine.core.policy import ScheduledSwitches, SwitchDecision, SwitchPolicy
 from pat_engine.core.request import Sequence
+from pat_engine.core.restart_budget import RestartBudget
 from pat_engine.core.rl_control import RLControlMixin
 from pat_engine.core.timeline import SwitchEvent
 from pat_engine.core.worker_pool import WorkerPool
-from pat_engine.errors import InvalidRequestError, LayoutError, ModelLoadError, WorkerFailure
+from pat_engine.errors import EngineDeadError, InvalidRequestError, LayoutError, ModelLoadError, WorkerFailure
 from pat_engine.model.arch import load_model_arch
-from pat_engine.model.weights import safetensors_files
+from pat_engine.model.weights import check_safetensors_headers, safetensors_files
 from pat_engine.outputs import RequestOutput
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.setup import attach_controller
@@ -95,7 +96,7 @@ class Engine(RLControlMixin):
         self.config = EngineConfig.from_kwargs(model, tp=tp, dp=dp, **kwargs)
         cfg = self.config
         self.arch = load_model_arch(cfg.model)  # unknown architecture / missing files fail here, before spawning
-        safetensors_files(cfg.model)
+        check_safetensors_headers(safetensors_files(cfg.model))  # a damaged file is named before spawning
         self.base_layout = self._check_layout(cfg.tp)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         max_len = min(cfg.max_model_len or self.arch.max_position, self.arch.max_position)
@@ -120,7 +121,8 @@ class Engine(RLControlMixin):
             pool.kill()
             raise InvalidRequestError(f"the KV budget ({self.memory.kv_budget_base} bytes per rank) holds no KV block")
         self.coordinator = GlobalCoordinator(cfg, self.memory, pool, self.base_layout)
-        self._loop = EngineLoop(self.coordinator, self._start_pool, cfg.max_worker_restarts, cfg.recover_failed_workers)
+        self._loop = EngineLoop(self.coordinator, self._start_pool,
+                                RestartBudget(cfg.max_worker_restarts, cfg.restart_window_s), cfg.recover_failed_workers)
         self._closed = False
         try:
             attach_controller(self)
@@ -239,7 +241,7 @@ class Engine(RLControlMixin):
         self._ensure_open()
         seq = self._make([prompt], params, [request_id] if request_id else None)[0]
         handle = RequestHandle(seq, self.requests.decode)
-        self._loop.run(self.coordinator.add, seq)
+        self._loop.run(self._loop.admit, [seq])
         return handle
 
     def abort(self, request_ids: Iterable[str]) -> int:
@@ -248,7 +250,9 @@ class Engine(RLControlMixin):
 
         def _abort() -> int:
             ids = [s.seq_id for s in self.coordinator.unfinished() if s.request_id in wanted]
-            return len(self.coordinator.abort(ids, "abort", "aborted by the caller"))
+            held = [s for s in self._loop.quarantine.parked() if s.request_id in wanted and not s.finished]
+            self._loop.finish_parked(held, "abort", "aborted by the caller")  # held back after a crash
+            return len(self.coordinator.abort(ids, "abort", "aborted by the caller")) + len(held)
 
         return self._loop.run(_abort)
 
@@ -278,9 +282,10 @@ class Engine(RLControlMixin):
         bar = tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
 
         def start() -> None:
+            if self._loop.dead is not None:
+                raise EngineDeadError(self._loop.dead)
             start_stage()
-            for s in seqs:
-                self.coordinator.add(s)
+            self._loop.admit(seqs)
 
         self._loop.run(start)
         try:
@@ -356,6 +361,17 @@ class Engine(RLControlMixin):
             from pat_engine.errors import EngineClosedError
 
             raise EngineClosedError("the engine has been shut down")
+        if self._loop.dead is not None:  # refuse at once; admit() checks again in the loop thread
+            raise EngineDeadError(self._loop.dead)
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine cannot serve any more, or None while it can."""
+        return self._loop.dead
+
+    def health(self) -> dict:
+        """Workers alive, age of the oldest step in flight and of the last result, restarts (any thread)."""
+        return self._loop.health()
 
 
 def raise_if_no_cuda() -> None:
