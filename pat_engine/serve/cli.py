@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -137,8 +138,6 @@ def _serve(ns: argparse.Namespace) -> int:
 
 def _server_config(ns: argparse.Namespace):
     """ServerConfig from the flags, checked before the engine starts."""
-    import os
-
     from pat_engine.serve.server import DEFAULT_MAX_BODY_BYTES, ServerConfig
 
     if ns.max_queued_requests < 1:
@@ -187,12 +186,19 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     run = {"batch": _batch, "serve": _serve, "plot": _plot, "demo": _demo}[ns.command]
     try:
-        return run(ns)
+        rc = run(ns)
     except KeyboardInterrupt:
         return 130
     except (PatEngineError, NotImplementedError, OSError) as exc:
         print(f"pat-serve {ns.command}: error: {exc}", file=sys.stderr)
         return 1
+    if ns.command == "serve":
+        # Everything is closed (workers stopped, socket shut). Tearing the interpreter down with torch and
+        # transformers loaded takes seconds on a busy host; a supervisor waiting on SIGTERM should not.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
 
 if __name__ == "__main__":

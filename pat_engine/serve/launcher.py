@@ -88,10 +88,11 @@ def run_foreground(app: FastAPI, sock: socket.socket, log_level: str = "warning"
 class BackgroundServer:
     """``with BackgroundServer(app) as srv: httpx.get(srv.url + "/health")`` on a free loopback port."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 graceful_s: float = 2.0, on_exit: Callable[[], None] | None = None):
         self.sock = bind_socket(host, port)
         self.url = f"http://{host}:{bound_port(self.sock)}"
-        self.server = _server(app, log_level, graceful_s=2.0)
+        self.server = _server(app, log_level, graceful_s, on_exit)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                         name="pat-serve-http", daemon=True)
 
