@@ -199,6 +199,29 @@ class Engine(RLControlMixin):
         slowest = max(seconds)
         return float("inf") if slowest == 0 else nbytes / slowest
 
+    def kv_blocks(self) -> dict:
+        """Free and total KV blocks per DP group, and the requests holding any (run in the loop).
+
+        Runs the coordinator's own invariant check (free + used == total, no block owned twice)
+        when it has one, and reports its error instead of raising."""
+
+        def read() -> dict:
+            coord = self.coordinator
+            groups = [{"group": g, "free": s.allocator.num_free, "total": s.allocator.num_blocks}
+                      for g, s in enumerate(coord.schedulers)]
+            out = {"layout": str(coord.layout), "groups": groups, "unfinished": len(coord.unfinished()),
+                   "invariants": "not available"}
+            check = getattr(coord, "check_block_invariants", None)
+            if check is not None:
+                try:
+                    check()
+                    out["invariants"] = "ok"
+                except Exception as exc:  # reported, not raised: this is a diagnostic
+                    out["invariants"] = f"violated: {exc}"
+            return out
+
+        return self._loop.run(read)
+
     def worker_stats(self) -> list[dict]:
         return self._loop.run(lambda: self.coordinator.pool.call("stats"))
 

@@ -191,23 +191,25 @@ class EngineLoop:
         can_restart = self.budget.take()
         coord.timeline.add_switch(SwitchEvent(coord.timeline.now(), str(coord.layout), str(coord.memory.base),
                                               f"worker failure: {message}", "recompute", 0.0, ok=False, error=message))
-        poison, held = self.quarantine.on_crash(suspects)
-        if poison:
-            log.error("failing %d request(s) whose step failed twice: %s", len(poison),
-                      ", ".join(s.request_id for s in poison))
-            coord.abort([s.seq_id for s in poison], "error",
-                        f"this request's step made a worker fail twice ({message}); it was failed alone and the "
-                        "engine goes on with the others")
         requeue = self.recover and can_restart and self.weights_on_disk
+        held: list[Sequence] = []
         if requeue:
+            poison, held = self.quarantine.on_crash(suspects)
+            if poison:
+                log.error("failing %d request(s) whose step failed twice: %s", len(poison),
+                          ", ".join(s.request_id for s in poison))
+                coord.abort([s.seq_id for s in poison], "error",
+                            f"this request's step made a worker fail twice ({message}); it was failed alone and "
+                            "the engine goes on with the others")
             self.quarantine.park(coord.withdraw([s.seq_id for s in held]))
         else:
+            if not can_restart:  # set first: a caller woken by the aborts below must see why
+                self.dead = (f"the engine cannot serve: workers failed more often than the restart budget allows "
+                             f"({self.budget.describe()}); last failure: {message}")
             reason = "worker failure" if can_restart else "worker failure (restart budget used up)"
             coord.abort([s.seq_id for s in coord.unfinished()], "error", f"{reason}: {message}")
             self.finish_parked(self.quarantine.take_parked(), "error", f"{reason}: {message}")
         if not can_restart:
-            self.dead = (f"the engine cannot serve: workers failed more often than the restart budget allows "
-                         f"({self.budget.describe()}); last failure: {message}")
             return
         try:
             pool = self._make_pool()

@@ -12,6 +12,7 @@ and each open stream ends with an in-band error event and ``[DONE]``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -199,6 +200,10 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(pat.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/pat/kv")
+    async def kv_blocks() -> dict:
+        return await asyncio.to_thread(engine.kv_blocks)
 
     @app.get("/pat/timeline")
     async def timeline() -> dict:
