@@ -242,3 +242,37 @@ def test_server_exits_nonzero_when_the_engine_cannot_recover(model_dir):
         proc.kill()
     assert rc == 1
     assert "cannot serve" in proc.stderr.read()
+
+
+def test_pat_serve_step_timeout_flag_catches_a_stopped_worker(model_dir):
+    """Defect 4 under pat-serve: --step-timeout reaches the engine, /health reports the stall, the request
+    is recomputed on fresh workers and answered in full."""
+    proc, url = _start_server(model_dir("llama"), "--step-timeout", "2")
+    try:
+        result: dict = {}
+
+        def client() -> None:
+            r = httpx.post(url + "/v1/completions", timeout=120, json={
+                "prompt": [9, 8, 7], "max_tokens": 600, "ignore_eos": True, "return_token_ids": True})
+            result["r"] = r
+
+        th = threading.Thread(target=client)
+        th.start()
+        while httpx.get(url + "/health").json()["last_step_s"] is None:  # generating
+            time.sleep(0.02)
+        (worker,) = _children(proc.pid)
+        os.kill(worker, signal.SIGSTOP)
+        t = time.monotonic()
+        seen_503 = None
+        while seen_503 is None and time.monotonic() - t < 10:
+            h = httpx.get(url + "/health")
+            if h.status_code == 503:
+                seen_503 = h.json()["error"]["message"]
+            time.sleep(0.1)
+        th.join(120)
+        health = httpx.get(url + "/health").json()
+    finally:
+        proc.kill()
+    assert seen_503 and ("step_timeout_s=2" in seen_503 or "restarted" in seen_503), seen_503
+    assert len(result["r"].json()["choices"][0]["token_ids"]) == 600
+    assert health["restarts"] == 1 and health["step_timeout_s"] == 2
