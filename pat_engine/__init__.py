@@ -3,6 +3,7 @@
 from pat_engine.core.engine import Engine, RequestHandle
 from pat_engine.errors import (
     EngineClosedError,
+    EngineDeadError,
     InvalidRequestError,
     LayoutError,
     ModelLoadError,
@@ -27,4 +28,5 @@ __all__ = [
     "ModelLoadError",
     "WorkerFailure",
     "EngineClosedError",
+    "EngineDeadError",
 ]

@@ -68,7 +68,9 @@ class EngineConfig:
     collective_timeout_s: float = 120.0
     step_timeout_s: float = 600.0
     recover_failed_workers: bool = True  # restart the world and recompute unfinished requests
-    max_worker_restarts: int = 2
+    max_worker_restarts: int = 4  # restarts allowed within any restart_window_s; one more and the engine is dead
+    restart_window_s: float = 300.0
+    timeline_max_events: int = 10_000  # status points and switch records kept each (oldest dropped first)
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.dp < 1:
@@ -80,6 +82,13 @@ class EngineConfig:
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}; choose from {sorted(_DTYPES)} or 'auto'")
         if self.block_size < 1:
             raise InvalidRequestError(f"block_size must be >= 1, got {self.block_size}")
+        for name in ("worker_start_timeout_s", "collective_timeout_s", "step_timeout_s", "restart_window_s"):
+            if not getattr(self, name) > 0:  # NaN fails too
+                raise InvalidRequestError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if self.max_worker_restarts < 0:
+            raise InvalidRequestError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")
+        if self.timeline_max_events < 1:
+            raise InvalidRequestError(f"timeline_max_events must be >= 1, got {self.timeline_max_events}")
 
     @property
     def world(self) -> int:

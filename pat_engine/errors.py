@@ -25,6 +25,12 @@ class EngineClosedError(PatEngineError):
     """The engine was shut down."""
 
 
+class EngineDeadError(PatEngineError):
+    """The engine cannot serve any more (restart budget used up, or a restart failed); the message says why.
+
+    New requests are refused at once; make a new engine (a server exits non-zero so its supervisor does)."""
+
+
 class WorkerFailure(PatEngineError, RuntimeError):
     """A worker process raised, died or timed out.
 

@@ -116,7 +116,7 @@ def test_explicit_openai_defaults_are_accepted(client):
     ({"frequency_penalty": 3.0}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"min_p": 1.5}, "min_p"),
-    ({"stop_token_ids": [10**6]}, "stop token id"),
+    ({"stop_token_ids": [10**6]}, "stop_token_ids"),
 ])
 def test_bad_values_are_400s_naming_the_field_and_the_server_keeps_serving(client, extra, field):
     r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, **extra})

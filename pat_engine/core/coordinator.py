@@ -64,7 +64,7 @@ class GlobalCoordinator:
         self.config = config
         self.memory = memory
         self.pool = pool
-        self.timeline = Timeline()
+        self.timeline = Timeline(config.timeline_max_events)
         self.cost_source = MeasuredRates()  # replaced by the predictor when a profile table is loaded
         self.policy: SwitchPolicy | None = None
         # optional admission rule: placement(seq, schedulers) -> group (pat_engine.rollout.placement)
@@ -79,6 +79,7 @@ class GlobalCoordinator:
         self.install_layout(layout, self.new_schedulers(layout))
         self.seqs: dict[int, Sequence] = {}  # unfinished, by seq id
         self.step_log: list[StepRecord] | None = None  # set to a list to record every step
+        self.last_step_at: float | None = None  # monotonic time of the last step result (for /health)
 
     # ---- layout ----------------------------------------------------------------------
 
@@ -166,6 +167,23 @@ class GlobalCoordinator:
             raise RuntimeError("retract_all with steps in flight: drain() first")
         return sum(sched.retract_running() for sched in self.schedulers)
 
+    def withdraw(self, seq_ids: list[int]) -> list[Sequence]:
+        """Take requests out of the queues without finishing them (held back after a crash); KV dropped."""
+        out = []
+        for sid in seq_ids:
+            seq = self.seqs.pop(sid, None)
+            if seq is None:
+                continue
+            self.schedulers[seq.group].remove(seq)
+            seq.forget_kv()
+            out.append(seq)
+        return out
+
+    def step_members(self, rank: int | None) -> list[Sequence]:
+        """Unfinished requests in the steps in flight on ``rank``'s DP group (every group's when None)."""
+        groups = [g for g in self.inflight if rank is None or rank in self.layout.group_ranks(g)]
+        return [s for g in groups for s in self.inflight[g].batch if s.seq_id in self.seqs]
+
     def has_work(self) -> bool:
         return bool(self.inflight) or any(s.has_work() for s in self.schedulers)
 
@@ -220,6 +238,7 @@ class GlobalCoordinator:
         flight = self.inflight.pop(msg.group, None)
         if flight is None or flight.cmd.step_id != msg.step_id:
             return  # a stale answer from before a restart
+        self.last_step_at = time.monotonic()
         sched = self.schedulers[msg.group]
         is_prefill = flight.cmd.is_prefill
         if is_prefill:

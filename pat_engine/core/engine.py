@@ -25,13 +25,14 @@ from pat_engine.core.memory import CPU_DEFAULT_KV_BYTES, MemoryPlan
 from pat_engine.core.policy import ClusterStatus, ScheduledSwitches, SwitchDecision, SwitchPolicy
 from pat_engine.core.request import Sequence
 from pat_engine.core.request_handle import RequestHandle
+from pat_engine.core.restart_budget import RestartBudget
 from pat_engine.core.rl_control import RLControlMixin
 from pat_engine.core.served_weights import ServedWeights
 from pat_engine.core.timeline import SwitchEvent
 from pat_engine.core.worker_pool import WorkerPool
-from pat_engine.errors import EngineClosedError, InvalidRequestError, ModelLoadError, WorkerFailure
+from pat_engine.errors import EngineClosedError, EngineDeadError, InvalidRequestError, ModelLoadError, WorkerFailure
 from pat_engine.model.arch import load_model_arch
-from pat_engine.model.weights import safetensors_files
+from pat_engine.model.weights import check_safetensors_headers, safetensors_files
 from pat_engine.outputs import RequestOutput
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.setup import attach_controller
@@ -45,7 +46,7 @@ class Engine(RLControlMixin):
         self.config = EngineConfig.from_kwargs(model, tp=tp, dp=dp, **kwargs)
         cfg = self.config
         self.arch = load_model_arch(cfg.model)  # unknown architecture / missing files fail here, before spawning
-        safetensors_files(cfg.model)
+        check_safetensors_headers(safetensors_files(cfg.model))  # a damaged file is named before spawning
         self.base_layout = self.arch.layout(cfg.world, cfg.tp)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         max_len = min(cfg.max_model_len or self.arch.max_position, self.arch.max_position)
@@ -71,7 +72,8 @@ class Engine(RLControlMixin):
             pool.kill()
             raise InvalidRequestError(f"the KV budget ({self.memory.kv_budget_base} bytes per rank) holds no KV block")
         self.coordinator = GlobalCoordinator(cfg, self.memory, pool, self.base_layout)
-        self._loop = EngineLoop(self.coordinator, self._start_pool, cfg.max_worker_restarts, cfg.recover_failed_workers,
+        self._loop = EngineLoop(self.coordinator, self._start_pool,
+                                RestartBudget(cfg.max_worker_restarts, cfg.restart_window_s), cfg.recover_failed_workers,
                                 self.weights)
         self._closed = False
         try:
@@ -164,6 +166,24 @@ class Engine(RLControlMixin):
         slowest = max(seconds)
         return float("inf") if slowest == 0 else nbytes / slowest
 
+    def kv_blocks(self) -> dict:
+        """Free, cached and total KV blocks per DP group, and whether the block invariants hold (free +
+        cached + in use == total, reference counts equal the tables); reported, not raised."""
+
+        def read() -> dict:
+            coord = self.coordinator
+            groups = [{"group": g, "free": s.blocks.num_free, "cached": s.blocks.num_cached,
+                       "total": s.blocks.num_blocks} for g, s in enumerate(coord.schedulers)]
+            out = {"layout": str(coord.layout), "groups": groups, "unfinished": len(coord.unfinished())}
+            try:
+                coord.check_block_invariants()
+                out["invariants"] = "ok"
+            except AssertionError as exc:
+                out["invariants"] = f"violated: {exc}"
+            return out
+
+        return self._loop.run(read)
+
     def worker_stats(self) -> list[dict]:
         return self._loop.run(lambda: self.coordinator.pool.call("stats"))
 
@@ -218,7 +238,7 @@ class Engine(RLControlMixin):
         """Queue the samples of one prompt (in the engine loop), noting the weight version they start under."""
         for seq in samples:
             seq.weight_versions = [(0, self.weights.version)]
-        self.coordinator.add_samples(samples)
+        self._loop.admit(samples)
 
     def abort(self, request_ids: Iterable[str]) -> int:
         """Stop requests; they finish with reason "abort" and keep what they generated."""
@@ -226,7 +246,9 @@ class Engine(RLControlMixin):
 
         def _abort() -> int:
             ids = [s.seq_id for s in self.coordinator.unfinished() if s.request_id in wanted]
-            return len(self.coordinator.abort(ids, "abort", "aborted by the caller"))
+            held = [s for s in self._loop.quarantine.parked() if s.request_id in wanted and not s.finished]
+            self._loop.finish_parked(held, "abort", "aborted by the caller")  # held back after a crash
+            return len(self.coordinator.abort(ids, "abort", "aborted by the caller")) + len(held)
 
         return self._loop.run(_abort)
 
@@ -265,6 +287,8 @@ class Engine(RLControlMixin):
         bar = tqdm(total=len(handles), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
 
         def start() -> None:
+            if self._loop.dead is not None:
+                raise EngineDeadError(self._loop.dead)
             start_stage()
             for family in families:
                 self._admit(family)
@@ -351,6 +375,17 @@ class Engine(RLControlMixin):
     def _ensure_open(self) -> None:
         if self._closed:
             raise EngineClosedError("the engine has been shut down")
+        if self._loop.dead is not None:  # refuse at once; admit() checks again in the loop thread
+            raise EngineDeadError(self._loop.dead)
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine cannot serve any more, or None while it can."""
+        return self._loop.dead
+
+    def health(self) -> dict:
+        """Workers alive, age of the oldest step in flight and of the last result, restarts (any thread)."""
+        return self._loop.health()
 
 
 def raise_if_no_cuda() -> None:

@@ -7,9 +7,13 @@ loop's wait early when a call is posted.
 
 Worker failures are handled here too: the world is restarted and the
 unfinished requests are recomputed (same tokens, since sampling depends only
-on seed and position), or, when recovery is off or exhausted, the requests
-end with finish reason "error" and the world is still restarted so the
-engine keeps serving.
+on seed and position), or, when recovery is off, the requests end with
+finish reason "error" and the world is still restarted so the engine keeps
+serving. The requests of the failing step are replayed one at a time and a
+request whose step fails twice is failed alone (``Quarantine``). Restarts
+are a rate (``RestartBudget``): when a window's allowance is used up, or a
+restart itself fails, the engine is dead: ``dead`` says why, every request
+is ended with that error, and new ones are refused at once.
 """
 
 from __future__ import annotations
@@ -17,27 +21,33 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
 
 from pat_engine.core.coordinator import GlobalCoordinator
+from pat_engine.core.quarantine import Quarantine
+from pat_engine.core.request import Sequence
+from pat_engine.core.restart_budget import RestartBudget
 from pat_engine.core.served_weights import ServedWeights
 from pat_engine.core.timeline import SwitchEvent
 from pat_engine.core.worker_pool import WorkerPool
-from pat_engine.errors import EngineClosedError, WorkerFailure
+from pat_engine.errors import EngineClosedError, EngineDeadError, WorkerFailure
 
 log = logging.getLogger(__name__)
 
 
 class EngineLoop:
-    def __init__(self, coordinator: GlobalCoordinator, make_pool: Callable[[], WorkerPool], max_restarts: int,
+    def __init__(self, coordinator: GlobalCoordinator, make_pool: Callable[[], WorkerPool], budget: RestartBudget,
                  recover: bool, weights: ServedWeights):
         self.coordinator = coordinator
         self._make_pool = make_pool
-        self.max_restarts = max_restarts
+        self.budget = budget
         self.recover = recover
-        self.restarts = 0
+        self.restarts = 0  # over the engine's life (the budget counts the recent ones)
+        self.restarting = False  # True while a failed world is being replaced (for /health)
+        self.quarantine = Quarantine()
         self.weights = weights  # a restart reloads them from disk, which loses in-memory updates
         self.failures: list[str] = []
         self._inbox: deque[tuple[Callable, tuple, Future]] = deque()
@@ -83,8 +93,45 @@ class EngineLoop:
 
     def _shutdown(self) -> None:
         self.coordinator.abort([s.seq_id for s in self.coordinator.unfinished()], "abort", "engine shut down")
+        self.finish_parked(self.quarantine.take_parked(), "abort", "engine shut down")
         self.coordinator.pool.shutdown()
         self._stop = True
+
+    # ---- admission and state (run in the loop thread unless noted) -------------------------------
+
+    def admit(self, samples: list[Sequence]) -> None:
+        """Queue the samples of one prompt; refused here, in the loop thread, so none slips in after the
+        engine died."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        self.coordinator.add_samples(samples)
+
+    def finish_parked(self, seqs: list[Sequence], reason: str, error: str | None) -> None:
+        """End requests held back by the quarantine (they are in no queue of the coordinator)."""
+        for seq in seqs:
+            if not seq.finished:
+                seq.finish(reason, error)
+                if seq.on_update is not None:
+                    seq.on_update(seq, 0)
+
+    def health(self) -> dict:
+        """A snapshot for /health; read from any thread (plain attribute reads, no loop round trip,
+        so it answers while the loop is busy or stuck)."""
+        coord = self.coordinator
+        now = time.monotonic()
+        pool = coord.pool
+        flights = list(coord.inflight.values())
+        return {
+            "dead": self.dead,
+            "restarting": self.restarting,
+            "workers_alive": bool(pool is not None and pool.alive()),
+            "oldest_step_s": round(now - min(f.sent_at for f in flights), 3) if flights else None,
+            "last_step_s": None if coord.last_step_at is None else round(now - coord.last_step_at, 3),
+            "step_timeout_s": coord.config.step_timeout_s,
+            "restarts": self.restarts,
+            "restarts_in_window": self.budget.recent(),
+            "restart_budget": self.budget.describe(),
+        }
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -104,6 +151,7 @@ class EngineLoop:
                 break
             try:
                 if self.dead is None:
+                    self._admit_held()
                     self.coordinator.tick(0.5, self._wake_r)
                 else:
                     self._wake_r.poll(0.5)
@@ -119,31 +167,59 @@ class EngineLoop:
         while self._wake_r.poll():
             self._wake_r.recv_bytes()
 
+    def _admit_held(self) -> None:
+        seq = self.quarantine.next_to_admit()
+        if seq is not None:
+            log.warning("replaying request %s alone after a failed step", seq.request_id)
+            self.coordinator.add(seq)
+
     def _on_failure(self, exc: WorkerFailure) -> None:
         coord = self.coordinator
         message = str(exc).splitlines()[0]
         self.failures.append(str(exc))
         log.error("worker failure: %s", message)
+        self.restarting = True
+        try:
+            self._recover(coord, exc, message)
+        finally:
+            self.restarting = False
+
+    def _recover(self, coord: GlobalCoordinator, exc: WorkerFailure, message: str) -> None:
+        suspects = coord.step_members(exc.rank)  # read before the world is torn down
         coord.pool.kill()
-        affected = coord.unfinished()
         self.restarts += 1
-        can_restart = self.restarts <= self.max_restarts
+        can_restart = self.budget.take()
         coord.timeline.add_switch(SwitchEvent(coord.timeline.now(), str(coord.layout), str(coord.memory.base),
                                               f"worker failure: {message}", "recompute", 0.0, ok=False, error=message))
         requeue = self.recover and can_restart and self.weights.on_disk
-        if not requeue:
+        held: list[Sequence] = []
+        if requeue:
+            poison, held = self.quarantine.on_crash(suspects)
+            if poison:
+                log.error("failing %d request(s) whose step failed twice: %s", len(poison),
+                          ", ".join(s.request_id for s in poison))
+                coord.abort([s.seq_id for s in poison], "error",
+                            f"this request's step made a worker fail twice ({message}); it was failed alone and "
+                            "the engine goes on with the others")
+            self.quarantine.park(coord.withdraw([s.seq_id for s in held]))
+        else:
+            if not can_restart:  # set first: a caller woken by the aborts below must see why
+                self.dead = (f"the engine cannot serve: workers failed more often than the restart budget allows "
+                             f"({self.budget.describe()}); last failure: {message}")
             reason = "worker failure" if can_restart else "worker failure (restart budget used up)"
-            coord.abort([s.seq_id for s in affected], "error", f"{reason}: {message}")
+            coord.abort([s.seq_id for s in coord.unfinished()], "error", f"{reason}: {message}")
+            self.finish_parked(self.quarantine.take_parked(), "error", f"{reason}: {message}")
         if not can_restart:
-            self.dead = f"workers failed and the restart budget ({self.max_restarts}) is used up: {message}"
             return
         try:
             pool = self._make_pool()
         except Exception as start_exc:
-            coord.abort([s.seq_id for s in coord.unfinished()], "error", f"restart failed: {start_exc}")
-            self.dead = f"could not restart workers after a failure: {start_exc}"
+            self.dead = f"the engine cannot serve: could not restart workers after a failure: {start_exc}"
+            coord.abort([s.seq_id for s in coord.unfinished()], "error", self.dead)
+            self.finish_parked(self.quarantine.take_parked(), "error", self.dead)
             return
         coord.reset(pool, coord.memory.base)
         self.weights.workers_restarted()  # after in-memory updates: refuse new requests until they come again
-        if requeue and affected:
-            log.warning("restarted workers; %d unfinished requests will be recomputed", len(affected))
+        if requeue and (coord.unfinished() or held):
+            log.warning("restarted workers; %d unfinished requests will be recomputed (%d of them one at a time)",
+                        len(coord.unfinished()) + len(held), len(held))

@@ -1,9 +1,14 @@
-"""Record of layouts, load and switches over time, for pat-serve plots and benchmarks."""
+"""Record of layouts, load and switches over time, for pat-serve plots and benchmarks.
+
+Both records are ring buffers: a server that runs for weeks keeps the most
+recent ``max_events`` of each, so ``/pat/timeline`` stays bounded.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 
 
@@ -30,10 +35,10 @@ class SwitchEvent:
 
 
 class Timeline:
-    def __init__(self) -> None:
+    def __init__(self, max_events: int = 10_000) -> None:
         self.t0 = time.time()
-        self.points: list[StatusPoint] = []
-        self.switches: list[SwitchEvent] = []
+        self.points: deque[StatusPoint] = deque(maxlen=max_events)
+        self.switches: deque[SwitchEvent] = deque(maxlen=max_events)
         self._lock = threading.Lock()
 
     def now(self) -> float:

@@ -155,6 +155,10 @@ class WorkerPool:
                 msgs.append(conn.recv())
         except (EOFError, OSError):
             # its end of the socket closed: the process is gone or going
+            if msgs:
+                # A worker that fails sends its reason, then exits: both can arrive in one read. Hand the
+                # messages on first (the reason is in them); the closed socket raises on the next read.
+                return msgs
             try:
                 self.procs[rank].wait(2)
             except subprocess.TimeoutExpired:

@@ -121,6 +121,20 @@ def _rope_from_config(cfg: dict) -> RopeSpec:
     raise ModelLoadError(f"unsupported RoPE type {kind!r} (supported: default, llama3)")
 
 
+_POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "max_position_embeddings", "num_key_value_heads", "head_dim")
+
+
+def _check_sizes(cfg: dict) -> None:
+    """Every size the model is built from must be a positive integer (0 would build an empty model)."""
+    for key in _POSITIVE:
+        value = cfg.get(key)
+        if value is None and key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+            continue  # optional: derived or defaulted
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelLoadError(f"config.json: {key} must be a positive integer, got {value!r}")
+
+
 def arch_from_hf_config(cfg: dict) -> ModelArch:
     """Build a ``ModelArch`` from a parsed ``config.json`` dictionary."""
     names = cfg.get("architectures") or []
@@ -132,6 +146,7 @@ def arch_from_hf_config(cfg: dict) -> ModelArch:
             f"unknown architecture {name!r}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
         )
     default_bias, qk_norm = SUPPORTED_ARCHITECTURES[name]
+    _check_sizes(cfg)
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     eos = cfg.get("eos_token_id")

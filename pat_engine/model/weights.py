@@ -143,13 +143,36 @@ def safetensors_files(model_path: str | Path) -> list[Path]:
     return files
 
 
+def check_safetensors_headers(files: list[Path]) -> None:
+    """Open each file's header (no tensor data is read): a truncated or corrupted file is named here,
+    in the driver, before any worker starts. safetensors checks that the header covers the whole file."""
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                handle.keys()
+        except Exception as exc:
+            raise ModelLoadError(f"checkpoint file {str(file)!r} is corrupted or truncated: {exc}") from None
+
+
+def _check_finite(name: str, tensor: torch.Tensor) -> None:
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise ModelLoadError(f"checkpoint tensor {name!r} holds NaN or infinite values")
+
+
 @torch.no_grad()
 def load_shard_from_disk(model: nn.Module, model_path: str | Path, rank: int, tp: int) -> None:
     loader = ShardLoader(model, rank, tp)
     for file in safetensors_files(model_path):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                loader.load(name, _SafetensorsSlice(handle, name))
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    loader.load(name, _SafetensorsSlice(handle, name))
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # a file damaged after the driver's header check, or unreadable data
+            raise ModelLoadError(f"cannot read checkpoint file {str(file)!r}: {exc}") from None
+    for name, param in loader.params.items():  # this rank's shard only: every element is checked by some rank
+        _check_finite(name, param.data)
     _tied_alias_filled(loader)
     missing = loader.missing()
     if missing:

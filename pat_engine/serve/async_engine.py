@@ -231,6 +231,17 @@ class AsyncEngine:
             threading.Thread(target=self._abort_quietly, args=(list(request_ids),), daemon=True,
                              name="pat-serve-abort").start()
 
+    def cut_off(self) -> None:
+        """The drain timeout passed: abort what still runs (its streams end with an error event)."""
+        with self._lock:
+            ids = list(self._active)
+        if ids:
+            log.warning("drain timeout: cutting off %d running requests", len(ids))
+            self._abort_quietly(ids)
+
+    def cut_off_message(self) -> str:
+        return "the server shut down before this request finished (drain timeout); retry on another server"
+
     async def shutdown(self) -> None:
         """Refuse new requests and abort the ones in flight (their streams end with "abort")."""
         self.closing = True

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -59,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
     s.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the path)")
     s.add_argument("--max-queued-requests", type=int, default=256, help="requests in flight before new ones get 503")
+    s.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest request body; larger ones get 413 before they are read (default 16 MiB)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+                        "(default: the PAT_API_KEY environment variable, if set)")
+    s.add_argument("--drain-timeout", type=float, default=None, metavar="S",
+                   help="on SIGTERM, seconds running requests may take to finish before they are cut off "
+                        "(default 20)")
     s.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
 
     p = sub.add_parser("plot", help="draw a timeline JSON (from batch --timeline or GET /pat/timeline) to a PNG")
@@ -104,23 +113,43 @@ def _batch(ns: argparse.Namespace) -> int:
 def _serve(ns: argparse.Namespace) -> int:
     from pat_engine.serve.engine_args import EngineArgs
     from pat_engine.serve.launcher import bind_socket, bound_port, run_foreground
-    from pat_engine.serve.server import ServerConfig, build_app
+    from pat_engine.serve.server import build_app
 
-    if ns.max_queued_requests < 1:
-        raise PatEngineError("--max-queued-requests must be at least 1")
+    config = _server_config(ns)
     engine = EngineArgs.from_namespace(ns).build()
+    failure = None
     try:
-        name = ns.served_model_name or ns.model
-        app = build_app(engine, ServerConfig(name, ns.max_queued_requests))
+        app = build_app(engine, config)
         sock = bind_socket(ns.host, ns.port)
+        name = config.served_model_name
         print(f"pat-serve: serving {name!r} ({engine.layout}) on http://{ns.host}:{bound_port(sock)}", flush=True)
-        run_foreground(app, sock, ns.log_level)
+        failure = run_foreground(app, sock, ns.log_level, config.drain_timeout_s, app.state.pat.begin_drain,
+                                 watch=lambda: engine.dead)
     except KeyboardInterrupt:
         pass  # SIGINT/SIGTERM after uvicorn's graceful stop
     finally:
         engine.shutdown()
+    if failure is not None:  # a supervisor should restart us: the engine cannot serve
+        print(f"pat-serve serve: error: {failure}", file=sys.stderr, flush=True)
+        return 1
     print("pat-serve: stopped", flush=True)
     return 0
+
+
+def _server_config(ns: argparse.Namespace):
+    """ServerConfig from the flags, checked before the engine starts."""
+    from pat_engine.serve.server import DEFAULT_MAX_BODY_BYTES, ServerConfig
+
+    if ns.max_queued_requests < 1:
+        raise PatEngineError("--max-queued-requests must be at least 1")
+    body = DEFAULT_MAX_BODY_BYTES if ns.max_body_bytes is None else ns.max_body_bytes
+    if body < 1:
+        raise PatEngineError("--max-body-bytes must be at least 1")
+    drain = 20.0 if ns.drain_timeout is None else ns.drain_timeout
+    if not drain >= 0:
+        raise PatEngineError("--drain-timeout must be >= 0")
+    api_key = ns.api_key if ns.api_key is not None else os.environ.get("PAT_API_KEY") or None
+    return ServerConfig(ns.served_model_name or ns.model, ns.max_queued_requests, body, api_key, drain)
 
 
 def _plot(ns: argparse.Namespace) -> int:
@@ -157,12 +186,19 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     run = {"batch": _batch, "serve": _serve, "plot": _plot, "demo": _demo}[ns.command]
     try:
-        return run(ns)
+        rc = run(ns)
     except KeyboardInterrupt:
         return 130
     except (PatEngineError, NotImplementedError, OSError) as exc:
         print(f"pat-serve {ns.command}: error: {exc}", file=sys.stderr)
         return 1
+    if ns.command == "serve":
+        # Everything is closed (workers stopped, socket shut). Tearing the interpreter down with torch and
+        # transformers loaded takes seconds on a busy host; a supervisor waiting on SIGTERM should not.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
 
 if __name__ == "__main__":

@@ -51,12 +51,17 @@ class EngineArgs:
     switch_schedule: tuple[tuple[int, int], ...] | None = None
     kv_transfer: str = "auto"
     threads_per_worker: int | None = None
+    step_timeout_s: float = 600.0
+    start_timeout_s: float = 300.0
+    max_worker_restarts: int = 4
+    restart_window_s: float = 300.0
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":
         sched = tuple(ns.switch_schedule) if ns.switch_schedule else None
         return cls(ns.model, ns.tp, ns.dp, ns.world, ns.dtype, ns.max_model_len, ns.kv_cache_bytes, ns.seed,
-                   ns.profile, sched, ns.kv_transfer, ns.threads_per_worker)
+                   ns.profile, sched, ns.kv_transfer, ns.threads_per_worker, ns.step_timeout, ns.start_timeout,
+                   ns.max_worker_restarts, ns.restart_window)
 
     def layout(self) -> Layout:
         """The base layout; ``--world`` and ``--dp`` must agree when both are given."""
@@ -76,7 +81,9 @@ class EngineArgs:
             for _, tp in self.switch_schedule:
                 Layout.for_world(layout.world, tp)
         kwargs = dict(dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed, kv_transfer=self.kv_transfer,
-                      kv_cache_bytes=self.kv_cache_bytes, threads_per_worker=self.threads_per_worker)
+                      kv_cache_bytes=self.kv_cache_bytes, threads_per_worker=self.threads_per_worker,
+                      step_timeout_s=self.step_timeout_s, worker_start_timeout_s=self.start_timeout_s,
+                      max_worker_restarts=self.max_worker_restarts, restart_window_s=self.restart_window_s)
         if self.profile:
             kwargs["profile_table"] = self.profile
         engine = Engine(self.model, tp=layout.tp, dp=layout.dp, **kwargs)
@@ -111,3 +118,14 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     g.add_argument("--kv-transfer", choices=("auto", "migrate", "recompute"), default="auto",
                    help="how switches move the KV cache (auto: the cost model picks)")
     g.add_argument("--threads-per-worker", type=int, default=None, help="torch threads per worker (CPU)")
+    f = p.add_argument_group("failures")
+    f.add_argument("--step-timeout", type=float, default=600.0, metavar="S",
+                   help="a step (or a stopped/hung worker) taking longer than S seconds is a failure: the workers "
+                        "are restarted and the requests recomputed (default 600)")
+    f.add_argument("--start-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds workers may take to start and load the model (default 300)")
+    f.add_argument("--max-worker-restarts", type=int, default=4, metavar="N",
+                   help="restarts allowed within --restart-window; one more and the engine stops serving "
+                        "(pat-serve serve then exits with status 1) (default 4)")
+    f.add_argument("--restart-window", type=float, default=300.0, metavar="S",
+                   help="the sliding window of --max-worker-restarts, seconds (default 300)")

@@ -11,8 +11,10 @@ from pat_engine.serve.openai_protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
     415: "UnsupportedMediaTypeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pat_engine.sampling_params import MAX_SAMPLES
+from pat_engine.sampling_params import MAX_SAMPLES, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN
+
+MAX_MESSAGES = 2048  # per chat request; a chat of 200k messages peaked the driver at 2.8 GB
+MAX_PROMPTS = 256  # prompts per completion request (one choice each)
 
 
 def random_id(prefix: str) -> str:
@@ -38,17 +41,17 @@ class _SamplingFields(_Request):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)  # None: 1.0, as OpenAI
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
+    temperature: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)  # None: 1.0, as OpenAI
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(default=-1, ge=-1)  # -1 or 0: off (vLLM); above the vocabulary: refused by the engine
     n: int = Field(default=1, ge=1, le=MAX_SAMPLES)
     best_of: int | None = None  # accepted when it equals n (no extra candidates are drawn)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False  # vLLM extra
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     frequency_penalty: float = 0.0
@@ -112,6 +115,8 @@ class CompletionRequest(_SamplingFields):
     def _not_empty(cls, v):
         if isinstance(v, list) and not v:
             raise ValueError("prompt must not be an empty list")
+        if isinstance(v, list) and not isinstance(v[0], int) and len(v) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(v)}")
         return v
 
 
@@ -134,7 +139,7 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # newer OpenAI name of max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)

@@ -3,13 +3,19 @@
 ``build_app(engine, config)`` makes a FastAPI app around an already started
 engine (the caller owns the engine and shuts it down). Request bodies are
 parsed here rather than by FastAPI so that every failure (content type,
-JSON syntax, schema) comes back as a 400/415 in the OpenAI error shape.
+JSON syntax, schema, size) comes back as a 4xx in the OpenAI error shape.
+
+Shutdown (``PatServer.begin_drain``, run on SIGTERM): new requests get 503,
+running ones may finish for ``drain_timeout_s``; then the rest are aborted
+and each open stream ends with an in-band error event and ``[DONE]``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -22,9 +28,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pat_engine.core.engine import Engine
-from pat_engine.errors import EngineClosedError, InvalidRequestError
+from pat_engine.errors import EngineClosedError, EngineDeadError, InvalidRequestError
 from pat_engine.serve.async_engine import AsyncEngine, ClientDisconnected, RequestGroup, ServerOverloaded, ServerShuttingDown
 from pat_engine.serve.errors import APIError, validation_error
+from pat_engine.serve.guard import RequestGuard, read_body_limited
 from pat_engine.serve.metrics import ServerMetrics
 from pat_engine.serve.sglang import register_sglang_routes
 from pat_engine.serve.openai_protocol import (
@@ -43,10 +50,16 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 
 
+DEFAULT_MAX_BODY_BYTES = 16 << 20  # 16 MiB: a full 128k-token context as JSON ids is about 1 MB
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     served_model_name: str
     max_queued_requests: int = 256  # requests in flight before new ones get 503
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    api_key: str | None = None  # when set: "Authorization: Bearer <key>" on every route but /health, /metrics
+    drain_timeout_s: float = 20.0  # on SIGTERM, how long running requests may go on before they are cut off
 
 
 class PatServer:
@@ -57,6 +70,33 @@ class PatServer:
         self.config = config
         self.metrics = ServerMetrics(engine, config.served_model_name)
         self.aengine = AsyncEngine(engine, config.max_queued_requests, self.metrics)
+        self._drain_timer: threading.Timer | None = None
+
+    def begin_drain(self) -> None:
+        """Stop taking requests now; cut the running ones off after ``drain_timeout_s`` (any thread)."""
+        if self._drain_timer is not None:
+            return
+        self.aengine.closing = True
+        log.warning("shutting down: %d requests may finish within %.0fs", self.aengine.num_active,
+                    self.config.drain_timeout_s)
+        self._drain_timer = threading.Timer(self.config.drain_timeout_s, self.aengine.cut_off)
+        self._drain_timer.daemon = True
+        self._drain_timer.start()
+
+    def health(self) -> dict:
+        """200 with the engine's state, or an APIError(503) saying why the server cannot serve now."""
+        if self.aengine.closing:
+            raise APIError(503, "the server is shutting down")
+        h = self.engine.health()
+        if h["dead"]:
+            raise APIError(503, h["dead"])
+        if h["restarting"] or not h["workers_alive"]:
+            raise APIError(503, "workers are being restarted after a failure")
+        oldest = h["oldest_step_s"]
+        if oldest is not None and oldest > h["step_timeout_s"]:
+            raise APIError(503, f"a step has run for {oldest:.1f}s, past step_timeout_s={h['step_timeout_s']:g}; "
+                                "its workers are being replaced")
+        return {"status": "ok", "layout": str(self.engine.layout), "running": self.aengine.num_active, **h}
 
     @property
     def model(self) -> str:
@@ -70,7 +110,7 @@ class PatServer:
         ctype = request.headers.get("content-type", "")
         if ctype.split(";")[0].strip().lower() != "application/json":
             raise APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}")
-        raw = await request.body()
+        raw = await read_body_limited(request, self.config.max_body_bytes)
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -91,6 +131,9 @@ class PatServer:
         except (ServerShuttingDown, EngineClosedError) as exc:
             self.metrics.reject("shutting_down")
             raise APIError(503, f"{exc}; no new requests are taken") from None
+        except EngineDeadError as exc:
+            self.metrics.reject("engine_dead")
+            raise APIError(503, str(exc)) from None
 
     async def collect(self, group: RequestGroup, request: Request) -> list:
         async for _ in group.updates(disconnected=request.is_disconnected):
@@ -99,6 +142,8 @@ class PatServer:
         failed = [o for o in outs if o.finish_reason == "error"]
         if failed:
             raise APIError(500, f"generation failed: {failed[0].error}")
+        if self.aengine.closing and any(o.finish_reason == "abort" for o in outs):
+            raise APIError(503, self.aengine.cut_off_message())
         return outs
 
 
@@ -112,6 +157,8 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="pat-serve", lifespan=lifespan)
     app.state.pat = pat
+    app.add_middleware(RequestGuard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                       on_reject=pat.metrics.reject)
     _install_error_handlers(app, pat)
 
     @app.post("/v1/completions")
@@ -132,7 +179,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         req = await pat.parse(request, ChatCompletionRequest)
         pat.check_model(req.model)
         rid = random_id("chatcmpl")
-        inp = chat_input(req, engine.tokenizer, engine.max_model_len)
+        inp = chat_input(req, engine.tokenizer, engine.max_model_len)  # refuses over-long chats first
         group = await pat.submit([inp], rid)
         if req.stream:
             return _event_stream(chat_stream(group, req, engine.tokenizer, pat.model, rid))
@@ -149,13 +196,15 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        if pat.aengine.closing:
-            raise APIError(503, "the server is shutting down")
-        return {"status": "ok", "layout": str(engine.layout), "running": pat.aengine.num_active}
+        return pat.health()
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(pat.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/pat/kv")
+    async def kv_blocks() -> dict:
+        return await asyncio.to_thread(engine.kv_blocks)
 
     @app.get("/pat/timeline")
     async def timeline() -> dict:

@@ -2,7 +2,8 @@
 
 Each event is ``data: <json>\\n\\n``; an optional usage-only chunk comes last
 (``stream_options.include_usage``), then ``data: [DONE]``. A failure after the
-stream started is sent in-band as ``data: {"error": ...}``. If the client goes
+stream started, or the server's shutdown cutting it off, is sent in-band as
+``data: {"error": ...}``, followed by ``data: [DONE]``. If the client goes
 away the generator is cancelled or closed, and its unfinished requests are aborted.
 """
 
@@ -57,6 +58,8 @@ class _StreamState:
     def failure(self, up: Update) -> APIError | None:
         if up.finish_reason == "error":
             return APIError(500, f"generation failed: {up.error}")
+        if up.finish_reason == "abort" and self.group.owner.closing:  # cut off by the server's shutdown
+            return APIError(503, self.group.owner.cut_off_message())
         return None
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pat_engine.core.inputs import max_prompt_chars
 from pat_engine.errors import InvalidRequestError
 from pat_engine.outputs import RequestOutput
 from pat_engine.sampling_params import SamplingParams
@@ -99,6 +100,10 @@ def completion_inputs(req: CompletionRequest) -> list[EngineInput]:
 
 def chat_input(req: ChatCompletionRequest, tokenizer: Any, max_model_len: int) -> EngineInput:
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+    chars, limit = sum(len(m["content"]) for m in messages), max_prompt_chars(max_model_len)
+    if chars > limit:  # refuse before rendering and tokenizing, as for text prompts
+        raise InvalidRequestError(f"messages hold {chars} characters, more than the {limit} that can fit a context "
+                                  f"of {max_model_len} tokens; shorten the chat")
     ids = apply_chat_template(tokenizer, messages, req.add_generation_prompt)
     max_new = req.max_new_tokens()
     if max_new is None:  # OpenAI's default for chat: whatever room the context leaves
