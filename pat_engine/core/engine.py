@@ -200,7 +200,7 @@ class Engine(RLControlMixin):
         return float("inf") if slowest == 0 else nbytes / slowest
 
     def kv_blocks(self) -> dict:
-        """Free and total KV blocks per DP group, and the requests holding any (run in the loop).
+        """Free and total KV blocks per DP group and the number of unfinished requests (run in the loop).
 
         Runs the coordinator's own invariant check (free + used == total, no block owned twice)
         when it has one, and reports its error instead of raising."""
