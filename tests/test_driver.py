@@ -225,3 +225,14 @@ def test_an_installed_placement_with_rebalance_decides_where_a_switch_puts_reque
     d.run()
     for s in seqs:
         assert s.output_ids == expected_tokens(s)
+
+
+def test_a_listener_that_raises_does_not_stop_the_engine():
+    from pat_engine.core.request_handle import RequestHandle
+
+    d = make_driver(dp=1)
+    seq = d.add([1, 2, 3], 5)
+    handle = RequestHandle(seq, None)
+    handle.add_listener(lambda h: 1 / 0)
+    d.run()
+    assert handle.done() and seq.output_ids == expected_tokens(seq)

@@ -148,3 +148,21 @@ def test_schedules_with_samples_and_cache_keep_every_block_accounted():
         assert s.output_ids == expected_tokens(s)
     d.coord.check_block_invariants()
     assert d.used_blocks() == 0
+
+
+def test_a_flush_forgets_every_cached_prefix_and_keeps_the_blocks_accounted():
+    d = make_driver(dp=1)
+    d.add(PROMPT, 3)
+    run_checked(d)
+    running = d.add(PROMPT, 30)
+    d.ticks(3)
+    assert d.coord.prefix_cache_stats()["hit_tokens"] == 20
+    d.coord.flush_prefix_cache()  # what a weight update does
+    assert d.coord.prefix_cache_stats()["cached_blocks"] == 0
+    d.coord.check_block_invariants()
+    later = d.add(PROMPT, 3)
+    d.ticks(1)
+    assert d.pool.steps[-1].seqs[0].start_pos == 0  # nothing found: the prompt runs again
+    run_checked(d)
+    for s in (running, later):
+        assert s.output_ids == expected_tokens(s)

@@ -28,7 +28,7 @@ def abort_after(engine, prompt, params, k):
     """Submit, abort once at least k tokens exist; the aborted output keeps them."""
     handle = engine.submit(prompt, params)
     reached = threading.Event()
-    handle.add_listener(lambda seq, n: reached.set() if len(seq.output_ids) >= k else None)
+    handle.add_listener(lambda h: reached.set() if h.num_generated >= k else None)
     reached.wait(60)
     engine.abort([handle.request_id])
     handle.wait(60)

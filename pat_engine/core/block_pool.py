@@ -170,6 +170,15 @@ class BlockPool:
             self._entries[block] = CacheEntry(namespace, key, parent, chunk)
             parent = key
 
+    def flush_cache(self) -> None:
+        """Forget what every block holds: cached blocks become free, blocks in use stay with their
+        sequences but are no longer found by lookups (nor registered further)."""
+        while self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            self._free.append(block)
+        self._entries.clear()
+        self._index.clear()
+
     def entry(self, block: int) -> CacheEntry | None:
         return self._entries.get(block)
 

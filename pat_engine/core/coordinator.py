@@ -127,6 +127,11 @@ class GlobalCoordinator:
                 "cached_blocks": sum(s.blocks.num_cached for s in self.schedulers),
                 "used_blocks": sum(s.blocks.num_blocks - s.blocks.num_free for s in self.schedulers)}
 
+    def flush_prefix_cache(self) -> None:
+        """Forget every cached prefix block (after a weight change their KV is stale)."""
+        for sched in self.schedulers:
+            sched.blocks.flush_cache()
+
     def check_block_invariants(self) -> None:
         """``AssertionError`` unless every group's blocks are free or owned by exactly one sequence."""
         for sched in self.schedulers:

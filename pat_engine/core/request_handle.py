@@ -10,12 +10,15 @@ only ever appended, so the published prefix never changes under a reader.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from pat_engine.core.request import Sequence
 from pat_engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,10 @@ class RequestHandle:
         if seq.finished:  # before the listeners: they may ask done()
             self._done.set()
         for fn in self._listeners:
-            fn(self)
+            try:
+                fn(self)
+            except Exception:  # a caller's bug must not reach the engine loop (it would restart the workers)
+                log.exception("a listener of request %s raised; the request goes on", seq.request_id)
 
     @property
     def num_generated(self) -> int:

@@ -156,8 +156,10 @@ class RLControlMixin:
         return self.weights.version
 
     def _new_weight_version(self, version: str | None) -> str:
-        """Count one finished update; unfinished requests note from which token the new weights apply."""
+        """Count one finished update; unfinished requests note from which token the new weights apply.
+        The prefix cache is dropped: its blocks hold KV the old weights computed."""
         def mark() -> str:
+            self.coordinator.flush_prefix_cache()
             name = self.weights.new_version(version)
             for seq in self.coordinator.unfinished():
                 seq.weight_versions.append((len(seq.output_ids), name))
@@ -180,6 +182,7 @@ class RLControlMixin:
             busy = len(self.coordinator.unfinished())
             if busy:
                 raise InvalidRequestError(f"cannot sleep with {busy} unfinished requests; abort or wait for them")
+            self.coordinator.flush_prefix_cache()  # the KV pools are released with everything in them
             return sum(self.coordinator.pool.call("sleep", level=level))
 
         freed = self._loop.run(go)
@@ -238,7 +241,9 @@ class RLControlMixin:
         return self.coordinator.paused
 
     def flush_cache(self) -> bool:
-        """API compatibility with vLLM/SGLang: pat-engine keeps no prefix cache, so there is nothing to drop."""
+        """Drop the prefix cache (cached blocks are freed; blocks in use are no longer found by later
+        requests), as vLLM's ``reset_prefix_cache`` and SGLang's ``flush_cache``."""
+        self._loop.run(self.coordinator.flush_prefix_cache)
         return True
 
     def num_unfinished_requests(self) -> int:

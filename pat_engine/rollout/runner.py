@@ -102,7 +102,7 @@ class RolloutRunner:
                 tracker.on_finished(*key)
             for job in jobs:
                 h = engine.submit(job.prompt, job.params, request_id=job.request_id)
-                h.add_listener(lambda seq, n, key=job.key: events.put(key) if seq.finished else None)
+                h.add_listener(lambda handle, key=job.key: events.put(key) if handle.done() else None)
                 handles[job.key] = h
                 if h.done():
                     events.put(job.key)

@@ -97,7 +97,7 @@ def register_sglang_routes(app: FastAPI, pat: "PatServer") -> None:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        engine.flush_cache()  # pat-engine keeps no prefix cache: always succeeds
+        engine.flush_cache()  # drops the prefix cache; always succeeds
         return Response("Cache flushed.\n", status_code=200)
 
     @app.get("/get_model_info")
