@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import select
 import signal
@@ -290,7 +289,7 @@ def wait_all(handles: list[RequestHandle], timeout: float) -> bool:
 def fault_kill(model: str, reference: list[list[int]]) -> list:
     with Engine(model, tp=1, dp=2, dtype="float32", max_model_len=MAX_LEN) as engine:
         hs = run_batch(engine)
-        while not any(len(h.seq.output_ids) > 5 for h in hs):
+        while not any(h.num_generated > 5 for h in hs):
             time.sleep(0.005)
         t = time.monotonic()
         os.kill(engine.coordinator.pool.procs[1].pid, signal.SIGKILL)
@@ -304,7 +303,7 @@ def fault_kill(model: str, reference: list[list[int]]) -> list:
 def fault_stop(model: str, reference: list[list[int]]) -> list:
     with Engine(model, tp=1, dp=2, dtype="float32", max_model_len=MAX_LEN, step_timeout_s=3) as engine:
         hs = run_batch(engine)
-        while not any(len(h.seq.output_ids) > 5 for h in hs):
+        while not any(h.num_generated > 5 for h in hs):
             time.sleep(0.005)
         t = time.monotonic()
         os.kill(engine.coordinator.pool.procs[0].pid, signal.SIGSTOP)
@@ -319,12 +318,12 @@ def fault_stop(model: str, reference: list[list[int]]) -> list:
 
 def fault_poison(model: str, reference: list[list[int]]) -> list:
     with Engine(model, tp=1, dp=2, dtype="float32", max_model_len=MAX_LEN) as engine:
-        seqs = [engine.requests.make(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in PROMPTS]
-        poison = engine.requests.make([1, 5, 9], SamplingParams(max_new_tokens=4, min_new_tokens=2))
+        seqs = [engine.request_factory.make(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in PROMPTS]
+        poison = engine.request_factory.make([1, 5, 9], SamplingParams(max_new_tokens=4, min_new_tokens=2))
         object.__setattr__(poison.params, "stop_token_ids", (10**6,))  # past validation on purpose: any crashing step
-        hs = [RequestHandle(s, engine.requests.decode) for s in seqs + [poison]]
+        hs = [RequestHandle(s, engine.request_factory.decode) for s in seqs + [poison]]
         t = time.monotonic()
-        engine._loop.run(engine._loop.admit, seqs[:4] + [poison] + seqs[4:])
+        engine._loop.run(lambda: [engine._loop.admit([s]) for s in seqs[:4] + [poison] + seqs[4:]])
         done = wait_all(hs, 120)
         took = time.monotonic() - t
         out = hs[-1].output()

@@ -30,24 +30,32 @@ pytestmark = pytest.mark.slow
 PROMPTS = [[5, 6, 7], [100, 20, 30], [9], [250, 251]]
 
 
-def poison_handle(engine: Engine, prompt: list[int]) -> RequestHandle:
+def poison_request(engine: Engine, prompt: list[int]):
     """A request that crashes the worker's sampler (defect 1), smuggled past today's validation on purpose:
     it stands for any request that makes its step fail."""
-    seq = engine.requests.make(prompt, SamplingParams(max_new_tokens=4, min_new_tokens=2))
+    seq = engine.request_factory.make(prompt, SamplingParams(max_new_tokens=4, min_new_tokens=2))
     object.__setattr__(seq.params, "stop_token_ids", (10**6,))
-    return RequestHandle(seq, engine.requests.decode)
+    return seq, RequestHandle(seq, engine.request_factory.decode)
 
 
-def normal_handle(engine: Engine, prompt: list[int], n: int) -> RequestHandle:
-    return RequestHandle(engine.requests.make(prompt, SamplingParams(max_new_tokens=n)), engine.requests.decode)
+def normal_request(engine: Engine, prompt: list[int], n: int):
+    seq = engine.request_factory.make(prompt, SamplingParams(max_new_tokens=n))
+    return seq, RequestHandle(seq, engine.request_factory.decode)
+
+
+def admit_each(engine: Engine, seqs: list) -> None:
+    """Queue requests past the API (as the engine would queue them), each routed on its own."""
+    engine._loop.run(lambda: [engine._loop.admit([s]) for s in seqs])
 
 
 def test_poison_request_is_failed_alone_and_the_rest_continue(model_dir):
     path = model_dir("llama")
     with Engine(path, tp=1, dp=2, dtype="float64", max_model_len=128) as engine:
-        good = [normal_handle(engine, p, 12) for p in PROMPTS]
-        bad = poison_handle(engine, [1, 5, 9])
-        engine._loop.run(engine._loop.admit, [h.seq for h in good[:2]] + [bad.seq] + [h.seq for h in good[2:]])
+        made = [normal_request(engine, p, 12) for p in PROMPTS]
+        bad_seq, bad = poison_request(engine, [1, 5, 9])
+        seqs = [s for s, _ in made]
+        admit_each(engine, seqs[:2] + [bad_seq] + seqs[2:])
+        good = [h for _, h in made]
         for h in good + [bad]:
             assert h.wait(120), "a request hung"
         out = bad.output()
@@ -94,7 +102,7 @@ def test_stopped_worker_is_detected_within_the_step_timeout(model_dir):
     path = model_dir("llama")
     with Engine(path, tp=1, dp=2, dtype="float64", max_model_len=256, step_timeout_s=2) as engine:
         handles = [engine.submit(p, SamplingParams(max_new_tokens=150, ignore_eos=True)) for p in PROMPTS]
-        while not any(len(h.seq.output_ids) > 5 for h in handles):
+        while not any(h.num_generated > 5 for h in handles):
             time.sleep(0.01)
         victim = engine.coordinator.pool.procs[0].pid
         os.kill(victim, signal.SIGSTOP)

@@ -124,7 +124,7 @@ def test_engine_uses_the_placement_hook_and_outputs_do_not_change(engine):
         handles = [engine.submit(p, params) for p in PROMPTS]
         for h in handles:
             h.wait(60)
-        assert calls == [2] * len(PROMPTS) and {h.seq.group for h in handles} == {1}
+        assert calls == [2] * len(PROMPTS) and {h.dp_group for h in handles} == {1}
         assert [h.output().token_ids for h in handles] == ref
     finally:
         engine.set_placement(None)

@@ -74,6 +74,11 @@ class RequestHandle:
         return self._seq.prompt
 
     @property
+    def dp_group(self) -> int:
+        """The DP group serving the request now (it can change at a layout switch)."""
+        return self._seq.group
+
+    @property
     def sample_index(self) -> int:
         return self._seq.sample_index
 

@@ -231,10 +231,13 @@ class AsyncEngine:
             threading.Thread(target=self._abort_quietly, args=(list(request_ids),), daemon=True,
                              name="pat-serve-abort").start()
 
+    def _active_request_ids(self) -> list[str]:
+        with self._lock:
+            return sorted({rid for rid, _ in self._active})  # the samples of a request share its id
+
     def cut_off(self) -> None:
         """The drain timeout passed: abort what still runs (its streams end with an error event)."""
-        with self._lock:
-            ids = list(self._active)
+        ids = self._active_request_ids()
         if ids:
             log.warning("drain timeout: cutting off %d running requests", len(ids))
             self._abort_quietly(ids)
@@ -245,7 +248,6 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         """Refuse new requests and abort the ones in flight (their streams end with "abort")."""
         self.closing = True
-        with self._lock:
-            ids = sorted({rid for rid, _ in self._active})
+        ids = self._active_request_ids()
         if ids:
             await asyncio.to_thread(self._abort_quietly, ids)
