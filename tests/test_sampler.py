@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from pat_engine.sampling.sampler import SamplingSpec, sample, uniform_for
+from pat_engine.sampling.sampler import SamplingSpec, sample, uniform_for, uniforms
+from sampler_reference import reference_sample
 
 
 def test_uniform_is_a_pure_function_of_seed_and_position():
@@ -44,3 +45,54 @@ def test_processed_logprobs_are_under_the_sampled_distribution():
     assert abs(raw - torch.log_softmax(logits, -1)[0, tok].item()) < 1e-12
     kept = torch.softmax(logits[0, [1, 3]] / 0.5, -1)  # top-2 after temperature, renormalised
     assert abs(processed - torch.log(kept[0 if tok == 1 else 1]).item()) < 1e-12
+
+
+def test_vectorised_uniforms_equal_the_scalar_hash():
+    seeds = [0, 1, 7, 2**31 - 1, 2**63 - 1, 2**63 + 5, 2**64 - 1, -3, 123456789012345]
+    positions = [0, 1, 5, 1000, 2**20, 77, 3, 9, 31]
+    got = uniforms(torch.tensor([s & (2**64 - 1) for s in seeds], dtype=torch.uint64).view(torch.long),
+                   torch.tensor(positions))
+    assert got.tolist() == [uniform_for(s, p) for s, p in zip(seeds, positions)]
+
+
+def _random_specs(g: torch.Generator, n: int, vocab: int) -> list[SamplingSpec]:
+    specs = []
+    for _ in range(n):
+        kind = int(torch.randint(0, 6, (1,), generator=g))
+        temperature = [0.0, 0.3, 0.7, 1.0, 1.3, 2.0][int(torch.randint(0, 6, (1,), generator=g))]
+        top_k = [-1, 0, 1, 5, 50, vocab, vocab + 7][int(torch.randint(0, 7, (1,), generator=g))]
+        top_p = [1.0, 0.9, 0.5, 0.05, 0.999][int(torch.randint(0, 5, (1,), generator=g))]
+        seed = int(torch.randint(0, 2**62, (1,), generator=g)) * (-1 if kind == 0 else 1)
+        specs.append(SamplingSpec(temperature, top_k, top_p, seed, kind != 1, processed_logprobs=kind >= 4))
+    return specs
+
+
+def test_batched_sampler_equals_the_per_row_reference():
+    """Many random rows, mixed settings (greedy, temperature, top-k, top-p, ties), float64 and float32."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(24):
+        vocab = [7, 64, 390, 1000][trial % 4]
+        batch = int(torch.randint(1, 16, (1,), generator=g))
+        dtype = torch.float64 if trial % 3 else torch.float32
+        logits = (torch.randn(batch, vocab, generator=g, dtype=torch.float64) * 3).to(dtype)
+        if trial % 5 == 0:  # exact ties: quantised logits
+            logits = (logits * 2).round() / 2
+        specs = _random_specs(g, batch, vocab)
+        positions = torch.randint(0, 5000, (batch,), generator=g).tolist()
+        suppressed = [tuple(torch.randint(0, vocab, (int(torch.randint(0, 3, (1,), generator=g)),),
+                                          generator=g).tolist()) for _ in range(batch)]
+        for sup in (None, suppressed):
+            want = reference_sample(logits, specs, positions, sup)
+            got = sample(logits, specs, positions, sup)
+            assert got[0] == want[0], (trial, specs)
+            assert (got[1] is None) == (want[1] is None)
+            if want[1] is not None:
+                assert got[1] == want[1], trial
+
+
+def test_top_k_ties_at_the_cut_follow_the_stable_order():
+    logits = torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.0, 2.0]], dtype=torch.float64)
+    for seed in range(50):
+        for k in (1, 2, 3):
+            spec = SamplingSpec(1.0, k, 1.0, seed, True, processed_logprobs=True)
+            assert sample(logits, [spec], [seed]) == reference_sample(logits, [spec], [seed])

@@ -9,25 +9,18 @@ messages stay small.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-
 import torch
+from torch.profiler import record_function
 
 from pat_engine.model.arch import ModelArch
-from pat_engine.model.layers.attention import AttentionMetadata
 from pat_engine.model.llama import CausalLM, ForwardContext
 from pat_engine.model.weights import load_shard_from_disk
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import StepCommand, StepResult
-from pat_engine.sampling.sampler import SamplingSpec, sample
+from pat_engine.sampling.sampler import sample_batch
 from pat_engine.worker.kv_pool import PagedKVPool
-
-
-@dataclass
-class SeqState:
-    block_table: list[int]
-    sampling: SamplingSpec | None
+from pat_engine.worker.step_inputs import SeqState, StepInputBuilder
 
 
 class InferExecutor:
@@ -76,67 +69,36 @@ class InferExecutor:
 
     # ---- one step -------------------------------------------------------------------
 
+    @property
+    def inputs(self) -> StepInputBuilder:
+        """Builds each step's input tensors in persistent buffers (made on first use)."""
+        builder = self.__dict__.get("_inputs")
+        if builder is None:
+            builder = self._inputs = StepInputBuilder(self.block_size, self.device)
+        return builder
+
+    @property
+    def seqs(self) -> dict[int, SeqState]:
+        """Each live sequence's block table and sampling spec (the switch executor rewrites them)."""
+        return self.inputs.seqs
+
+    @seqs.setter
+    def seqs(self, value: dict[int, SeqState]) -> None:
+        self.inputs.seqs = value
+
     @torch.inference_mode()
     def execute(self, cmd: StepCommand) -> StepResult | None:
         start = time.perf_counter()
-        for seq_id in cmd.released:
-            self.seqs.pop(seq_id, None)
-        ids, positions, meta, last_index = self._prepare(cmd)
-        ctx = ForwardContext(tp=self.tp, kv_caches=self.kv.layers, attn=meta)
-        hidden = self.model(ids, positions, ctx)
-        logits = self.model.compute_logits(hidden[last_index], self.tp)
+        with record_function("prepare"):
+            step = self.inputs.build(cmd, samples=self.tp.rank == 0)
+        ctx = ForwardContext(tp=self.tp, kv_caches=self.kv.layers, attn=step.attn)
+        with record_function("forward"):
+            hidden = self.model(step.input_ids, step.positions, ctx)
+        with record_function("logits"):
+            logits = self.model.compute_logits(hidden[step.logits_rows], self.tp)
         if logits is None:  # not the TP leader: nothing to report
             return None
-        specs = [self.seqs[s.seq_id].sampling for s in cmd.seqs]
-        next_positions = [s.start_pos + len(s.token_ids) for s in cmd.seqs]
-        suppressed = [s.suppressed for s in cmd.seqs]
-        tokens, logprobs = sample(logits, specs, next_positions, suppressed)
+        with record_function("sample"):
+            tokens, logprobs = sample_batch(logits, step.sampling)
         return StepResult(cmd.step_id, self.layout.group_of(self.tp.ranks[0]), tokens, logprobs,
                           time.perf_counter() - start)
-
-    def _prepare(self, cmd: StepCommand):
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        tables: list[list[int]] = []
-        for s in cmd.seqs:
-            if s.block_table is not None:
-                self.seqs[s.seq_id] = SeqState(list(s.block_table), s.sampling)
-            state = self.seqs[s.seq_id]
-            state.block_table.extend(s.new_blocks)
-            if s.sampling is not None:
-                state.sampling = s.sampling
-            ids.extend(s.token_ids)
-            positions.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
-            tables.append(state.block_table)
-        dev = self.device
-        pos_t = torch.tensor(positions, dtype=torch.long)
-        table_t = _pad_tables(tables)
-        seq_index = torch.repeat_interleave(torch.arange(len(cmd.seqs)), torch.tensor([len(s.token_ids) for s in cmd.seqs]))
-        slots = table_t[seq_index, pos_t // bs] * bs + pos_t % bs  # (T,)
-        if cmd.is_prefill:
-            starts = [0]
-            context_slots: list[torch.Tensor | None] = []
-            for i, s in enumerate(cmd.seqs):
-                starts.append(starts[-1] + len(s.token_ids))
-                if s.start_pos == 0:
-                    context_slots.append(None)
-                else:
-                    ctx_pos = torch.arange(s.start_pos + len(s.token_ids))
-                    context_slots.append((table_t[i, ctx_pos // bs] * bs + ctx_pos % bs).to(dev))
-            meta = AttentionMetadata(True, slots.to(dev), query_starts=starts,
-                                     start_positions=[s.start_pos for s in cmd.seqs], context_slots=context_slots)
-            last_index = torch.tensor(starts[1:], dtype=torch.long) - 1
-        else:
-            lengths = pos_t + 1  # context length after writing this token
-            nb = -(-int(lengths.max()) // bs)
-            mask = torch.arange(nb * bs)[None, :] < lengths[:, None]  # (B, nb*bs)
-            meta = AttentionMetadata(False, slots.to(dev), block_tables=table_t[:, :nb].to(dev),
-                                     decode_mask=mask[:, None, None, :].to(dev), context_lens=lengths.to(dev))
-            last_index = torch.arange(len(cmd.seqs))
-        return (torch.tensor(ids, dtype=torch.long, device=dev), pos_t.to(dev), meta, last_index.to(dev))
-
-
-def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
-    width = max(len(t) for t in tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
