@@ -241,10 +241,18 @@ def main() -> None:
                     rates.setdefault((eng.name, b), []).append(b * args.new_tokens / seconds)
                     tokens.setdefault((eng.name, b), toks)
                     print(f"round {rnd} {eng.name} batch {b}: {b * args.new_tokens / seconds:.1f} tok/s", flush=True)
+            except Exception as exc:  # recorded, and the engine left out of the table
+                failed[eng.name] = f"failed while running: {type(exc).__name__}: {exc}"
+                print(f"{eng.name}: {failed[eng.name]}", flush=True)
             finally:
                 eng.close()
             loads.append(os.getloadavg()[0])
+        # written after every round, so a run cut short still leaves its medians so far
+        report(args, engines, rates, startups, tokens, failed, loads, load_before, waited, vllm_note, rnd + 1)
 
+
+
+def report(args, engines, rates, startups, tokens, failed, loads, load_before, waited, vllm_note, rounds_done) -> None:
     names = [e.name for e in engines if e.name not in failed]
     med = {k: statistics.median(v) for k, v in rates.items()}
     ref = "transformers generate"
@@ -278,7 +286,7 @@ def main() -> None:
         f"Checkpoint: Llama, {SPEC.num_layers} layers, hidden {SPEC.hidden_size}, {SPEC.num_heads} heads / "
         f"{SPEC.num_kv_heads} KV heads, intermediate {SPEC.intermediate_size}, vocab {SPEC.vocab_size}, float32, "
         f"random weights; prompt {args.prompt_len} random tokens, {args.new_tokens} new tokens, greedy, EOS suppressed "
-        f"on every engine. Output tokens/s of one `generate` call (its prefill included), median of {args.rounds} "
+        f"on every engine. Output tokens/s of one `generate` call (its prefill included), median of {rounds_done} "
         f"rounds; engines started one at a time, in turn, every round. {cores()} cores; pat-engine workers: "
         f"torch threads = cores / world, OpenMP policy from EngineConfig.worker_env; transformers: "
         f"{torch.get_num_threads()} threads. vLLM: {vllm_note}.\n\n"

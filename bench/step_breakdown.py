@@ -171,6 +171,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--label", default="current", help="names this run in the results file (e.g. before/after)")
+    ap.add_argument("--compare-with", help="an earlier run's results file (e.g. of the code before a change): "
+                    "its tables are included and the result is written to bench/results/step_breakdown.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     worker_rows, driver_rows = [], []
@@ -200,7 +202,12 @@ def main() -> None:
         + markdown_table(["run", "batch", "tok/s", "ms/step (wall)", "round trip", "worker", "pickle+socket",
                           "driver gap"], driver_rows)
     )
-    write_result(f"step_breakdown_{args.label}", f"Decode step breakdown ({args.label})", body)
+    if args.compare_with:
+        earlier = Path(args.compare_with).read_text()
+        body = f"# Run: {args.label}\n\n{body}\n\n# Earlier run, for comparison ({args.compare_with})\n\n" + earlier
+        write_result("step_breakdown", "Decode step breakdown, before and after", body)
+    else:
+        write_result(f"step_breakdown_{args.label}", f"Decode step breakdown ({args.label})", body)
 
 
 if __name__ == "__main__":
