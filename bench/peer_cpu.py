@@ -119,7 +119,11 @@ class VllmEngine:
         self.proc = subprocess.Popen([self.python, str(RUNNER), self.path, str(self.tp)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
                                      start_new_session=True)
-        reply = self._read(self.start_timeout_s)
+        try:
+            reply = self._read(self.start_timeout_s)
+        except Exception:
+            self.close()
+            raise
         if "error" in reply:
             self.close()
             raise RuntimeError(reply["error"])
@@ -139,7 +143,11 @@ class VllmEngine:
         if not line:
             self.close()
             raise RuntimeError(f"vLLM runner gave no answer within {timeout:.0f}s (exit code {self.proc.poll()})")
-        return json.loads(line)
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            self.close()
+            raise RuntimeError(f"vLLM runner answered something else than the protocol: {line[:200]!r}") from None
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -147,8 +155,12 @@ class VllmEngine:
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)  # its own session: the runner and the workers it started
-                self.proc.wait(5)
+                pass
+        try:  # its own session: the runner and every process vLLM started, even if the runner is gone
+            os.killpg(self.proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(5)
 
 
 # ---- set-up ------------------------------------------------------------------------------------------

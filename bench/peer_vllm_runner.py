@@ -10,14 +10,18 @@ The first line it prints is ``{"ready": true, "startup_s": s}`` (or ``{"error": 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 
 def main() -> None:
     model, tp = sys.argv[1], int(sys.argv[2])
-    out = sys.stdout
-    sys.stdout = sys.stderr  # vLLM's own prints must not mix with the protocol
+    # The protocol gets its own copy of stdout; fd 1 then points at stderr, so that nothing vLLM or
+    # the processes it starts print (they inherit fd 1) can mix with the protocol.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     start = time.perf_counter()
     try:
         from vllm import LLM, SamplingParams
