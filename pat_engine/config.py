@@ -115,6 +115,29 @@ class EngineConfig:
         return _DTYPES.get(name, torch.float32)
 
     def worker_threads(self) -> int:
+        """torch threads per worker: the cores shared out over the world (at least 1)."""
         if self.threads_per_worker:
             return self.threads_per_worker
-        return max(1, (os.cpu_count() or 1) // self.world)
+        return max(1, _cores() // self.world)
+
+    def worker_env(self) -> dict[str, str]:
+        """OpenMP settings for the worker processes (a user's own environment wins).
+
+        Threads that sleep between kernels (PASSIVE) pay a wake-up per op: a step of small
+        GEMMs then takes up to 2x longer than with spinning threads (bench/step_breakdown.md).
+        Spinning is right on cores the engine has to itself, as vLLM assumes too, and ruinous
+        when the engine's threads outnumber the cores (or other jobs hold them: set
+        OMP_WAIT_POLICY=PASSIVE there). So PASSIVE is set only when the workers' threads
+        outnumber the cores; otherwise OpenMP's default (spin a while, then sleep) stays.
+        """
+        if self.device != "cpu" or self.worker_threads() * self.world <= _cores():
+            return {}
+        return {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def _cores() -> int:
+    """Cores this process may run on (the affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

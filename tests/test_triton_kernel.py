@@ -30,8 +30,8 @@ def test_triton_decode_matches_torch(heads, kv_heads):
     pos = torch.tensor(lengths) - 1
     slots = tables[torch.arange(3), pos // bs] * bs + pos % bs
     nb = tables.shape[1]
-    meta = AttentionMetadata(False, slots.to(dev), block_tables=tables.to(dev),
-                             decode_mask=(torch.arange(nb * bs)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :].to(dev))
+    meta = AttentionMetadata(False, slots.to(dev), query_len=1, block_tables=tables.to(dev),
+                             mask=(torch.arange(nb * bs)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :].to(dev))
     reference = paged_attention(q, new_k, new_v, cache, meta, d**-0.5)  # writes the new K/V, then attends
     got = paged_decode_attention(q, cache[0], cache[1], tables.to(dev), torch.tensor(lengths).to(dev), d**-0.5)
     assert torch.allclose(got, reference, atol=1e-5, rtol=1e-5)

@@ -56,13 +56,14 @@ class Attention(nn.Module):
         heads = arch.num_heads // ctx.tp.size
         kv_heads = arch.kv_heads_per_rank(ctx.tp.size)
         qkv = self.qkv_proj(x)  # (T, (heads + 2 * kv_heads) * hd)
-        q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
-        q = q.view(-1, heads, hd)  # (T, h, hd)
-        k = k.view(-1, kv_heads, hd)  # (T, kvh, hd)
-        v = v.view(-1, kv_heads, hd)
+        qk, v = qkv.split([(heads + kv_heads) * hd, kv_heads * hd], dim=-1)
+        qk = qk.view(-1, heads + kv_heads, hd)
+        v = v.view(-1, kv_heads, hd)  # (T, kvh, hd)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
+            q, k = qk.split([heads, kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        # q and k are neighbours in the fused projection: one rotary pass serves both
+        q, k = apply_rotary(qk, ctx.cos, ctx.sin).split([heads, kv_heads], dim=1)  # (T, h, hd), (T, kvh, hd)
         out = paged_attention(q, k, v, ctx.kv_caches[layer], ctx.attn, self.scale)  # (T, h, hd)
         return self.o_proj(out.reshape(-1, heads * hd), ctx.tp)
 

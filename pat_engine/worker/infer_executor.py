@@ -10,28 +10,20 @@ hands it the new group, pool and tables through ``install``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-
 import torch
+from torch.profiler import record_function
 
 from pat_engine.model.arch import ModelArch
-from pat_engine.model.layers.attention import AttentionMetadata
 from pat_engine.model.llama import CausalLM, ForwardContext
 from pat_engine.model.weights import load_shard_from_disk
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import StepCommand, StepResult
-from pat_engine.sampling.sampler import SamplingBatch, SamplingSpec, sample_batch
-from pat_engine.worker.kv_pool import PagedKVPool
 from pat_engine.protocol import PromptLogprobs
+from pat_engine.sampling.sampler import sample_batch
+from pat_engine.worker.kv_pool import PagedKVPool
 from pat_engine.worker.logprob_outputs import prompt_logprobs
-
-
-@dataclass
-class SeqState:
-    block_table: list[int]
-    sampling: SamplingSpec | None
-    history: list[int] | None = None  # every token so far, kept for sequences with logit processors
+from pat_engine.worker.step_inputs import SeqState, StepInputBuilder
 
 
 class InferExecutor:
@@ -42,7 +34,7 @@ class InferExecutor:
         self.block_size = block_size
         self.model = CausalLM(arch, layout.tp, dtype, device)
         self.kv = self.new_pool(layout, num_blocks)
-        self.seqs: dict[int, SeqState] = {}
+        self.inputs = StepInputBuilder(block_size, device, arch.vocab_size)  # also keeps each sequence's table
         self._residency = "resident"  # where this rank's weight bytes are: "resident", "offloaded" or "released"
 
     def new_pool(self, layout: Layout, num_blocks: int, filled_later: bool = False) -> PagedKVPool:
@@ -61,7 +53,8 @@ class InferExecutor:
     def install(self, layout: Layout, tp: TPGroup, pool: PagedKVPool, tables: dict[int, SeqState]) -> None:
         """Adopt a new layout after a switch: its TP group, its KV pool and the block tables of the
         sequences this rank now serves (their KV already sits in ``pool``)."""
-        self.layout, self.tp, self.kv, self.seqs = layout, tp, pool, dict(tables)
+        self.layout, self.tp, self.kv = layout, tp, pool
+        self.inputs.seqs = dict(tables)
 
     def load_weights(self, model_path: str) -> None:
         load_shard_from_disk(self.model, model_path, self.tp.rank, self.tp.size)
@@ -92,86 +85,41 @@ class InferExecutor:
 
     # ---- one step -------------------------------------------------------------------
 
+    @property
+    def seqs(self) -> dict[int, SeqState]:
+        """Each live sequence's block table, sampling spec and (with logit processors) token history."""
+        return self.inputs.seqs
+
     @torch.inference_mode()
     def execute(self, cmd: StepCommand) -> StepResult | None:
         start = time.perf_counter()
-        for seq_id in cmd.released:
-            self.seqs.pop(seq_id, None)
-        ids, positions, meta, last_index = self._prepare(cmd)
-        ctx = ForwardContext(tp=self.tp, kv_caches=self.kv.layers, attn=meta)
-        hidden = self.model(ids, positions, ctx)
-        prompts = self._prompt_logprobs(cmd, hidden, meta)  # every TP rank joins the logits gather
-        logits = self.model.compute_logits(hidden[last_index], self.tp)
+        with record_function("prepare"):
+            step = self.inputs.build(cmd, samples=self.tp.rank == 0)
+        ctx = ForwardContext(tp=self.tp, kv_caches=self.kv.layers, attn=step.attn)
+        with record_function("forward"):
+            hidden = self.model(step.input_ids, step.positions, ctx)
+        prompts = self._prompt_logprobs(cmd, hidden)  # every TP rank joins these logits gathers
+        with record_function("logits"):
+            logits = self.model.compute_logits(hidden[step.logits_rows], self.tp)
         if logits is None:  # not the TP leader: nothing to report
             return None
-        states = [self.seqs[s.seq_id] for s in cmd.seqs]
-        batch = SamplingBatch.build([st.sampling for st in states], [s.start_pos + len(s.token_ids) for s in cmd.seqs],
-                                    [s.suppressed for s in cmd.seqs], logits.device,
-                                    [st.history for st in states], self.arch.vocab_size)
-        out = sample_batch(logits, batch)
+        with record_function("sample"):
+            out = sample_batch(logits, step.sampling)
         return StepResult(cmd.step_id, self.layout.group_of(self.tp.ranks[0]), out.tokens, out.logprobs,
                           time.perf_counter() - start, out.top, prompts or None)
 
-    def _prompt_logprobs(self, cmd: StepCommand, hidden: torch.Tensor, meta) -> dict[int, PromptLogprobs]:
-        out = {}
-        if not cmd.is_prefill:
+    def _prompt_logprobs(self, cmd: StepCommand, hidden: torch.Tensor) -> dict[int, PromptLogprobs]:
+        """Prompt log-probs of the sequences that asked (a prefill packs each one's tokens in order)."""
+        out: dict[int, PromptLogprobs] = {}
+        if not cmd.is_prefill or not any(s.prompt_logprobs is not None for s in cmd.seqs):
             return out
-        for i, s in enumerate(cmd.seqs):
+        start = 0
+        for s in cmd.seqs:
+            end = start + len(s.token_ids)
             if s.prompt_logprobs is not None:
-                rows = hidden[meta.query_starts[i] : meta.query_starts[i + 1]]
-                result = prompt_logprobs(rows, s.token_ids, s.prompt_logprobs,
+                result = prompt_logprobs(hidden[start:end], s.token_ids, s.prompt_logprobs,
                                          lambda h: self.model.compute_logits(h, self.tp))
                 if result is not None:
                     out[s.seq_id] = result
+            start = end
         return out
-
-    def _prepare(self, cmd: StepCommand):
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        tables: list[list[int]] = []
-        for s in cmd.seqs:
-            if s.block_table is not None:
-                history = list(s.context or []) if s.sampling is not None and s.sampling.has_processors else None
-                self.seqs[s.seq_id] = SeqState(list(s.block_table), s.sampling, history)
-            state = self.seqs[s.seq_id]
-            if state.history is not None:  # the tokens run now take their positions in the history
-                del state.history[s.start_pos :]
-                state.history.extend(s.token_ids)
-            state.block_table.extend(s.new_blocks)
-            if s.sampling is not None:
-                state.sampling = s.sampling
-            ids.extend(s.token_ids)
-            positions.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
-            tables.append(state.block_table)
-        dev = self.device
-        pos_t = torch.tensor(positions, dtype=torch.long)
-        table_t = _pad_tables(tables)
-        seq_index = torch.repeat_interleave(torch.arange(len(cmd.seqs)), torch.tensor([len(s.token_ids) for s in cmd.seqs]))
-        slots = table_t[seq_index, pos_t // bs] * bs + pos_t % bs  # (T,)
-        if cmd.is_prefill:
-            starts = [0]
-            context_slots: list[torch.Tensor | None] = []
-            for i, s in enumerate(cmd.seqs):
-                starts.append(starts[-1] + len(s.token_ids))
-                if s.start_pos == 0:
-                    context_slots.append(None)
-                else:
-                    ctx_pos = torch.arange(s.start_pos + len(s.token_ids))
-                    context_slots.append((table_t[i, ctx_pos // bs] * bs + ctx_pos % bs).to(dev))
-            meta = AttentionMetadata(True, slots.to(dev), query_starts=starts,
-                                     start_positions=[s.start_pos for s in cmd.seqs], context_slots=context_slots)
-            last_index = torch.tensor(starts[1:], dtype=torch.long) - 1
-        else:
-            lengths = pos_t + 1  # context length after writing this token
-            nb = -(-int(lengths.max()) // bs)
-            mask = torch.arange(nb * bs)[None, :] < lengths[:, None]  # (B, nb*bs)
-            meta = AttentionMetadata(False, slots.to(dev), block_tables=table_t[:, :nb].to(dev),
-                                     decode_mask=mask[:, None, None, :].to(dev), context_lens=lengths.to(dev))
-            last_index = torch.arange(len(cmd.seqs))
-        return (torch.tensor(ids, dtype=torch.long, device=dev), pos_t.to(dev), meta, last_index.to(dev))
-
-
-def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
-    width = max(len(t) for t in tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)

@@ -29,7 +29,8 @@ from pat_engine.parallel.p2p import exchange
 from pat_engine.parallel.reshard_plan import allgather_bytes, plan_moves
 from pat_engine.protocol import SwitchPlan, SwitchReport
 from pat_engine.worker.faults import FaultInjector
-from pat_engine.worker.infer_executor import InferExecutor, SeqState
+from pat_engine.worker.infer_executor import InferExecutor
+from pat_engine.worker.step_inputs import SeqState
 from pat_engine.worker.kv_pool import PagedKVPool
 
 

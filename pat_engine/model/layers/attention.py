@@ -15,25 +15,24 @@ import torch.nn.functional as F
 
 @dataclass
 class AttentionMetadata:
-    """Per-step batch geometry, built once and shared by every layer.
+    """Per-step batch geometry, built once (worker/step_inputs.py) and shared by every layer.
 
-    Prefill: ``query_starts`` (B+1 offsets into the T new tokens) and, for each
-    sequence, its start position; ``context_slots[i]`` is set only when a
-    sequence already has cached tokens (then the whole context is gathered).
-    Decode: one query per sequence; ``block_tables`` (B, max_blocks) and
-    ``decode_mask`` (B, 1, 1, max_blocks * block_size) cover each padded context.
-    Gathering whole blocks copies contiguous runs of ``block_size`` tokens,
-    several times faster on CPU than gathering token by token.
+    Every sequence of the step is one row of a padded batch: ``query_len`` query slots
+    (1 in decode) over its context, which is read from the pool through ``block_tables``
+    (B, blocks); ``mask`` (B, 1, query_len, blocks * block_size) says which context
+    tokens each query sees (causal, and only the row's own tokens). Prefill packs its T
+    new tokens; ``pad_index`` (T,) places each in the padded (B * query_len) layout.
+    Gathering whole blocks copies contiguous runs of ``block_size`` tokens, several
+    times faster on CPU than gathering token by token.
     """
 
     is_prefill: bool
-    slot_mapping: torch.Tensor  # (T,) slot of each new token
-    query_starts: list[int] | None = None
-    start_positions: list[int] | None = None
-    context_slots: list[torch.Tensor | None] | None = None
-    block_tables: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None
-    context_lens: torch.Tensor | None = None  # (B,) for the GPU decode kernel
+    slot_mapping: torch.Tensor  # (N,) slot of each new token; N may be below the rows (decode padding)
+    query_len: int
+    block_tables: torch.Tensor
+    mask: torch.Tensor
+    pad_index: torch.Tensor | None = None  # prefill only
+    context_lens: torch.Tensor | None = None  # (B,) decode: for the GPU kernel
 
 
 _TRITON_DECODE: object = None  # the Triton kernel, False when unavailable, None before the first look
@@ -53,43 +52,37 @@ def _triton_decode():
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store the new tokens' K/V; k, v: (T, kvh, hd)."""
+    """Store the new tokens' K/V; k, v: (T, kvh, hd), of which the first ``len(slots)`` are real."""
     kvh, hd = kv_cache.shape[-2:]
-    kv_cache[0].view(-1, kvh, hd).index_copy_(0, slots, k)
-    kv_cache[1].view(-1, kvh, hd).index_copy_(0, slots, v)
+    n = slots.shape[0]
+    kv_cache[0].view(-1, kvh, hd).index_copy_(0, slots, k[:n])
+    kv_cache[1].view(-1, kvh, hd).index_copy_(0, slots, v[:n])
 
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """q: (T, h, hd); k, v: (T, kvh, hd) for the new tokens. Returns (T, h, hd)."""
+    """q: (T, h, hd); k, v: (T, kvh, hd) for the new tokens. Returns (T, h, hd).
+
+    One attention call for the whole batch, prefill and decode alike (no loop over sequences).
+    """
     write_kv(kv_cache, k, v, meta.slot_mapping)
     kvh, hd = kv_cache.shape[-2:]
     if not meta.is_prefill:
         kernel = _triton_decode() if q.is_cuda and q.dtype != torch.float64 else None
         if kernel is not None and meta.context_lens is not None:
             return kernel(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, scale)
-        b, nb = meta.block_tables.shape
-        # index_select over whole blocks (contiguous rows) is several times faster than advanced indexing
-        blocks = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, meta.block_tables.reshape(-1))
-        kv = blocks.view(2, b, -1, kvh, hd).transpose(2, 3)  # (2, B, kvh, nb*bs, hd)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), kv[0], kv[1], attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )  # (B, h, 1, hd)
-        return out.squeeze(2)
-    outputs = []
-    starts = meta.query_starts
-    for i in range(len(starts) - 1):
-        qi = q[starts[i] : starts[i + 1]].transpose(0, 1)  # (h, n, hd)
-        slots = meta.context_slots[i] if meta.context_slots else None
-        if slots is None:  # nothing cached before: attend to the new tokens only, causally
-            ki, vi = k[starts[i] : starts[i + 1]].transpose(0, 1), v[starts[i] : starts[i + 1]].transpose(0, 1)
-            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            ki = kv_cache[0].view(-1, kvh, hd)[slots].transpose(0, 1)  # (kvh, ctx, hd)
-            vi = kv_cache[1].view(-1, kvh, hd)[slots].transpose(0, 1)
-            n, start = qi.shape[1], meta.start_positions[i]
-            mask = torch.arange(slots.numel(), device=q.device)[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-        outputs.append(oi.transpose(0, 1))
-    return torch.cat(outputs, dim=0)
+    b, nb = meta.block_tables.shape
+    # index_select over whole blocks (contiguous rows) is several times faster than advanced indexing
+    blocks = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, meta.block_tables.reshape(-1))
+    kv = blocks.view(2, b, -1, kvh, hd).transpose(2, 3)  # (2, B, kvh, nb*bs, hd)
+    n, heads = meta.query_len, q.shape[1]
+    if meta.pad_index is None:  # decode: one query per row, already in batch order
+        qb = q.view(b, n, heads, hd)
+    else:
+        qb = q.new_zeros(b * n, heads, hd).index_copy_(0, meta.pad_index, q).view(b, n, heads, hd)
+    out = F.scaled_dot_product_attention(
+        qb.transpose(1, 2), kv[0], kv[1], attn_mask=meta.mask, scale=scale, enable_gqa=True
+    )  # (B, h, n, hd)
+    out = out.transpose(1, 2).reshape(b * n, heads, hd)
+    return out if meta.pad_index is None else out.index_select(0, meta.pad_index)

@@ -1,0 +1,214 @@
+"""Where one decode step's time goes, on the worker and on the driver (CPU, TP1).
+
+Worker side (in this process, one ``InferExecutor`` with the engine's own code): a prefill of
+``batch`` prompts, then ``--new-tokens`` decode steps. Each step is timed without a profiler
+(wall ms/step), then once more under ``torch.profiler`` with the model's pieces wrapped in
+labels (GEMMs, RMSNorm, rotary, attention incl. KV write/read, input preparation, sampling);
+"other" is the rest of the step (Python between the pieces, embedding, residual adds, SiLU-mul).
+Profiled times include the profiler's own overhead; the shares are what to read.
+Run it with the OpenMP policy the engine's worker would get (EngineConfig.worker_env: none for one
+2-thread worker on 2 cores; the code before the fix ran every worker with OMP_WAIT_POLICY=PASSIVE).
+
+Driver side (a real ``Engine``, one worker process): per decode step, the round trip
+(dispatch to result) minus the worker's own time is pickling + the socket + wake-ups, and the
+gap between one result and the next dispatch is the driver's scheduling and bookkeeping.
+
+    PYTHONPATH=.:profiler:integrations:csrc python bench/step_breakdown.py --label after
+"""
+
+from __future__ import annotations
+
+import os
+
+import argparse
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import markdown_table, write_result  # noqa: E402
+from pat_engine import Engine, SamplingParams  # noqa: E402
+from pat_engine.model import llama  # noqa: E402
+from pat_engine.model.arch import load_model_arch  # noqa: E402
+from pat_engine.model.layers.embedding import ParallelLMHead  # noqa: E402
+from pat_engine.model.layers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from pat_engine.model.layers.norm import RMSNorm  # noqa: E402
+from pat_engine.parallel.comm import TPGroup  # noqa: E402
+from pat_engine.parallel.layout import Layout  # noqa: E402
+from pat_engine.protocol import SeqStep, StepCommand  # noqa: E402
+from pat_engine.sampling.sampler import SamplingSpec  # noqa: E402
+from pat_engine.tiny_model import TinyModelSpec, write_tiny_model  # noqa: E402
+from pat_engine.worker.infer_executor import InferExecutor  # noqa: E402
+
+# The issue's checkpoint: Llama, 4 layers, hidden 512, 8 heads / 4 KV heads, intermediate 1536.
+SPEC = TinyModelSpec(arch="llama", vocab_size=8192, hidden_size=512, intermediate_size=1536, num_layers=4,
+                     num_heads=8, num_kv_heads=4, max_position=2048, seed=11)
+BLOCK = 16
+PIECES = ["prepare", "gemm", "norm", "rotary", "attention", "sample"]  # labels, in table order
+
+
+def _labelled(label: str, fn):
+    def wrapped(*args, **kwargs):
+        with record_function(label):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+@contextlib.contextmanager
+def labelled_pieces():
+    """Wrap the model's pieces in profiler labels (restored afterwards)."""
+    patches = [(ColumnParallelLinear, "forward"), (RowParallelLinear, "forward"), (ParallelLMHead, "forward"),
+               (RMSNorm, "forward"), (llama, "apply_rotary"), (llama, "paged_attention")]
+    labels = ["gemm", "gemm", "gemm", "norm", "rotary", "attention"]
+    saved = [(obj, name, getattr(obj, name)) for obj, name in patches]
+    try:
+        for (obj, name), label in zip(patches, labels):
+            setattr(obj, name, _labelled(label, getattr(obj, name)))
+        yield
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+
+
+class Rollout:
+    """Drives one InferExecutor the way the scheduler does: a prefill, then one token per step."""
+
+    def __init__(self, path: str, batch: int, prompt_len: int, new_tokens: int, sampled: bool):
+        arch = load_model_arch(path)
+        blocks_per_seq = -(-(prompt_len + new_tokens + 1) // BLOCK)
+        self.ex = InferExecutor(arch, Layout(1, 1), TPGroup(rank=0, size=1, ranks=(0,)), torch.float32, torch.device("cpu"), BLOCK,
+                                batch * blocks_per_seq + 1)
+        self.ex.load_weights(path)
+        self.batch, self.prompt_len, self.blocks_per_seq = batch, prompt_len, blocks_per_seq
+        g = torch.Generator().manual_seed(batch)
+        self.prompts = torch.randint(10, SPEC.vocab_size - 10, (batch, prompt_len), generator=g).tolist()
+        self.spec = (SamplingSpec(1.0, 50, 0.95, 0, False) if sampled else SamplingSpec(0.0, -1, 1.0, 0, False))
+        self.step_id = 0
+
+    def prefill(self) -> list[int]:
+        self.tables = [[1 + i * self.blocks_per_seq + j for j in range(-(-self.prompt_len // BLOCK))]
+                       for i in range(self.batch)]
+        seqs = [SeqStep(i, list(p), 0, block_table=list(self.tables[i]),
+                        sampling=SamplingSpec(self.spec.temperature, self.spec.top_k, self.spec.top_p, i, False))
+                for i, p in enumerate(self.prompts)]
+        self.pos = self.prompt_len
+        self.last = self.ex.execute(StepCommand(self._next_id(), True, seqs)).tokens
+        return self.last
+
+    def decode(self) -> list[int]:
+        seqs = []
+        for i in range(self.batch):
+            new = []
+            if self.pos // BLOCK >= len(self.tables[i]):
+                new = [1 + i * self.blocks_per_seq + len(self.tables[i])]
+                self.tables[i].extend(new)
+            seqs.append(SeqStep(i, [self.last[i]], self.pos, new_blocks=new))
+        self.last = self.ex.execute(StepCommand(self._next_id(), False, seqs)).tokens
+        self.pos += 1
+        return self.last
+
+    def _next_id(self) -> int:
+        self.step_id += 1
+        return self.step_id
+
+
+def worker_row(path: str, batch: int, args, sampled: bool) -> dict:
+    run = Rollout(path, batch, args.prompt_len, args.new_tokens, sampled)
+    run.prefill()
+    walls = []
+    for _ in range(args.new_tokens // 2):
+        t = time.perf_counter()
+        run.decode()
+        walls.append(time.perf_counter() - t)
+    with labelled_pieces(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        steps = args.new_tokens // 2 - 1
+        for _ in range(steps):
+            with record_function("step"):
+                run.decode()
+        profiled = (time.perf_counter() - t) / steps
+    totals = {e.key: e.cpu_time_total / 1000 / steps for e in prof.key_averages() if e.key in PIECES + ["step"]}
+    row = {p: totals.get(p, 0.0) for p in PIECES}
+    row["other"] = totals["step"] - sum(row.values())
+    row["profiled"] = totals["step"]
+    row["wall"] = statistics.median(walls) * 1000
+    row["profiled_wall"] = profiled * 1000
+    return row
+
+
+def driver_row(path: str, batch: int, args) -> dict:
+    g = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(10, SPEC.vocab_size - 10, (batch, args.prompt_len), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    with Engine(path, tp=1, dp=1, dtype="float32", threads_per_worker=args.threads) as engine:
+        engine.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True), use_tqdm=False)
+        with engine.record_steps() as log:
+            t = time.perf_counter()
+            engine.generate(prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - t
+    decode = [r for r in log if not r.is_prefill]
+    gaps = [b.t - a.t - b.seconds for a, b in zip(decode, decode[1:])]
+    return {
+        "round trip": statistics.median(r.seconds for r in decode) * 1000,
+        "worker": statistics.median(r.forward_seconds for r in decode) * 1000,
+        "ipc": statistics.median(r.seconds - r.forward_seconds for r in decode) * 1000,
+        "gap": statistics.median(gaps) * 1000,
+        "tok/s": batch * args.new_tokens / elapsed,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--label", default="current", help="names this run in the results file (e.g. before/after)")
+    ap.add_argument("--compare-with", help="an earlier run's results file (e.g. of the code before a change): "
+                    "its tables are included and the result is written to bench/results/step_breakdown.md")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    worker_rows, driver_rows = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(write_tiny_model(tmp, SPEC))
+        for batch in args.batch_sizes:
+            for sampled in (False, True):
+                r = worker_row(path, batch, args, sampled)
+                worker_rows.append([args.label, batch, "t=1 top-k 50 top-p .95" if sampled else "greedy",
+                                    round(r["wall"], 2), round(r["profiled"], 2)]
+                                   + [f"{r[p]:.2f} ({100 * r[p] / r['profiled']:.0f}%)" for p in PIECES + ["other"]])
+            d = driver_row(path, batch, args)
+            driver_rows.append([args.label, batch, round(d["tok/s"], 1), round(1000 * batch / d["tok/s"], 2),
+                                round(d["round trip"], 2), round(d["worker"], 2), round(d["ipc"], 2), round(d["gap"], 2)])
+    body = (
+        f"Checkpoint: Llama, {SPEC.num_layers} layers, hidden {SPEC.hidden_size}, {SPEC.num_heads} heads / "
+        f"{SPEC.num_kv_heads} KV heads, intermediate {SPEC.intermediate_size}, vocab {SPEC.vocab_size}, float32; "
+        f"prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.threads} torch threads, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset (OpenMP default)')}, load average before: {open('/proc/loadavg').read().split()[0]}.\n\n"
+        "## Worker: one decode step (ms), in process\n\n"
+        "*wall*: median step without the profiler; the other columns are under torch.profiler (its overhead "
+        "included), with each piece's share of the profiled step.\n\n"
+        + markdown_table(["run", "batch", "sampling", "wall ms", "profiled ms"] + PIECES + ["other"], worker_rows)
+        + "\n\n## Driver: one decode step (ms), real engine with one worker process, greedy\n\n"
+        "*round trip*: dispatch to result on the driver; *worker*: the worker's own time for the step; "
+        "*pickle+socket*: their difference; *driver gap*: from one result to the next dispatch.\n\n"
+        + markdown_table(["run", "batch", "tok/s", "ms/step (wall)", "round trip", "worker", "pickle+socket",
+                          "driver gap"], driver_rows)
+    )
+    if args.compare_with:
+        earlier = Path(args.compare_with).read_text()
+        body = f"# Run: {args.label}\n\n{body}\n\n# Earlier run, for comparison ({args.compare_with})\n\n" + earlier
+        write_result("step_breakdown", "Decode step breakdown, before and after", body)
+    else:
+        write_result(f"step_breakdown_{args.label}", f"Decode step breakdown ({args.label})", body)
+
+
+if __name__ == "__main__":
+    main()

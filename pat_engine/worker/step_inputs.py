@@ -1,0 +1,160 @@
+"""Turning a ``StepCommand`` into the tensors one forward reads, in persistent buffers.
+
+Prefill and decode share one geometry: each sequence of the step is one row of a padded
+batch with ``query_len`` query slots (1 in decode) over its whole context in the paged
+pool; ``mask[b, i, j]`` says that query ``i`` of row ``b`` sees context token ``j``.
+Decode batches are padded to a fixed set of sizes (``padded_batch_size``): the shapes a
+step can take are then few and known in advance (what CUDA-graph capture needs), and on
+the CPU the padding to a multiple of 4 rows happens once here instead of in every GEMM.
+Padding rows run token 0 at position 0 over one context slot and write no KV.
+
+Ids, positions, block tables and lengths live in buffers allocated once and grown on
+demand; a step fills a prefix of them (on GPU from host tensors with non-blocking copies)
+and the forward reads views, so it never waits on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pat_engine.model.layers.attention import AttentionMetadata
+from pat_engine.protocol import StepCommand
+from pat_engine.sampling.sampler import SamplingBatch, SamplingSpec
+
+_CPU_ALIGN, _CPU_PAD_BELOW = 4, 256  # same rule as the CPU GEMM row padding in model/layers/linear.py
+_GPU_SIZES = (1, 2, 4, 8) + tuple(range(16, 513, 8))  # decode batch sizes a GPU would capture graphs for
+
+
+def padded_batch_size(n: int, device: torch.device) -> int:
+    """The decode batch size ``n`` real rows run as."""
+    if device.type == "cpu":
+        if n < 3 or n >= _CPU_PAD_BELOW:
+            return n
+        return -(-n // _CPU_ALIGN) * _CPU_ALIGN
+    return next((s for s in _GPU_SIZES if s >= n), n)
+
+
+@dataclass
+class SeqState:
+    block_table: list[int]
+    sampling: SamplingSpec | None
+    history: list[int] | None = None  # every token so far, kept for sequences with logit processors
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # (T,) T = real tokens (prefill) or the padded batch (decode)
+    positions: torch.Tensor  # (T,)
+    attn: AttentionMetadata
+    logits_rows: torch.Tensor | slice  # rows of the hidden states to compute logits for, in batch order
+    sampling: SamplingBatch | None  # None where this rank does not sample
+
+
+class _Buffers:
+    """Flat device buffers, one per name, allocated once and doubled when a step needs more.
+
+    A step's tensor is a contiguous view of its buffer's prefix, so a given shape always
+    has the same address (what a captured graph reads).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pin = device.type == "cuda"
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def fill(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        """A view of buffer ``name`` holding ``values`` (same shape and dtype), on the device."""
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < values.numel() or buf.dtype != values.dtype:
+            size = max(values.numel(), 2 * buf.numel() if buf is not None else 0, 64)
+            buf = self._bufs[name] = torch.zeros(size, dtype=values.dtype, device=self.device)
+        view = buf[: values.numel()].view(values.shape)
+        view.copy_(values.pin_memory() if self.pin else values, non_blocking=self.pin)
+        return view
+
+
+class StepInputBuilder:
+    """Keeps each sequence's block table and sampling spec, and builds every step's inputs."""
+
+    def __init__(self, block_size: int, device: torch.device, vocab_size: int):
+        self.block_size = block_size
+        self.device = device
+        self.vocab_size = vocab_size  # the logit processors' (B, vocab) tensors
+        self.seqs: dict[int, SeqState] = {}
+        self._bufs = _Buffers(device)
+
+    def build(self, cmd: StepCommand, samples: bool) -> StepInputs:
+        for seq_id in cmd.released:
+            self.seqs.pop(seq_id, None)
+        tables: list[list[int]] = []
+        for s in cmd.seqs:
+            if s.block_table is not None:
+                history = list(s.context or []) if s.sampling is not None and s.sampling.has_processors else None
+                self.seqs[s.seq_id] = SeqState(list(s.block_table), s.sampling, history)
+            state = self.seqs[s.seq_id]
+            if state.history is not None:  # the tokens run now take their positions in the history
+                del state.history[s.start_pos :]
+                state.history.extend(s.token_ids)
+            state.block_table.extend(s.new_blocks)
+            if s.sampling is not None:
+                state.sampling = s.sampling
+            tables.append(state.block_table)
+        return self._prefill(cmd, tables, samples) if cmd.is_prefill else self._decode(cmd, tables, samples)
+
+    def _sampling(self, cmd: StepCommand, samples: bool) -> SamplingBatch | None:
+        if not samples:
+            return None
+        states = [self.seqs[s.seq_id] for s in cmd.seqs]
+        positions = [s.start_pos + len(s.token_ids) for s in cmd.seqs]
+        suppressed = [s.suppressed for s in cmd.seqs] if any(s.suppressed for s in cmd.seqs) else None
+        return SamplingBatch.build([st.sampling for st in states], positions, suppressed, self.device,
+                                   [st.history for st in states], self.vocab_size)
+
+    def _decode(self, cmd: StepCommand, tables: list[list[int]], samples: bool) -> StepInputs:
+        n = len(cmd.seqs)
+        rows = padded_batch_size(n, self.device)
+        bs = self.block_size
+        starts = [s.start_pos for s in cmd.seqs]
+        width = -(-(max(starts) + 1) // bs)
+        ids = torch.zeros(rows, dtype=torch.long)
+        ids[:n] = torch.tensor([s.token_ids[0] for s in cmd.seqs])
+        pos = torch.zeros(rows, dtype=torch.long)
+        pos[:n] = torch.tensor(starts)
+        table = torch.zeros(rows, width, dtype=torch.long)
+        table[:n] = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables])
+        slots = table[torch.arange(n), pos[:n] // bs] * bs + pos[:n] % bs
+        mask = torch.arange(width * bs)[None, :] <= pos[:, None]  # padding rows see slot 0 only
+        attn = AttentionMetadata(
+            is_prefill=False, slot_mapping=self._bufs.fill("slots", slots), query_len=1,
+            block_tables=self._bufs.fill("tables", table), mask=self._bufs.fill("mask", mask[:, None, None, :]),
+            context_lens=self._bufs.fill("lens", pos + 1),
+        )
+        return StepInputs(self._bufs.fill("ids", ids), self._bufs.fill("pos", pos), attn, slice(0, n),
+                          self._sampling(cmd, samples))
+
+    def _prefill(self, cmd: StepCommand, tables: list[list[int]], samples: bool) -> StepInputs:
+        bs = self.block_size
+        lens = torch.tensor([len(s.token_ids) for s in cmd.seqs])
+        starts = torch.tensor([s.start_pos for s in cmd.seqs])
+        n, query_len = len(cmd.seqs), int(lens.max())
+        width = -(-int((starts + lens).max()) // bs)
+        table = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.long)
+        row = torch.repeat_interleave(torch.arange(n), lens)  # (T,) the sequence of each packed token
+        offset = torch.arange(row.numel()) - (torch.cumsum(lens, 0) - lens)[row]  # index inside its sequence
+        pos = starts[row] + offset
+        slots = table[row, pos // bs] * bs + pos % bs
+        # query i of row b sees context j <= start_b + i (padding queries: the row's last token's view)
+        last = starts + lens - 1
+        query_pos = torch.minimum(starts[:, None] + torch.arange(query_len)[None, :], last[:, None])  # (B, n)
+        mask = torch.arange(width * bs)[None, None, :] <= query_pos[:, :, None]  # (B, n, ctx)
+        attn = AttentionMetadata(
+            is_prefill=True, slot_mapping=self._bufs.fill("slots", slots), query_len=query_len,
+            block_tables=self._bufs.fill("tables", table), mask=self._bufs.fill("mask", mask[:, None]),
+            pad_index=self._bufs.fill("pad_index", row * query_len + offset),
+        )
+        logits_rows = self._bufs.fill("logits_rows", torch.cumsum(lens, 0) - 1)
+        ids = torch.tensor([t for s in cmd.seqs for t in s.token_ids], dtype=torch.long)
+        return StepInputs(self._bufs.fill("ids", ids), self._bufs.fill("pos", pos), attn, logits_rows,
+                          self._sampling(cmd, samples))
