@@ -154,15 +154,20 @@ class GlobalCoordinator:
             self.schedulers[group].add(seq)
             self.seqs[seq.seq_id] = seq
 
-    def abort(self, seq_ids: list[int], reason: str = "abort", error: str | None = None) -> list[Sequence]:
+    def _take(self, seq_ids: list[int]) -> list[Sequence]:
+        """The unfinished sequences among ``seq_ids``, out of the coordinator and their queues (KV freed)."""
         out = []
         for sid in seq_ids:
             seq = self.seqs.pop(sid, None)
-            if seq is None:
-                continue
-            self.schedulers[seq.group].remove(seq)
+            if seq is not None:
+                self.schedulers[seq.group].remove(seq)
+                out.append(seq)
+        return out
+
+    def abort(self, seq_ids: list[int], reason: str = "abort", error: str | None = None) -> list[Sequence]:
+        out = self._take(seq_ids)
+        for seq in out:
             seq.finish(reason, error)
-            out.append(seq)
             self._notify(seq, 0)
         return out
 
@@ -174,15 +179,7 @@ class GlobalCoordinator:
 
     def withdraw(self, seq_ids: list[int]) -> list[Sequence]:
         """Take requests out of the queues without finishing them (held back after a crash); KV dropped."""
-        out = []
-        for sid in seq_ids:
-            seq = self.seqs.pop(sid, None)
-            if seq is None:
-                continue
-            self.schedulers[seq.group].remove(seq)
-            seq.forget_kv()
-            out.append(seq)
-        return out
+        return self._take(seq_ids)
 
     def step_members(self, rank: int | None) -> list[Sequence]:
         """Unfinished requests in the steps in flight on ``rank``'s DP group (every group's when None)."""

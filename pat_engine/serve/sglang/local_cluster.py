@@ -40,8 +40,32 @@ def _env() -> dict:
     return env
 
 
-class PatServeProcess:
+class _Subprocess:
+    """A child process (``self.proc``) stopped with SIGTERM, then SIGKILL after ``stop_timeout_s``."""
+
+    proc: subprocess.Popen
+    stop_timeout_s = 15.0
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class PatServeProcess(_Subprocess):
     """``python -m pat_engine.serve serve`` on port 0; ``url`` is read from its start-up line."""
+
+    stop_timeout_s = 30.0  # a server drains its requests first
 
     def __init__(self, model: str, world: int = 1, tp: int = 1, dtype: str = "float32", *extra: str,
                  start_timeout_s: float = 300.0):
@@ -67,23 +91,9 @@ class PatServeProcess:
         for line in self.proc.stdout:
             self.log.append(line)
 
-    def stop(self, timeout: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def __enter__(self) -> "PatServeProcess":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
-class SGLangRouter:
+class SGLangRouter(_Subprocess):
     """``sglang_router.launch_router`` in front of ``worker_urls`` (round robin unless told otherwise)."""
 
     def __init__(self, worker_urls: list[str], policy: str = "round_robin", start_timeout_s: float = 120.0):
@@ -127,17 +137,3 @@ class SGLangRouter:
                 return
         raise KeyError(f"{url} is not a worker of the router")
 
-    def stop(self, timeout: float = 15.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def __enter__(self) -> "SGLangRouter":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
