@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import os
 
-# No OpenMP policy is forced on either side: pat-engine's workers get EngineConfig.worker_env (the
-# OpenMP default when they do not outnumber the cores). This script used to set PASSIVE for both,
-# which made transformers' 2-thread matmuls wait for a wake-up per op and flattered the ratio
-# (1.1-1.4x "faster than transformers" here against 0.6x in the issue's side-by-side table).
+# No OpenMP policy is forced on transformers: this script used to set PASSIVE for both sides, while
+# transformers run on its own (as in the issue's table) spins. pat-engine's workers get
+# EngineConfig.worker_env (PASSIVE). Which is faster depends on whether the cores are free
+# (bench/results/omp_wait_policy_ab.md): the two setups measure different things.
 
 import argparse
 import tempfile

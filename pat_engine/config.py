@@ -123,14 +123,12 @@ class EngineConfig:
     def worker_env(self) -> dict[str, str]:
         """OpenMP settings for the worker processes (a user's own environment wins).
 
-        Threads that sleep between kernels (PASSIVE) pay a wake-up per op: a step of small
-        GEMMs then takes up to 2x longer than with spinning threads (bench/step_breakdown.md).
-        Spinning is right on cores the engine has to itself, as vLLM assumes too, and ruinous
-        when the engine's threads outnumber the cores (or other jobs hold them: set
-        OMP_WAIT_POLICY=PASSIVE there). So PASSIVE is set only when the workers' threads
-        outnumber the cores; otherwise OpenMP's default (spin a while, then sleep) stays.
+        PASSIVE (threads sleep between kernels): spinning threads are faster only on cores the
+        engine holds alone; when anything else runs they stall every op (2-thread decode step,
+        load ~4: 9 ms sleeping vs 25 ms spinning at batch 1, 66 vs 150 ms at batch 64,
+        bench/results/omp_wait_policy_ab.md). On dedicated cores set OMP_WAIT_POLICY yourself.
         """
-        if self.device != "cpu" or self.worker_threads() * self.world <= _cores():
+        if self.device != "cpu":
             return {}
         return {"OMP_WAIT_POLICY": "PASSIVE"}
 

@@ -10,9 +10,6 @@ import torch
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Test machines are shared: OpenMP threads that spin (the engine's default when its workers fit the
-# cores, EngineConfig.worker_env) stall badly when other jobs hold the cores, so tests sleep instead.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Ragged prompts and lengths; some requests generate 48+ tokens.
 PROMPTS = [
