@@ -35,7 +35,7 @@ def test_single_and_batch_translation():
 
 @pytest.mark.parametrize("field", sorted(UNSUPPORTED_SAMPLING))
 def test_every_unsupported_sampling_field_is_named(field):
-    value = {"stop_regex": "x", "n": 2, "json_schema": "{}", "regex": "a", "ebnf": "a",
+    value = {"stop_regex": "x", "json_schema": "{}", "regex": "a", "ebnf": "a",
              "structural_tag": "a", "custom_params": {"a": 1}}.get(field, 0.5)
     with pytest.raises(InvalidRequestError, match=f"sampling_params.{field}="):
         items({"input_ids": [1], "sampling_params": {field: value}})

@@ -185,6 +185,15 @@ def test_generate_request_checked_by_sglangs_class(client):
     assert len(client.post("/generate", json=body).json()) == 2
 
 
+def test_n_samples_come_back_as_a_list_equal_to_engine_generate(client, engine):
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 6, "temperature": 0.9, "n": 3,
+                                                        "sampling_seed": 4}}
+    outs = client.post("/generate", json=body).json()
+    ref = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6, temperature=0.9, n=3, seed=4),
+                          use_tqdm=False)[0]
+    assert [o["output_ids"] for o in outs] == [s.token_ids for s in ref.samples]
+
+
 def test_penalties_stop_strings_and_prompt_logprobs_equal_engine_generate(client, engine):
     prompt = [5, 6, 7, 8, 9, 10]
     sp = {"max_new_tokens": 10, "temperature": 0, "repetition_penalty": 1.3, "min_p": 0.05}
@@ -213,7 +222,7 @@ def test_penalties_stop_strings_and_prompt_logprobs_equal_engine_generate(client
     ({"input_ids": "12"}, "input_ids"),
     ({"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}, "temperature"),
     ({"input_ids": [1, 2], "sampling_params": {"min_p": 1.5}}, "min_p must be in [0, 1]"),
-    ({"input_ids": [1, 2], "sampling_params": {"n": 2}}, "sampling_params.n=2 is not supported"),
+    ({"input_ids": [1, 2], "sampling_params": {"n": 0}}, "n must be an integer"),
     ({"input_ids": [1, 2], "sampling_params": {"stop_regex": ["a+"]}}, "sampling_params.stop_regex"),
     ({"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 0}}, "repetition_penalty must be in"),
     ({"input_ids": [1, 2], "sampling_params": {"logit_bias": {"x": 1.0}}}, "logit_bias: keys must be token ids"),

@@ -42,16 +42,18 @@ def register_sglang_routes(app: FastAPI, pat: "PatServer") -> None:
     engine = pat.engine
     started = time.time()
 
-    async def submit_all(items: list[GenerateItem]) -> RequestGroup:
-        handles = []
+    async def submit_all(items: list[GenerateItem]) -> tuple[RequestGroup, list[GenerateItem]]:
+        """One handle per sample (``n`` per prompt, prompt-major), and the item each one answers."""
+        handles, owners = [], []
         try:
             for item in items:
                 group = await pat.submit([item.input], item.rid)
                 handles.extend(group.handles)
+                owners.extend([item] * len(group.handles))
         except BaseException:
             pat.aengine.abort_soon([h.request_id for h in handles])
             raise
-        return RequestGroup(pat.aengine, handles)
+        return RequestGroup(pat.aengine, handles), owners
 
     def room(prompt) -> int:
         """SGLang's ``max_new_tokens: null``: whatever the context leaves after the prompt."""
@@ -62,14 +64,15 @@ def register_sglang_routes(app: FastAPI, pat: "PatServer") -> None:
     async def generate(request: Request) -> Response:
         req = await pat.parse(request, GenerateRequest)
         items, batch = generate_items(req, room)
-        group = await submit_all(items)
+        group, owners = await submit_all(items)
+        listed = batch or len(owners) > len(items)  # SGLang answers a list for a batch or for n > 1
         if req.stream:
-            return StreamingResponse(_sse(group, items, batch, engine.tokenizer, request),
+            return StreamingResponse(_sse(group, owners, listed, engine.tokenizer, request),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         async for _ in group.updates(disconnected=request.is_disconnected):
             pass
-        outs = [response_object(item, h, engine.tokenizer) for item, h in zip(items, group.handles)]
-        return JSONResponse(outs if batch else outs[0])
+        outs = [response_object(item, h, engine.tokenizer) for item, h in zip(owners, group.handles)]
+        return JSONResponse(outs if listed else outs[0])
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:

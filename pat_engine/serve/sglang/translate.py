@@ -30,7 +30,6 @@ from pat_engine.serve.translate import EngineInput
 
 UNSUPPORTED_SAMPLING: dict[str, tuple] = {
     "stop_regex": (None, "", []),
-    "n": (1,),  # the engine has n (SamplingParams.n); /generate would return n responses per prompt
     "json_schema": (None,),
     "regex": (None,),
     "ebnf": (None,),
@@ -101,6 +100,7 @@ def to_sampling_params(sp: SGLSamplingParams, return_logprob: bool, where: str =
         top_logprobs=top_logprobs if return_logprob else 0,
         prompt_logprobs=prompt_logprobs,
         min_new_tokens=sp.min_new_tokens,
+        n=sp.n,
         frequency_penalty=sp.frequency_penalty,
         presence_penalty=sp.presence_penalty,
         repetition_penalty=sp.repetition_penalty,
