@@ -77,7 +77,7 @@ class LayoutSwitch:
             schedulers = coord.new_schedulers(new)
             placed = _KVPlacement(coord.schedulers, schedulers, coord.config.block_size)
         tables = tuple(SeqTable(s.seq_id, group_of[s.seq_id], tuple(placed.tables[s.seq_id]), s.spec,
-                                tuple(s.tokens[: s.num_cached]) if s.spec.has_processors else None)
+                                tuple(s.tokens[: s.num_cached]) if s.spec.has_penalties else None)
                        for s in seqs if s.seq_id in placed.tables)
         plan = SwitchPlan(old, new, coord.memory.num_blocks(new), path, tuple(placed.runs), tables)
         report = SwitchReport.merge(coord.pool.call("switch", plan=plan))

@@ -167,7 +167,7 @@ class GroupScheduler:
                 steps.append(SeqStep(seq.seq_id, tokens[seq.num_cached:], seq.num_cached,
                                      block_table=list(seq.block_table), sampling=seq.spec,
                                      suppressed=seq.suppressed_now(),
-                                     context=tokens[:seq.num_cached] if seq.spec.has_processors else None,
+                                     context=tokens[:seq.num_cached] if seq.spec.has_penalties else None,
                                      prompt_logprobs=seq.params.prompt_logprobs if seq.wants_prompt_logprobs() else None))
             else:
                 steps.append(SeqStep(seq.seq_id, [seq.tokens[-1]], seq.length - 1,

@@ -90,10 +90,10 @@ class SamplingSpec:
     prompt_len: int = 0  # where the output starts in the sequence (frequency and presence count the output)
 
     @property
-    def has_processors(self) -> bool:
-        """Whether logits change before sampling (then the worker keeps the sequence's token history)."""
+    def has_penalties(self) -> bool:
+        """Whether logit bias or a penalty changes the logits (then the worker keeps the token history)."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or bool(self.logit_bias) or self.min_p != 0.0)
+                or bool(self.logit_bias))
 
 
 @dataclass
@@ -145,23 +145,28 @@ class SamplingBatch:
             min_p=tensor([s.min_p for s in chosen], torch.float64).view(-1, 1)
             if any(s.min_p > 0 for s in chosen) else None,
             top_logprobs=max((s.top_logprobs for s in specs), default=0),
-            greedy_processed=tensor([i for i, s in enumerate(specs) if s.temperature == 0.0 and s.processed_logprobs
-                                     and s.has_processors], torch.long),
+            greedy_processed=_rows_or_none([i for i, s in enumerate(specs) if s.temperature == 0.0
+                                            and s.processed_logprobs and s.has_penalties], device),
         )
 
-    def process(self, logits: torch.Tensor) -> torch.Tensor:
-        """Tokens suppressed before min_new_tokens, then logit bias and penalties (float64 when any)."""
-        if self.suppressed is not None:
-            logits = logits.index_put(self.suppressed, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
-        if self.processors is not None:
-            logits = self.processors.apply(logits.to(torch.float64))
-        return logits
+    def suppress(self, logits: torch.Tensor) -> torch.Tensor:
+        """Tokens not allowed yet (EOS and stop ids before min_new_tokens) get -inf: the raw logits."""
+        if self.suppressed is None:
+            return logits
+        return logits.index_put(self.suppressed, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+
+    def penalize(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logit bias and penalties of the rows that have them (float64 when any): the processed logits."""
+        return logits if self.processors is None else self.processors.apply(logits.to(torch.float64))
+
+
+def _rows_or_none(rows: list[int], device: torch.device | str) -> torch.Tensor | None:
+    return torch.tensor(rows, dtype=torch.long, device=device) if rows else None
 
 
 def _processor_rows(specs: list[SamplingSpec], histories: list[list[int] | None] | None, vocab: int,
                     device: torch.device | str) -> ProcessorRows | None:
-    rows = [i for i, s in enumerate(specs) if s.repetition_penalty != 1.0 or s.frequency_penalty != 0.0
-            or s.presence_penalty != 0.0 or s.logit_bias]
+    rows = [i for i, s in enumerate(specs) if s.has_penalties]
     if not rows:
         return None
     if histories is None or any(histories[i] is None for i in rows):
@@ -224,11 +229,8 @@ class Sampled:
 def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
     """logits: (B, vocab). Raw log-probs come from the model's logits (tokens suppressed before
     ``min_new_tokens`` excluded); processed ones from the distribution the token was drawn from."""
-    raw_logits = logits
-    if batch.suppressed is not None:
-        raw_logits = logits.index_put(batch.suppressed, torch.tensor(float("-inf"), dtype=logits.dtype,
-                                                                    device=logits.device))
-    logits = batch.process(logits)
+    raw_logits = batch.suppress(logits)
+    logits = batch.penalize(raw_logits)
     tokens = logits.argmax(dim=-1)
     processed = None
     if batch.sampled.numel():
@@ -241,7 +243,7 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
     if processed is not None:  # sampled rows in processed mode: under the distribution drawn from
         rows = batch.sampled[batch.processed_rows]
         chosen = chosen.index_copy(0, rows, processed[batch.processed_rows])
-    if batch.greedy_processed is not None and batch.greedy_processed.numel():  # greedy after penalties
+    if batch.greedy_processed is not None:  # greedy rows after penalties
         rows = batch.greedy_processed
         lp = torch.log_softmax(logits.index_select(0, rows).to(torch.float64), dim=-1)
         chosen = chosen.index_copy(0, rows, lp.gather(-1, tokens.index_select(0, rows).unsqueeze(1)).squeeze(1))

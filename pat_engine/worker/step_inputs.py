@@ -91,7 +91,7 @@ class StepInputBuilder:
         tables: list[list[int]] = []
         for s in cmd.seqs:
             if s.block_table is not None:
-                history = list(s.context or []) if s.sampling is not None and s.sampling.has_processors else None
+                history = list(s.context or []) if s.sampling is not None and s.sampling.has_penalties else None
                 self.seqs[s.seq_id] = SeqState(list(s.block_table), s.sampling, history)
             state = self.seqs[s.seq_id]
             if state.history is not None:  # the tokens run now take their positions in the history
