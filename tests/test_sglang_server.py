@@ -225,7 +225,7 @@ def test_penalties_stop_strings_and_prompt_logprobs_equal_engine_generate(client
     ({"input_ids": [1, 2], "sampling_params": {"n": 0}}, "n must be an integer"),
     ({"input_ids": [1, 2], "sampling_params": {"stop_regex": ["a+"]}}, "sampling_params.stop_regex"),
     ({"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 0}}, "repetition_penalty must be in"),
-    ({"input_ids": [1, 2], "sampling_params": {"logit_bias": {"x": 1.0}}}, "logit_bias: keys must be token ids"),
+    ({"input_ids": [1, 2], "sampling_params": {"logit_bias": {"x": 1.0}}}, "logit_bias: key 'x' is not a token id"),
     ({"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 99}, "top_logprobs must be an integer"),
     ({"input_ids": [1, 2], "text": "x"}, "exactly one of text or input_ids"),
     ({"input_ids": [[1, 2], [3]], "rid": "one"}, "rid as a list"),

@@ -93,18 +93,10 @@ class RoundSimulation(Simulation):
     def run_round(self) -> float:
         """Run until the round is over; its duration (seconds)."""
         while self.stopped_at is None:
-            if self.pending is not None and all(g.inflight is None for g in self.groups):
-                self._switch(self.pending)
-            if self.pending is None:
-                for g in self.groups:
-                    if g.inflight is None:
-                        self._dispatch(g)
-            live = [g for g in self.groups if g.inflight is not None]
-            if not live:
+            check_due = self._advance()
+            if check_due is None:
                 break
-            g = min(live, key=lambda x: x.busy_until)
-            self.now = g.busy_until
-            if self._complete(g) and self.active:
+            if check_due:
                 self._ask_policy()
         return self.stopped_at if self.stopped_at is not None else self.finished_at
 

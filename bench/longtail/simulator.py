@@ -100,21 +100,29 @@ class Simulation:
         Returns True when every request is done.
         """
         while True:
-            if self.pending is not None and all(g.inflight is None for g in self.groups):
-                self._switch(self.pending)
-            if self.pending is None:
-                for g in self.groups:
-                    if g.inflight is None:
-                        self._dispatch(g)
-            live = [g for g in self.groups if g.inflight is not None]
-            if not live:
+            check_due = self._advance()
+            if check_due is None:
                 return True
-            g = min(live, key=lambda x: x.busy_until)
-            self.now = g.busy_until
-            if self._complete(g) and self.active:
+            if check_due:
                 if stop_at_checks:
                     return False
                 self._ask_policy()
+
+    def _advance(self) -> bool | None:
+        """One event: a pending switch once every group is idle, idle groups dispatched, then the next step
+        to finish completes. None when nothing runs; else whether a policy check is due."""
+        if self.pending is not None and all(g.inflight is None for g in self.groups):
+            self._switch(self.pending)
+        if self.pending is None:
+            for g in self.groups:
+                if g.inflight is None:
+                    self._dispatch(g)
+        live = [g for g in self.groups if g.inflight is not None]
+        if not live:
+            return None
+        g = min(live, key=lambda x: x.busy_until)
+        self.now = g.busy_until
+        return bool(self._complete(g) and self.active)
 
     def _dispatch(self, g: Group) -> None:
         if g.waiting and len(g.running) < self.max_num_seqs:

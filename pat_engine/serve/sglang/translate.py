@@ -26,7 +26,7 @@ from pat_engine.core.request_handle import RequestHandle, RequestProgress
 from pat_engine.errors import InvalidRequestError
 from pat_engine.sampling_params import SamplingParams
 from pat_engine.serve.sglang.protocol import GenerateRequest, SGLSamplingParams
-from pat_engine.serve.translate import EngineInput
+from pat_engine.serve.translate import EngineInput, logit_bias
 
 UNSUPPORTED_SAMPLING: dict[str, tuple] = {
     "stop_regex": (None, "", []),
@@ -80,10 +80,6 @@ def to_sampling_params(sp: SGLSamplingParams, return_logprob: bool, where: str =
                        prompt_logprobs: int | None = None) -> SamplingParams:
     _refuse_unsupported(sp, UNSUPPORTED_SAMPLING, f"{where}sampling_params.")
     stop = (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop or ())
-    try:
-        bias = tuple((int(t), float(b)) for t, b in (sp.logit_bias or {}).items())
-    except ValueError:
-        raise InvalidRequestError(f"{where}sampling_params.logit_bias: keys must be token ids") from None
     return SamplingParams(
         max_new_tokens=sp.max_new_tokens,
         temperature=sp.temperature,
@@ -104,7 +100,7 @@ def to_sampling_params(sp: SGLSamplingParams, return_logprob: bool, where: str =
         frequency_penalty=sp.frequency_penalty,
         presence_penalty=sp.presence_penalty,
         repetition_penalty=sp.repetition_penalty,
-        logit_bias=bias,
+        logit_bias=logit_bias(sp.logit_bias),
     )
 
 
