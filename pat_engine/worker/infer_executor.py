@@ -9,13 +9,17 @@ hands it the new group, pool and tables through ``install``.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Iterator
+
 import torch
 from torch.profiler import record_function
 
+from pat_engine.model import cpu_gemm
 from pat_engine.model.arch import ModelArch
 from pat_engine.model.llama import CausalLM, ForwardContext
-from pat_engine.model.weights import load_shard_from_disk
+from pat_engine.model.weights import load_shard_from_disk, load_shard_from_tensors
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import StepCommand, StepResult
@@ -36,6 +40,21 @@ class InferExecutor:
         self.kv = self.new_pool(layout, num_blocks)
         self.inputs = StepInputBuilder(block_size, device, arch.vocab_size)  # also keeps each sequence's table
         self._residency = "resident"  # where this rank's weight bytes are: "resident", "offloaded" or "released"
+        self._writers = 0  # open ``writing_weights`` blocks
+
+    @contextlib.contextmanager
+    def writing_weights(self) -> Iterator[None]:
+        """Every write to the weights happens inside this block: the CPU GEMM packs derived from
+        them (model/cpu_gemm.py) are dropped on entry and rebuilt when the outermost block ends."""
+        if self._writers == 0:
+            cpu_gemm.drop(self.model)
+        self._writers += 1
+        try:
+            yield
+        finally:
+            self._writers -= 1
+            if self._writers == 0 and self._residency == "resident":
+                cpu_gemm.pack(self.model)
 
     def new_pool(self, layout: Layout, num_blocks: int, filled_later: bool = False) -> PagedKVPool:
         """A KV pool sized for ``layout``; ``filled_later``: no layers yet (a switch appends them one by one)."""
@@ -57,7 +76,15 @@ class InferExecutor:
         self.inputs.seqs = dict(tables)
 
     def load_weights(self, model_path: str) -> None:
-        load_shard_from_disk(self.model, model_path, self.tp.rank, self.tp.size)
+        with self.writing_weights():
+            self.restore_weights()
+            load_shard_from_disk(self.model, model_path, self.tp.rank, self.tp.size)
+
+    def load_tensors(self, tensors: list) -> int:
+        """Load full HF-named tensors into this rank's shards; returns how many were loaded."""
+        with self.writing_weights():
+            self.restore_weights()
+            return len(load_shard_from_tensors(self.model, tensors, self.tp.rank, self.tp.size))
 
     # ---- memory release for colocated training (sleep / wake_up) ----------------------------
 
@@ -66,22 +93,24 @@ class InferExecutor:
         freed = self.kv.nbytes
         self.allocate_kv(0)
         if level >= 2 or self.device.type != "cpu":
-            for p in self.model.parameters():
-                freed += p.numel() * p.element_size()
-                p.data = torch.empty(0, dtype=p.dtype) if level >= 2 else p.data.to("cpu")
-            self._residency = "released" if level >= 2 else "offloaded"
+            with self.writing_weights():
+                for p in self.model.parameters():
+                    freed += p.numel() * p.element_size()
+                    p.data = torch.empty(0, dtype=p.dtype) if level >= 2 else p.data.to("cpu")
+                self._residency = "released" if level >= 2 else "offloaded"
         return freed
 
     def restore_weights(self) -> None:
         """Bring weights back after ``release_memory``: from host memory, or zeroed (to be reloaded)."""
         if self._residency == "resident":
             return
-        for p in self.model.parameters():
-            if self._residency == "offloaded":
-                p.data = p.data.to(self.device)
-            else:
-                p.data = torch.zeros(p.shard_spec.local_shape(self.tp.size), dtype=p.dtype, device=self.device)
-        self._residency = "resident"
+        with self.writing_weights():
+            for p in self.model.parameters():
+                if self._residency == "offloaded":
+                    p.data = p.data.to(self.device)
+                else:
+                    p.data = torch.zeros(p.shard_spec.local_shape(self.tp.size), dtype=p.dtype, device=self.device)
+            self._residency = "resident"
 
     # ---- one step -------------------------------------------------------------------
 

@@ -64,7 +64,8 @@ class Worker:
     # ---- RPC methods (called by name from the driver) -----------------------------------
 
     def rpc_switch(self, plan: SwitchPlan) -> SwitchReport:
-        return self.switcher.run(plan, self.executor)
+        with self.executor.writing_weights():  # the switch reshards the weights in place
+            return self.switcher.run(plan, self.executor)
 
     def rpc_stats(self) -> dict:
         s = self.groups.stats
@@ -101,11 +102,7 @@ class Worker:
 
     def rpc_load_weights(self, tensors: list) -> int:
         """Load full HF-named tensors into this rank's shards under the current layout."""
-        from pat_engine.model.weights import load_shard_from_tensors
-
-        self.executor.restore_weights()
-        tp = self.executor.tp
-        return len(load_shard_from_tensors(self.executor.model, tensors, tp.rank, tp.size))
+        return self.executor.load_tensors(tensors)
 
     def rpc_init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                       world_size: int, group_name: str, backend: str, timeout_s: float) -> None:
@@ -120,13 +117,10 @@ class Worker:
     def rpc_update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                             group_name: str) -> int:
         """Receive the trainer's broadcast of full tensors and load this rank's shards of them."""
-        from pat_engine.model.weights import load_shard_from_tensors
         from pat_engine.parallel.update_group import receive_broadcast
 
         tensors = receive_broadcast(self.update_groups[group_name], names, dtypes, shapes, self.device)
-        self.executor.restore_weights()
-        tp = self.executor.tp
-        return len(load_shard_from_tensors(self.executor.model, tensors, tp.rank, tp.size))
+        return self.executor.load_tensors(tensors)
 
     def rpc_destroy_weights_update_group(self, group_name: str) -> bool:
         pg = self.update_groups.pop(group_name, None)
@@ -135,7 +129,6 @@ class Worker:
         return pg is not None
 
     def rpc_reload_weights(self, path: str) -> None:
-        self.executor.restore_weights()
         self.executor.load_weights(path)
 
     def rpc_sleep(self, level: int) -> int:

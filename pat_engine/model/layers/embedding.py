@@ -30,6 +30,8 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(nn.Module):
     """Local logits over this rank's vocab slice; TP rank 0 gathers the full row."""
 
+    is_gemm_weight = True  # packed for the CPU GEMM (model/cpu_gemm.py)
+
     def __init__(self, vocab_size: int, hidden_size: int, tp: int, dtype, device, tied_to: nn.Parameter | None = None):
         super().__init__()
         self.vocab_size = vocab_size

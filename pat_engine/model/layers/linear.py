@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pat_engine.model import cpu_gemm
 from pat_engine.parallel.shard_spec import Component, ShardSpec, column_bias, column_parallel, row_parallel
 from pat_engine.parallel.comm import TPGroup
 
@@ -25,7 +26,11 @@ _CPU_PAD_BELOW = 256
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` with CPU row padding (see above)."""
+    """``F.linear`` through the weight's oneDNN pack when it has one (model/cpu_gemm.py), else with
+    CPU row padding (see above)."""
+    out = cpu_gemm.packed_linear(x, weight, bias)
+    if out is not None:
+        return out
     rows = x.shape[0]
     if x.device.type != "cpu" or x.dim() != 2 or rows < 3 or rows % _CPU_ROW_ALIGN == 0 or rows >= _CPU_PAD_BELOW:
         return F.linear(x, weight, bias)
@@ -42,6 +47,8 @@ def sharded_parameter(spec: ShardSpec, tp: int, dtype: torch.dtype, device: torc
 class ColumnParallelLinear(nn.Module):
     """``y = x @ W_local.T (+ b_local)``: the output stays sharded across TP ranks."""
 
+    is_gemm_weight = True  # packed for the CPU GEMM (model/cpu_gemm.py)
+
     def __init__(self, in_features: int, components: tuple[Component, ...], bias: bool, tp: int, dtype, device):
         super().__init__()
         self.weight = sharded_parameter(column_parallel(in_features, *components), tp, dtype, device)
@@ -53,6 +60,8 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """Input arrives sharded; partial products are summed over the TP group."""
+
+    is_gemm_weight = True
 
     def __init__(self, in_features: int, out_features: int, unit: int, tp: int, dtype, device):
         super().__init__()
