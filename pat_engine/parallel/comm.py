@@ -2,6 +2,8 @@
 
 Layers get this handle through the forward context instead of reading
 ``torch.distributed`` globals, so a layout switch only swaps the handle.
+On CPU workers of one host the collectives go through shared memory
+(parallel/shm_collectives.py) when the tensor fits its slots, else through gloo.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from pat_engine.parallel.shm_collectives import ShmChannel
+
 
 @dataclass
 class TPGroup:
@@ -18,9 +22,12 @@ class TPGroup:
     size: int
     ranks: tuple[int, ...]  # global ranks, in TP-rank order
     device_group: object | None = field(default=None, repr=False)  # nccl on GPU, gloo on CPU; None for one rank
+    shm: ShmChannel | None = field(default=None, repr=False)  # CPU, one host: the shared-memory path
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
+            if self.shm is not None and self.shm.fits(x):
+                return self.shm.all_reduce(x)
             dist.all_reduce(x, group=self.device_group)
         return x
 
@@ -28,6 +35,8 @@ class TPGroup:
         """TP rank 0 gets every rank's ``x`` concatenated along ``dim``; others get None."""
         if self.size == 1:
             return x
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.gather(x, dim)
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
         dist.gather(x, parts, group=self.device_group, group_dst=0)

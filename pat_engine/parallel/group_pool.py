@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.layout import Layout
+from pat_engine.parallel import shm_collectives
 
 
 @dataclass
@@ -58,7 +59,10 @@ class CommGroupPool:
             # A one-rank group needs no communicator; keep creation collective-free.
             return TPGroup(rank=max(my_index, 0), size=1, ranks=tuple(ranks))
         device = dist.new_group(ranks, backend=self.device_backend, timeout=self.timeout)
-        return TPGroup(rank=my_index, size=len(ranks), ranks=tuple(ranks), device_group=device)
+        shm = None
+        if my_index >= 0 and shm_collectives.usable(self.device_backend):
+            shm = shm_collectives.ShmChannel.create(device, my_index, len(ranks), self.timeout)
+        return TPGroup(rank=my_index, size=len(ranks), ranks=tuple(ranks), device_group=device, shm=shm)
 
     def __len__(self) -> int:
         return len(self._groups)
