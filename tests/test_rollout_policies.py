@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from pat_engine.core.policy import RequestSnapshot
 from pat_engine.errors import InvalidRequestError
 from pat_engine.rollout import (GroupSizeController, GroupSizingConfig, PlacementItem, PromptEntry, RolloutConfig,
                                 RolloutScheduler, RoundTracker, TailBatcher, TailBatchingConfig, max_group_cost,
@@ -220,6 +221,7 @@ class FakeSeq:
         self.request_id, self.prompt_ids, self.output_ids = rid, [0] * prompt_len, [0] * generated
         self.seq_id = seq_id
         self.params = SamplingParams(max_new_tokens=max_new)
+        self.num_cached = 0
 
 
 class FakeGroup:
@@ -313,8 +315,9 @@ def test_rebalance_for_a_switch_is_lpt_on_remaining_predicted_cost():
     seqs = [FakeSeq(f"r{i}", 5, 64, generated=3, seq_id=100 + i) for i in range(len(lens))]
     for s, n in zip(seqs, lens):
         hook.expect(s.request_id, n)
-    target = hook.rebalance(seqs, 2)
+    target = hook.rebalance([RequestSnapshot.of(s) for s in seqs], 2)
+    group = {i: g for g, members in enumerate(target) for i in members}
     items = [PlacementItem(5 + 3 + n - 3, 5 + 3 + n - 3) for n in lens]
-    assert [target[s.seq_id] for s in seqs] == place_lpt(items, 2, default_token_cap(items, 2))
-    loads = [sum(n for s, n in zip(seqs, lens) if target[s.seq_id] == g) for g in range(2)]
+    assert [group[i] for i in range(len(seqs))] == place_lpt(items, 2, default_token_cap(items, 2))
+    loads = [sum(n for i, n in enumerate(lens) if group[i] == g) for g in range(2)]
     assert max(loads) == 80  # 50+30 / 40+20+10+10: the optimum
