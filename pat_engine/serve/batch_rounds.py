@@ -18,7 +18,8 @@ Seeds: response i of a line seeded s uses ``sample_seed(s, i)``, the seed a plai
 gives sample i of that line, so a deferred line's answers are token for token what a
 plain job writes for it. A line without a seed gets s derived from the engine seed and
 its key (a plain job draws one per request instead), so a rerun or ``--resume``
-reproduces it. The engine's switch policy keeps running inside every round.
+reproduces it. The engine's switch policy keeps running inside every round (a fixed
+schedule counts decode steps from the start of each round).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Protocol
 
 from pat_engine.core.engine import Engine
+from pat_engine.core.policy import ScheduledSwitches
 from pat_engine.errors import InvalidRequestError, WorkerFailure
 from pat_engine.rollout.config import RolloutConfig, TailBatchingConfig
 from pat_engine.rollout.runner import RolloutRunner, derived_seed
@@ -78,7 +80,8 @@ def run_rounds(engine: Engine, items: list[BatchItem], policy: TailBatchPolicy, 
 
     # lengths only order cost-aware placement, which the batch job does not install
     sched = RolloutScheduler(policy.rollout_config(), draw, default_length=1.0)
-    runner = RolloutRunner(engine, sched, params_for, seed=engine.config.seed, name="batch")
+    runner = RolloutRunner(engine, sched, params_for, seed=engine.config.seed, name="batch",
+                           stage_options=_per_round(engine.policy))
     counts = RoundCounts()
     while (plan := sched.next_round()).prompts:
         try:
@@ -105,6 +108,14 @@ def run_rounds(engine: Engine, items: list[BatchItem], policy: TailBatchPolicy, 
                       prompt_tokens=len(samples[0].prompt_token_ids), tokens=sum(len(o.token_ids) for o in samples))
         on_round()
     return counts
+
+
+def _per_round(policy) -> dict:
+    """Every round is a generation stage (back to the base layout, decode steps from 0): a fixed
+    ``--switch-schedule`` is replayed in each round; a controller keeps deciding on its own."""
+    if isinstance(policy, ScheduledSwitches):
+        return {"switch_schedule": list(policy.schedule), "kv_transfer": policy.kv_path}
+    return {}
 
 
 def _runnable(engine: Engine, items: list[BatchItem], out: RecordSink) -> list[BatchItem]:
