@@ -110,7 +110,7 @@ def run_rounds(engine: Engine, items: list[BatchItem], policy: TailBatchPolicy, 
     return counts
 
 
-def _per_round(policy) -> dict:
+def _per_round(policy: object) -> dict:
     """Every round is a generation stage (back to the base layout, decode steps from 0): a fixed
     ``--switch-schedule`` is replayed in each round; a controller keeps deciding on its own."""
     if isinstance(policy, ScheduledSwitches):
