@@ -136,3 +136,34 @@ def test_lookahead_waits_when_switching_later_pays_more():
     # once the short ones are done, it switches
     later = patient.decide(status(1, [[(32, 56)]] * 4, max_new=2000, step_no=56))
     assert later is not None and later.tp == 2
+
+
+def test_the_switch_target_is_priced_with_the_placement_the_switch_uses():
+    """With the cost-aware admission placement installed, the target the controller prices is where
+    the switch then puts every request (not the longest-context-first default)."""
+    from driver_fixtures import make_driver
+    from pat_engine.core.policy import SwitchDecision
+    from pat_engine.parallel.dp_placement import balance_by_context
+    from pat_engine.rollout.placement import AdmissionPlacement
+
+    d = make_driver(tp=1, dp=4)
+    hook = AdmissionPlacement()
+    d.coord.placement = hook
+    predicted = [200, 10, 190, 20, 180, 30, 170, 40]  # same prompts, very different predicted lengths
+    for i, n in enumerate(predicted):
+        seq = d.add([7 + i] * 4, 256)
+        hook.expect(seq.request_id, n)
+    d.ticks(4)
+    d.coord.drain()
+    st = d.coord.status()
+    assert st.placement is hook
+    ctrl = controller()
+    ctrl.decide(st)
+    reqs = st.requests
+    priced = {reqs[i].seq_id: g for g, members in enumerate(ctrl.history[-1].targets[2]) for i in members}
+    by_context = {reqs[i].seq_id: g for g, members in enumerate(balance_by_context([r.context_len for r in reqs], 2))
+                  for i in members}
+    assert priced != by_context  # the two rules disagree here, so the check below can tell them apart
+    d.coord.switch(SwitchDecision(2, "test", kv_path="migrate"))
+    placed = {s.seq_id: s.group for s in d.coord.unfinished()}
+    assert placed == priced

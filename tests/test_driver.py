@@ -215,8 +215,8 @@ def test_an_installed_placement_with_rebalance_decides_where_a_switch_puts_reque
         def __call__(self, seq, schedulers):
             return 0
 
-        def rebalance(self, live, groups):  # everything on the last group but the first request
-            return {s.seq_id: (0 if i == 0 else groups - 1) for i, s in enumerate(live)}
+        def rebalance(self, live, groups):  # everything on the last group but the first request (by seq_id)
+            return [[0]] + [[] for _ in range(groups - 2)] + [list(range(1, len(live)))]
 
     d.coord.placement = Reverse()
     live = sorted(d.coord.unfinished(), key=lambda s: s.seq_id)

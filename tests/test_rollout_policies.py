@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 
+from pat_engine.core.policy import RequestSnapshot
 from pat_engine.errors import InvalidRequestError
 from pat_engine.rollout import (GroupSizeController, GroupSizingConfig, PlacementItem, PromptEntry, RolloutConfig,
                                 RolloutScheduler, RoundTracker, TailBatcher, TailBatchingConfig, max_group_cost,
                                 place_lpt, straggler_ratio)
 from pat_engine.rollout.placement import AdmissionPlacement, default_token_cap
-from pat_engine.rollout.resume import resume_request
+from pat_engine.rollout.resume import exactly_resumable, resume_request
 from pat_engine.rollout.tail_batching import overprovision
 from pat_engine.sampling_params import SamplingParams
 
@@ -99,6 +101,57 @@ def test_queue_fills_and_long_round_takes_exactly_p0_oldest_without_overprovisio
     # 4 short rounds each defer 1 prompt -> the 5th step is a long round (RollPacker's period of 5)
     assert kinds == ["short"] * 4 + ["long"] + ["short"] * 4 + ["long"]
     assert sched.queue_len == 0
+
+
+def finite(entries: list[PromptEntry]):
+    """A finite prompt stream (a pat-serve batch file): draw(n) gives what is left, then nothing."""
+    left = list(entries)
+
+    def draw(n: int) -> list[PromptEntry]:
+        taken, left[:] = left[:n], left[n:]
+        return taken
+
+    return draw
+
+
+def test_a_finite_stream_ends_with_a_final_long_round_of_whatever_is_queued():
+    tb = TailBatcher(0.5)
+    draw = finite([PromptEntry(u, f"p{u}") for u in range(5)])
+    first = tb.plan(2, 2, draw)  # 3 of 5 prompts, 2 returned
+    assert first.kind == "short" and [e.uid for e in first.prompts] == [0, 1, 2] and first.accept_prompts == 2
+    tb.defer([first.prompts[2]])
+    second = tb.plan(2, 2, draw)  # only 2 fresh prompts left: both must finish, nothing can be deferred
+    assert second.kind == "short" and [e.uid for e in second.prompts] == [3, 4] and second.accept_prompts == 2
+    tr = RoundTracker(second)
+    for r in range(2):
+        tr.on_finished(0, r)
+    assert not tr.done  # one prompt complete is not enough when the round holds only P0
+    tr.on_finished(1, 2)
+    assert tr.on_finished(1, 0) and tr.deferred() == []
+    last = tb.plan(2, 2, draw)  # the stream is empty: the one queued prompt runs alone, no over-provisioning
+    assert (last.kind, [e.uid for e in last.prompts], last.accept_prompts, last.launched) == ("long", [2], 1, 2)
+    assert tb.plan(2, 2, draw).prompts == ()  # nothing left at all
+    single = TailBatcher(0.5).plan(2, 2, finite([PromptEntry(9, "x")]))
+    assert single.kind == "short" and single.accept_prompts == 1  # fewer than P0 left: all of them
+
+
+def test_each_prompt_may_bring_its_own_response_count():
+    tb = TailBatcher(0.5)
+    entries = [PromptEntry(0, "a", responses=1), PromptEntry(1, "b", responses=3), PromptEntry(2, "c")]
+    plan = tb.plan(2, 2, finite(entries))
+    assert [plan.launch_of(p) for p in range(3)] == [2, 5, 3] and plan.launched == 10
+    assert [plan.accept_of(p) for p in range(3)] == [1, 3, 2]
+    tr = RoundTracker(plan)
+    assert not tr.on_finished(0, 1)  # prompt 0 complete after one response
+    for r in (4, 0):
+        assert not tr.on_finished(1, r)
+    assert tr.on_finished(1, 2)  # prompt 1's third finished response closes the round
+    assert tr.accepted() == [(0, [1]), (1, [4, 0, 2])] and tr.deferred() == [2]
+    assert (0, 0) in tr.unfinished() and (1, 3) in tr.unfinished() and (1, 4) not in tr.unfinished()
+    tb.defer([entries[1]])
+    tb.queue.appendleft(entries[0])
+    long = tb.plan(2, 2, finite([]))  # a long round runs each prompt's own count, not over-provisioned
+    assert long.kind == "long" and [long.launch_of(p) for p in range(2)] == [1, 3]
 
 
 def test_overprovision_rounds_up():
@@ -220,6 +273,7 @@ class FakeSeq:
         self.request_id, self.prompt_ids, self.output_ids = rid, [0] * prompt_len, [0] * generated
         self.seq_id = seq_id
         self.params = SamplingParams(max_new_tokens=max_new)
+        self.num_cached = 0
 
 
 class FakeGroup:
@@ -282,6 +336,14 @@ def test_resume_request_reduces_budgets():
         resume_request([1], [2, 3], SamplingParams(max_new_tokens=2))
 
 
+def test_what_reads_the_response_itself_is_not_resumed_from_a_partial():
+    base = SamplingParams(max_new_tokens=8, temperature=1.0, seed=1, logprobs=True, repetition_penalty=1.2)
+    assert exactly_resumable(base)  # repetition counts prompt and response alike: the continuation sees both
+    for change in (dict(stop=("x",)), dict(frequency_penalty=0.5), dict(presence_penalty=0.5),
+                   dict(top_logprobs=2), dict(prompt_logprobs=1)):
+        assert not exactly_resumable(replace(base, **change)), change
+
+
 # ---- adapters -----------------------------------------------------------------------------------------
 
 def test_learned_placement_predicts_from_a_prompts_past_lengths():
@@ -313,8 +375,9 @@ def test_rebalance_for_a_switch_is_lpt_on_remaining_predicted_cost():
     seqs = [FakeSeq(f"r{i}", 5, 64, generated=3, seq_id=100 + i) for i in range(len(lens))]
     for s, n in zip(seqs, lens):
         hook.expect(s.request_id, n)
-    target = hook.rebalance(seqs, 2)
+    target = hook.rebalance([RequestSnapshot.of(s) for s in seqs], 2)
+    group = {i: g for g, members in enumerate(target) for i in members}
     items = [PlacementItem(5 + 3 + n - 3, 5 + 3 + n - 3) for n in lens]
-    assert [target[s.seq_id] for s in seqs] == place_lpt(items, 2, default_token_cap(items, 2))
-    loads = [sum(n for s, n in zip(seqs, lens) if target[s.seq_id] == g) for g in range(2)]
+    assert [group[i] for i in range(len(seqs))] == place_lpt(items, 2, default_token_cap(items, 2))
+    loads = [sum(n for i, n in enumerate(lens) if group[i] == g) for g in range(2)]
     assert max(loads) == 80  # 50+30 / 40+20+10+10: the optimum

@@ -291,12 +291,10 @@ class GlobalCoordinator:
     def status(self) -> ClusterStatus:
         groups = []
         for g, sched in enumerate(self.schedulers):
-            reqs = tuple(
-                RequestSnapshot(len(s.prompt_ids), len(s.output_ids), s.params.max_new_tokens, s.num_cached > 0)
-                for s in sched.unfinished()
-            )
+            reqs = tuple(RequestSnapshot.of(s) for s in sched.unfinished())
             groups.append(GroupSnapshot(g, reqs, sched.blocks.num_free, sched.blocks.num_blocks, self._decode_ema.get(g)))
-        return ClusterStatus(time.time(), self.layout, tuple(groups), self.stage_decode_steps, self.config.block_size)
+        return ClusterStatus(time.time(), self.layout, tuple(groups), self.stage_decode_steps, self.config.block_size,
+                             self.placement)
 
     def start_stage(self, policy: SwitchPolicy | None) -> None:
         self.policy = policy

@@ -234,6 +234,11 @@ class Engine(RLControlMixin):
         self._loop.run(self._admit, samples)
         return handles
 
+    def check_request(self, prompt: Any, params: SamplingParams | None = None) -> None:
+        """Refuse (``InvalidRequestError``) what ``submit_samples`` would refuse, queuing nothing."""
+        self._ensure_open()
+        self._make([prompt], params, None)
+
     def _admit(self, samples: list[Sequence]) -> None:
         """Queue the samples of one prompt (in the engine loop), noting the weight version they start under."""
         for seq in samples:

@@ -1,8 +1,8 @@
 """LayoutSwitch: the driver half of a live layout change (docs/switch.md).
 
 Pause at a step boundary (the coordinator drains in-flight steps), check the
-target, place every unfinished request in a target DP group balanced by
-context tokens, choose KV migration or recompute, reserve migrated requests'
+target, place every unfinished request in a target DP group (``switch_placement``:
+the installed admission placement's rebalancing, else balanced by context tokens), choose KV migration or recompute, reserve migrated requests'
 blocks in the new groups, have every rank run its ``SwitchExecutor``, then
 hand the coordinator the new layout and schedulers.
 
@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING
 
 from pat_engine.core.block_pool import blocks_needed
 from pat_engine.core.kv_path_cost import KVPathEstimate, estimate_kv_paths
-from pat_engine.core.policy import SwitchDecision
+from pat_engine.core.policy import RequestSnapshot, SwitchDecision
 from pat_engine.core.request import Sequence
 from pat_engine.core.scheduler import GroupScheduler
 from pat_engine.core.timeline import SwitchEvent
 from pat_engine.errors import LayoutError
-from pat_engine.parallel.dp_placement import balance_by_context
+from pat_engine.parallel.dp_placement import switch_placement
 from pat_engine.parallel.kv_plan import KVRun, kv_bytes_per_token, plan_kv_moves
 from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import SeqTable, SwitchPlan, SwitchReport
@@ -97,13 +97,9 @@ class LayoutSwitch:
         return self._record(decision, old, new, path, estimate, report, len(placed.tables), len(seqs), started)
 
     def _target_groups(self, seqs: list[Sequence], new: Layout) -> dict[int, int]:
-        """seq_id -> new DP group: the admission placement's own rebalancing when one is installed
-        (cost-aware, pat_engine/rollout/placement.py), else longest context first onto the least
-        loaded group, the rule the predictor prices switches with."""
-        rebalance = getattr(self.coord.placement, "rebalance", None)
-        if rebalance is not None:
-            return rebalance(seqs, new.dp)
-        target = balance_by_context([s.length for s in seqs], new.dp)
+        """seq_id -> new DP group, by ``switch_placement`` with the coordinator's admission placement:
+        the same call, on the same object, that the controller prices this switch with."""
+        target = switch_placement(self.coord.placement, [RequestSnapshot.of(s) for s in seqs], new.dp)
         return {seqs[i].seq_id: g for g, members in enumerate(target) for i in members}
 
     def _choose_kv_path(self, decision: SwitchDecision, new: Layout, runs: list[KVRun],

@@ -20,10 +20,18 @@ class RequestSnapshot:
     generated: int
     max_new_tokens: int
     cached: bool  # has KV in its group's pool
+    request_id: str = ""  # what an admission placement keys its expectations by
+    seq_id: int = -1  # the sequence; a switch's placement sees requests in seq_id order
 
     @property
     def context_len(self) -> int:
         return self.prompt_len + self.generated
+
+    @classmethod
+    def of(cls, seq) -> "RequestSnapshot":
+        """The snapshot of an unfinished ``core.request.Sequence``."""
+        return cls(len(seq.prompt_ids), len(seq.output_ids), seq.params.max_new_tokens, seq.num_cached > 0,
+                   seq.request_id, seq.seq_id)
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,9 @@ class ClusterStatus:
     groups: tuple[GroupSnapshot, ...]
     stage_decode_step: int  # decode steps of the busiest group since the stage began
     block_size: int
+    # the coordinator's admission placement: a switch re-places requests with its ``rebalance`` when it
+    # has one, so a policy pricing a switch must place with it too (``parallel.dp_placement.switch_placement``)
+    placement: object | None = None
 
     @property
     def requests(self) -> list[RequestSnapshot]:

@@ -1,14 +1,16 @@
 """Where unfinished requests go when a switch changes the number of DP groups.
 
-One rule, used by the switch itself and by the predictor that prices it (so a
-predicted placement is the placement the switch makes): longest context first
-onto the group with the fewest context tokens (ties: fewest requests, then the
-lowest group), requests of equal length in the order given.
+``switch_placement`` is the one entry point, called by the switch itself and by the
+controller that prices it (so a predicted placement is the placement the switch makes).
+With an admission placement installed that can ``rebalance`` (the cost-aware one,
+``pat_engine/rollout/placement.py``), it decides; otherwise ``balance_by_context``:
+longest context first onto the group with the fewest context tokens (ties: fewest
+requests, then the lowest group), requests of equal length in the order given.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 Placement = list[list[int]]  # per DP group, indices into the request list
 
@@ -23,3 +25,18 @@ def balance_by_context(contexts: Sequence[int], groups: int) -> Placement:
         load[g] += contexts[i]
         count[g] += 1
     return out
+
+
+def switch_placement(rule: Any, requests: Sequence[Any], groups: int) -> Placement:
+    """Per new DP group, indices into ``requests`` (``RequestSnapshot``s).
+
+    ``rule``: the coordinator's admission placement (or None). Requests are presented to the
+    rule in ``seq_id`` order whatever order the caller holds them in, so the switch (which
+    holds them by arrival) and the controller (which holds them group by group) agree.
+    """
+    order = sorted(range(len(requests)), key=lambda i: requests[i].seq_id)
+    ordered = [requests[i] for i in order]
+    rebalance = getattr(rule, "rebalance", None)
+    placed = (rebalance(ordered, groups) if rebalance is not None
+              else balance_by_context([r.context_len for r in ordered], groups))
+    return [[order[k] for k in members] for members in placed]

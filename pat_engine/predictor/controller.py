@@ -32,7 +32,7 @@ from pat_engine.core.policy import ClusterStatus, SwitchDecision
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.lengths import RemainingEstimator, SnapshotLengthTracker
 from pat_engine.predictor.lookahead import Future, deferral_steps, deferred, drain_groups, switch_value
-from pat_engine.parallel.dp_placement import balance_by_context
+from pat_engine.parallel.dp_placement import Placement, switch_placement
 from pat_engine.predictor.predictor import LatencyPredictor
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ class Evaluation:
     switch_cost_s: dict[int, dict]  # tp -> cost breakdown
     chosen_tp: int
     details: dict = field(default_factory=dict)
+    targets: dict[int, Placement] = field(default_factory=dict)  # tp -> the placement priced (indices into requests)
 
 
 class SwitchController:
@@ -91,9 +92,12 @@ class SwitchController:
         rem = self.estimator.draws(reqs, np.random.default_rng(self.config.seed))
         placement = self.predictor.current_placement([len(g.requests) for g in status.groups])
         contexts = [r.context_len for r in reqs]
-        as_is = placement if self.config.current_placement == "actual" else balance_by_context(contexts, cur.dp)
+        # placed as the switch would place them: its rule (the installed placement's rebalance, if any)
+        as_is = (placement if self.config.current_placement == "actual"
+                 else switch_placement(status.placement, reqs, cur.dp))
         remaining = {cur.tp: float(self.predictor.remaining_seconds(cur, reqs, as_is, rem).mean())}
         costs: dict[int, dict] = {}
+        targets: dict[int, Placement] = {}
         totals = {cur.tp: remaining[cur.tp]}
         for tp in self.candidates:
             if tp == cur.tp:
@@ -101,7 +105,7 @@ class SwitchController:
             new = Layout.for_world(cur.world, tp)
             if self.can_hold is not None and not self.can_hold(new, status):
                 continue
-            target = balance_by_context(contexts, new.dp)
+            target = targets[tp] = switch_placement(status.placement, reqs, new.dp)
             remaining[tp] = float(self.predictor.remaining_seconds(new, reqs, target, rem).mean())
             cost = self.predictor.switch_cost(cur, new, reqs, placement, target)
             costs[tp] = cost.to_dict()
@@ -137,7 +141,8 @@ class SwitchController:
             details["best_deferred"] = {"plan": key, "total_s": round(later[key], 6)}
         if wait:
             details["same_switch_later_s"] = {str(tp): round(t, 6) for tp, t in wait.items()}
-        self.history.append(Evaluation(status.stage_decode_step, len(reqs), cur.tp, remaining, costs, chosen, details))
+        self.history.append(Evaluation(status.stage_decode_step, len(reqs), cur.tp, remaining, costs, chosen, details,
+                                       targets))
         if chosen == cur.tp:
             return None
         reason = (f"{self.estimator.name}: remaining {totals[cur.tp]:.3f}s at {cur} > "

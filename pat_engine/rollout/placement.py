@@ -131,28 +131,31 @@ class AdmissionPlacement:
         for rid in request_ids:
             self.expected.pop(rid, None)
 
-    def _remaining(self, seq) -> tuple[float, int]:
-        exp = self.expected.get(seq.request_id)
-        done = len(seq.output_ids)
-        total = exp.response_len if exp else seq.params.max_new_tokens
-        left = max(total - done, 1.0)
-        return self.cost(len(seq.prompt_ids) + done, left), int(len(seq.prompt_ids) + done + left)
+    def _remaining(self, request_id: str, prompt_len: int, generated: int, max_new_tokens: int) -> tuple[float, int]:
+        """Predicted remaining cost and KV tokens of one request."""
+        exp = self.expected.get(request_id)
+        total = exp.response_len if exp else max_new_tokens
+        left = max(total - generated, 1.0)
+        return self.cost(prompt_len + generated, left), int(prompt_len + generated + left)
 
-    def rebalance(self, seqs: Sequence, groups: int, token_cap_factor: float = 1.1) -> dict[int, int]:
-        """seq_id -> group for a layout switch: LPT on predicted remaining cost under the token cap.
+    def _seq_remaining(self, seq) -> tuple[float, int]:
+        return self._remaining(seq.request_id, len(seq.prompt_ids), len(seq.output_ids), seq.params.max_new_tokens)
 
-        What the switch's rebalancing calls instead of longest-context-first when this hook is
-        installed (``core/layout_switch.py``; see docs/rollout.md). The predictor still prices a
-        switch with the longest-context-first placement.
+    def rebalance(self, requests: Sequence, groups: int, token_cap_factor: float = 1.1) -> list[list[int]]:
+        """Per group, indices into ``requests`` (``core.policy.RequestSnapshot``s) after a layout
+        switch: LPT on predicted remaining cost under the token cap.
+
+        ``parallel.dp_placement.switch_placement`` calls it for both the switch and the
+        controller pricing it, so the predicted placement is the one the switch makes.
         """
         items = []
-        for s in seqs:
-            c, t = self._remaining(s)
-            exp = self.expected.get(s.request_id)
+        for r in requests:
+            c, t = self._remaining(r.request_id, r.prompt_len, r.generated, r.max_new_tokens)
+            exp = self.expected.get(r.request_id)
             items.append(PlacementItem(c, t, exp.unit if exp is not None else None))
         cap = default_token_cap(items, groups, token_cap_factor) if items else None
         target = place_lpt(items, groups, cap, self.keep_units)
-        return {s.seq_id: g for s, g in zip(seqs, target)}
+        return [[i for i, g in enumerate(target) if g == k] for k in range(groups)]
 
     def __call__(self, seq, schedulers: Sequence) -> int:
         groups = len(schedulers)
@@ -160,14 +163,14 @@ class AdmissionPlacement:
         units: dict[Hashable, int] = {}
         for g, sched in enumerate(schedulers):
             for s in sched.unfinished():
-                c, t = self._remaining(s)
+                c, t = self._seq_remaining(s)
                 cost[g] += c
                 tokens[g] += t
                 exp = self.expected.get(s.request_id)
                 if exp is not None and exp.unit is not None:
                     units.setdefault(exp.unit, g)
         mine = self.expected.get(seq.request_id)
-        _, need = self._remaining(seq)
+        _, need = self._seq_remaining(seq)
         if self.keep_units and mine is not None and mine.unit in units:
             return units[mine.unit]
         fits = [g for g in range(groups) if self.token_cap is None or tokens[g] + need <= self.token_cap]

@@ -5,6 +5,12 @@ prompt + the k tokens generated so far, with the same explicit seed, ``max_new_t
 reduced by k and ``min_new_tokens`` reduced by k (not below 0), continues exactly as
 the uninterrupted request would have. Only valid under the weights the partial was
 generated with; a stale partial is regenerated from the prompt instead.
+
+Some parameters look at the response as such, which the continuation sees as prompt:
+stop strings (matched in the response text), frequency and presence penalties (counted
+over the response), top and prompt log-probabilities (not carried by the partial). A
+request using them is not resumed but run again from its prompt with the same seed,
+which is exact too, only slower (``exactly_resumable``).
 """
 
 from __future__ import annotations
@@ -14,6 +20,12 @@ import dataclasses
 from pat_engine.errors import InvalidRequestError
 from pat_engine.outputs import RequestOutput
 from pat_engine.sampling_params import SamplingParams
+
+
+def exactly_resumable(params: SamplingParams) -> bool:
+    """Whether continuing from a partial gives what the uninterrupted request gives (module docstring)."""
+    return (not params.stop and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0
+            and not (params.logprobs and params.top_logprobs) and params.prompt_logprobs is None)
 
 
 def resume_request(prompt_ids: list[int], generated: list[int],

@@ -5,28 +5,31 @@ Per step: ``begin_stage`` (back to the base, throughput layout), for a long roun
 explicit seed (in decreasing predicted cost, so the cost-aware admission hook places
 them as LPT would), follow finishes through handle listeners into the ``RoundTracker``,
 ``abort`` the rest once the round is over (aborted requests keep their tokens), and
-hand back the accepted groups. Partial outputs of deferred prompts are kept with the
-weights version they were generated under: resumed exactly if the weights are
-unchanged when their long round comes, regenerated from the prompt otherwise.
+hand back the accepted groups; a failed or interrupted round aborts all its requests.
+Partial outputs of deferred prompts are kept with the weights version they were
+generated under: resumed exactly if the weights are unchanged when their long round
+comes (and the request can be resumed exactly, ``resume.exactly_resumable``),
+regenerated from the prompt otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import queue
 import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from pat_engine.errors import WorkerFailure
+from pat_engine.errors import PatEngineError, WorkerFailure
 from pat_engine.outputs import RequestOutput
 from pat_engine.rollout.config import PlacementConfig
 from pat_engine.rollout.placement import AdmissionPlacement, PredictorCost, default_token_cap, token_cost
 from pat_engine.rollout.placement import PlacementItem
-from pat_engine.rollout.resume import join_outputs, resume_request
+from pat_engine.rollout.resume import exactly_resumable, join_outputs, resume_request
 from pat_engine.rollout.round_layout import best_round_tp
 from pat_engine.rollout.scheduler import RolloutScheduler, RoundSummary
-from pat_engine.rollout.tail_batching import Partial, PromptEntry, RoundTracker
+from pat_engine.rollout.tail_batching import Partial, PromptEntry, RoundPlan, RoundTracker
 from pat_engine.sampling_params import SamplingParams
 
 
@@ -82,8 +85,14 @@ class RolloutRunner:
     # ---- one round ------------------------------------------------------------------------------------
 
     def step(self) -> RolloutStep:
+        """Plan the next round and run it."""
+        return self.run_round(self.scheduler.next_round())
+
+    def run_round(self, plan: RoundPlan) -> RolloutStep:
+        """Run a round the scheduler planned; on any failure the round's requests are aborted first."""
+        if not plan.prompts:
+            raise ValueError("empty round: the prompt stream and the long-prompt queue are both empty")
         sched, engine = self.scheduler, self.engine
-        plan = sched.next_round()
         step = sched.step
         tracker = RoundTracker(plan)
         jobs, instant, resumed, stale = self._jobs(plan, step)
@@ -95,38 +104,13 @@ class RolloutRunner:
         if self.placement is not None:
             jobs.sort(key=lambda j: -self._cost(j))
             engine.set_placement(self._admission_hook(jobs))
-        events: queue.Queue = queue.Queue()
-        handles = {}
+        handles: dict = {}
         try:
-            for key, out in instant.items():  # finished partials under the current weights: done already
-                tracker.on_finished(*key)
-            for job in jobs:
-                h = engine.submit(job.prompt, job.params, request_id=job.request_id)
-                h.add_listener(lambda handle, key=job.key: events.put(key) if handle.done() else None)
-                handles[job.key] = h
-                if h.done():
-                    events.put(job.key)
-            seen: set = set(instant)
-            while not tracker.done:
-                try:
-                    key = events.get(timeout=1.0)
-                except queue.Empty:
-                    if all(h.done() for h in handles.values()) and events.empty():
-                        raise WorkerFailure("every request ended but the round is not complete",
-                                            partial_outputs=[h.output() for h in handles.values()]) from None
-                    continue
-                if key in seen:
-                    continue
-                seen.add(key)
-                out = handles[key].output()
-                if out.finish_reason in ("abort", "error"):
-                    raise WorkerFailure(f"request {out.request_id} ended with {out.finish_reason}: {out.error}",
-                                        partial_outputs=[h.output() for h in handles.values()])
-                tracker.on_finished(*key)
-            late = [handles[k].request_id for k in tracker.unfinished() if k in handles]
-            engine.abort(late)
-            for h in handles.values():
-                h.wait()
+            self._follow(tracker, jobs, instant, handles)
+        except BaseException:
+            with contextlib.suppress(PatEngineError):  # nothing of a failed (or interrupted) round runs on
+                engine.abort([h.request_id for h in handles.values() if not h.done()])
+            raise
         finally:
             if self.placement is not None:
                 engine.set_placement(None)
@@ -135,58 +119,92 @@ class RolloutRunner:
         for job in jobs:
             out = handles[job.key].output()
             if job.prefix is not None:
-                out = join_outputs(job.prefix.prompt_token_ids, job.prefix.token_ids, job.prefix.logprobs, out)
-                out = self._decoded(out)
-            outputs[job.key] = out
+                out = self._joined(job.prefix, out, plan.prompts[job.key[0]])
+            outputs[job.key] = replace(out, sample_index=job.key[1])  # the response's index within its prompt
         lengths = {k: len(o.token_ids) for k, o in outputs.items()}
         partials = self._partials(plan, tracker, outputs, {j.key: j.params for j in jobs})
         summary = sched.finish_round(plan, tracker, lengths, partials)
         groups = [(plan.prompts[p], [outputs[(p, r)] for r in rs]) for p, rs in tracker.accepted()]
         return RolloutStep(summary, groups, seconds, start_tp, resumed, stale, self.weights_version)
 
+    def _follow(self, tracker: RoundTracker, jobs: list[_Job], instant: dict, handles: dict) -> None:
+        """Submit the round, feed finishes to the tracker until it closes, abort the late requests."""
+        engine = self.engine
+        events: queue.Queue = queue.Queue()
+        for key in instant:  # finished partials under the current weights: done already
+            tracker.on_finished(*key)
+        for job in jobs:
+            h = engine.submit(job.prompt, job.params, request_id=job.request_id)
+            h.add_listener(lambda handle, key=job.key: events.put(key) if handle.done() else None)
+            handles[job.key] = h
+            if h.done():
+                events.put(job.key)
+        seen: set = set(instant)
+        while not tracker.done:
+            try:
+                key = events.get(timeout=1.0)
+            except queue.Empty:
+                if all(h.done() for h in handles.values()) and events.empty():
+                    raise WorkerFailure("every request ended but the round is not complete",
+                                        partial_outputs=[h.output() for h in handles.values()]) from None
+                continue
+            if key in seen:
+                continue
+            seen.add(key)
+            out = handles[key].output()
+            if out.finish_reason in ("abort", "error"):
+                raise WorkerFailure(f"request {out.request_id} ended with {out.finish_reason}: {out.error}",
+                                    partial_outputs=[h.output() for h in handles.values()])
+            tracker.on_finished(*key)
+        engine.abort([handles[k].request_id for k in tracker.unfinished() if k in handles])
+        for h in handles.values():
+            h.wait()
+
     # ---- helpers ----------------------------------------------------------------------------------------
 
-    def _jobs(self, plan, step: int):
+    def _jobs(self, plan: RoundPlan, step: int):
         jobs, instant, resumed, stale = [], {}, 0, 0
         for p, entry in enumerate(plan.prompts):
             predicted = self.scheduler.predicted_length(entry)
-            for r in range(plan.responses):
+            for r in range(plan.launch_of(p)):
                 key = (p, r)
                 rid = f"{self.name}-s{step}-u{entry.uid}-r{r}"
                 part = entry.partials.get(r)
-                if part is not None and part.weights_version == self.weights_version \
-                        and self.scheduler.config.tail_batching.resume_partials:
-                    if part.finished:
-                        instant[key] = self._decoded(RequestOutput(rid, part.prompt_token_ids, list(part.token_ids),
-                                                                   None, part.finish_reason, part.logprobs))
-                        resumed += 1
-                        continue
-                    if len(part.token_ids) < part.params.max_new_tokens:
-                        prompt, params = resume_request(part.prompt_token_ids, part.token_ids, part.params)
-                        jobs.append(_Job(key, rid, prompt, params, part, predicted))
-                        resumed += 1
-                        continue
-                if part is not None:
+                current = (part is not None and part.weights_version == self.weights_version
+                           and self.scheduler.config.tail_batching.resume_partials)
+                if current and part.finished:  # returned as it was
+                    instant[key] = (replace(part.output, request_id=rid, sample_index=r) if part.output is not None
+                                    else self._decoded(RequestOutput(rid, part.prompt_token_ids, list(part.token_ids),
+                                                                     None, part.finish_reason, part.logprobs)))
+                    resumed += 1
+                    continue
+                if current and len(part.token_ids) < part.params.max_new_tokens and exactly_resumable(part.params):
+                    prompt, params = resume_request(part.prompt_token_ids, part.token_ids, part.params)
+                    jobs.append(_Job(key, rid, prompt, params, part, predicted))
+                    resumed += 1
+                    continue
+                if part is not None and part.weights_version != self.weights_version:
                     stale += 1  # older weights: the staleness rule regenerates it from the prompt
-                params = self.params_for(entry, r)
+                # same weights but not resumable exactly: run again from the prompt with the same parameters
+                params = part.params if current else self.params_for(entry, r)
                 if params.seed is None:
                     params = replace(params, seed=derived_seed(self.seed, step, entry.uid, r))
                 jobs.append(_Job(key, rid, entry.prompt, params, None, predicted))
         return jobs, instant, resumed, stale
 
-    def _partials(self, plan, tracker: RoundTracker, outputs, params) -> dict[int, dict[int, Partial]]:
+    def _partials(self, plan: RoundPlan, tracker: RoundTracker, outputs, params) -> dict[int, dict[int, Partial]]:
         if plan.kind != "short":
             return {}
         out: dict[int, dict[int, Partial]] = {}
         for p in tracker.deferred():
             keep = {}
-            for r in range(min(plan.responses, plan.accept_responses)):
+            for r in range(min(plan.launch_of(p), plan.accept_of(p))):  # the long round runs responses 0..R0-1
                 o = outputs[(p, r)]
                 if (p, r) not in params:
                     continue
                 reason = o.finish_reason if o.finish_reason in ("stop", "length") else None
                 keep[r] = Partial(list(o.prompt_token_ids), list(o.token_ids), o.logprobs, reason,
-                                  self.weights_version, params[(p, r)])
+                                  self.weights_version, params[(p, r)], o if reason is not None else None)
             out[p] = keep
         return out
 
@@ -198,9 +216,15 @@ class RolloutRunner:
             return len(tok.encode(prompt))
         return max(len(str(prompt)) // 4, 1)  # chat messages or no tokenizer: a rough size is enough for costing
 
+    def _joined(self, prefix: Partial, rest: RequestOutput, entry: PromptEntry) -> RequestOutput:
+        """A resumed response as one output: the partial's tokens, then the continuation's; its text
+        decoded as the engine decodes, its prompt text kept when it was sent as text."""
+        out = join_outputs(prefix.prompt_token_ids, prefix.token_ids, prefix.logprobs, rest)
+        return replace(self._decoded(out), prompt=entry.prompt if isinstance(entry.prompt, str) else None)
+
     def _decoded(self, out: RequestOutput) -> RequestOutput:
-        tok = getattr(self.engine, "tokenizer", None)
-        return replace(out, text=tok.decode(out.token_ids)) if tok is not None else out
+        """A joined output's text, by the engine's own detokenizing rule."""
+        return replace(out, text=self.engine.request_factory.decode(out.token_ids))
 
     def _cost(self, job: _Job) -> float:
         return self._cost_fn()(self._prompt_len(job.prompt), min(job.predicted, job.params.max_new_tokens))

@@ -57,11 +57,13 @@ class RolloutScheduler:
         return len(self.tail.queue) if self.tail else 0
 
     def next_round(self) -> RoundPlan:
+        """The next round; an empty plan when a finite prompt stream and the long queue are both empty."""
         g = self.sizing.choose() if self.sizing else self.config.group_size
         p0 = self.config.responses_per_step // g
         if self.tail is not None:
             return self.tail.plan(p0, g, self.draw)
-        return RoundPlan("plain", tuple(self.draw(p0)), g, p0, g)
+        prompts = tuple(self.draw(p0))
+        return RoundPlan("plain", prompts, g, len(prompts), g)
 
     def predicted_length(self, entry: PromptEntry) -> float:
         return self.history.predict(entry.uid)
@@ -79,7 +81,7 @@ class RolloutScheduler:
         for p, entry in enumerate(plan.prompts):
             done = [lengths[(p, r)] for r in tracker.finished[p] if (p, r) in lengths]
             self.history.record(entry.uid, done)
-            for r in range(plan.responses):
+            for r in range(plan.launch_of(p)):
                 if (p, r) not in finished and (p, r) in lengths:
                     self.history.record_partial(entry.uid, lengths[(p, r)])
         accepted = tracker.accepted()

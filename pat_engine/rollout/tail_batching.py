@@ -9,6 +9,11 @@ A step that needs P0 prompts x R0 responses either
 - runs a **long round** when the queue holds at least P0 prompts: exactly the P0 oldest, R0
   responses each, no over-provisioning, every response runs to its end.
 
+A finite prompt stream (``pat-serve batch``) ends cleanly: a short round takes what is left
+(all of it must finish when that is P0 or fewer), and once the stream is empty the queued
+prompts run in a final long round, so every prompt is answered. A prompt may carry its own
+R0 (``PromptEntry.responses``, a batch line's ``n``); a short round over-provisions it too.
+
 Pure logic: the runner (or the simulator) feeds finish events and gets back what to abort.
 """
 
@@ -30,6 +35,7 @@ class Partial:
     finish_reason: str | None  # "stop" or "length" when it ran to its end; None when it was aborted
     weights_version: int  # the weights it was generated under; older ones are stale (see docs/rollout.md)
     params: Any = None  # the SamplingParams it ran with (explicit seed): resumption reuses them
+    output: Any = None  # the whole RequestOutput when it finished: a long round returns it as it is
 
     @property
     def finished(self) -> bool:
@@ -41,6 +47,7 @@ class PromptEntry:
     uid: int  # stable across steps: the dataset's prompt id
     prompt: Any  # text, token ids, or chat messages: whatever the engine accepts
     deferrals: int = 0  # how many short rounds aborted it
+    responses: int | None = None  # its own R0 (a pat-serve batch line's n); None: the step's
     partials: dict[int, Partial] = field(default_factory=dict)  # response index -> partial output
 
 
@@ -51,10 +58,23 @@ class RoundPlan:
     responses: int  # launched per prompt
     accept_prompts: int  # P0
     accept_responses: int  # R0
+    eta: float = 0.0  # a short round's over-provisioning, applied to a prompt's own R0 too
+
+    def accept_of(self, p: int) -> int:
+        """R0 of prompt ``p``: responses it returns."""
+        own = self.prompts[p].responses
+        return self.accept_responses if own is None else own
+
+    def launch_of(self, p: int) -> int:
+        """Responses launched for prompt ``p``."""
+        own = self.prompts[p].responses
+        if own is None:
+            return self.responses
+        return overprovision(own, self.eta) if self.kind == "short" else own
 
     @property
     def launched(self) -> int:
-        return len(self.prompts) * self.responses
+        return sum(self.launch_of(p) for p in range(len(self.prompts)))
 
 
 def overprovision(n: int, eta: float) -> int:
@@ -69,11 +89,20 @@ class TailBatcher:
         self.queue: deque[PromptEntry] = deque()
 
     def plan(self, p0: int, r0: int, draw: Callable[[int], list[PromptEntry]]) -> RoundPlan:
-        """``draw(n)``: the next n fresh prompts from the dataset."""
+        """``draw(n)``: the next (up to) n fresh prompts; fewer, or none, once a finite stream runs out.
+
+        An empty plan means the stream and the queue are both empty: nothing is left to run.
+        """
         if len(self.queue) >= p0:
-            prompts = tuple(self.queue.popleft() for _ in range(p0))
-            return RoundPlan("long", prompts, r0, p0, r0)
-        return RoundPlan("short", tuple(draw(overprovision(p0, self.eta))), overprovision(r0, self.eta), p0, r0)
+            return self._long(p0, r0)
+        fresh = tuple(draw(overprovision(p0, self.eta)))
+        if not fresh:  # the stream is over: the deferred prompts left run in a final long round
+            return self._long(len(self.queue), r0)
+        return RoundPlan("short", fresh, overprovision(r0, self.eta), min(p0, len(fresh)), r0, self.eta)
+
+    def _long(self, n: int, r0: int) -> RoundPlan:
+        prompts = tuple(self.queue.popleft() for _ in range(n))
+        return RoundPlan("long", prompts, r0, n, r0)
 
     def defer(self, entries: list[PromptEntry]) -> None:
         for e in entries:
@@ -103,7 +132,7 @@ class RoundTracker:
         if response in done:
             raise ValueError(f"response {response} of prompt {prompt} reported finished twice")
         done.append(response)
-        if len(done) == self.plan.accept_responses:
+        if len(done) == self.plan.accept_of(prompt):
             self.complete.append(prompt)
         self.closed = len(self.complete) >= self.plan.accept_prompts
         return self.closed
@@ -114,7 +143,7 @@ class RoundTracker:
 
     def accepted(self) -> list[tuple[int, list[int]]]:
         """(prompt index, its first R0 finished response indices) for the P0 prompts the round returns."""
-        return [(p, self.finished[p][: self.plan.accept_responses]) for p in self.complete[: self.plan.accept_prompts]]
+        return [(p, self.finished[p][: self.plan.accept_of(p)]) for p in self.complete[: self.plan.accept_prompts]]
 
     def deferred(self) -> list[int]:
         """Prompt indices that go to the long-prompt queue (short rounds only)."""
@@ -123,5 +152,5 @@ class RoundTracker:
 
     def unfinished(self) -> list[tuple[int, int]]:
         """(prompt, response) pairs still running: what to abort once the round is over."""
-        return [(p, r) for p in range(len(self.plan.prompts)) for r in range(self.plan.responses)
+        return [(p, r) for p in range(len(self.plan.prompts)) for r in range(self.plan.launch_of(p))
                 if r not in self.finished[p]]

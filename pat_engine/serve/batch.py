@@ -1,20 +1,22 @@
 """``pat-serve batch``: a JSONL file of prompts in, a JSONL file of results out, as fast as the engine goes.
 
-Every request is queued at once so continuous batching and the switch policy
-see the whole long-tail batch. Results are appended in the order requests
-finish, one flushed line each, so a killed job keeps what it finished;
-``--resume`` skips the keys already written. A bad line becomes an error
-record naming the line and the problem, and the job goes on.
+By default every request is queued at once so continuous batching and the switch
+policy see the whole long-tail batch; with ``tail_batching`` the lines run as
+tail-batched rounds instead (``batch_rounds.py``). Results are appended in the
+order they are done, one flushed line each, so a killed job keeps what it
+finished; ``--resume`` skips the keys already written. A bad line becomes an
+error record naming the line and the problem, and the job goes on.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import queue
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 from tqdm.auto import tqdm
 
@@ -30,6 +32,7 @@ from pat_engine.serve.batch_io import (
     parse_line,
     result_record,
 )
+from pat_engine.serve.batch_rounds import TailBatchPolicy, run_rounds
 from pat_engine.serve.summary import RunSummary
 
 
@@ -44,6 +47,7 @@ class BatchJob:
     progress: bool = True
     timeline: Path | None = None  # write the layout timeline (JSON) here
     report: Path | None = None  # draw the timeline plot (PNG) here
+    tail_batching: TailBatchPolicy | None = None  # run the lines as tail-batched rounds (batch_rounds.py)
 
 
 def load_items(job: BatchJob, engine: Engine, done: set[str]) -> tuple[list[BatchItem], list[LineError], int]:
@@ -129,43 +133,54 @@ def run_batch(engine: Engine, job: BatchJob) -> RunSummary:
     bar = tqdm(total=len(items) + len(bad), desc="pat-serve batch", unit="req", disable=not job.progress,
                dynamic_ncols=True)
     start = time.perf_counter()
-    finished: queue.Queue[tuple[BatchItem, list[RequestHandle]]] = queue.Queue()
-    outstanding: dict[int, tuple[BatchItem, list[RequestHandle]]] = {}
+    progress = functools.partial(_postfix, bar, summary, engine, start, switches_before)
     try:
         with job.output.open("a", encoding="utf-8") as f:
             out = _Writer(f, summary, bar)
             for err in bad:
                 out.write(error_record(err))
-            for item in items:
-                try:
-                    handles = engine.submit_samples(item.input.prompt, item.input.params,
-                                                    request_id=f"batch-line-{item.line}")
-                except InvalidRequestError as exc:  # e.g. longer than the context: only the engine knows
-                    out.write(error_record(LineError(item.line, str(exc), key=item.key,
-                                                     openai=item.openai is not None,
-                                                     custom_id=item.openai.custom_id if item.openai else None)))
-                    continue
-                outstanding[item.line] = (item, handles)
-                for handle in handles:  # a line is done when all its samples are
-                    handle.add_listener(lambda h, pair=(item, handles): all(x.done() for x in pair[1])
-                                        and finished.put(pair))
-                if all(h.done() for h in handles):
-                    finished.put((item, handles))
-                _drain(finished, outstanding, out, engine, job, block=False)
-            while outstanding:
-                _drain(finished, outstanding, out, engine, job, block=True)
-                _postfix(bar, summary, engine, start, switches_before)
+            if job.tail_batching is None:
+                _queue_all(engine, job, items, out, progress)
+            else:
+                summary.rounds = run_rounds(engine, items, job.tail_batching, out, job.model_name, progress)
     except KeyboardInterrupt:
-        engine.abort([hs[0].request_id for _, hs in outstanding.values()])
         bar.close()
-        print(f"\ninterrupted: {summary.requests} results written to {job.output}, {len(outstanding)} requests "
-              "aborted and not written; run again with --resume to finish")
+        print(f"\ninterrupted: {summary.requests} results written to {job.output}, "
+              f"{len(items) + len(bad) - summary.requests} lines not written; run again with --resume to finish")
         raise
     bar.close()
     summary.wall_s = time.perf_counter() - start
     summary.switches = [_describe(s) for s in engine.switches[switches_before:] if s.ok]
     _write_artifacts(engine, job, summary)
     return summary
+
+
+def _queue_all(engine: Engine, job: BatchJob, items: list[BatchItem], out: _Writer,
+               progress: Callable[[], None]) -> None:
+    """Submit every line at once; write each as its samples finish. Ctrl-C aborts what is in flight."""
+    finished: queue.Queue[tuple[BatchItem, list[RequestHandle]]] = queue.Queue()
+    outstanding: dict[int, tuple[BatchItem, list[RequestHandle]]] = {}
+    try:
+        for item in items:
+            try:
+                handles = engine.submit_samples(item.input.prompt, item.input.params,
+                                                request_id=f"batch-line-{item.line}")
+            except InvalidRequestError as exc:  # e.g. longer than the context: only the engine knows
+                out.write(error_record(item.error(str(exc))))
+                continue
+            outstanding[item.line] = (item, handles)
+            for handle in handles:  # a line is done when all its samples are
+                handle.add_listener(lambda h, pair=(item, handles): all(x.done() for x in pair[1])
+                                    and finished.put(pair))
+            if all(h.done() for h in handles):
+                finished.put((item, handles))
+            _drain(finished, outstanding, out, engine, job, block=False)
+        while outstanding:
+            _drain(finished, outstanding, out, engine, job, block=True)
+            progress()
+    except KeyboardInterrupt:
+        engine.abort([hs[0].request_id for _, hs in outstanding.values()])
+        raise
 
 
 def _drain(finished: queue.Queue, outstanding: dict, out: _Writer, engine: Engine, job: BatchJob, block: bool) -> None:

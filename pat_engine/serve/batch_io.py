@@ -97,6 +97,11 @@ class BatchItem:
     openai: BatchRequestInput | None = None
     request: CompletionRequest | ChatCompletionRequest | None = None
 
+    def error(self, message: str, status: int = 400) -> "LineError":
+        """This line's error record, in its own style."""
+        return LineError(self.line, message, key=self.key, openai=self.openai is not None,
+                         custom_id=self.openai.custom_id if self.openai else None, status=status)
+
 
 class LineError(Exception):
     """A line that cannot be run; becomes an error record naming the line and the problem."""
@@ -186,9 +191,7 @@ def result_record(item: BatchItem, outs: list[RequestOutput], tokenizer: Any, mo
     """The output line of one input line; ``outs``: its samples (one unless it asked for n > 1)."""
     failed = [o for o in outs if o.finish_reason == "error"]
     if failed:
-        return error_record(LineError(item.line, f"generation failed: {failed[0].error}", key=item.key,
-                                      openai=item.openai is not None,
-                                      custom_id=item.openai.custom_id if item.openai else None, status=500))
+        return error_record(item.error(f"generation failed: {failed[0].error}", status=500))
     if item.openai is None:
         rec = {"id": item.pat.id if item.pat.id is not None else item.key, "line": item.line,
                **_pat_sample(outs[0]), "usage": usage(outs).model_dump(exclude={"prompt_tokens_details"})}

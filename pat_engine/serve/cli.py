@@ -1,6 +1,7 @@
 """``pat-serve``: batch job, OpenAI-compatible server, timeline plot, and demo.
 
     pat-serve batch --model M --input prompts.jsonl --output results.jsonl --world 4 --switch-schedule 32:4
+    pat-serve batch --model M --input prompts.jsonl --output results.jsonl --tail-batching --prompts-per-round 64
     pat-serve serve --model M --world 2 --port 8000
     pat-serve plot timeline.json -o timeline.png
     pat-serve demo
@@ -53,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--timeline", type=Path, default=None, help="write the layout timeline to this JSON file")
     b.add_argument("--served-model-name", default=None, help="model name in OpenAI-style results")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t = b.add_argument_group("tail batching (RollPacker rounds; docs/pat-serve.md)")
+    t.add_argument("--tail-batching", action="store_true",
+                   help="run the lines as rounds: short rounds over-provision and return the first P0 lines to "
+                        "finish, the others finish later in long rounds; every line is answered")
+    t.add_argument("--prompts-per-round", type=int, default=None, metavar="P0",
+                   help="lines each round returns (required with --tail-batching)")
+    t.add_argument("--tail-eta", type=float, default=None, metavar="ETA",
+                   help="short rounds launch ceil(P0*(1+ETA)) lines x ceil(n*(1+ETA)) responses (default 0.25)")
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(s)
@@ -97,7 +106,7 @@ def _batch(ns: argparse.Namespace) -> int:
     defaults = SamplingDefaults(ns.max_tokens, ns.temperature, ns.top_p, ns.top_k, ns.sampling_seed, ns.ignore_eos,
                                 ns.logprobs)
     job = BatchJob(ns.input, ns.output, ns.served_model_name or ns.model, defaults, ns.resume, ns.overwrite,
-                   not ns.no_progress, ns.timeline, ns.report)
+                   not ns.no_progress, ns.timeline, ns.report, _tail_policy(ns))
     check_paths(job)
     engine = EngineArgs.from_namespace(ns).build()
     try:
@@ -108,6 +117,21 @@ def _batch(ns: argparse.Namespace) -> int:
     print(f"results: {job.output}" + (f"; report: {job.report}" if job.report else "")
           + (f"; timeline: {job.timeline}" if job.timeline else ""))
     return 0
+
+
+def _tail_policy(ns: argparse.Namespace):
+    """The tail-batching policy from the flags (None without --tail-batching), checked before the engine starts."""
+    from pat_engine.serve.batch_rounds import TailBatchPolicy
+
+    if not ns.tail_batching:
+        if ns.prompts_per_round is not None or ns.tail_eta is not None:
+            raise PatEngineError("--prompts-per-round and --tail-eta need --tail-batching")
+        return None
+    if ns.prompts_per_round is None:
+        raise PatEngineError("--tail-batching needs --prompts-per-round P0")
+    if ns.tail_eta is None:
+        return TailBatchPolicy(ns.prompts_per_round)
+    return TailBatchPolicy(ns.prompts_per_round, ns.tail_eta)
 
 
 def _serve(ns: argparse.Namespace) -> int:

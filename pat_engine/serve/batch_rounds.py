@@ -1,0 +1,131 @@
+"""``pat-serve batch --tail-batching``: the file's lines as a stream of tail-batched rounds (RollPacker).
+
+Every line is a prompt that wants its own ``n`` answers (R0, per line). With
+P0 = ``--prompts-per-round`` and eta = ``--tail-eta``, the rollout layer plans and
+runs the rounds (``RolloutScheduler`` / ``RolloutRunner``, docs/rollout.md):
+
+- a **short round** launches the next ceil(P0(1+eta)) lines, ceil(n(1+eta)) responses
+  each, and ends as soon as P0 of them have n finished responses. Those P0 are written
+  (n answers each, the record a plain job writes); their surplus responses are dropped;
+  the other lines wait in the long queue with their partial outputs;
+- a **long round** runs exactly the P0 oldest waiting lines, n responses each, no
+  over-provisioning, resumed from their partials. Weights never change inside a job,
+  so a resumed answer is exactly the uninterrupted one;
+- at the end of the file the lines still waiting run in a final long round: every line
+  is answered, or gets an error record (a round that fails writes one per line).
+
+Seeds: response i of a line seeded s uses ``sample_seed(s, i)``, the seed a plain job
+gives sample i of that line, so a deferred line's answers are token for token what a
+plain job writes for it. A line without a seed gets s derived from the engine seed and
+its key (a plain job draws one per request instead), so a rerun or ``--resume``
+reproduces it. The engine's switch policy keeps running inside every round (a fixed
+schedule counts decode steps from the start of each round).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+from typing import Callable, Protocol
+
+from pat_engine.core.engine import Engine
+from pat_engine.core.policy import ScheduledSwitches
+from pat_engine.errors import InvalidRequestError, WorkerFailure
+from pat_engine.rollout.config import RolloutConfig, TailBatchingConfig
+from pat_engine.rollout.runner import RolloutRunner, derived_seed
+from pat_engine.rollout.scheduler import RolloutScheduler
+from pat_engine.rollout.tail_batching import PromptEntry
+from pat_engine.sampling.sampler import sample_seed
+from pat_engine.sampling_params import SamplingParams
+from pat_engine.serve.batch_io import BatchItem, error_record, result_record
+from pat_engine.serve.summary import RoundCounts
+
+
+class RecordSink(Protocol):
+    def write(self, record: dict, prompt_tokens: int = 0, tokens: int = 0) -> None: ...
+
+
+@dataclass(frozen=True)
+class TailBatchPolicy:
+    prompts_per_round: int  # P0: lines each round returns
+    eta: float = TailBatchingConfig.eta
+
+    def __post_init__(self) -> None:
+        if self.prompts_per_round < 1:
+            raise InvalidRequestError(f"--prompts-per-round must be at least 1, got {self.prompts_per_round}")
+        self.rollout_config()  # checks eta
+
+    def rollout_config(self) -> RolloutConfig:
+        # group_size 1 makes the step's P0 = responses_per_step; each line brings its own R0 (PromptEntry.responses)
+        return RolloutConfig(responses_per_step=self.prompts_per_round, group_size=1,
+                             tail_batching=TailBatchingConfig(eta=self.eta))
+
+
+def run_rounds(engine: Engine, items: list[BatchItem], policy: TailBatchPolicy, out: RecordSink, model: str,
+               on_round: Callable[[], None] = lambda: None) -> RoundCounts:
+    """Answer every item through tail-batched rounds, writing one record per line to ``out``."""
+    lines: dict[int, BatchItem] = {}
+    stream = iter(_runnable(engine, items, out))  # checked up front, at the base layout every round starts at
+
+    def draw(k: int) -> list[PromptEntry]:
+        taken = list(itertools.islice(stream, k))
+        lines.update((it.line, it) for it in taken)
+        return [PromptEntry(it.line, it.input.prompt, responses=it.input.params.n) for it in taken]
+
+    def params_for(entry: PromptEntry, r: int) -> SamplingParams:
+        item = lines[entry.uid]
+        p = item.input.params
+        base = p.seed if p.seed is not None else derived_seed(engine.config.seed, item.key)
+        return replace(p, n=1, seed=sample_seed(base, r))
+
+    # lengths only order cost-aware placement, which the batch job does not install
+    sched = RolloutScheduler(policy.rollout_config(), draw, default_length=1.0)
+    runner = RolloutRunner(engine, sched, params_for, seed=engine.config.seed, name="batch",
+                           stage_options=_per_round(engine.policy))
+    counts = RoundCounts()
+    while (plan := sched.next_round()).prompts:
+        try:
+            res = runner.run_round(plan)
+        except WorkerFailure as exc:
+            if engine.dead:
+                raise  # nothing more can run; --resume redoes what is not written
+            counts.failed += 1
+            for entry in plan.prompts:
+                item = lines.pop(entry.uid)
+                out.write(error_record(item.error(f"generation failed: {str(exc).splitlines()[0]}", status=500)))
+            continue
+        s = res.summary
+        counts.short += s.kind == "short"
+        counts.long += s.kind == "long"
+        counts.prompts += s.prompts_launched if s.kind == "short" else 0
+        counts.deferred += s.prompts_deferred
+        counts.resumed += res.resumed
+        for entry, outs in res.groups:
+            item = lines.pop(entry.uid)
+            # by response index, numbered as the line's samples (sample 0 carries the prompt in the usage)
+            samples = [replace(o, sample_index=i) for i, o in enumerate(sorted(outs, key=lambda o: o.sample_index))]
+            out.write(result_record(item, samples, engine.tokenizer, model),
+                      prompt_tokens=len(samples[0].prompt_token_ids), tokens=sum(len(o.token_ids) for o in samples))
+        on_round()
+    return counts
+
+
+def _per_round(policy: object) -> dict:
+    """Every round is a generation stage (back to the base layout, decode steps from 0): a fixed
+    ``--switch-schedule`` is replayed in each round; a controller keeps deciding on its own."""
+    if isinstance(policy, ScheduledSwitches):
+        return {"switch_schedule": list(policy.schedule), "kv_transfer": policy.kv_path}
+    return {}
+
+
+def _runnable(engine: Engine, items: list[BatchItem], out: RecordSink) -> list[BatchItem]:
+    """The items the engine accepts; the others get their error record now (a round must not fail on them)."""
+    ok = []
+    for item in items:
+        try:
+            engine.check_request(item.input.prompt, item.input.params)
+        except InvalidRequestError as exc:
+            out.write(error_record(item.error(str(exc))))
+        else:
+            ok.append(item)
+    return ok
