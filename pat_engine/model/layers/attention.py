@@ -12,6 +12,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+try:
+    from pat_kernels.cpu_attention import cpu_decode_kernel
+except ImportError:  # the kernels package is not on the path: the torch path serves
+    def cpu_decode_kernel(dtype: torch.dtype) -> None:
+        return None
+
 
 @dataclass
 class AttentionMetadata:
@@ -68,10 +74,15 @@ def paged_attention(
     """
     write_kv(kv_cache, k, v, meta.slot_mapping)
     kvh, hd = kv_cache.shape[-2:]
-    if not meta.is_prefill:
-        kernel = _triton_decode() if q.is_cuda and q.dtype != torch.float64 else None
-        if kernel is not None and meta.context_lens is not None:
-            return kernel(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, scale)
+    if not meta.is_prefill and meta.context_lens is not None:
+        if q.is_cuda:
+            kernel = _triton_decode() if q.dtype != torch.float64 else None
+            if kernel is not None:
+                return kernel(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, scale)
+        elif q.device.type == "cpu":
+            kernel = cpu_decode_kernel(q.dtype)
+            if kernel is not None:
+                return kernel(q, kv_cache, meta.block_tables, meta.context_lens, scale)
     b, nb = meta.block_tables.shape
     # index_select over whole blocks (contiguous rows) is several times faster than advanced indexing
     blocks = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, meta.block_tables.reshape(-1))
