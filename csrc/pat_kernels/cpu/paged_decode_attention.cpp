@@ -52,13 +52,14 @@ inline void axpy(acc_t* __restrict y, acc_t a, const kv_t* __restrict x, int64_t
 
 // Below this many multiply-adds (q.k and p.v together) a call runs on one thread: forking the
 // OpenMP team costs more than it saves.
-constexpr int64_t kSerialWork = 1 << 17;
+constexpr int64_t kSerialWork = 1 << 18;
 
-template <typename scalar_t>
+// kD > 0: head_dim known at compile time (the dot and axpy loops unroll fully); 0: read from q.
+template <typename scalar_t, int64_t kD>
 void decode(const at::Tensor& q, const at::Tensor& kv, const int64_t* tables, int64_t table_stride,
             const int64_t* lens, int64_t max_len, int64_t total_len, double scale, at::Tensor& out) {
   using acc_t = typename Accum<scalar_t>::type;
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t B = q.size(0), H = q.size(1), D = kD > 0 ? kD : q.size(2);
   const int64_t num_blocks = kv.size(1), BS = kv.size(2), KVH = kv.size(3);
   const int64_t G = H / KVH;
   const int64_t tok_stride = KVH * D, block_stride = BS * tok_stride;
@@ -119,6 +120,18 @@ void decode(const at::Tensor& q, const at::Tensor& kv, const int64_t* tables, in
   });
 }
 
+template <typename scalar_t, typename... Args>
+void dispatch_head_dim(const at::Tensor& q, Args&&... args) {
+  switch (q.size(2)) {
+    case 64:
+      return decode<scalar_t, 64>(q, args...);
+    case 128:
+      return decode<scalar_t, 128>(q, args...);
+    default:
+      return decode<scalar_t, 0>(q, args...);
+  }
+}
+
 at::Tensor paged_decode_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                       const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors expected");
@@ -151,13 +164,13 @@ at::Tensor paged_decode_attention_cpu(const at::Tensor& q, const at::Tensor& kv_
   at::Tensor out = at::empty({B, H, D}, q.options());
   switch (q.scalar_type()) {
     case at::kFloat:
-      decode<float>(qc, kv_cache, tp, width, lp, max_len, total_len, scale, out);
+      dispatch_head_dim<float>(qc, kv_cache, tp, width, lp, max_len, total_len, scale, out);
       break;
     case at::kDouble:
-      decode<double>(qc, kv_cache, tp, width, lp, max_len, total_len, scale, out);
+      dispatch_head_dim<double>(qc, kv_cache, tp, width, lp, max_len, total_len, scale, out);
       break;
     case at::kBFloat16:
-      decode<c10::BFloat16>(qc, kv_cache, tp, width, lp, max_len, total_len, scale, out);
+      dispatch_head_dim<c10::BFloat16>(qc, kv_cache, tp, width, lp, max_len, total_len, scale, out);
       break;
     default:
       TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
