@@ -1,8 +1,14 @@
-"""Paged attention over a per-layer KV pool, in plain torch (CPU and GPU).
+"""Paged attention over a per-layer KV pool: plain torch for prefill, kernels for decode.
 
 KV pool of one layer: ``(2, num_blocks, block_size, kv_heads_local, head_dim)``;
 a token at position ``p`` of a sequence lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``.
+
+Decode (one query per row, ``context_lens`` set) reads the pool in place:
+on CUDA the Triton kernel (``pat_kernels/paged_decode_attention.py``), on the CPU the C++ kernel
+(``pat_kernels/cpu/paged_decode_attention.cpp``, float32/float64/bfloat16, built on first use and
+cached; ``PAT_CPU_ATTENTION=torch`` turns it off). Otherwise, and for prefill, the torch path
+gathers whole context blocks and runs ``scaled_dot_product_attention`` with the step's mask.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     mask: torch.Tensor
     pad_index: torch.Tensor | None = None  # prefill only
-    context_lens: torch.Tensor | None = None  # (B,) decode: for the GPU kernel
+    context_lens: torch.Tensor | None = None  # (B,) decode: for the paged decode kernels
 
 
 _TRITON_DECODE: object = None  # the Triton kernel, False when unavailable, None before the first look
