@@ -1,6 +1,6 @@
 """Decode attention alone on the CPU: the C++ paged kernel against the torch path (gather + SDPA).
 
-    PYTHONPATH=.:profiler:integrations:csrc python bench/cpu_attention.py [--threads 2] [--repeats 41]
+    PYTHONPATH=.:profiler:integrations:csrc python bench/cpu_attention.py [--threads 1 2] [--repeats 41]
 
 One "step" is ``paged_attention`` (KV write included, as in the engine) for the 4 layers of the
 benchmark model: 8 heads / 4 KV heads, head_dim 64, block 16, float32. Each layer has its own pool
@@ -76,13 +76,12 @@ def first_build_seconds() -> float | None:
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--threads", type=int, nargs="+", default=sorted({1, torch.get_num_threads()}))
     ap.add_argument("--repeats", type=int, default=41, help="timed steps per path and case")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     ap.add_argument("--skip-build-time", action="store_true", help="do not time a fresh build")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     build_s = None if args.skip_build_time else first_build_seconds()
     if cpu_attention.load_kernel() is None:
@@ -90,27 +89,30 @@ def main() -> None:
     load_s = cpu_attention.build_seconds
     load_before = os.getloadavg()[0]
     rows = []
-    for batch in args.batches:
-        for name, lengths in CONTEXTS.items():
-            inputs = decode_inputs(lengths(batch), dtype)
-            for _ in range(3):  # warm-up of both paths
-                step_ms("torch", *inputs), step_ms("kernel", *inputs)
-            torch_ms, kernel_ms = [], []
-            for _ in range(args.repeats):
-                torch_ms.append(step_ms("torch", *inputs))
-                kernel_ms.append(step_ms("kernel", *inputs))
-            t, k = statistics.median(torch_ms), statistics.median(kernel_ms)
-            rows.append([batch, name, f"{t:.3f}", f"{k:.3f}", f"{t / k:.2f}x"])
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for batch in args.batches:
+            for name, lengths in CONTEXTS.items():
+                inputs = decode_inputs(lengths(batch), dtype)
+                for _ in range(3):  # warm-up of both paths
+                    step_ms("torch", *inputs), step_ms("kernel", *inputs)
+                torch_ms, kernel_ms = [], []
+                for _ in range(args.repeats):
+                    torch_ms.append(step_ms("torch", *inputs))
+                    kernel_ms.append(step_ms("kernel", *inputs))
+                t, k = statistics.median(torch_ms), statistics.median(kernel_ms)
+                rows.append([threads, batch, name, f"{t:.3f}", f"{k:.3f}", f"{t / k:.2f}x"])
     os.environ.pop(cpu_attention.ENV_SWITCH, None)
+    load_after = os.getloadavg()[0]
     build = f"{build_s:.1f} s" if build_s is not None else "not measured"
     body = (
         f"`paged_attention` for one decode step of {LAYERS} layers ({HEADS} heads / {KV_HEADS} KV heads, "
-        f"head_dim {HEAD_DIM}, block {BLOCK}, {args.dtype}, KV write included), {args.threads} torch thread(s); "
+        f"head_dim {HEAD_DIM}, block {BLOCK}, {args.dtype}, KV write included), per torch thread count; "
         f"torch path (block gather + SDPA) and C++ kernel alternating, median of {args.repeats} steps each. "
-        f"Load average before: {load_before:.2f}.\n\n"
+        f"Load average (2 cores, shared) before / after: {load_before:.2f} / {load_after:.2f}.\n\n"
         f"First build of the extension (empty cache, `-O3`, flags {' '.join(cpu_attention.isa()[1]) or 'none'}): "
         f"{build}; loading it from the cache: {load_s:.2f} s.\n\n"
-        + markdown_table(["batch", "context", "torch path ms", "kernel ms", "torch / kernel"], rows)
+        + markdown_table(["threads", "batch", "context", "torch path ms", "kernel ms", "torch / kernel"], rows)
     )
     write_result("cpu_attention", "CPU decode attention: paged C++ kernel vs torch path", body)
 

@@ -87,7 +87,7 @@ def paged_attention(
                 return kernel(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, scale)
         elif q.device.type == "cpu":
             kernel = cpu_decode_kernel(q.dtype)
-            if kernel is not None:
+            if kernel is not None and kv_cache.is_contiguous():  # it indexes the pool by offsets
                 return kernel(q, kv_cache, meta.block_tables, meta.context_lens, scale)
     b, nb = meta.block_tables.shape
     # index_select over whole blocks (contiguous rows) is several times faster than advanced indexing
