@@ -73,6 +73,26 @@ def test_kernel_matches_torch_path(kernel, dtype, heads, kv_heads, monkeypatch):
     torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("rows", ["few", "many"])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 4), (8, 2)])
+def test_row_and_head_work_items_in_parallel(kernel, rows, heads, kv_heads, monkeypatch):
+    """Few rows: one work item per (row, KV head); many rows (>= 4 per thread): one per row, and
+    enough work to run in parallel. Items are independent, so any thread count gives the same bits."""
+    threads = torch.get_num_threads()
+    n = 2 if rows == "few" else 4 * max(threads, 2) + 1
+    lengths = [150 + 37 * i % 90 for i in range(n)]
+    q, pool, meta = decode_case(lengths, heads, kv_heads, 64, 16, torch.float64, padding_rows=1, seed=3)
+    expected = torch_path(q, pool, meta, 0.125, monkeypatch)
+    got = kernel(q, pool, meta.block_tables, meta.context_lens, 0.125)
+    torch.testing.assert_close(got, expected, atol=1e-13, rtol=1e-13)
+    try:
+        torch.set_num_threads(1)
+        serial = kernel(q, pool, meta.block_tables, meta.context_lens, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(serial, got)
+
+
 @pytest.mark.parametrize("head_dim,block_size", [(24, 4), (128, 16), (40, 8)])  # unspecialised head dims, odd tails
 def test_other_head_dims_and_block_sizes(kernel, head_dim, block_size, monkeypatch):
     lengths = [1, block_size, block_size + 1, 5 * block_size + 2]

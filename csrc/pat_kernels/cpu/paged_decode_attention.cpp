@@ -44,6 +44,14 @@ inline acc_t dot(const acc_t* __restrict q, const kv_t* __restrict k, int64_t n)
   return s;
 }
 
+// Asks for the next block's copy of token j while token j of this block is used: the block table
+// jumps, so the hardware prefetcher cannot see the next block coming.
+template <typename kv_t>
+inline void prefetch(const kv_t* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(kv_t)); off += 64) __builtin_prefetch(c + off);
+}
+
 template <typename acc_t, typename kv_t>
 inline void axpy(acc_t* __restrict y, acc_t a, const kv_t* __restrict x, int64_t n) {
 #pragma omp simd
@@ -70,30 +78,36 @@ void decode(const at::Tensor& q, const at::Tensor& kv, const int64_t* tables, in
   scalar_t* op = out.mutable_data_ptr<scalar_t>();
   const acc_t sc = static_cast<acc_t>(scale);
 
-  const int64_t items = B * KVH;
+  // With enough rows to share out, one item takes a whole row: its K/V blocks (all KV heads,
+  // contiguous in the pool) are then read front to back. Few rows: one item per (row, KV head).
+  const int64_t hc = B >= 4 * at::get_num_threads() ? KVH : 1;  // KV heads per item
+  const int64_t R = hc * G;  // query heads per item
+  const int64_t items = B * (KVH / hc);
   const int64_t work = 2 * total_len * H * D;
   const int64_t grain = work < kSerialWork ? items : 1;
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> qbuf(G * D), acc(G * D), scores(G * max_len), inv(G);
+    std::vector<acc_t> qbuf(R * D), acc(R * D), scores(R * max_len), inv(R);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / KVH, h = item % KVH;
+      const int64_t b = item / (KVH / hc), h0 = (item % (KVH / hc)) * hc;
       const int64_t len = lens[b];
       const int64_t* table = tables + b * table_stride;
-      for (int64_t g = 0; g < G; ++g) {
-        const scalar_t* src = qp + b * qs0 + (h * G + g) * qs1;
-        for (int64_t d = 0; d < D; ++d) qbuf[g * D + d] = static_cast<acc_t>(src[d]);
+      for (int64_t r = 0; r < R; ++r) {
+        const scalar_t* src = qp + b * qs0 + (h0 * G + r) * qs1;
+        for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = static_cast<acc_t>(src[d]);
       }
-      // scores[g * len + t] = scale * q_g . k_t
+      // scores[r * len + t] = scale * q_r . k_t, query head r reading KV head h0 + r / G
       for (int64_t start = 0, i = 0; start < len; start += BS, ++i) {
-        const scalar_t* kb = kp + table[i] * block_stride + h * D;
+        const scalar_t* kb = kp + table[i] * block_stride + h0 * D;
+        const scalar_t* next = start + BS < len ? kp + table[i + 1] * block_stride + h0 * D : nullptr;
         const int64_t n = std::min(BS, len - start);
         for (int64_t j = 0; j < n; ++j) {
           const scalar_t* k = kb + j * tok_stride;
-          for (int64_t g = 0; g < G; ++g) scores[g * len + start + j] = dot(qbuf.data() + g * D, k, D) * sc;
+          if (next) prefetch(next + j * tok_stride, hc * D);
+          for (int64_t r = 0; r < R; ++r) scores[r * len + start + j] = dot(qbuf.data() + r * D, k + (r / G) * D, D) * sc;
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        acc_t* s = scores.data() + g * len;
+      for (int64_t r = 0; r < R; ++r) {
+        acc_t* s = scores.data() + r * len;
         acc_t m = -std::numeric_limits<acc_t>::infinity();
         for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
         acc_t sum = 0;
@@ -101,20 +115,22 @@ void decode(const at::Tensor& q, const at::Tensor& kv, const int64_t* tables, in
           s[t] = std::exp(s[t] - m);
           sum += s[t];
         }
-        inv[g] = acc_t(1) / sum;
+        inv[r] = acc_t(1) / sum;
       }
       std::fill(acc.begin(), acc.end(), acc_t(0));
       for (int64_t start = 0, i = 0; start < len; start += BS, ++i) {
-        const scalar_t* vb = vp + table[i] * block_stride + h * D;
+        const scalar_t* vb = vp + table[i] * block_stride + h0 * D;
+        const scalar_t* next = start + BS < len ? vp + table[i + 1] * block_stride + h0 * D : nullptr;
         const int64_t n = std::min(BS, len - start);
         for (int64_t j = 0; j < n; ++j) {
           const scalar_t* v = vb + j * tok_stride;
-          for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, scores[g * len + start + j], v, D);
+          if (next) prefetch(next + j * tok_stride, hc * D);
+          for (int64_t r = 0; r < R; ++r) axpy(acc.data() + r * D, scores[r * len + start + j], v + (r / G) * D, D);
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        scalar_t* dst = op + (b * H + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[g * D + d] * inv[g]);
+      for (int64_t r = 0; r < R; ++r) {
+        scalar_t* dst = op + (b * H + h0 * G + r) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[r * D + d] * inv[r]);
       }
     }
   });
