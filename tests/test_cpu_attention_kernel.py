@@ -136,6 +136,7 @@ def test_bad_indices_are_rejected(kernel):
 
 
 def test_env_switch_and_unsupported_dtype(kernel, monkeypatch):
+    monkeypatch.delenv(cpu_attention.ENV_SWITCH, raising=False)
     assert cpu_attention.cpu_decode_kernel(torch.float32) is kernel
     assert cpu_attention.cpu_decode_kernel(torch.float16) is None  # the torch path serves float16
     monkeypatch.setenv(cpu_attention.ENV_SWITCH, "torch")
