@@ -8,9 +8,9 @@
 //   out          (B, H, D), q's dtype
 // Token p of row b lives at kv_cache[:, block_tables[b, p / block_size], p % block_size].
 //
-// One work item is (row, kv head): the G = H / KVH query heads of a GQA group share every K/V
-// load. Softmax is exact (scores kept, max subtracted, then one pass over V), accumulated in
-// float for float/bfloat16 and in double for double.
+// A work item is a row (with >= 4 rows per thread) or a (row, KV head) pair; the G = H / KVH query
+// heads of a GQA group share every K/V load. Softmax is exact (all scores kept, max subtracted,
+// then one pass over V), accumulated in float for float/bfloat16 and in double for double.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
