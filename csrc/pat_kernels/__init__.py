@@ -1,2 +1,3 @@
-"""GPU kernels of pat-engine (Triton). Imported only when a CUDA device and Triton are present,
-or for testing under ``TRITON_INTERPRET=1`` on the CPU."""
+"""Kernels of pat-engine: Triton for the GPU (imported only where CUDA and Triton are present, or
+for testing under ``TRITON_INTERPRET=1``), and C++ for the CPU (``cpu_attention`` compiles
+``cpu/*.cpp`` on first use)."""

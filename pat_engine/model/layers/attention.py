@@ -1,8 +1,14 @@
-"""Paged attention over a per-layer KV pool, in plain torch (CPU and GPU).
+"""Paged attention over a per-layer KV pool: plain torch for prefill, kernels for decode.
 
 KV pool of one layer: ``(2, num_blocks, block_size, kv_heads_local, head_dim)``;
 a token at position ``p`` of a sequence lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``.
+
+Decode (one query per row, ``context_lens`` set) reads the pool in place:
+on CUDA the Triton kernel (``pat_kernels/paged_decode_attention.py``), on the CPU the C++ kernel
+(``pat_kernels/cpu/paged_decode_attention.cpp``, float32/float64/bfloat16, built on first use and
+cached; ``PAT_CPU_ATTENTION=torch`` turns it off). Otherwise, and for prefill, the torch path
+gathers whole context blocks and runs ``scaled_dot_product_attention`` with the step's mask.
 """
 
 from __future__ import annotations
@@ -11,6 +17,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+try:
+    from pat_kernels.cpu_attention import cpu_decode_kernel
+except ImportError:  # the kernels package is not on the path: the torch path serves
+    def cpu_decode_kernel(dtype: torch.dtype) -> None:
+        return None
 
 
 @dataclass
@@ -32,7 +44,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     mask: torch.Tensor
     pad_index: torch.Tensor | None = None  # prefill only
-    context_lens: torch.Tensor | None = None  # (B,) decode: for the GPU kernel
+    context_lens: torch.Tensor | None = None  # (B,) decode: for the paged decode kernels
 
 
 _TRITON_DECODE: object = None  # the Triton kernel, False when unavailable, None before the first look
@@ -68,10 +80,15 @@ def paged_attention(
     """
     write_kv(kv_cache, k, v, meta.slot_mapping)
     kvh, hd = kv_cache.shape[-2:]
-    if not meta.is_prefill:
-        kernel = _triton_decode() if q.is_cuda and q.dtype != torch.float64 else None
-        if kernel is not None and meta.context_lens is not None:
-            return kernel(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, scale)
+    if not meta.is_prefill and meta.context_lens is not None:
+        if q.is_cuda:
+            kernel = _triton_decode() if q.dtype != torch.float64 else None
+            if kernel is not None:
+                return kernel(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, scale)
+        elif q.device.type == "cpu":
+            kernel = cpu_decode_kernel(q.dtype)
+            if kernel is not None and kv_cache.is_contiguous():  # it indexes the pool by offsets
+                return kernel(q, kv_cache, meta.block_tables, meta.context_lens, scale)
     b, nb = meta.block_tables.shape
     # index_select over whole blocks (contiguous rows) is several times faster than advanced indexing
     blocks = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, meta.block_tables.reshape(-1))

@@ -1,0 +1,201 @@
+"""The C++ CPU paged decode attention kernel equals the torch path (gather + SDPA).
+
+The kernel is compiled on first use (about 15 s on 2 cores) and cached in the torch extensions
+directory; later runs load it in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pat_engine.model.layers.attention import AttentionMetadata, paged_attention
+from pat_kernels import cpu_attention
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = cpu_attention.load_kernel()
+    if k is None:
+        pytest.skip(f"the CPU attention extension cannot be built: {cpu_attention._failed}")
+    return k
+
+
+def decode_case(lengths: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
+                dtype: torch.dtype, padding_rows: int = 0, seed: int = 0):
+    """q, pool, tables, lens and metadata as a decode step builds them; tables use shuffled blocks,
+    padding rows (context 1, table of zeros) follow the real ones."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block_size) for n in lengths)
+    num_blocks = len(lengths) * width + 3
+    blocks = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(lengths) + padding_rows, width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        used = -(-n // block_size)
+        tables[row, :used] = blocks[row * width: row * width + used]
+    lens = torch.tensor(lengths + [1] * padding_rows)
+    pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g, dtype=torch.float64).to(dtype)
+    q = torch.randn(len(lens), heads, head_dim, generator=g, dtype=torch.float64).to(dtype)
+    mask = (torch.arange(width * block_size)[None, :] < lens[:, None])[:, None, None, :]
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(0, dtype=torch.long), query_len=1,
+                             block_tables=tables, mask=mask, context_lens=lens)
+    return q, pool, meta
+
+
+def torch_path(q, pool, meta, scale, monkeypatch) -> torch.Tensor:
+    with monkeypatch.context() as m:
+        m.setenv(cpu_attention.ENV_SWITCH, "torch")
+        return paged_attention(q, q[:0, : pool.shape[3]], q[:0, : pool.shape[3]], pool, meta, scale)
+
+
+TOLERANCE = {torch.float32: 2e-6, torch.float64: 1e-13, torch.bfloat16: 3e-2}
+LENGTHS = [1, 15, 16, 17, 32, 33, 100, 7]  # block boundaries of block_size 16 and several blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 4), (8, 2)])  # GQA groups 1, 2, 4
+def test_kernel_matches_torch_path(kernel, dtype, heads, kv_heads, monkeypatch):
+    q, pool, meta = decode_case(LENGTHS, heads, kv_heads, 64, 16, dtype, padding_rows=3)
+    scale = 64**-0.5
+    expected = torch_path(q, pool, meta, scale, monkeypatch)
+    got = kernel(q, pool, meta.block_tables, meta.context_lens, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("rows", ["few", "many"])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 4), (8, 2)])
+def test_row_and_head_work_items_in_parallel(kernel, rows, heads, kv_heads, monkeypatch):
+    """Few rows: one work item per (row, KV head); many rows (>= 4 per thread): one per row, and
+    enough work to run in parallel. Items are independent, so any thread count gives the same bits."""
+    threads = torch.get_num_threads()
+    n = 2 if rows == "few" else 4 * max(threads, 2) + 1
+    lengths = [150 + 37 * i % 90 for i in range(n)]
+    q, pool, meta = decode_case(lengths, heads, kv_heads, 64, 16, torch.float64, padding_rows=1, seed=3)
+    expected = torch_path(q, pool, meta, 0.125, monkeypatch)
+    got = kernel(q, pool, meta.block_tables, meta.context_lens, 0.125)
+    torch.testing.assert_close(got, expected, atol=1e-13, rtol=1e-13)
+    try:
+        torch.set_num_threads(1)
+        serial = kernel(q, pool, meta.block_tables, meta.context_lens, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(serial, got)
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(24, 4), (128, 16), (40, 8)])  # unspecialised head dims, odd tails
+def test_other_head_dims_and_block_sizes(kernel, head_dim, block_size, monkeypatch):
+    lengths = [1, block_size, block_size + 1, 5 * block_size + 2]
+    q, pool, meta = decode_case(lengths, 6, 2, head_dim, block_size, torch.float64, padding_rows=1, seed=1)
+    expected = torch_path(q, pool, meta, 0.3, monkeypatch)
+    torch.testing.assert_close(kernel(q, pool, meta.block_tables, meta.context_lens, 0.3), expected,
+                               atol=1e-13, rtol=1e-13)
+
+
+def test_paged_attention_uses_kernel_with_new_kv(kernel, monkeypatch):
+    """Through paged_attention: the new token's K/V are written first, then read by the kernel; the
+    query is a strided view (as split from the fused projection)."""
+    q, pool, meta = decode_case([3, 20, 47], 8, 4, 64, 16, torch.float64, seed=2)
+    lens = meta.context_lens
+    pos = lens - 1
+    meta.slot_mapping = meta.block_tables[torch.arange(3), pos // 16] * 16 + pos % 16
+    qkv = torch.randn(3, 8 + 4 + 4, 64, dtype=torch.float64)
+    q, k, v = qkv.split([8, 4, 4], dim=1)
+    pool_ref = pool.clone()
+    with monkeypatch.context() as m:
+        m.setenv(cpu_attention.ENV_SWITCH, "torch")
+        expected = paged_attention(q, k, v, pool_ref, meta, 0.125)
+    calls = []
+    monkeypatch.setattr("pat_engine.model.layers.attention.cpu_decode_kernel",
+                        lambda dtype: (lambda *a: calls.append(1) or kernel(*a)))
+    got = paged_attention(q, k, v, pool, meta, 0.125)
+    assert calls and torch.equal(pool, pool_ref)
+    torch.testing.assert_close(got, expected, atol=1e-13, rtol=1e-13)
+
+
+def test_bad_indices_are_rejected(kernel):
+    q, pool, meta = decode_case([5, 9], 4, 2, 16, 4, torch.float32)
+    with pytest.raises(RuntimeError, match="context_lens"):
+        kernel(q, pool, meta.block_tables, torch.tensor([5, 0]), 1.0)
+    with pytest.raises(RuntimeError, match="context_lens"):
+        kernel(q, pool, meta.block_tables, torch.tensor([5, 13]), 1.0)  # beyond the table's 3 blocks
+    tables = meta.block_tables.clone()
+    tables[1, 2] = pool.shape[1]
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernel(q, pool, tables, meta.context_lens, 1.0)
+
+
+def test_env_switch_and_unsupported_dtype(kernel, monkeypatch):
+    monkeypatch.delenv(cpu_attention.ENV_SWITCH, raising=False)
+    assert cpu_attention.cpu_decode_kernel(torch.float32) is kernel
+    assert cpu_attention.cpu_decode_kernel(torch.float16) is None  # the torch path serves float16
+    monkeypatch.setenv(cpu_attention.ENV_SWITCH, "torch")
+    assert cpu_attention.cpu_decode_kernel(torch.float32) is None
+
+
+def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog):
+    def no_compiler():
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpu_attention, "_kernel", None)
+    monkeypatch.setattr(cpu_attention, "_failed", None)
+    monkeypatch.setattr(cpu_attention, "_build", no_compiler)
+    monkeypatch.delenv(cpu_attention.ENV_SWITCH, raising=False)
+    q, pool, meta = decode_case([4, 18], 4, 2, 16, 8, torch.float64)
+    with caplog.at_level(logging.WARNING, logger=cpu_attention.__name__):
+        first = paged_attention(q, q[:0, :2], q[:0, :2], pool, meta, 0.25)
+        paged_attention(q, q[:0, :2], q[:0, :2], pool, meta, 0.25)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "Ninja is required" in warnings[0].getMessage()
+    torch.testing.assert_close(first, torch_path(q, pool, meta, 0.25, monkeypatch))
+
+
+def test_stale_torch_lock_does_not_hang(kernel):
+    """A build killed mid-way leaves torch's ``lock`` file behind; the next load must not wait on it."""
+    folder = cpu_attention.build_directory()
+    (folder / "lock").touch()
+    start = time.perf_counter()
+    assert cpu_attention._build() is not None
+    assert time.perf_counter() - start < 30 and not (folder / "lock").exists()
+
+
+def test_cache_name_carries_instruction_set():
+    tag, flags = cpu_attention.isa()
+    assert tag in cpu_attention.extension_name()
+    if tag == "avx2":
+        assert flags == ["-mavx2", "-mfma"]
+
+
+@pytest.mark.slow
+def test_two_processes_build_at_once(tmp_path):
+    """Two processes loading into an empty extensions folder at the same moment: one compiles, the
+    other waits for it, and both run the kernel."""
+    script = textwrap.dedent("""
+        import torch
+        from pat_kernels import cpu_attention as c
+        k = c.load_kernel()
+        assert k is not None, c._failed
+        q = torch.ones(1, 2, 8, dtype=torch.float64)
+        pool = torch.ones(2, 1, 4, 1, 8, dtype=torch.float64)
+        out = k(q, pool, torch.zeros(1, 1, dtype=torch.long), torch.tensor([3]), 1.0)
+        assert torch.equal(out, q), out
+        print("ok %.1f" % c.build_seconds)
+    """)
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join(str(ROOT / p) for p in (".", "csrc")))
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert all(o.strip().startswith("ok") for o in outs), outs
+    assert len(list(tmp_path.glob("*/*.so"))) == 1
