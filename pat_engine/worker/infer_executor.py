@@ -18,6 +18,7 @@ from torch.profiler import record_function
 
 from pat_engine.model import cpu_gemm
 from pat_engine.model.arch import ModelArch
+from pat_engine.model.layers.attention import load_decode_kernel
 from pat_engine.model.llama import CausalLM, ForwardContext
 from pat_engine.model.weights import load_shard_from_disk, load_shard_from_tensors
 from pat_engine.parallel.comm import TPGroup
@@ -39,6 +40,7 @@ class InferExecutor:
         self.model = CausalLM(arch, layout.tp, dtype, device)
         self.kv = self.new_pool(layout, num_blocks)
         self.inputs = StepInputBuilder(block_size, device, arch.vocab_size)  # also keeps each sequence's table
+        load_decode_kernel(device, dtype)
         self._residency = "resident"  # where this rank's weight bytes are: "resident", "offloaded" or "released"
         self._writers = 0  # open ``writing_weights`` blocks
 
