@@ -199,7 +199,7 @@ def _demo(ns: argparse.Namespace) -> int:
     print(f"report: {paths['report.png']}  (results: {paths['results.jsonl']}, timeline: {paths['timeline.json']})")
     if res.profile is None:
         print("note: the fixed schedule shows the mechanism, not a speed-up: on CPU workers a higher TP degree is "
-              "usually slower (gloo collectives cost more than the compute they split). Give a pat-profile table "
+              "often slower (4 worker processes share 2 cores here, and every layer adds collectives). Give a pat-profile table "
               "(--profile) and the controller switches only when its prediction says it pays.")
     return 0
 
