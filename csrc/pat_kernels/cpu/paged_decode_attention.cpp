@@ -95,17 +95,23 @@ void decode(const at::Tensor& q, const at::Tensor& kv, const int64_t* tables, in
         const scalar_t* src = qp + b * qs0 + (h0 * G + r) * qs1;
         for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = static_cast<acc_t>(src[d]);
       }
-      // scores[r * len + t] = scale * q_r . k_t, query head r reading KV head h0 + r / G
-      for (int64_t start = 0, i = 0; start < len; start += BS, ++i) {
-        const scalar_t* kb = kp + table[i] * block_stride + h0 * D;
-        const scalar_t* next = start + BS < len ? kp + table[i + 1] * block_stride + h0 * D : nullptr;
-        const int64_t n = std::min(BS, len - start);
-        for (int64_t j = 0; j < n; ++j) {
-          const scalar_t* k = kb + j * tok_stride;
-          if (next) prefetch(next + j * tok_stride, hc * D);
-          for (int64_t r = 0; r < R; ++r) scores[r * len + start + j] = dot(qbuf.data() + r * D, k + (r / G) * D, D) * sc;
+      // Calls visit(t, row) for every context token t of this item, row = its K (or V) heads h0.. in
+      // the pool, block by block through the table, prefetching the next block's token as it goes.
+      auto each_token = [&](const scalar_t* pool, auto&& visit) {
+        for (int64_t start = 0, i = 0; start < len; start += BS, ++i) {
+          const scalar_t* block = pool + table[i] * block_stride + h0 * D;
+          const scalar_t* next = start + BS < len ? pool + table[i + 1] * block_stride + h0 * D : nullptr;
+          const int64_t n = std::min(BS, len - start);
+          for (int64_t j = 0; j < n; ++j) {
+            if (next) prefetch(next + j * tok_stride, hc * D);
+            visit(start + j, block + j * tok_stride);
+          }
         }
-      }
+      };
+      // scores[r * len + t] = scale * q_r . k_t, query head r reading KV head h0 + r / G
+      each_token(kp, [&](int64_t t, const scalar_t* k) {
+        for (int64_t r = 0; r < R; ++r) scores[r * len + t] = dot(qbuf.data() + r * D, k + (r / G) * D, D) * sc;
+      });
       for (int64_t r = 0; r < R; ++r) {
         acc_t* s = scores.data() + r * len;
         acc_t m = -std::numeric_limits<acc_t>::infinity();
@@ -118,16 +124,9 @@ void decode(const at::Tensor& q, const at::Tensor& kv, const int64_t* tables, in
         inv[r] = acc_t(1) / sum;
       }
       std::fill(acc.begin(), acc.end(), acc_t(0));
-      for (int64_t start = 0, i = 0; start < len; start += BS, ++i) {
-        const scalar_t* vb = vp + table[i] * block_stride + h0 * D;
-        const scalar_t* next = start + BS < len ? vp + table[i + 1] * block_stride + h0 * D : nullptr;
-        const int64_t n = std::min(BS, len - start);
-        for (int64_t j = 0; j < n; ++j) {
-          const scalar_t* v = vb + j * tok_stride;
-          if (next) prefetch(next + j * tok_stride, hc * D);
-          for (int64_t r = 0; r < R; ++r) axpy(acc.data() + r * D, scores[r * len + start + j], v + (r / G) * D, D);
-        }
-      }
+      each_token(vp, [&](int64_t t, const scalar_t* v) {
+        for (int64_t r = 0; r < R; ++r) axpy(acc.data() + r * D, scores[r * len + t], v + (r / G) * D, D);
+      });
       for (int64_t r = 0; r < R; ++r) {
         scalar_t* dst = op + (b * H + h0 * G + r) * D;
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[r * D + d] * inv[r]);
