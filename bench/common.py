@@ -9,8 +9,14 @@ import sys
 from pathlib import Path
 
 from pat_engine.platform_info import machine_summary
+from pat_engine.tiny_model import TinyModelSpec
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+# Issue 11's checkpoint, the one the CPU hot-path benchmarks share (peer_cpu, step_breakdown, the
+# per-piece benches): Llama, 4 layers, hidden 512, 8 heads / 4 KV heads, intermediate 1536.
+PEER_SPEC = TinyModelSpec(arch="llama", vocab_size=8192, hidden_size=512, intermediate_size=1536, num_layers=4,
+                          num_heads=8, num_kv_heads=4, max_position=2048, seed=11)
 
 
 def machine() -> str:

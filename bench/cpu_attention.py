@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, write_result  # noqa: E402
+from common import PEER_SPEC, markdown_table, write_result  # noqa: E402
 from pat_engine.model.layers.attention import AttentionMetadata, paged_attention  # noqa: E402
 from pat_kernels import cpu_attention  # noqa: E402
 
-LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 8, 4, 64, 16
+LAYERS, HEADS, KV_HEADS = PEER_SPEC.num_layers, PEER_SPEC.num_heads, PEER_SPEC.num_kv_heads
+HEAD_DIM, BLOCK = PEER_SPEC.hidden_size // PEER_SPEC.num_heads, 16
 CONTEXTS = {"32": lambda b: [32] * b, "160": lambda b: [160] * b,
             "32..160": lambda b: [32 + (128 * i) // max(b - 1, 1) for i in range(b)]}
 

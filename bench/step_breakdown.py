@@ -32,7 +32,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, write_result  # noqa: E402
+from common import PEER_SPEC as SPEC, markdown_table, write_result  # noqa: E402
 from pat_engine import Engine, SamplingParams  # noqa: E402
 from pat_engine.model import llama  # noqa: E402
 from pat_engine.model.arch import load_model_arch  # noqa: E402
@@ -43,12 +43,9 @@ from pat_engine.parallel.comm import TPGroup  # noqa: E402
 from pat_engine.parallel.layout import Layout  # noqa: E402
 from pat_engine.protocol import SeqStep, StepCommand  # noqa: E402
 from pat_engine.sampling.sampler import SamplingSpec  # noqa: E402
-from pat_engine.tiny_model import TinyModelSpec, write_tiny_model  # noqa: E402
+from pat_engine.tiny_model import write_tiny_model  # noqa: E402
 from pat_engine.worker.infer_executor import InferExecutor  # noqa: E402
 
-# The checkpoint: Llama, 4 layers, hidden 512, 8 heads / 4 KV heads, intermediate 1536.
-SPEC = TinyModelSpec(arch="llama", vocab_size=8192, hidden_size=512, intermediate_size=1536, num_layers=4,
-                     num_heads=8, num_kv_heads=4, max_position=2048, seed=11)
 BLOCK = 16
 PIECES = ["prepare", "gemm", "norm", "rotary", "attention", "sample"]  # labels, in table order
 
