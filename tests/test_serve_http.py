@@ -14,36 +14,18 @@ import time
 import httpx
 import pytest
 
-from pat_engine import Engine, SamplingParams
+from pat_engine import SamplingParams
 from pat_engine.core.policy import ScheduledSwitches
 from pat_engine.serve.launcher import BackgroundServer
 from pat_engine.serve.server import ServerConfig, build_app
 from pat_engine.serve.translate import apply_chat_template
 
+from http_fixtures import MAX_LEN, MODEL, client, engine, server  # noqa: F401 (fixtures, used by name)
+
 pytestmark = pytest.mark.slow  # starts worker processes
 
-MAX_LEN = 512  # room for requests long enough to disconnect from or switch under
-MODEL = "tiny"
 PROMPTS = ["the answer is", [5, 6, 7, 8, 9], "prove that the sum"]
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is the sum of two odd numbers"}]
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir):
-    with Engine(model_dir("llama"), tp=1, dp=2, dtype="float64", max_model_len=MAX_LEN) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with BackgroundServer(build_app(engine, ServerConfig(MODEL, max_queued_requests=64))) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
 
 
 def reference(engine, prompts, max_new: int, logprobs: bool = False) -> list:

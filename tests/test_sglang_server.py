@@ -22,34 +22,15 @@ import httpx
 import pytest
 import torch
 
-from pat_engine import Engine, SamplingParams
+from pat_engine import SamplingParams
 from pat_engine.parallel.update_group import join_update_group
-from pat_engine.serve.launcher import BackgroundServer
-from pat_engine.serve.server import ServerConfig, build_app
 from pat_engine.serve.sglang.protocol import ROUTER_FIELDS, GenerateRequest
+
+from http_fixtures import MAX_LEN, client, engine, server  # noqa: F401 (fixtures, used by name)
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
-MAX_LEN = 512
 SGLANG_VERSION = "0.5.23"  # pip install --no-deps sglang==0.5.23: the request class these tests are checked against
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir):
-    with Engine(model_dir("llama"), tp=1, dp=2, dtype="float64", max_model_len=MAX_LEN) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with BackgroundServer(build_app(engine, ServerConfig("tiny", max_queued_requests=64))) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(autouse=True)
