@@ -50,7 +50,7 @@ class EngineConfig:
 
     # KV cache and batching
     block_size: int = 16
-    kv_cache_bytes: int | None = None  # per rank; CPU default 64 MiB, GPU: from memory utilisation
+    kv_cache_bytes: int | None = None  # per rank; CPU: core/memory.default_cpu_kv_bytes, GPU: from memory utilisation
     gpu_memory_utilization: float = 0.85
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 256  # per DP group

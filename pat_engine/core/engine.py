@@ -21,7 +21,7 @@ from pat_engine.config import EngineConfig, check_kv_transfer
 from pat_engine.core.coordinator import GlobalCoordinator, StepRecord
 from pat_engine.core.inputs import RequestFactory, load_tokenizer
 from pat_engine.core.loop import EngineLoop
-from pat_engine.core.memory import CPU_DEFAULT_KV_BYTES, MemoryPlan
+from pat_engine.core.memory import MemoryPlan, default_cpu_kv_bytes
 from pat_engine.core.policy import ClusterStatus, ScheduledSwitches, SwitchDecision, SwitchPolicy
 from pat_engine.core.request import Sequence
 from pat_engine.core.request_handle import RequestHandle
@@ -57,7 +57,8 @@ class Engine(RLControlMixin):
         if on_gpu:
             raise_if_no_cuda()
         measure = on_gpu and cfg.kv_cache_bytes is None  # GPU: size the KV pool from free memory
-        kv_bytes = cfg.kv_cache_bytes or CPU_DEFAULT_KV_BYTES
+        kv_bytes = cfg.kv_cache_bytes or (0 if measure else default_cpu_kv_bytes(
+            self.arch, dtype, cfg.block_size, self.base_layout, cfg.max_num_seqs, max_len))
         self.memory = MemoryPlan(self.arch, dtype, cfg.block_size, kv_bytes, self.base_layout, device_budget=on_gpu)
         pool = self._start_pool(kv_blocks=0 if measure else None)
         if measure:

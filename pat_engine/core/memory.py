@@ -1,6 +1,7 @@
 """How many KV blocks each rank holds under a layout, and whether a request fits a DP group.
 
-On CPU the KV budget per rank is configured (default 64 MiB). On GPU each
+On CPU the KV budget per rank is configured, or by default a share of the memory available at
+start-up (``default_cpu_kv_bytes``, as vLLM's CPU build sizes its pool). On GPU each
 worker measures what is left after loading its weights; the ranks agree on
 the minimum. A layout with smaller TP holds bigger weight shards, so its KV
 budget shrinks by the difference; fewer KV heads per rank make each block
@@ -9,6 +10,8 @@ smaller, so a higher TP fits more blocks in the same bytes.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pat_engine.core.block_pool import blocks_needed
@@ -16,7 +19,34 @@ from pat_engine.model.arch import ModelArch
 from pat_engine.model.footprint import weight_bytes_per_rank
 from pat_engine.parallel.layout import Layout
 
-CPU_DEFAULT_KV_BYTES = 64 << 20
+CPU_KV_MEMORY_FRACTION = 0.25  # of the memory available at start-up, shared by the world's ranks
+CPU_MIN_KV_BYTES = 64 << 20  # the floor on a machine with little memory free
+
+
+def default_cpu_kv_bytes(arch: ModelArch, dtype: torch.dtype, block_size: int, layout: Layout, max_num_seqs: int,
+                         max_len: int) -> int:
+    """The KV bytes per rank when none are configured on CPU.
+
+    A share of the memory available now, but no more than a DP group can use: ``max_num_seqs``
+    requests at ``max_len`` tokens. A fixed small pool would cap the batch instead (64 MiB held 64
+    requests of 128 tokens of an 8 KB/token model, so larger batches ran in two waves). The pool's
+    pages are committed only as blocks are written (worker/kv_pool.zeroed).
+    """
+    share = int(available_memory_bytes() * CPU_KV_MEMORY_FRACTION) // layout.world
+    usable = max_num_seqs * blocks_needed(max_len, block_size) * block_size * arch.kv_bytes_per_token(layout.tp, dtype)
+    return max(CPU_MIN_KV_BYTES, min(share, usable))
+
+
+def available_memory_bytes() -> int:
+    """Memory the kernel can give without swapping (MemAvailable), or free pages off Linux."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class MemoryPlan:

@@ -108,7 +108,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     g.add_argument("--world", type=int, default=None, help="devices (CPU worker processes) in all; dp = world / tp")
     g.add_argument("--dtype", default="auto", help="float64, float32, bfloat16, float16 or auto (the checkpoint's)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    g.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache bytes per rank (CPU default 64 MiB)")
+    g.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache bytes per rank (CPU default: a quarter of the available memory over the ranks, at most what max_num_seqs full-length requests use)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests that give none")
     sw = g.add_mutually_exclusive_group()
     sw.add_argument("--profile", metavar="TABLE", default=None,

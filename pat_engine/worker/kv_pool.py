@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import mmap
+import math
+
 import torch
+
+# A CPU layer this large is mapped from the kernel's zero pages instead of being memset: its
+# pages are committed as blocks are first written, so a large default pool costs no start-up
+# time and no memory until it is used (core/memory.default_cpu_kv_bytes sizes it).
+LAZY_ZERO_MIN_BYTES = 1 << 20
 
 
 class PagedKVPool:
@@ -34,7 +42,7 @@ class PagedKVPool:
         numel = 2 * self.num_blocks * self.block_size * self.kv_heads * self.head_dim
         if reuse is not None and reuse.is_contiguous() and reuse.numel() >= numel and reuse.dtype == self.dtype:
             return reuse.view(-1)[:numel].view(self.layer_shape)
-        return torch.zeros(self.layer_shape, dtype=self.dtype, device=self.device)
+        return zeroed(self.layer_shape, self.dtype, self.device)
 
     def append_layer(self, reuse: torch.Tensor | None = None) -> torch.Tensor:
         layer = self.new_layer(reuse)
@@ -62,3 +70,12 @@ class PagedKVPool:
 
     def release(self) -> None:
         self.layers = []
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor; on the CPU, a large one is backed by an anonymous mapping that the kernel
+    fills with zeros page by page on first touch (the tensor keeps the mapping alive)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or nbytes < LAZY_ZERO_MIN_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)

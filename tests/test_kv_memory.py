@@ -1,0 +1,68 @@
+"""The CPU KV pool's default size and its lazily committed memory."""
+
+from __future__ import annotations
+
+import torch
+
+from pat_engine.core import memory
+from pat_engine.core.memory import CPU_MIN_KV_BYTES, MemoryPlan, default_cpu_kv_bytes
+from pat_engine.model.arch import ModelArch
+from pat_engine.parallel.layout import Layout
+from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
+from pat_engine.model.arch import load_model_arch
+from pat_engine.worker.kv_pool import PagedKVPool, zeroed
+
+# bench/common.PEER_SPEC: the checkpoint of the CPU peer benchmark (8 KB of KV per token in float32)
+PEER = TinyModelSpec(arch="llama", vocab_size=8192, hidden_size=512, intermediate_size=1536, num_layers=4,
+                     num_heads=8, num_kv_heads=4, max_position=2048, seed=11)
+
+
+def _arch(tmp_path, spec: TinyModelSpec) -> ModelArch:
+    write_tiny_model(tmp_path / "m", spec)
+    return load_model_arch(str(tmp_path / "m"))
+
+
+def test_default_pool_holds_a_batch_of_64_long_requests(tmp_path, monkeypatch):
+    """The benchmark's batch (64 requests of 32 + 128 tokens) fits one DP group on a machine with
+    a few GiB free; the former fixed 64 MiB held 8192 tokens of it and ran it in two waves."""
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 4 << 30)
+    arch, layout = _arch(tmp_path, PEER), Layout(1, 1)
+    kv = default_cpu_kv_bytes(arch, torch.float32, 16, layout, max_num_seqs=256, max_len=2048)
+    plan = MemoryPlan(arch, torch.float32, 16, kv, layout, device_budget=False)
+    assert plan.tokens_per_group(layout) >= 64 * plan.slots_needed(32, 128)
+
+
+def test_default_is_a_share_of_free_memory_bounded_by_what_the_scheduler_can_use(tmp_path, monkeypatch):
+    arch = _arch(tmp_path, PEER)
+    per_token = arch.kv_bytes_per_token(1, torch.float32)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 8 << 30)
+    # the share: a quarter of 8 GiB over two ranks
+    assert default_cpu_kv_bytes(arch, torch.float32, 16, Layout(1, 2), 256, 2048) == (8 << 30) // 4 // 2
+    # the bound: 4 requests of 2048 tokens
+    assert default_cpu_kv_bytes(arch, torch.float32, 16, Layout(1, 1), 4, 2048) == max(CPU_MIN_KV_BYTES, 4 * 2048 * per_token)
+    # the floor, on a machine with almost nothing free
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1 << 20)
+    assert default_cpu_kv_bytes(arch, torch.float32, 16, Layout(1, 1), 256, 2048) == CPU_MIN_KV_BYTES
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_a_large_cpu_layer_is_zero_and_costs_memory_only_where_written():
+    before = _rss_bytes()
+    layer = zeroed((2, 4096, 16, 4, 128), torch.float32, "cpu")  # 256 MiB
+    assert _rss_bytes() - before < (32 << 20), "allocating the pool committed its memory"
+    assert layer.shape == (2, 4096, 16, 4, 128) and layer.dtype == torch.float32
+    layer[1, 7] = 1.5  # one block written
+    assert layer.sum().item() == 1.5 * 16 * 4 * 128  # every other slot reads as zero
+    assert _rss_bytes() - before < (300 << 20)
+
+
+def test_pool_layers_are_zero_in_every_dtype():
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        pool = PagedKVPool(2, 300, 16, 2, 64, dtype, "cpu")  # over the lazy threshold in each dtype
+        assert all(layer.dtype == dtype and not layer.any() for layer in pool.layers)
+        pool.layers[0][0, 3] = 2
+        assert not pool.layers[1].any()
