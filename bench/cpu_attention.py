@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import PEER_SPEC, markdown_table, write_result  # noqa: E402
 from pat_engine.model.layers.attention import AttentionMetadata, paged_attention  # noqa: E402
-from pat_kernels import cpu_attention  # noqa: E402
+from pat_kernels import cpu_attention, cpu_extension  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS = PEER_SPEC.num_layers, PEER_SPEC.num_heads, PEER_SPEC.num_kv_heads
 HEAD_DIM, BLOCK = PEER_SPEC.hidden_size // PEER_SPEC.num_heads, 16
@@ -62,8 +62,8 @@ def step_ms(path: str, pools, meta, q, k, v) -> float:
 
 def first_build_seconds() -> float | None:
     """A fresh build of the extension in a subprocess (empty TORCH_EXTENSIONS_DIR)."""
-    code = ("from pat_kernels import cpu_attention as c; k = c.load_kernel(); "
-            "print(c.build_seconds if k is not None else 'failed: %s' % c._failed)")
+    code = ("from pat_kernels import cpu_extension as c; ok = c.load(); "
+            "print(c.build_seconds if ok else 'failed: %s' % c._failed)")
     with tempfile.TemporaryDirectory() as tmp:
         out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TORCH_EXTENSIONS_DIR=tmp),
                              capture_output=True, text=True, timeout=900)
@@ -86,8 +86,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     build_s = None if args.skip_build_time else first_build_seconds()
     if cpu_attention.load_kernel() is None:
-        sys.exit(f"the kernel cannot be built: {cpu_attention._failed}")
-    load_s = cpu_attention.build_seconds
+        sys.exit(f"the kernel cannot be built: {cpu_extension._failed}")
+    load_s = cpu_extension.build_seconds
     load_before = os.getloadavg()[0]
     rows = []
     for threads in args.threads:
@@ -111,7 +111,7 @@ def main() -> None:
         f"head_dim {HEAD_DIM}, block {BLOCK}, {args.dtype}, KV write included), per torch thread count; "
         f"torch path (block gather + SDPA) and C++ kernel alternating, median of {args.repeats} steps each. "
         f"Load average (2 cores, shared) before / after: {load_before:.2f} / {load_after:.2f}.\n\n"
-        f"First build of the extension (empty cache, `-O3`, flags {' '.join(cpu_attention.isa()[1]) or 'none'}): "
+        f"First build of the extension (empty cache, `-O3`, flags {' '.join(cpu_extension.isa()[1]) or 'none'}): "
         f"{build}; loading it from the cache: {load_s:.2f} s.\n\n"
         + markdown_table(["threads", "batch", "context", "torch path ms", "kernel ms", "torch / kernel"], rows)
     )

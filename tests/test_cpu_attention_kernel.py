@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pat_engine.model.layers.attention import AttentionMetadata, paged_attention
-from pat_kernels import cpu_attention
+from pat_kernels import cpu_attention, cpu_extension
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def kernel():
     k = cpu_attention.load_kernel()
     if k is None:
-        pytest.skip(f"the CPU attention extension cannot be built: {cpu_attention._failed}")
+        pytest.skip(f"the CPU extension cannot be built: {cpu_extension._failed}")
     return k
 
 
@@ -147,12 +147,12 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog):
     def no_compiler():
         raise RuntimeError("Ninja is required to load C++ extensions")
 
-    monkeypatch.setattr(cpu_attention, "_kernel", None)
-    monkeypatch.setattr(cpu_attention, "_failed", None)
-    monkeypatch.setattr(cpu_attention, "_build", no_compiler)
+    monkeypatch.setattr(cpu_extension, "_loaded", False)
+    monkeypatch.setattr(cpu_extension, "_failed", None)
+    monkeypatch.setattr(cpu_extension, "_build", no_compiler)
     monkeypatch.delenv(cpu_attention.ENV_SWITCH, raising=False)
     q, pool, meta = decode_case([4, 18], 4, 2, 16, 8, torch.float64)
-    with caplog.at_level(logging.WARNING, logger=cpu_attention.__name__):
+    with caplog.at_level(logging.WARNING, logger=cpu_extension.__name__):
         first = paged_attention(q, q[:0, :2], q[:0, :2], pool, meta, 0.25)
         paged_attention(q, q[:0, :2], q[:0, :2], pool, meta, 0.25)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -162,16 +162,16 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog):
 
 def test_stale_torch_lock_does_not_hang(kernel):
     """A build killed mid-way leaves torch's ``lock`` file behind; the next load must not wait on it."""
-    folder = cpu_attention.build_directory()
+    folder = cpu_extension.build_directory()
     (folder / "lock").touch()
     start = time.perf_counter()
-    assert cpu_attention._build() is not None
+    cpu_extension._build()
     assert time.perf_counter() - start < 30 and not (folder / "lock").exists()
 
 
 def test_cache_name_carries_instruction_set():
-    tag, flags = cpu_attention.isa()
-    assert tag in cpu_attention.extension_name()
+    tag, flags = cpu_extension.isa()
+    assert tag in cpu_extension.extension_name()
     if tag == "avx2":
         assert flags == ["-mavx2", "-mfma"]
 
@@ -182,8 +182,8 @@ def test_two_processes_build_at_once(tmp_path):
     other waits for it, and both run the kernel."""
     script = textwrap.dedent("""
         import torch
-        from pat_kernels import cpu_attention as c
-        k = c.load_kernel()
+        from pat_kernels import cpu_attention, cpu_extension as c
+        k = cpu_attention.load_kernel()
         assert k is not None, c._failed
         q = torch.ones(1, 2, 8, dtype=torch.float64)
         pool = torch.ones(2, 1, 4, 1, 8, dtype=torch.float64)

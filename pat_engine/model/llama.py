@@ -88,9 +88,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_eps, dtype, device)
         self.mlp = MLP(arch, tp, dtype, device)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, layer)
-        return x + self.mlp(self.post_attention_layernorm(x), ctx.tp)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext,
+                layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to ``residual`` (None for the first
+        layer, whose x is the embedding). Returns (this layer's output, the residual stream);
+        each add is fused with the norm that follows it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, ctx, layer), residual)
+        return self.mlp(h, ctx.tp), residual
 
 
 class CausalLM(nn.Module):
@@ -110,10 +118,10 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: (T,). Returns hidden states (T, hidden)."""
         ctx.cos, ctx.sin = self.rotary.cos_sin(positions)
-        x = self.embed_tokens(input_ids, ctx.tp)
+        x, residual = self.embed_tokens(input_ids, ctx.tp), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, i)
-        return self.norm(x)
+            x, residual = layer(x, residual, ctx, i)
+        return self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor, tp: TPGroup) -> torch.Tensor | None:
         """Full-vocab logits on TP rank 0 (None on the others)."""

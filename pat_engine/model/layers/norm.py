@@ -2,16 +2,22 @@
 
 Hugging Face's Llama/Qwen RMSNorm casts to float32 whatever the model dtype;
 doing the same keeps float64 runs token-identical to ``transformers`` and is
-the usual upcast for bf16.
+the usual upcast for bf16. On the CPU, float32 and bfloat16 rows go through one
+C++ pass (``pat_kernels.cpu_norm``), fused with the residual add before it
+where the layer has one; float64 keeps the formula below.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pat_engine.parallel.shard_spec import replicated
+
+try:  # the kernels package ships with the engine; its absence only costs speed
+    from pat_kernels import cpu_norm
+except ImportError:  # pragma: no cover
+    cpu_norm = None
 
 
 class RMSNorm(nn.Module):
@@ -22,8 +28,21 @@ class RMSNorm(nn.Module):
         self.weight.shard_spec = replicated(size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # nothing to cast: torch's fused kernel computes the same products
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if self._kernel_serves(x):
+            return cpu_norm.rms_norm(x, self.weight, self.eps)
+        return self._formula(x)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream's add and the next norm in one pass."""
+        if self._kernel_serves(x):
+            return cpu_norm.add_rms_norm(x, residual, self.weight, self.eps)
+        summed = x + residual
+        return self._formula(summed), summed
+
+    def _kernel_serves(self, x: torch.Tensor) -> bool:
+        return cpu_norm is not None and x.dim() == 2 and cpu_norm.usable(x)
+
+    def _formula(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
