@@ -60,6 +60,11 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     @property
+    def last_token(self) -> int:
+        """The newest token, without building ``tokens`` (a decode step needs only this one)."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 

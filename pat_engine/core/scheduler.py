@@ -170,7 +170,7 @@ class GroupScheduler:
                                      context=tokens[:seq.num_cached] if seq.spec.has_penalties else None,
                                      prompt_logprobs=seq.params.prompt_logprobs if seq.wants_prompt_logprobs() else None))
             else:
-                steps.append(SeqStep(seq.seq_id, [seq.tokens[-1]], seq.length - 1,
+                steps.append(SeqStep(seq.seq_id, [seq.last_token], seq.length - 1,
                                      new_blocks=seq.block_table[seq.blocks_sent:], suppressed=seq.suppressed_now()))
             seq.blocks_sent = len(seq.block_table)
         self._step_id += 1
