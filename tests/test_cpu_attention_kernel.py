@@ -93,6 +93,26 @@ def test_row_and_head_work_items_in_parallel(kernel, rows, heads, kv_heads, monk
     assert torch.equal(serial, got)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_long_tail_batch_shared_out_by_work(kernel, dtype, monkeypatch):
+    """One long row among many short ones (a rollout's tail): the threads' runs are cut by total
+    context, so the long row gets a run of its own; the result is still the torch path's, and the
+    same whatever the thread count. float32 takes the vectorised exponential (lengths not multiples
+    of 8 exercise its scalar tail)."""
+    lengths = [3 + i % 5 for i in range(40)] + [611] + [2 + i % 3 for i in range(23)]
+    q, pool, meta = decode_case(lengths, 8, 4, 64, 16, dtype, seed=4)
+    expected = torch_path(q, pool, meta, 0.125, monkeypatch)
+    got = kernel(q, pool, meta.block_tables, meta.context_lens, 0.125)
+    torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = kernel(q, pool, meta.block_tables, meta.context_lens, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(serial, got)
+
+
 @pytest.mark.parametrize("head_dim,block_size", [(24, 4), (128, 16), (40, 8)])  # unspecialised head dims, odd tails
 def test_other_head_dims_and_block_sizes(kernel, head_dim, block_size, monkeypatch):
     lengths = [1, block_size, block_size + 1, 5 * block_size + 2]

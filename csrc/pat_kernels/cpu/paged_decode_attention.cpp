@@ -9,8 +9,11 @@
 // Token p of row b lives at kv_cache[:, block_tables[b, p / block_size], p % block_size].
 //
 // A work item is a row (with >= 4 rows per thread) or a (row, KV head) pair; the G = H / KVH query
-// heads of a GQA group share every K/V load. Softmax is exact (all scores kept, max subtracted,
-// then one pass over V), accumulated in float for float/bfloat16 and in double for double.
+// heads of a GQA group share every K/V load. The items are shared out in contiguous runs of equal
+// total context, so a batch of mixed lengths (a rollout's long tail) keeps every thread busy.
+// Softmax is exact (all scores kept, max subtracted, then one pass over V), accumulated in float
+// for float/bfloat16 and in double for double; float exponentials go 8 at a time through the SLEEF
+// routine torch's own vectorised exp uses (libtorch_cpu exports it) where AVX2 is built in.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -22,6 +25,11 @@
 #include <cmath>
 #include <limits>
 #include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+extern "C" __m256 Sleef_expf8_u10(__m256);
+#endif
 
 namespace {
 
@@ -58,6 +66,55 @@ inline void axpy(acc_t* __restrict y, acc_t a, const kv_t* __restrict x, int64_t
   for (int64_t i = 0; i < n; ++i) y[i] += a * static_cast<acc_t>(x[i]);
 }
 
+// s[t] = exp(s[t] - m) for t < n; returns their sum.
+template <typename acc_t>
+inline acc_t exp_shifted(acc_t* s, int64_t n, acc_t m) {
+  acc_t sum = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  return sum;
+}
+
+#if defined(__AVX2__)
+template <>
+inline float exp_shifted<float>(float* s, int64_t n, float m) {
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 vsum = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = Sleef_expf8_u10(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+    _mm256_storeu_ps(s + t, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vsum);
+  float sum = 0;
+  for (float v : lanes) sum += v;
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  return sum;
+}
+#endif
+
+// Item boundaries for `parts` threads: contiguous runs of items whose context lengths add up to
+// about the same work. bounds[p] .. bounds[p + 1] is part p's run.
+std::vector<int64_t> split_by_work(const int64_t* lens, int64_t items, int64_t items_per_row, int64_t parts) {
+  std::vector<int64_t> bounds(parts + 1, items);
+  bounds[0] = 0;
+  int64_t total = 0;
+  for (int64_t item = 0; item < items; ++item) total += lens[item / items_per_row];
+  int64_t before = 0, p = 1;
+  for (int64_t item = 0; item < items && p < parts; ++item) {
+    while (p < parts && before * parts >= p * total) bounds[p++] = item;
+    before += lens[item / items_per_row];
+  }
+  return bounds;
+}
+
 // Below this many multiply-adds (q.k and p.v together) a call runs on one thread: forking the
 // OpenMP team costs more than it saves.
 constexpr int64_t kSerialWork = 1 << 18;
@@ -84,10 +141,11 @@ void decode(const at::Tensor& q, const at::Tensor& kv, const int64_t* tables, in
   const int64_t R = hc * G;  // query heads per item
   const int64_t items = B * (KVH / hc);
   const int64_t work = 2 * total_len * H * D;
-  const int64_t grain = work < kSerialWork ? items : 1;
-  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+  const int64_t parts = work < kSerialWork ? 1 : std::min<int64_t>(at::get_num_threads(), items);
+  const std::vector<int64_t> bounds = split_by_work(lens, items, KVH / hc, parts);
+  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
     std::vector<acc_t> qbuf(R * D), acc(R * D), scores(R * max_len), inv(R);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = bounds[part_begin]; item < bounds[part_end]; ++item) {
       const int64_t b = item / (KVH / hc), h0 = (item % (KVH / hc)) * hc;
       const int64_t len = lens[b];
       const int64_t* table = tables + b * table_stride;
@@ -116,12 +174,7 @@ void decode(const at::Tensor& q, const at::Tensor& kv, const int64_t* tables, in
         acc_t* s = scores.data() + r * len;
         acc_t m = -std::numeric_limits<acc_t>::infinity();
         for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
-        acc_t sum = 0;
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - m);
-          sum += s[t];
-        }
-        inv[r] = acc_t(1) / sum;
+        inv[r] = acc_t(1) / exp_shifted(s, len, m);
       }
       std::fill(acc.begin(), acc.end(), acc_t(0));
       each_token(vp, [&](int64_t t, const scalar_t* v) {
