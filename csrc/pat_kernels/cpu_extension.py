@@ -12,7 +12,8 @@ was killed, which would make torch wait forever) is removed before loading.
 
 Where the build fails, the torch paths serve and one warning names the reason. Each kernel family
 has its own accessor and off switch, read on every call for A/B runs: ``cpu_attention``
-(``PAT_CPU_ATTENTION=torch``) and ``cpu_norm`` (``PAT_CPU_NORM=torch``).
+(``PAT_CPU_ATTENTION=torch``), ``cpu_norm`` (``PAT_CPU_NORM=torch``) and ``cpu_rotary``
+(``PAT_CPU_ROTARY=torch``).
 """
 
 from __future__ import annotations
@@ -84,6 +85,12 @@ def _build() -> None:
 def switched_on(env_switch: str) -> bool:
     """A kernel family is on unless its environment switch says ``torch``."""
     return os.environ.get(env_switch, "kernel").strip().lower() != "torch"
+
+
+def serves(x: torch.Tensor, dtypes: tuple[torch.dtype, ...], env_switch: str) -> bool:
+    """Whether a kernel family serves ``x``: a CPU tensor of one of its dtypes, its switch on, and
+    the library built (built here on the first call)."""
+    return x.device.type == "cpu" and x.dtype in dtypes and switched_on(env_switch) and load()
 
 
 def load() -> bool:

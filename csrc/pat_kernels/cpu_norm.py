@@ -19,8 +19,7 @@ ENV_SWITCH = "PAT_CPU_NORM"
 
 def usable(x: torch.Tensor) -> bool:
     """Whether the kernels serve ``x``: a CPU tensor of a supported dtype, with the switch on and the library built."""
-    return (x.device.type == "cpu" and x.dtype in DTYPES and cpu_extension.switched_on(ENV_SWITCH)
-            and cpu_extension.load())
+    return cpu_extension.serves(x, DTYPES, ENV_SWITCH)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -12,6 +12,11 @@ import torch
 
 from pat_engine.model.arch import RopeSpec
 
+try:  # the kernels package ships with the engine; its absence only costs speed
+    from pat_kernels import cpu_rotary
+except ImportError:  # pragma: no cover
+    cpu_rotary = None
+
 
 def inverse_frequencies(rope: RopeSpec, head_dim: int) -> torch.Tensor:
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -47,7 +52,10 @@ class RotaryEmbedding:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, heads, hd); rotate-half convention."""
+    """x: (T, heads, hd), cos/sin: (T, 1, hd); rotate-half convention. On the CPU the kernel
+    rotates ``x`` in place (the same bits as the formula below); use the returned tensor."""
+    if cpu_rotary is not None and x.dim() == 3 and x.stride(1) == x.shape[-1] and x.stride(2) == 1 and cpu_rotary.usable(x):
+        return cpu_rotary.rotate_(x, cos.squeeze(1), sin.squeeze(1))
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
