@@ -219,3 +219,31 @@ def test_two_processes_build_at_once(tmp_path):
     assert all(p.returncode == 0 for p in procs), outs
     assert all(o.strip().startswith("ok") for o in outs), outs
     assert len(list(tmp_path.glob("*/*.so"))) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_kv_write_kernel_stores_what_index_copy_stores(kernel, dtype, monkeypatch):
+    """New tokens' K/V, as strided views of the fused projection, land bit for bit where the torch
+    path puts them; the padding rows past the slots are not written."""
+    from pat_engine.model.layers.attention import write_kv
+
+    g = torch.Generator().manual_seed(5)
+    pool = torch.randn(2, 30, 16, 4, 64, generator=g, dtype=torch.float64).to(dtype)
+    qkv = torch.randn(40, 16 * 64, generator=g, dtype=torch.float64).to(dtype)
+    k, v = qkv[:, 8 * 64:12 * 64].view(40, 4, 64), qkv[:, 12 * 64:].view(40, 4, 64)
+    slots = torch.randperm(30 * 16, generator=g)[:37]  # 3 padding rows
+    want = pool.clone()
+    with monkeypatch.context() as m:
+        m.setenv(cpu_attention.ENV_SWITCH, "torch")
+        write_kv(want, k, v, slots)
+    got = pool.clone()
+    assert cpu_attention.write_kv(got, k, v, slots)
+    assert torch.equal(got, want) and not torch.equal(got, pool)
+
+
+def test_kv_write_kernel_refuses_slots_outside_the_pool(kernel):
+    pool = torch.zeros(2, 2, 4, 1, 8)
+    k = torch.ones(3, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu_attention.write_kv(pool, k, k, torch.tensor([0, 8, 1]))
+    assert not pool.any()

@@ -1,6 +1,7 @@
-"""The CPU paged decode attention kernel (``cpu/paged_decode_attention.cpp``), built by ``cpu_extension``.
+"""The CPU paged attention kernels, built by ``cpu_extension``: decode attention over the block pool
+(``cpu/paged_decode_attention.cpp``) and the store of new tokens' K/V into it (``cpu/kv_write.cpp``).
 
-``PAT_CPU_ATTENTION=torch`` turns it off (read on every call, for A/B runs).
+``PAT_CPU_ATTENTION=torch`` turns both off (read on every call, for A/B runs).
 """
 
 from __future__ import annotations
@@ -30,3 +31,14 @@ def cpu_decode_kernel(dtype: torch.dtype) -> DecodeKernel | None:
     if dtype not in DTYPES or not cpu_extension.switched_on(ENV_SWITCH):
         return None
     return load_kernel()
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:
+    """Store the first ``len(slots)`` tokens of k/v (T, kvh, hd) at ``slots`` of ``kv_cache``
+    with the kernel; False (nothing written) where it does not serve these tensors."""
+    if not (kv_cache.is_contiguous() and slots.dtype == torch.long and slots.is_contiguous()
+            and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (k, v))
+            and cpu_extension.serves(kv_cache, DTYPES, ENV_SWITCH)):
+        return False
+    torch.ops.pat_kernels.write_kv_cpu_(kv_cache, k, v, slots)
+    return True

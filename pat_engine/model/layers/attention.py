@@ -20,9 +20,12 @@ import torch.nn.functional as F
 
 try:
     from pat_kernels.cpu_attention import cpu_decode_kernel
+    from pat_kernels.cpu_attention import write_kv as cpu_write_kv
 except ImportError:  # the kernels package is not on the path: the torch path serves
     def cpu_decode_kernel(dtype: torch.dtype) -> None:
         return None
+
+    cpu_write_kv = None
 
 
 def load_decode_kernel(device: torch.device, dtype: torch.dtype) -> bool:
@@ -72,6 +75,8 @@ def _triton_decode():
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """Store the new tokens' K/V; k, v: (T, kvh, hd), of which the first ``len(slots)`` are real."""
+    if kv_cache.device.type == "cpu" and cpu_write_kv is not None and cpu_write_kv(kv_cache, k, v, slots):
+        return
     kvh, hd = kv_cache.shape[-2:]
     n = slots.shape[0]
     kv_cache[0].view(-1, kvh, hd).index_copy_(0, slots, k[:n])
