@@ -6,8 +6,8 @@ Worker side (in this process, one ``InferExecutor`` with the engine's own code):
 labels (GEMMs, RMSNorm, rotary, attention incl. KV write/read, input preparation, sampling);
 "other" is the rest of the step (Python between the pieces, embedding, residual adds, SiLU-mul).
 Profiled times include the profiler's own overhead; the shares are what to read.
-Run it with the OpenMP policy the engine's worker would get (EngineConfig.worker_env: none for one
-2-thread worker on 2 cores; the code before the fix ran every worker with OMP_WAIT_POLICY=PASSIVE).
+The engine's workers run with OMP_WAIT_POLICY=PASSIVE (EngineConfig.worker_env); this process uses
+whatever policy its environment sets, and the results file records it.
 
 Driver side (a real ``Engine``, one worker process): per decode step, the round trip
 (dispatch to result) minus the worker's own time is pickling + the socket + wake-ups, and the
@@ -62,8 +62,8 @@ def _labelled(label: str, fn):
 def labelled_pieces():
     """Wrap the model's pieces in profiler labels (restored afterwards)."""
     patches = [(ColumnParallelLinear, "forward"), (RowParallelLinear, "forward"), (ParallelLMHead, "forward"),
-               (RMSNorm, "forward"), (llama, "apply_rotary"), (llama, "paged_attention")]
-    labels = ["gemm", "gemm", "gemm", "norm", "rotary", "attention"]
+               (RMSNorm, "forward"), (RMSNorm, "add_forward"), (llama, "apply_rotary"), (llama, "paged_attention")]
+    labels = ["gemm", "gemm", "gemm", "norm", "norm", "rotary", "attention"]
     saved = [(obj, name, getattr(obj, name)) for obj, name in patches]
     try:
         for (obj, name), label in zip(patches, labels):
@@ -158,6 +158,7 @@ def driver_row(path: str, batch: int, args) -> dict:
         "ipc": statistics.median(r.seconds - r.forward_seconds for r in decode) * 1000,
         "gap": statistics.median(gaps) * 1000,
         "tok/s": batch * args.new_tokens / elapsed,
+        "steps": f"{sum(r.is_prefill for r in log)} + {len(decode)}",
     }
 
 
@@ -183,7 +184,8 @@ def main() -> None:
                                    + [f"{r[p]:.2f} ({100 * r[p] / r['profiled']:.0f}%)" for p in PIECES + ["other"]])
             d = driver_row(path, batch, args)
             driver_rows.append([args.label, batch, round(d["tok/s"], 1), round(1000 * batch / d["tok/s"], 2),
-                                round(d["round trip"], 2), round(d["worker"], 2), round(d["ipc"], 2), round(d["gap"], 2)])
+                                round(d["round trip"], 2), round(d["worker"], 2), round(d["ipc"], 2), round(d["gap"], 2),
+                                d["steps"]])
     body = (
         f"Checkpoint: Llama, {SPEC.num_layers} layers, hidden {SPEC.hidden_size}, {SPEC.num_heads} heads / "
         f"{SPEC.num_kv_heads} KV heads, intermediate {SPEC.intermediate_size}, vocab {SPEC.vocab_size}, float32; "
@@ -195,9 +197,10 @@ def main() -> None:
         + markdown_table(["run", "batch", "sampling", "wall ms", "profiled ms"] + PIECES + ["other"], worker_rows)
         + "\n\n## Driver: one decode step (ms), real engine with one worker process, greedy\n\n"
         "*round trip*: dispatch to result on the driver; *worker*: the worker's own time for the step; "
-        "*pickle+socket*: their difference; *driver gap*: from one result to the next dispatch.\n\n"
+        "*pickle+socket*: their difference; *driver gap*: from one result to the next dispatch; "
+        "*steps*: prefill + decode steps of the timed call (a batch the KV pool cannot hold at once takes more).\n\n"
         + markdown_table(["run", "batch", "tok/s", "ms/step (wall)", "round trip", "worker", "pickle+socket",
-                          "driver gap"], driver_rows)
+                          "driver gap", "steps"], driver_rows)
     )
     if args.compare_with:
         earlier = Path(args.compare_with).read_text()
