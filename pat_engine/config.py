@@ -121,16 +121,24 @@ class EngineConfig:
         return max(1, _cores() // self.world)
 
     def worker_env(self) -> dict[str, str]:
-        """OpenMP settings for the worker processes (a user's own environment wins).
+        """OpenMP wait policy for the worker processes; none when the user's environment sets one.
 
-        PASSIVE (threads sleep between kernels): spinning threads are faster only on cores the
-        engine holds alone; when anything else runs they stall every op (2-thread decode step,
-        load ~4: 9 ms sleeping vs 25 ms spinning at batch 1, 66 vs 150 ms at batch 64,
-        bench/results/omp_wait_policy_ab.md). On dedicated cores set OMP_WAIT_POLICY yourself.
+        Between kernels a thread spins or sleeps. Where the world's threads have the cores to
+        themselves the runtime's default stands (libgomp spins about a millisecond or more, then
+        sleeps): a TP1 engine on this 2-core VM decodes 7-14% faster than with sleeping threads,
+        whose every kernel waits for a wake-up. Where the threads outnumber the cores, spinning only
+        stalls the others, so PASSIVE. Spinning loses when other processes share the cores (26-48%
+        with two busy processes beside it, where a 10000 spin loses 11-24% and gains less quiet):
+        bench/results/omp_wait_policy_ab.md. On a crowded host set OMP_WAIT_POLICY=PASSIVE.
         """
-        if self.device != "cpu":
+        if self.device != "cpu" or any(name in os.environ for name in _OMP_WAIT_VARS):
             return {}
-        return {"OMP_WAIT_POLICY": "PASSIVE"}
+        if self.world * self.worker_threads() > _cores():
+            return {"OMP_WAIT_POLICY": "PASSIVE"}
+        return {}
+
+
+_OMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # libgomp reads GOMP_SPINCOUNT over the policy
 
 
 def _cores() -> int:
