@@ -58,6 +58,17 @@ def torch_path(q, pool, meta, scale, monkeypatch) -> torch.Tensor:
         return paged_attention(q, q[:0, : pool.shape[3]], q[:0, : pool.shape[3]], pool, meta, scale)
 
 
+def on_one_thread(kernel, q, pool, meta, scale: float) -> torch.Tensor:
+    """The kernel's output computed with one torch thread (work items are independent, so any
+    thread count must give the same bits)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        return kernel(q, pool, meta.block_tables, meta.context_lens, scale)
+    finally:
+        torch.set_num_threads(threads)
+
+
 TOLERANCE = {torch.float32: 2e-6, torch.float64: 1e-13, torch.bfloat16: 3e-2}
 LENGTHS = [1, 15, 16, 17, 32, 33, 100, 7]  # block boundaries of block_size 16 and several blocks
 
@@ -78,19 +89,13 @@ def test_kernel_matches_torch_path(kernel, dtype, heads, kv_heads, monkeypatch):
 def test_row_and_head_work_items_in_parallel(kernel, rows, heads, kv_heads, monkeypatch):
     """Few rows: one work item per (row, KV head); many rows (>= 4 per thread): one per row, and
     enough work to run in parallel. Items are independent, so any thread count gives the same bits."""
-    threads = torch.get_num_threads()
-    n = 2 if rows == "few" else 4 * max(threads, 2) + 1
+    n = 2 if rows == "few" else 4 * max(torch.get_num_threads(), 2) + 1
     lengths = [150 + 37 * i % 90 for i in range(n)]
     q, pool, meta = decode_case(lengths, heads, kv_heads, 64, 16, torch.float64, padding_rows=1, seed=3)
     expected = torch_path(q, pool, meta, 0.125, monkeypatch)
     got = kernel(q, pool, meta.block_tables, meta.context_lens, 0.125)
     torch.testing.assert_close(got, expected, atol=1e-13, rtol=1e-13)
-    try:
-        torch.set_num_threads(1)
-        serial = kernel(q, pool, meta.block_tables, meta.context_lens, 0.125)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(serial, got)
+    assert torch.equal(on_one_thread(kernel, q, pool, meta, 0.125), got)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -104,13 +109,7 @@ def test_long_tail_batch_shared_out_by_work(kernel, dtype, monkeypatch):
     expected = torch_path(q, pool, meta, 0.125, monkeypatch)
     got = kernel(q, pool, meta.block_tables, meta.context_lens, 0.125)
     torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        serial = kernel(q, pool, meta.block_tables, meta.context_lens, 0.125)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(serial, got)
+    assert torch.equal(on_one_thread(kernel, q, pool, meta, 0.125), got)
 
 
 @pytest.mark.parametrize("head_dim,block_size", [(24, 4), (128, 16), (40, 8)])  # unspecialised head dims, odd tails
@@ -247,3 +246,14 @@ def test_kv_write_kernel_refuses_slots_outside_the_pool(kernel):
     with pytest.raises(RuntimeError, match="outside the pool"):
         cpu_attention.write_kv(pool, k, k, torch.tensor([0, 8, 1]))
     assert not pool.any()
+
+
+def test_missing_kernels_package_is_said_at_worker_start(monkeypatch, caplog):
+    """Without pat_kernels on the path every CPU kernel is off; the worker says so instead of
+    running slower in silence."""
+    from pat_engine.model.layers import attention
+
+    monkeypatch.setattr(attention, "_KERNELS_MISSING", "No module named 'pat_kernels'")
+    with caplog.at_level(logging.WARNING, logger=attention.__name__):
+        assert attention.load_decode_kernel(torch.device("cpu"), torch.float32) is False
+    assert any("pat_kernels cannot be imported" in r.getMessage() for r in caplog.records)

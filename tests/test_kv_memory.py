@@ -50,9 +50,9 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def test_a_large_cpu_layer_is_zero_and_costs_memory_only_where_written():
+def test_a_large_lazy_cpu_layer_is_zero_and_costs_memory_only_where_written():
     before = _rss_bytes()
-    layer = zeroed((2, 4096, 16, 4, 128), torch.float32, "cpu")  # 256 MiB
+    layer = zeroed((2, 4096, 16, 4, 128), torch.float32, "cpu", lazy=True)  # 256 MiB
     assert _rss_bytes() - before < (32 << 20), "allocating the pool committed its memory"
     assert layer.shape == (2, 4096, 16, 4, 128) and layer.dtype == torch.float32
     layer[1, 7] = 1.5  # one block written
@@ -60,9 +60,19 @@ def test_a_large_cpu_layer_is_zero_and_costs_memory_only_where_written():
     assert _rss_bytes() - before < (300 << 20)
 
 
+def test_a_pool_of_configured_size_is_committed_up_front():
+    """An explicit ``kv_cache_bytes`` is claimed at start-up, where the user can see it."""
+    before = _rss_bytes()
+    layer = zeroed((2, 1024, 16, 4, 128), torch.float32, "cpu", lazy=False)  # 64 MiB
+    assert _rss_bytes() - before > (48 << 20)
+    assert not layer.any()
+
+
 def test_pool_layers_are_zero_in_every_dtype():
-    for dtype in (torch.float64, torch.float32, torch.bfloat16):
-        pool = PagedKVPool(2, 300, 16, 2, 64, dtype, "cpu")  # over the lazy threshold in each dtype
-        assert all(layer.dtype == dtype and not layer.any() for layer in pool.layers)
-        pool.layers[0][0, 3] = 2
-        assert not pool.layers[1].any()
+    for lazy in (True, False):
+        for dtype in (torch.float64, torch.float32, torch.bfloat16):
+            pool = PagedKVPool(2, 300, 16, 2, 64, dtype, "cpu", lazy)  # over the lazy threshold in each dtype
+            assert all(layer.dtype == dtype and not layer.any() for layer in pool.layers)
+            pool.layers[0][0, 3] = 2
+            assert not pool.layers[1].any()
+            assert pool.regeometry(1, 600).lazy is lazy  # a switch's pool keeps the policy

@@ -33,8 +33,9 @@ from pat_engine.worker.step_inputs import SeqState, StepInputBuilder
 
 class InferExecutor:
     def __init__(self, arch: ModelArch, layout: Layout, tp: TPGroup, dtype: torch.dtype, device: torch.device,
-                 block_size: int, num_blocks: int):
+                 block_size: int, num_blocks: int, lazy_kv: bool = False):
         self.arch, self.layout, self.tp = arch, layout, tp
+        self.lazy_kv = lazy_kv  # KV memory committed as it fills (the default-sized CPU pool; worker/kv_pool.zeroed)
         self.dtype, self.device = dtype, device
         self.block_size = block_size
         self.model = CausalLM(arch, layout.tp, dtype, device)
@@ -61,7 +62,7 @@ class InferExecutor:
     def new_pool(self, layout: Layout, num_blocks: int, filled_later: bool = False) -> PagedKVPool:
         """A KV pool sized for ``layout``; ``filled_later``: no layers yet (a switch appends them one by one)."""
         geometry = (num_blocks, self.block_size, self.arch.kv_heads_per_rank(layout.tp), self.arch.head_dim,
-                    self.dtype, self.device)
+                    self.dtype, self.device, self.lazy_kv)
         if filled_later:
             return PagedKVPool.filled_later(*geometry)
         return PagedKVPool(self.arch.num_layers, *geometry)

@@ -7,25 +7,29 @@ import math
 
 import torch
 
-# A CPU layer this large is mapped from the kernel's zero pages instead of being memset: its
-# pages are committed as blocks are first written, so a large default pool costs no start-up
-# time and no memory until it is used (core/memory.default_cpu_kv_bytes sizes it).
+# A lazy CPU layer this large is mapped from the kernel's zero pages instead of being memset: its
+# pages are committed as blocks are first written, so the large default pool
+# (core/memory.default_cpu_kv_bytes) costs no start-up time and no memory until it is used. A pool
+# of configured size is committed up front, as the user asked for those bytes.
 LAZY_ZERO_MIN_BYTES = 1 << 20
 
 
 class PagedKVPool:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device):
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device,
+                 lazy: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.lazy = lazy  # memory committed as blocks are written (see ``zeroed``)
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.dtype, self.device = dtype, device
         # layer l: (2, num_blocks, block_size, kv_heads, head_dim); [0] keys, [1] values
         self.layers: list[torch.Tensor] = [self.new_layer() for _ in range(num_layers)]
 
     @classmethod
-    def filled_later(cls, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device) -> "PagedKVPool":
+    def filled_later(cls, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device,
+                     lazy: bool = False) -> "PagedKVPool":
         """A pool with no layers yet; ``append_layer`` adds them one by one (a switch does, so two
         pools never hold every layer at once)."""
-        return cls(0, num_blocks, block_size, kv_heads, head_dim, dtype, device)
+        return cls(0, num_blocks, block_size, kv_heads, head_dim, dtype, device, lazy)
 
     @property
     def layer_shape(self) -> tuple[int, ...]:
@@ -42,7 +46,7 @@ class PagedKVPool:
         numel = 2 * self.num_blocks * self.block_size * self.kv_heads * self.head_dim
         if reuse is not None and reuse.is_contiguous() and reuse.numel() >= numel and reuse.dtype == self.dtype:
             return reuse.view(-1)[:numel].view(self.layer_shape)
-        return zeroed(self.layer_shape, self.dtype, self.device)
+        return zeroed(self.layer_shape, self.dtype, self.device, self.lazy)
 
     def append_layer(self, reuse: torch.Tensor | None = None) -> torch.Tensor:
         layer = self.new_layer(reuse)
@@ -56,7 +60,8 @@ class PagedKVPool:
 
     def regeometry(self, kv_heads: int, num_blocks: int) -> "PagedKVPool":
         """The same memory seen with another number of heads per rank and blocks (contents dropped)."""
-        pool = PagedKVPool.filled_later(num_blocks, self.block_size, kv_heads, self.head_dim, self.dtype, self.device)
+        pool = PagedKVPool.filled_later(num_blocks, self.block_size, kv_heads, self.head_dim, self.dtype, self.device,
+                                        self.lazy)
         for index in range(len(self.layers)):
             layer = self.take_layer(index)  # dropped before the next layer is made, so two pools never coexist
             pool.append_layer(reuse=layer)
@@ -72,10 +77,10 @@ class PagedKVPool:
         self.layers = []
 
 
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A zero tensor; on the CPU, a large one is backed by an anonymous mapping that the kernel
-    fills with zeros page by page on first touch (the tensor keeps the mapping alive)."""
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, lazy: bool) -> torch.Tensor:
+    """A zero tensor; ``lazy`` on the CPU, a large one is backed by an anonymous mapping that the
+    kernel fills with zeros page by page on first touch (the tensor keeps the mapping alive)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if torch.device(device).type != "cpu" or nbytes < LAZY_ZERO_MIN_BYTES:
+    if not lazy or torch.device(device).type != "cpu" or nbytes < LAZY_ZERO_MIN_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)

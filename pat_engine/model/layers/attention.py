@@ -13,6 +13,7 @@ gathers whole context blocks and runs ``scaled_dot_product_attention`` with the 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -21,18 +22,30 @@ import torch.nn.functional as F
 try:
     from pat_kernels.cpu_attention import cpu_decode_kernel
     from pat_kernels.cpu_attention import write_kv as cpu_write_kv
-except ImportError:  # the kernels package is not on the path: the torch path serves
+except ImportError as missing:  # the kernels package is not on the path: the torch paths serve
+    _KERNELS_MISSING: str | None = str(missing)
+
     def cpu_decode_kernel(dtype: torch.dtype) -> None:
         return None
 
     cpu_write_kv = None
+else:
+    _KERNELS_MISSING = None
+
+log = logging.getLogger(__name__)
 
 
 def load_decode_kernel(device: torch.device, dtype: torch.dtype) -> bool:
-    """Build or load the CPU decode kernel now (worker start-up) rather than in the first decode
-    step, which would stall that DP group mid-batch (about 12 s on a cold cache, 0.2-1 s warm).
-    Returns whether the kernel serves this device and dtype."""
-    return device.type == "cpu" and cpu_decode_kernel(dtype) is not None
+    """Build or load the CPU kernels now (worker start-up) rather than in the first decode step,
+    which would stall that DP group mid-batch (about 15 s on a cold cache, 0.2-1 s warm).
+    Returns whether the decode kernel serves this device and dtype."""
+    if device.type != "cpu":
+        return False
+    if _KERNELS_MISSING is not None:  # said once per worker: every CPU kernel is off, silently slower otherwise
+        log.warning("pat_kernels cannot be imported (%s): the CPU kernels are off and the torch paths run; "
+                    "install pat-engine (pip install -e .) or put csrc/ on PYTHONPATH", _KERNELS_MISSING)
+        return False
+    return cpu_decode_kernel(dtype) is not None
 
 
 @dataclass
