@@ -144,7 +144,8 @@ def driver_row(path: str, batch: int, args) -> dict:
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(10, SPEC.vocab_size - 10, (batch, args.prompt_len), generator=g).tolist()
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-    with Engine(path, tp=1, dp=1, dtype="float32", threads_per_worker=args.threads) as engine:
+    with Engine(path, tp=1, dp=1, dtype="float32", threads_per_worker=args.threads,
+                kv_cache_bytes=args.kv_cache_bytes) as engine:
         engine.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True), use_tqdm=False)
         with engine.record_steps() as log:
             t = time.perf_counter()
@@ -168,6 +169,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-cache-bytes", type=int, default=None,
+                    help="the driver rows' engine KV bytes (default: the engine's own; 67108864 was the old CPU default)")
+    ap.add_argument("--driver-only", action="store_true", help="skip the in-process worker rows")
     ap.add_argument("--label", default="current", help="names this run in the results file (e.g. before/after)")
     ap.add_argument("--compare-with", help="an earlier run's results file (e.g. of the code before a change): "
                     "its tables are included and the result is written to bench/results/step_breakdown.md")
@@ -177,7 +181,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = str(write_tiny_model(tmp, SPEC))
         for batch in args.batch_sizes:
-            for sampled in (False, True):
+            for sampled in (False, True) if not args.driver_only else ():
                 r = worker_row(path, batch, args, sampled)
                 worker_rows.append([args.label, batch, "t=1 top-k 50 top-p .95" if sampled else "greedy",
                                     round(r["wall"], 2), round(r["profiled"], 2)]
