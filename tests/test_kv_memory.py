@@ -45,26 +45,35 @@ def test_default_is_a_share_of_free_memory_bounded_by_what_the_scheduler_can_use
     assert default_cpu_kv_bytes(arch, torch.float32, 16, Layout(1, 1), 256, 2048) == CPU_MIN_KV_BYTES
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+def resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of the memory mapping holding ``t``'s data that are in RAM (/proc/self/smaps Rss).
+    Read per mapping, not for the whole process, so memory other tests freed or kept resident
+    cannot blur it."""
+    address, inside = t.data_ptr(), False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping holds the tensor")
 
 
 def test_a_large_lazy_cpu_layer_is_zero_and_costs_memory_only_where_written():
-    before = _rss_bytes()
     layer = zeroed((2, 4096, 16, 4, 128), torch.float32, "cpu", lazy=True)  # 256 MiB
-    assert _rss_bytes() - before < (32 << 20), "allocating the pool committed its memory"
+    assert resident_bytes(layer) < (32 << 20), "allocating the pool committed its memory"
     assert layer.shape == (2, 4096, 16, 4, 128) and layer.dtype == torch.float32
     layer[1, 7] = 1.5  # one block written
     assert layer.sum().item() == 1.5 * 16 * 4 * 128  # every other slot reads as zero
-    assert _rss_bytes() - before < (300 << 20)
+    assert resident_bytes(layer) < (300 << 20)
 
 
 def test_a_pool_of_configured_size_is_committed_up_front():
     """An explicit ``kv_cache_bytes`` is claimed at start-up, where the user can see it."""
-    before = _rss_bytes()
     layer = zeroed((2, 1024, 16, 4, 128), torch.float32, "cpu", lazy=False)  # 64 MiB
-    assert _rss_bytes() - before > (48 << 20)
+    assert resident_bytes(layer) > (48 << 20)
     assert not layer.any()
 
 
