@@ -124,7 +124,7 @@ class EngineConfig:
         """OpenMP wait policy for the worker processes; none when the user's environment sets one.
 
         Between kernels a thread spins or sleeps. Where the world's threads have the cores to
-        themselves the runtime's default stands (libgomp spins about a millisecond or more, then
+        themselves the runtime's default stands (libgomp spins 300000 rounds, then
         sleeps): a TP1 engine on this 2-core VM decodes 7-14% faster than with sleeping threads,
         whose every kernel waits for a wake-up. Where the threads outnumber the cores, spinning only
         stalls the others, so PASSIVE. Spinning loses when other processes share the cores (26-48%

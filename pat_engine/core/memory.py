@@ -28,13 +28,18 @@ def default_cpu_kv_bytes(arch: ModelArch, dtype: torch.dtype, block_size: int, l
     """The KV bytes per rank when none are configured on CPU.
 
     A share of the memory available now, but no more than a DP group can use: ``max_num_seqs``
-    requests at ``max_len`` tokens. A fixed small pool would cap the batch instead (64 MiB held 64
-    requests of 128 tokens of an 8 KB/token model, so larger batches ran in two waves). The pool's
-    pages are committed only as blocks are written (worker/kv_pool.zeroed).
+    requests at ``max_len`` tokens. A fixed small pool would cap the batch instead (the old 64 MiB
+    held 8192 tokens of an 8 KB/token model, so a batch of 64 requests of 160 tokens ran in two
+    waves). The pool's pages are committed only as blocks are written (worker/kv_pool.zeroed).
     """
     share = int(available_memory_bytes() * CPU_KV_MEMORY_FRACTION) // layout.world
-    usable = max_num_seqs * blocks_needed(max_len, block_size) * block_size * arch.kv_bytes_per_token(layout.tp, dtype)
+    usable = max_num_seqs * kv_slots(max_len, block_size) * arch.kv_bytes_per_token(layout.tp, dtype)
     return max(CPU_MIN_KV_BYTES, min(share, usable))
+
+
+def kv_slots(tokens: int, block_size: int) -> int:
+    """KV token slots that ``tokens`` occupy: whole blocks (the one home of this rule)."""
+    return blocks_needed(tokens, block_size) * block_size
 
 
 def available_memory_bytes() -> int:
@@ -74,7 +79,7 @@ class MemoryPlan:
 
     def slots_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         """KV token slots a request can grow to: its prompt plus every token it may generate, in whole blocks."""
-        return blocks_needed(prompt_len + max_new_tokens, self.block_size) * self.block_size
+        return kv_slots(prompt_len + max_new_tokens, self.block_size)
 
     def fits(self, layout: Layout, prompt_len: int, max_new_tokens: int) -> bool:
         """Whether one DP group of ``layout`` can hold the request at its longest (the one home of this rule)."""

@@ -80,7 +80,7 @@ class PagedKVPool:
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, lazy: bool) -> torch.Tensor:
     """A zero tensor; ``lazy`` on the CPU, a large one is backed by an anonymous mapping that the
     kernel fills with zeros page by page on first touch (the tensor keeps the mapping alive)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if not lazy or torch.device(device).type != "cpu" or nbytes < LAZY_ZERO_MIN_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)

@@ -15,6 +15,7 @@
 // for float/bfloat16 and in double for double; float exponentials go 8 at a time through the SLEEF
 // routine torch's own vectorised exp uses (libtorch_cpu exports it) where AVX2 is built in.
 
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -230,19 +231,9 @@ at::Tensor paged_decode_attention_cpu(const at::Tensor& q, const at::Tensor& kv_
     total_len += len;
   }
   at::Tensor out = at::empty({B, H, D}, q.options());
-  switch (q.scalar_type()) {
-    case at::kFloat:
-      dispatch_head_dim<float>(qc, kv_cache, tp, width, lp, max_len, total_len, scale, out);
-      break;
-    case at::kDouble:
-      dispatch_head_dim<double>(qc, kv_cache, tp, width, lp, max_len, total_len, scale, out);
-      break;
-    case at::kBFloat16:
-      dispatch_head_dim<c10::BFloat16>(qc, kv_cache, tp, width, lp, max_len, total_len, scale, out);
-      break;
-    default:
-      TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
-  }
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode_attention_cpu", [&] {
+    dispatch_head_dim<scalar_t>(qc, kv_cache, tp, width, lp, max_len, total_len, scale, out);
+  });
   return out;
 }
 

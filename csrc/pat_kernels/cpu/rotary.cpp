@@ -14,6 +14,7 @@
 
 #pragma GCC optimize("fp-contract=off")
 
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -75,19 +76,7 @@ at::Tensor& rotary_cpu_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
                   cos.is_contiguous() && sin.is_contiguous(),
               "cos and sin must be (tokens, head_dim), contiguous");
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), "dtypes differ");
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      rotate_rows<float>(x, cos, sin);
-      break;
-    case at::kDouble:
-      rotate_rows<double>(x, cos, sin);
-      break;
-    case at::kBFloat16:
-      rotate_rows<c10::BFloat16>(x, cos, sin);
-      break;
-    default:
-      TORCH_CHECK(false, "unsupported dtype ", x.scalar_type());
-  }
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rotary_cpu_", [&] { rotate_rows<scalar_t>(x, cos, sin); });
   return x;
 }
 
