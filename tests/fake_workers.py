@@ -41,6 +41,7 @@ class FakeWorkerPool:
         self.pending: list[StepResult | Reply] = []
         self.tables: dict[int, dict[int, list[int]]] = {g: {} for g in range(self.layout.dp)}  # group -> seq -> table
         self.killed = False
+        self.kv_released = False  # release_memory(kv=True) until restore_memory
 
     # ---- the WorkerPool surface the driver uses ------------------------------------------------
 
@@ -61,6 +62,14 @@ class FakeWorkerPool:
         ranks = list(range(self.world)) if ranks is None else ranks
         if method == "switch":
             return self._switch(kwargs["plan"])
+        if method == "release_memory" and kwargs["kv"]:
+            self.kv_released = True
+            self.tables = {g: {} for g in range(self.layout.dp)}
+        if method == "restore_memory" and kwargs["kv_blocks"] is not None:
+            assert self.kv_released, "restore of a KV pool that holds live KV"
+            self.kv_released, self.num_blocks = False, kwargs["kv_blocks"]
+        if method == "release_memory":
+            return [0 for _ in ranks]
         return [None for _ in ranks]
 
     def poll(self, timeout: float | None, extra: list | None = None) -> list[StepResult | Reply]:
@@ -79,6 +88,7 @@ class FakeWorkerPool:
     # ---- what a group of ranks would do ---------------------------------------------------------
 
     def _execute(self, group: int, cmd: StepCommand) -> StepResult:
+        assert not self.kv_released, "a step was dispatched while the KV cache is released"
         tables = self.tables[group]
         for sid in cmd.released:
             tables.pop(sid, None)

@@ -98,8 +98,8 @@ def test_every_weight_write_repacks(model_dir, tmp_path: Path) -> None:
     ex.load_tensors(list(fresh_tensors(moved)))  # an RL weight update
     torch.testing.assert_close(_first_token(ex, prompt), want, rtol=0, atol=0)
 
-    ex.release_memory(2)  # sleep, then wake up and reload the base weights
-    ex.allocate_kv(64)
+    ex.release_memory(kv=True, weights="discarded")  # sleep, then wake up and reload the base weights
+    ex.restore_memory(kv_blocks=64, weights=True)
     ex.load_weights(base)
     torch.testing.assert_close(_first_token(ex, prompt), before, rtol=0, atol=0)
 

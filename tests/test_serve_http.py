@@ -125,6 +125,8 @@ def test_chat_equals_engine_generate(client, engine):
 @pytest.mark.parametrize("body, content_type, status, match", [
     ('{"prompt": "hi", "max_tokens": 4', "application/json", 400, "not valid JSON"),
     ('["a list"]', "application/json", 400, "must be a JSON object"),
+    ("[" * 5000, "application/json", 400, "nests 5000 levels deep"),  # was a RecursionError: a 500
+    ('{"prompt": ' + "[" * 3000 + "]" * 3000 + ', "max_tokens": 4}', "application/json", 400, "nests 3001 levels"),
     ('{"prompt": "hi", "max_tokens": 4, "functions": []}', "application/json", 400, "unknown or unsupported field 'functions'"),
     ('{"prompt": "hi", "max_tokens": -3}', "application/json", 400, "max_tokens: Input should be greater than or equal to 1"),
     ('{"prompt": "hi", "max_tokens": 1000000}', "application/json", 400, "exceeds the context length 512"),

@@ -461,6 +461,32 @@ def test_release_and_resume_memory(client, engine):
     assert client.post("/resume_memory_occupation", json={"tags": ["gpu"]}).status_code == 400
 
 
+def test_the_rl_step_boundary_under_load_changes_no_token(client, engine):
+    """slime/veRL's step boundary (pause abort -> release -> resume -> continue) with a request arriving
+    while paused, a retried resume on an awake engine, then repeated prompts served from the prefix cache:
+    every response equals the one before any memory was released."""
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18] * 5
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+    want = client.post("/generate", json=body).json()["output_ids"]
+    assert client.post("/generate", json=body).json()["output_ids"] == want  # from the prefix cache
+    for _ in range(2):
+        assert client.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+        with ThreadPoolExecutor(1) as pool:
+            queued = pool.submit(client.post, "/generate", json=body)  # waits through the release
+            while engine.num_unfinished_requests() == 0:
+                time.sleep(0.01)
+            assert client.post("/release_memory_occupation", json={}).json()["success"]
+            for tags in ({"tags": ["weights"]}, {"tags": ["kv_cache"]}, {}):  # the last one: a retry, a no-op
+                r = client.post("/resume_memory_occupation", json=tags).json()
+                assert r["success"], r
+            assert "nothing to do" in r["message"]
+            assert client.post("/continue_generation", json={}).status_code == 200
+            assert queued.result(120).json()["output_ids"] == want
+        assert client.post("/resume_memory_occupation", json={}).json()["success"]  # awake: changes nothing
+        assert [client.post("/generate", json=body).json()["output_ids"] for _ in range(2)] == [want, want]
+    assert client.get("/pat/kv").json()["invariants"] == "ok"
+
+
 def test_info_and_load_routes(client, engine):
     info = client.get("/get_model_info").json()
     assert info["is_generation"] and info["weight_version"] == engine.weight_version

@@ -10,9 +10,8 @@ from a rollout server around the plain engine API:
   holds (or rejects) new requests until ``reopen``; aborted requests return
   what they generated with finish reason "abort";
 - drain: wait until no request is in flight (before sleep or a weight update);
-- sleep / wake-up bookkeeping: ``wake_up`` restores only what ``sleep`` gave
-  back, so a framework that wakes an awake engine (they all do, by tag)
-  never resets a KV cache in use.
+- sleep after a drain (the engine's own record of what is released makes a
+  repeated sleep or a wake-up of an awake engine a no-op).
 
 Blocking engine calls that can take long (a layout switch, a weight bucket,
 sleep) run in a worker thread so the actor keeps serving its event loop.
@@ -51,7 +50,6 @@ class AsyncEngineFrontend:
         self._rejecting = False
         self._idle = asyncio.Event()
         self._idle.set()
-        self.released: set[str] = set()  # "weights" / "kv_cache" given back by sleep()
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -148,22 +146,15 @@ class AsyncEngineFrontend:
 
     # ---- memory ----------------------------------------------------------------------------
 
-    async def sleep(self, level: int) -> int:
-        """Drain, then release the KV cache (level 1) or KV and weights (level 2); bytes freed."""
-        if self.released:
-            return 0
+    async def sleep(self, level: int = 1, tags: Iterable[str] | None = None) -> int:
+        """Drain, then release the KV cache (level 1) or KV and weights (level 2), or exactly ``tags``;
+        bytes freed (0 for what was released already)."""
         await self.drain()
-        freed = await asyncio.to_thread(self.engine.sleep, level)
-        on_gpu = self.engine.config.device == "cuda"  # level 1 also moves GPU weights to host memory
-        self.released = {"kv_cache"} | ({"weights"} if level == 2 or on_gpu else set())
-        return freed
+        return await asyncio.to_thread(self.engine.sleep, level, list(tags) if tags is not None else None)
 
-    async def wake_up(self, tags: Iterable[str] | None = None) -> None:
-        wanted = set(tags) if tags is not None else {"weights", "kv_cache"}
-        todo = sorted(self.released & wanted)
-        if todo:
-            await asyncio.to_thread(self.engine.wake_up, todo)
-            self.released -= set(todo)
+    async def wake_up(self, tags: Iterable[str] | None = None) -> list[str]:
+        """Restore what was released among ``tags``; what is not released is left alone."""
+        return await asyncio.to_thread(self.engine.wake_up, list(tags) if tags is not None else None)
 
 
 class LayoutViews:

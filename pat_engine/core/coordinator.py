@@ -25,6 +25,8 @@ from pat_engine.core.memory import MemoryPlan
 from pat_engine.core.policy import ClusterStatus, GroupSnapshot, RequestSnapshot, SwitchDecision, SwitchPolicy
 from pat_engine.core.request import Sequence
 from pat_engine.core.scheduler import GroupScheduler
+from pat_engine.core.served_weights import ServedWeights
+from pat_engine.core.sleep_state import DISCARDED, SleepState
 from pat_engine.core.timeline import SwitchEvent, Timeline
 from pat_engine.core.worker_pool import WorkerPool
 from pat_engine.errors import LayoutError, WorkerFailure, last_traceback_line
@@ -60,10 +62,13 @@ class InFlight:
 
 
 class GlobalCoordinator:
-    def __init__(self, config: EngineConfig, memory: MemoryPlan, pool: WorkerPool, layout: Layout):
+    def __init__(self, config: EngineConfig, memory: MemoryPlan, pool: WorkerPool, layout: Layout,
+                 weights: ServedWeights | None = None):
         self.config = config
         self.memory = memory
         self.pool = pool
+        self.weights = weights or ServedWeights(config.model)
+        self.sleep = SleepState()  # what release_memory gave back; nothing runs until it is restored
         self.timeline = Timeline(config.timeline_max_events)
         self.cost_source = MeasuredRates()  # replaced by the predictor when a profile table is loaded
         self.policy: SwitchPolicy | None = None
@@ -205,11 +210,16 @@ class GlobalCoordinator:
                 self.timeline.add_switch(SwitchEvent(self.timeline.now(), str(self.layout), f"tp={decision.tp}",
                                                      decision.reason, "none", 0.0, decision=dict(decision.details),
                                                      ok=False, error=f"refused: {exc}"))
-        if self.pending_switch is None and not self.paused:
+        if self.pending_switch is None and self.may_dispatch():
             self._dispatch()
         for msg in self.pool.poll(timeout, [wake] if wake is not None else None):
             self._handle(msg)
         self._check_step_timeouts()
+
+    def may_dispatch(self) -> bool:
+        """Steps start only when not paused, with every byte of memory back and the latest weights
+        served: a request queued while memory is released waits, it never runs on released memory."""
+        return not self.paused and not self.sleep.asleep and not self.weights.stale
 
     def _check_step_timeouts(self) -> None:
         """A step that never returns (a hung rank that did not die) becomes an error, not a hang."""
@@ -305,6 +315,7 @@ class GlobalCoordinator:
     def reset(self, pool: WorkerPool, layout: Layout) -> list[Sequence]:
         """Adopt a fresh worker world: every unfinished request is queued again for recompute."""
         self.pool = pool
+        self.sleep = SleepState()  # fresh workers hold all their memory
         self.pending_switch = None
         seqs = sorted(self.seqs.values(), key=lambda s: s.seq_id)
         self.inflight = {}  # the old world's steps will never answer
@@ -318,8 +329,53 @@ class GlobalCoordinator:
             self.add_samples(family)
         return seqs
 
+    # ---- memory for a colocated trainer -------------------------------------------------------
+
+    def release_memory(self, tags: set[str], weights_to: str) -> int:
+        """Release what ``tags`` name and is not released yet, at a step boundary; returns the bytes
+        freed over all ranks. ``weights_to``: OFFLOADED or DISCARDED.
+
+        The KV goes with everything that points into it: running requests give their blocks back
+        and wait to be prefilled again (the same tokens: sampling depends only on seed and
+        position), and the prefix cache is dropped. Waiting requests stay queued until the memory
+        is restored.
+        """
+        kv = "kv_cache" in tags and not self.sleep.kv_cache
+        weights = weights_to if "weights" in tags and self.sleep.weights is None else None
+        if not kv and weights is None:
+            return 0
+        self.drain()
+        if kv:
+            self.retract_all()
+            self.flush_prefix_cache()
+            self.check_block_invariants()  # every block is free now: a restored pool holds nothing anyone reads
+        freed = sum(self.pool.call("release_memory", kv=kv, weights=weights))
+        self.sleep.kv_cache = self.sleep.kv_cache or kv
+        self.sleep.weights = self.sleep.weights or weights
+        return freed
+
+    def restore_memory(self, tags: set[str]) -> set[str]:
+        """Restore what ``tags`` name among what was released; returns what it restored. Anything
+        not released is left alone: waking an awake engine is a no-op, never a fresh KV pool."""
+        weights = "weights" in tags and self.sleep.weights is not None
+        kv = "kv_cache" in tags and self.sleep.kv_cache
+        if not weights and not kv:
+            return set()
+        reload = weights and self.sleep.weights == DISCARDED and self.weights.restored_after_discard()
+        blocks = self.memory.num_blocks(self.layout) if kv else None
+        self.pool.call("restore_memory", kv_blocks=blocks, weights=weights)
+        if reload:
+            self.pool.call("reload_weights", path=self.weights.path)
+        if weights:
+            self.sleep.weights = None
+        if kv:
+            self.sleep.kv_cache = False
+        return ({"weights"} if weights else set()) | ({"kv_cache", "cuda_graph"} if kv else set())
+
     # ---- switching -------------------------------------------------------------------------
 
     def switch(self, decision: SwitchDecision) -> SwitchEvent:
         """Change layout now (drains in-flight steps first); returns the switch's record."""
+        if self.sleep.asleep:  # the reshard reads the weights and the KV it would move
+            raise LayoutError(f"cannot change the layout while {self.sleep.describe()} is released; wake_up() first")
         return LayoutSwitch(self).run(decision)

@@ -72,7 +72,7 @@ class Engine(RLControlMixin):
         if self.memory.num_blocks(self.base_layout) < 1:
             pool.kill()
             raise InvalidRequestError(f"the KV budget ({self.memory.kv_budget_base} bytes per rank) holds no KV block")
-        self.coordinator = GlobalCoordinator(cfg, self.memory, pool, self.base_layout)
+        self.coordinator = GlobalCoordinator(cfg, self.memory, pool, self.base_layout, self.weights)
         self._loop = EngineLoop(self.coordinator, self._start_pool,
                                 RestartBudget(cfg.max_worker_restarts, cfg.restart_window_s), cfg.recover_failed_workers,
                                 self.weights)
@@ -193,6 +193,9 @@ class Engine(RLControlMixin):
     def _make(self, prompts: Seq[Any], params: SamplingParams | Seq[SamplingParams] | None,
               request_ids: Seq[str] | None) -> list[list[Sequence]]:
         """Validated sequences, one list per prompt (its ``n`` samples, sample 0 first)."""
+        if self.coordinator.sleep.asleep:
+            raise InvalidRequestError(f"the engine is asleep ({self.coordinator.sleep.describe()} released); "
+                                      "call wake_up() before generating")
         if (refusal := self.weights.refusal()) is not None:
             raise InvalidRequestError(refusal)
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):

@@ -15,6 +15,7 @@ from typing import Iterable, Iterator
 import torch
 
 from pat_engine.core.served_weights import ServedWeights
+from pat_engine.core.sleep_state import DISCARDED, check_tags, tags_for_level
 from pat_engine.errors import InvalidRequestError, ModelLoadError
 from pat_engine.model.arch import load_model_arch
 from pat_engine.model.llama import CausalLM
@@ -79,6 +80,7 @@ class RLControlMixin:
         new weights in outputs (default: the count of updates so far).
         """
         self._ensure_open()
+        self._check_weights_resident()
         check = self._weight_check()
         applied = 0
         for bucket in _buckets(named_tensors, bucket_bytes, check):
@@ -94,6 +96,7 @@ class RLControlMixin:
     def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> None:
         """Reload every rank's shard from a checkpoint of the same architecture and shapes."""
         self._ensure_open()
+        self._check_weights_resident()
         arch = load_model_arch(path)
         if arch.fingerprint() != self.arch.fingerprint():
             raise ModelLoadError(f"{path!r} is a different model (architecture or shapes differ from the served one)")
@@ -133,6 +136,7 @@ class RLControlMixin:
         """Receive full tensors the trainer broadcasts (in ``names`` order) and load them under the current
         layout. The update is checked whole first; a refused one leaves the weights as they were."""
         self._ensure_open()
+        self._check_weights_resident()
         self.check_weight_update(names, [tuple(s) for s in shapes], dtypes)
 
         def receive() -> int:
@@ -151,6 +155,13 @@ class RLControlMixin:
         return all(self._loop.run(lambda: self.coordinator.pool.call("destroy_weights_update_group",
                                                                      group_name=group_name)))
 
+    def _check_weights_resident(self) -> None:
+        """Weights are written in place: refuse while ``sleep`` has them released (wake_up first)."""
+        state = self.coordinator.sleep.weights
+        if state is not None:
+            raise InvalidRequestError(f"the weights are released ({state}); call wake_up(['weights']) before "
+                                      "updating them")
+
     @property
     def weight_version(self) -> str:
         return self.weights.version
@@ -167,48 +178,40 @@ class RLControlMixin:
 
         return self._loop.run(mark)
 
-    def sleep(self, level: int = 1) -> int:
+    def sleep(self, level: int = 1, tags: list[str] | None = None) -> int:
         """Release memory for a colocated trainer; returns the bytes freed (summed over ranks).
 
         level 1: the KV cache (on GPU the weights also move to host memory);
         level 2: the KV cache and the weights (``wake_up`` reloads them from disk, or call
-        ``update_weights`` after waking).
+        ``update_weights`` after waking). ``tags`` (SGLang's ``kv_cache``, ``weights``,
+        ``cuda_graph``) release exactly those instead; released weights are discarded.
+        Runs at a step boundary: running requests give their KV back and are prefilled again after
+        the wake-up (same tokens); nothing runs while any memory is released. Releasing what is
+        already released is a no-op.
         """
         self._ensure_open()
-        if level not in (1, 2):
-            raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}")
+        if tags is None:
+            wanted, weights_to = tags_for_level(level, self.config.device == "cuda")
+        else:
+            wanted, weights_to = check_tags(tags), DISCARDED
+        return self._loop.run(self.coordinator.release_memory, wanted, weights_to or DISCARDED)
 
-        def go() -> int:
-            busy = len(self.coordinator.unfinished())
-            if busy:
-                raise InvalidRequestError(f"cannot sleep with {busy} unfinished requests; abort or wait for them")
-            self.coordinator.flush_prefix_cache()  # the KV pools are released with everything in them
-            return sum(self.coordinator.pool.call("sleep", level=level))
-
-        freed = self._loop.run(go)
-        self.weights.slept(level)
-        return freed
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Restore what ``sleep`` released; ``tags`` may restrict it to "weights" and/or "kv_cache"."""
+    def wake_up(self, tags: list[str] | None = None) -> list[str]:
+        """Restore what ``sleep`` released (``tags``: only "weights", "kv_cache" or "cuda_graph");
+        returns what was restored. Whatever was not released is left alone: waking an awake engine
+        is a no-op and never touches running requests or the prefix cache."""
         self._ensure_open()
-        tags = list(tags) if tags is not None else ["weights", "kv_cache"]
-        unknown = set(tags) - {"weights", "kv_cache"}
-        if unknown:
-            raise InvalidRequestError(f"unknown wake_up tags {sorted(unknown)}; use 'weights' and/or 'kv_cache'")
-        weights = "weights" in tags
-        blocks = self.memory.num_blocks(self.coordinator.layout) if "kv_cache" in tags else None
-
-        def go() -> None:
-            self.coordinator.pool.call("wake_up", kv_blocks=blocks, weights=weights)
-            if self.weights.woke(weights, kv_cache=blocks is not None):
-                self.coordinator.pool.call("reload_weights", path=self.weights.path)
-
-        self._loop.run(go)
+        wanted = check_tags(tags)
+        return sorted(self._loop.run(self.coordinator.restore_memory, wanted))
 
     @property
     def sleeping(self) -> bool:
-        return self.weights.sleep_level > 0
+        """Whether any memory is released (``sleep`` without the matching ``wake_up``)."""
+        return self.coordinator.sleep.asleep
+
+    def released_memory(self) -> list[str]:
+        """The memory tags released now."""
+        return sorted(self.coordinator.sleep.released())
 
     def pause(self, mode: str = "in_place") -> int:
         """Stop starting new steps until ``resume``; returns how many requests the mode touched.

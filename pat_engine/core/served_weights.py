@@ -1,8 +1,9 @@
 """ServedWeights: which weights the workers serve, and whether a restart can bring them back.
 
-The one owner of that state. The engine's RL methods (update, sleep, wake)
-and the engine loop's restart path report what happened; generation asks
-``refusal()`` whether it may start.
+The one owner of that state. The engine's RL methods (update, wake-up after a
+sleep that discarded them) and the engine loop's restart path report what
+happened; generation asks ``refusal()`` whether it may start. What memory is
+released is ``SleepState``'s record, not this one's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ class ServedWeights:
     path: str  # the checkpoint workers load at start and after a restart
     on_disk: bool = True  # False after in-memory updates: a restart would lose them
     stale: bool = False  # the workers do not serve the latest weights (until the trainer pushes them again)
-    sleep_level: int = 0  # 0 awake; 1 KV (and on GPU weights) released; 2 weights dropped too
     updates: int = 0  # weight updates applied so far (every kind: tensors, disk, distributed)
     version: str = INITIAL_WEIGHT_VERSION  # what responses report; the caller's string, else the update count
 
@@ -38,24 +38,15 @@ class ServedWeights:
         if not self.on_disk:
             self.stale = True
 
-    def slept(self, level: int) -> None:
-        self.sleep_level = level
-
-    def woke(self, weights: bool, kv_cache: bool) -> bool:
-        """Record a wake-up; True when the weights must be reloaded from ``path`` (a level-2 sleep
-        dropped them). After in-memory updates there is nothing on disk to reload: the weights are
-        stale until the trainer pushes them."""
-        reload = weights and self.sleep_level == 2 and self.on_disk
-        if weights and self.sleep_level == 2 and not self.on_disk:
+    def restored_after_discard(self) -> bool:
+        """Weights a sleep discarded come back: True when they are to be reloaded from ``path``. After
+        in-memory updates nothing on disk holds them: they are stale until the trainer pushes them."""
+        if not self.on_disk:
             self.stale = True
-        if kv_cache:
-            self.sleep_level = 0
-        return reload
+        return self.on_disk
 
     def refusal(self) -> str | None:
-        """Why new requests cannot run now, or None."""
-        if self.sleep_level:
-            return "the engine is asleep; call wake_up() before generating"
+        """Why new requests cannot run now (the served weights are not the latest), or None."""
         if self.stale:
             return ("the served weights are not current (workers restarted after a failure, or woken from a "
                     "level-2 sleep, after in-memory weight updates); call update_weights() or "

@@ -13,7 +13,6 @@ and each open stream ends with an in-band error event and ``[DONE]``.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 from contextlib import asynccontextmanager
@@ -32,6 +31,7 @@ from pat_engine.errors import EngineClosedError, EngineDeadError, InvalidRequest
 from pat_engine.serve.async_engine import AsyncEngine, ClientDisconnected, RequestGroup, ServerOverloaded, ServerShuttingDown
 from pat_engine.serve.errors import APIError, validation_error
 from pat_engine.serve.guard import RequestGuard, read_body_limited
+from pat_engine.serve.json_body import BadJSON, parse_json
 from pat_engine.serve.metrics import ServerMetrics
 from pat_engine.serve.sglang import register_sglang_routes
 from pat_engine.serve.openai_protocol import (
@@ -112,9 +112,9 @@ class PatServer:
             raise APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}")
         raw = await read_body_limited(request, self.config.max_body_bytes)
         try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+            data = parse_json(raw)
+        except BadJSON as exc:
+            raise APIError(400, str(exc)) from None
         if not isinstance(data, dict):
             raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
         try:

@@ -42,7 +42,8 @@ class InferExecutor:
         self.kv = self.new_pool(layout, num_blocks)
         self.inputs = StepInputBuilder(block_size, device, arch.vocab_size)  # also keeps each sequence's table
         load_decode_kernel(device, dtype)
-        self._residency = "resident"  # where this rank's weight bytes are: "resident", "offloaded" or "released"
+        self._residency = "resident"  # where this rank's weight bytes are: "resident", "offloaded" or "discarded"
+        self.kv_released = False  # the KV pool was given back (sleep); no step may run until it is restored
         self._writers = 0  # open ``writing_weights`` blocks
 
     @contextlib.contextmanager
@@ -91,17 +92,34 @@ class InferExecutor:
 
     # ---- memory release for colocated training (sleep / wake_up) ----------------------------
 
-    def release_memory(self, level: int) -> int:
-        """Level 1: drop the KV pool (and on GPU move weights to host); level 2: drop weights too."""
-        freed = self.kv.nbytes
-        self.allocate_kv(0)
-        if level >= 2 or self.device.type != "cpu":
+    def release_memory(self, kv: bool, weights: str | None) -> int:
+        """Give memory back; returns the bytes freed. ``kv``: the KV pool (the driver has taken every
+        sequence's blocks back first); ``weights``: "offloaded" to host memory or "discarded"."""
+        freed = 0
+        if kv:
+            freed += self.kv.nbytes
+            self.kv.release()
+            self.kv_released = True
+            self.inputs.seqs.clear()  # no block table may point into a pool that is gone
+        if weights is not None and self._residency == "resident":
             with self.writing_weights():
                 for p in self.model.parameters():
                     freed += p.numel() * p.element_size()
-                    p.data = torch.empty(0, dtype=p.dtype) if level >= 2 else p.data.to("cpu")
-                self._residency = "released" if level >= 2 else "offloaded"
+                    p.data = torch.empty(0, dtype=p.dtype) if weights == "discarded" else p.data.to("cpu")
+                self._residency = weights
         return freed
+
+    def restore_memory(self, kv_blocks: int | None, weights: bool) -> None:
+        """Undo ``release_memory``: the weights (from host memory, or zeroed for a reload) and a fresh
+        KV pool of ``kv_blocks`` blocks. Restoring a pool that was not released is refused: it would
+        wipe the KV that running sequences and the driver's prefix cache point into."""
+        if weights:
+            self.restore_weights()
+        if kv_blocks is not None:
+            if not self.kv_released:
+                raise RuntimeError("asked to restore a KV pool that was never released (it holds live KV)")
+            self.kv = self.new_pool(self.layout, kv_blocks)
+            self.kv_released = False
 
     def restore_weights(self) -> None:
         """Bring weights back after ``release_memory``: from host memory, or zeroed (to be reloaded)."""
@@ -124,6 +142,9 @@ class InferExecutor:
 
     @torch.inference_mode()
     def execute(self, cmd: StepCommand) -> StepResult | None:
+        if self.kv_released or self._residency != "resident":
+            raise RuntimeError("a step arrived while this rank's memory is released (sleep); the driver must not "
+                               "dispatch until wake_up restores it")
         start = time.perf_counter()
         with record_function("prepare"):
             step = self.inputs.build(cmd, samples=self.tp.rank == 0)

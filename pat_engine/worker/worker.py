@@ -130,15 +130,12 @@ class Worker:
     def rpc_reload_weights(self, path: str) -> None:
         self.executor.load_weights(path)
 
-    def rpc_sleep(self, level: int) -> int:
-        """Free the KV pool (level >= 1) and the weights (level 2; offloaded to host at level 1 on GPU)."""
-        return self.executor.release_memory(level)
+    def rpc_release_memory(self, kv: bool, weights: str | None) -> int:
+        """Free the KV pool and/or the weights ("offloaded" to host, or "discarded"); bytes freed."""
+        return self.executor.release_memory(kv, weights)
 
-    def rpc_wake_up(self, kv_blocks: int | None, weights: bool) -> None:
-        if weights:
-            self.executor.restore_weights()
-        if kv_blocks is not None:
-            self.executor.allocate_kv(kv_blocks)
+    def rpc_restore_memory(self, kv_blocks: int | None, weights: bool) -> None:
+        self.executor.restore_memory(kv_blocks, weights)
 
     def rpc_allocate_kv(self, num_blocks: int) -> None:
         """GPU start-up: the first KV pool, once the driver knows what every rank can hold."""

@@ -114,8 +114,7 @@ class PatRolloutActor:
         await self.frontend.sleep(level)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        for tag in tags if tags is not None else ["weights", "kv_cache"]:  # one at a time, as OpenRLHF's actor
-            await self.frontend.wake_up([tag])
+        await self.frontend.wake_up(tags)
 
     async def reset_prefix_cache(self) -> None:
         self.engine.flush_cache()  # no prefix cache to reset

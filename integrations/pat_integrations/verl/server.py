@@ -90,9 +90,8 @@ class PatServer(LayoutViews):
 
     async def release_kv_cache(self) -> None:
         """Free only the KV cache (around a checkpoint-engine weight sync)."""
-        if self.free_cache_engine and not self.frontend.released:
-            await self.frontend.sleep(1)
-            await self.frontend.wake_up(["weights"])
+        if self.free_cache_engine:
+            await self.frontend.sleep(tags=["kv_cache"])
 
     async def resume_kv_cache(self) -> None:
         await self.frontend.wake_up(["kv_cache"])
@@ -123,7 +122,7 @@ class PatServer(LayoutViews):
         return None
 
     def is_sleeping(self) -> bool:
-        return bool(self.frontend.released)
+        return self.engine.sleeping
 
     def num_unfinished_requests(self) -> int:
         return self.frontend.num_in_flight

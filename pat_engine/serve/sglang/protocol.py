@@ -151,7 +151,7 @@ class UpdateFromTensorRequest(_WeightUpdateCommon):
 
 
 class MemoryTagsRequest(_Strict):
-    tags: Optional[list[Literal["weights", "kv_cache"]]] = None
+    tags: Optional[list[Literal["weights", "kv_cache", "cuda_graph"]]] = None
 
 
 class ReconfigureRequest(_Strict):

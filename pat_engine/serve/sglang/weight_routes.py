@@ -19,6 +19,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from pat_engine.core.sleep_state import MEMORY_TAGS
 from pat_engine.errors import InvalidRequestError, ModelLoadError, WorkerFailure
 from pat_engine.serve.sglang.body import parse_optional
 from pat_engine.serve.sglang.protocol import (
@@ -127,12 +128,20 @@ def register_weight_routes(app: FastAPI, pat: "PatServer") -> None:
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def release_memory_occupation(request: Request) -> JSONResponse:
+        """SGLang's release: every tag when none is named; released weights are discarded (a wake-up
+        reloads them from disk, or the trainer pushes new ones)."""
         req = await parse_optional(pat, request, MemoryTagsRequest)
-        tags = set(req.tags or ("weights", "kv_cache"))
-        level = 2 if "weights" in tags else 1  # KV only: level 1; weights too: level 2 (wake reloads or a push)
-        return _answer(*await _run(engine.sleep, level, ok=f"released {sorted(tags)}"))
+        tags = list(req.tags) if req.tags else list(MEMORY_TAGS)
+        return _answer(*await _run(engine.sleep, tags=tags, ok=f"released {sorted(tags)}"))
 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
     async def resume_memory_occupation(request: Request) -> JSONResponse:
+        """Restores only what is released: a retry, or a resume of an awake engine, changes nothing."""
         req = await parse_optional(pat, request, MemoryTagsRequest)
-        return _answer(*await _run(engine.wake_up, req.tags, ok=f"resumed {sorted(req.tags or ('weights', 'kv_cache'))}"))
+        try:
+            restored = await asyncio.to_thread(engine.wake_up, req.tags)
+        except REFUSED as exc:
+            return _answer(False, str(exc))
+        except WorkerFailure as exc:
+            return _answer(False, str(exc).splitlines()[0])
+        return _answer(True, f"resumed {restored}" if restored else "nothing was released; nothing to do")

@@ -1,0 +1,99 @@
+"""Releasing and restoring memory (sleep / wake_up) against in-process fake workers: no processes.
+
+The fake pool fails any step dispatched while its KV is released and any restore of a pool that
+was never released, so these tests check the driver never runs a request on released memory and
+never replaces live KV. Token equality with real workers is in tests/test_memory_release_e2e.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from driver_fixtures import expected_tokens, make_driver
+from pat_engine.core.sleep_state import DISCARDED, OFFLOADED, SleepState, check_tags, tags_for_level
+from pat_engine.errors import InvalidRequestError, LayoutError
+from pat_engine.core.policy import SwitchDecision
+
+KV = {"kv_cache", "cuda_graph"}
+
+
+def memory_calls(driver) -> list[tuple[str, dict]]:
+    return [(m, kw) for m, kw in driver.pool.calls if m in ("release_memory", "restore_memory", "reload_weights")]
+
+
+def test_release_retracts_running_requests_and_nothing_runs_until_restored():
+    d = make_driver()
+    seqs = [d.add([1, 2, 3, 4, 5, 6, 7, 8, 9], 12) for _ in range(3)] + [d.add([7, 7], 20)]
+    d.ticks(4)  # prefilled and decoding
+    assert any(s.block_table for s in seqs)
+    d.coord.release_memory(KV, OFFLOADED)
+    assert all(not s.block_table and s.num_cached == 0 for s in seqs)  # KV given back, prefilled again later
+    assert d.used_blocks() == 0 and all(s.blocks.num_cached == 0 for s in d.coord.schedulers)
+    steps = len(d.pool.steps)
+    d.ticks(20)
+    assert len(d.pool.steps) == steps and not any(s.finished for s in seqs)  # waits: nothing dispatched
+    assert d.coord.restore_memory(KV) == KV
+    d.run()
+    assert all(s.output_ids == expected_tokens(s) for s in seqs)
+
+
+def test_waking_an_awake_engine_is_a_no_op_that_leaves_running_requests_alone():
+    d = make_driver()
+    seqs = [d.add([3, 4, 5, 6, 7, 8, 9, 10], 16) for _ in range(2)]
+    d.ticks(3)
+    tables = [list(s.block_table) for s in seqs]
+    assert d.coord.restore_memory({"weights", "kv_cache", "cuda_graph"}) == set()
+    assert memory_calls(d) == [] and [s.block_table for s in seqs] == tables
+    d.run()
+    assert all(s.output_ids == expected_tokens(s) for s in seqs)
+
+
+def test_release_and_restore_are_idempotent_and_restore_only_what_was_released():
+    d = make_driver()
+    d.coord.release_memory(KV, OFFLOADED)
+    assert d.coord.release_memory(KV, OFFLOADED) == 0  # already released
+    assert [m for m, _ in memory_calls(d)] == ["release_memory"]
+    assert d.coord.restore_memory({"weights"}) == set()  # the weights were never released
+    assert d.coord.restore_memory(KV) == KV
+    assert d.coord.restore_memory(KV) == set()
+    assert [m for m, _ in memory_calls(d)] == ["release_memory", "restore_memory"]
+
+
+def test_discarded_weights_come_back_from_disk_or_wait_for_the_trainer():
+    d = make_driver()
+    d.coord.release_memory({"weights", "kv_cache"}, DISCARDED)
+    assert d.coord.sleep == SleepState(kv_cache=True, weights=DISCARDED)
+    d.coord.restore_memory({"weights"})
+    assert memory_calls(d)[-1] == ("reload_weights", {"path": "fake"})
+    assert d.coord.sleep.asleep  # the KV is still released
+    d.coord.restore_memory({"kv_cache"})
+    assert not d.coord.sleep.asleep and d.coord.may_dispatch()
+
+    d.coord.weights.updated_in_memory()  # the served weights now exist only in memory
+    d.coord.release_memory({"weights", "kv_cache"}, DISCARDED)
+    seq = d.add([1, 2, 3], 4)  # queued while asleep
+    d.coord.restore_memory({"weights", "kv_cache"})
+    assert memory_calls(d)[-1][0] == "restore_memory" and d.coord.weights.stale
+    d.ticks(10)
+    assert seq.output_ids == [] and not d.coord.may_dispatch()  # no step on zeroed weights
+    d.coord.weights.updated_in_memory()  # the trainer pushed them
+    d.run()
+    assert seq.output_ids == expected_tokens(seq)
+
+
+def test_no_layout_switch_while_memory_is_released():
+    d = make_driver()
+    d.coord.release_memory(KV, OFFLOADED)
+    with pytest.raises(LayoutError, match="released"):
+        d.coord.switch(SwitchDecision(2, "test"))
+
+
+def test_tags_and_levels():
+    assert check_tags(None) == {"weights", "kv_cache", "cuda_graph"}
+    with pytest.raises(InvalidRequestError, match="unknown memory tags"):
+        check_tags(["gpu"])
+    assert tags_for_level(1, on_gpu=False) == (KV, None)
+    assert tags_for_level(1, on_gpu=True) == (KV | {"weights"}, OFFLOADED)
+    assert tags_for_level(2, on_gpu=False) == (KV | {"weights"}, DISCARDED)
+    with pytest.raises(InvalidRequestError, match="level"):
+        tags_for_level(3, on_gpu=False)
