@@ -347,7 +347,7 @@ def fault_poison(model: str, reference: list[list[int]]) -> list:
 def fault_budget(model: str) -> list:
     with Engine(model, tp=1, dp=1, dtype="float32", max_model_len=MAX_LEN, max_worker_restarts=1,
                 restart_window_s=600) as engine:
-        crash = lambda: engine._loop.run(lambda: engine.coordinator.pool.call("inject_fault", where="step", how="exit"))  # noqa: E731
+        crash = lambda: engine._loop.run(lambda: engine.coordinator.workers.inject_fault("step", "exit"))  # noqa: E731
         crash()
         engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4), use_tqdm=False)
         crash()
@@ -371,7 +371,7 @@ def fault_budget(model: str) -> list:
 
 def fault_switch(model: str, reference: list[list[int]]) -> list:
     with Engine(model, tp=1, dp=2, dtype="float32", max_model_len=MAX_LEN, max_worker_restarts=10) as engine:
-        engine._loop.run(lambda: engine.coordinator.pool.call("inject_fault", ranks=[1], where="reshard", how="exit"))
+        engine._loop.run(lambda: engine.coordinator.workers.inject_fault("reshard", "exit", [1]))
         t = time.monotonic()
         outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=40, ignore_eos=True), switch_schedule=[(10, 2)],
                                use_tqdm=False)

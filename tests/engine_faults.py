@@ -8,4 +8,4 @@ from pat_engine import Engine
 def inject_fault(engine: Engine, ranks: list[int], where: str, how: str = "raise") -> None:
     """Make the next pass of ``ranks`` through ``where`` ("step", "switch_start", "reshard") raise,
     hang, or exit."""
-    engine._loop.run(lambda: engine.coordinator.pool.call("inject_fault", ranks=ranks, where=where, how=how))
+    engine._loop.run(lambda: engine.coordinator.workers.inject_fault(where, how, ranks))

@@ -1,7 +1,7 @@
 """An in-process stand-in for ``WorkerPool``: the driver logic runs against it in milliseconds.
 
-It speaks the real protocol (``StepCommand`` in, ``StepResult`` out; ``Call`` by
-method name; ``SwitchPlan`` in, ``SwitchReport`` per rank out) and checks the
+It speaks the real protocol (``StepCommand`` in, ``StepResult`` out; typed control
+calls; ``SwitchPlan`` in, ``SwitchReport`` per rank out) and checks the
 driver keeps its side of the contract: a prefill brings a block table, a decode
 only appends blocks, every slot a step writes lies inside the rank's pool, and
 no two sequences of a group hold the same block. The next token is a pure
@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 
 from pat_engine.errors import WorkerFailure
 from pat_engine.parallel.layout import Layout
-from pat_engine.protocol import Reply, StepCommand, StepResult, SwitchPlan, SwitchReport
+from pat_engine.protocol import (
+    ReleaseMemory, Reply, RestoreMemory, StepCommand, StepResult, Switch, SwitchPlan, SwitchReport, WorkerCall,
+)
 
 
 def fake_token(seq_id: int, position: int, vocab: int) -> int:
@@ -34,7 +36,7 @@ class FakeWorkerPool:
     fail_switch: bool = False  # the next switch call fails on rank 0
     steps: list[StepCommand] = field(default_factory=list)
     plans: list[SwitchPlan] = field(default_factory=list)
-    calls: list[tuple[str, dict]] = field(default_factory=list)
+    calls: list[WorkerCall] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.world = self.layout.world
@@ -57,18 +59,18 @@ class FakeWorkerPool:
             return
         self.pending.append(self._execute(group, msg))
 
-    def call(self, method: str, ranks: list[int] | None = None, timeout: float | None = None, **kwargs) -> list:
-        self.calls.append((method, kwargs))
+    def call(self, body: WorkerCall, ranks: list[int] | None = None, timeout: float | None = None) -> list:
+        self.calls.append(body)
         ranks = list(range(self.world)) if ranks is None else ranks
-        if method == "switch":
-            return self._switch(kwargs["plan"])
-        if method == "release_memory" and kwargs["kv"]:
+        if isinstance(body, Switch):
+            return self._switch(body.plan)
+        if isinstance(body, ReleaseMemory) and body.kv:
             self.kv_released = True
             self.tables = {g: {} for g in range(self.layout.dp)}
-        if method == "restore_memory" and kwargs["kv_blocks"] is not None:
+        if isinstance(body, RestoreMemory) and body.kv_blocks is not None:
             assert self.kv_released, "restore of a KV pool that holds live KV"
-            self.kv_released, self.num_blocks = False, kwargs["kv_blocks"]
-        if method == "release_memory":
+            self.kv_released, self.num_blocks = False, body.kv_blocks
+        if isinstance(body, ReleaseMemory):
             return [0 for _ in ranks]
         return [None for _ in ranks]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 
 from driver_fixtures import BLOCK, expected_tokens, make_driver
-from pat_engine.core.layout_switch import LayoutSwitch
 from pat_engine.core.policy import ScheduledSwitches, SwitchDecision
 from pat_engine.errors import LayoutError, WorkerFailure
 from pat_engine.parallel.dp_placement import balance_by_context
@@ -116,9 +115,9 @@ def test_switch_target_that_cannot_hold_a_request_is_refused_before_anything_mov
     d = make_driver(tp=2, dp=1, kv_blocks=24)  # 96 slots per group at TP2; TP1 (two KV heads per rank) holds 48
     d.add([1] * 10, 60)
     with pytest.raises(LayoutError, match="needs 72 KV slots but a DP group would hold 48"):
-        LayoutSwitch(d.coord).check_target(1)
+        d.coord.switch(SwitchDecision(1, "test"))
     with pytest.raises(LayoutError, match="tp=3"):
-        LayoutSwitch(d.coord).check_target(3)
+        d.coord.switch(SwitchDecision(3, "test"))
     assert d.pool.plans == []
 
 

@@ -80,7 +80,7 @@ def test_used_up_restart_budget_refuses_new_requests_at_once(model_dir):
     """Defect 3: after the budget is used up, submit() accepted requests that never finished."""
     path = model_dir("llama")
     with Engine(path, tp=1, dp=1, dtype="float64", max_worker_restarts=1, restart_window_s=600) as engine:
-        crash = lambda: engine._loop.run(lambda: engine.coordinator.pool.call("inject_fault", where="step", how="exit"))
+        crash = lambda: engine._loop.run(lambda: engine.coordinator.workers.inject_fault("step", "exit"))
         crash()
         out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6), use_tqdm=False)[0]  # recovered
         assert out.token_ids == hf_greedy(path, [5, 6, 7], 6)

@@ -13,12 +13,13 @@ from driver_fixtures import expected_tokens, make_driver
 from pat_engine.core.sleep_state import DISCARDED, OFFLOADED, SleepState, check_tags, tags_for_level
 from pat_engine.errors import InvalidRequestError, LayoutError
 from pat_engine.core.policy import SwitchDecision
+from pat_engine.protocol import ReleaseMemory, ReloadWeights, RestoreMemory, WorkerCall
 
 KV = {"kv_cache", "cuda_graph"}
 
 
-def memory_calls(driver) -> list[tuple[str, dict]]:
-    return [(m, kw) for m, kw in driver.pool.calls if m in ("release_memory", "restore_memory", "reload_weights")]
+def memory_calls(driver) -> list[WorkerCall]:
+    return [c for c in driver.pool.calls if isinstance(c, (ReleaseMemory, RestoreMemory, ReloadWeights))]
 
 
 def test_release_retracts_running_requests_and_nothing_runs_until_restored():
@@ -52,11 +53,11 @@ def test_release_and_restore_are_idempotent_and_restore_only_what_was_released()
     d = make_driver()
     d.coord.release_memory(KV, OFFLOADED)
     assert d.coord.release_memory(KV, OFFLOADED) == 0  # already released
-    assert [m for m, _ in memory_calls(d)] == ["release_memory"]
+    assert [type(c) for c in memory_calls(d)] == [ReleaseMemory]
     assert d.coord.restore_memory({"weights"}) == set()  # the weights were never released
     assert d.coord.restore_memory(KV) == KV
     assert d.coord.restore_memory(KV) == set()
-    assert [m for m, _ in memory_calls(d)] == ["release_memory", "restore_memory"]
+    assert [type(c) for c in memory_calls(d)] == [ReleaseMemory, RestoreMemory]
 
 
 def test_discarded_weights_come_back_from_disk_or_wait_for_the_trainer():
@@ -64,7 +65,7 @@ def test_discarded_weights_come_back_from_disk_or_wait_for_the_trainer():
     d.coord.release_memory({"weights", "kv_cache"}, DISCARDED)
     assert d.coord.sleep == SleepState(kv_cache=True, weights=DISCARDED)
     d.coord.restore_memory({"weights"})
-    assert memory_calls(d)[-1] == ("reload_weights", {"path": "fake"})
+    assert memory_calls(d)[-1] == ReloadWeights("fake")
     assert d.coord.sleep.asleep  # the KV is still released
     d.coord.restore_memory({"kv_cache"})
     assert not d.coord.sleep.asleep and d.coord.may_dispatch()
@@ -73,7 +74,7 @@ def test_discarded_weights_come_back_from_disk_or_wait_for_the_trainer():
     d.coord.release_memory({"weights", "kv_cache"}, DISCARDED)
     seq = d.add([1, 2, 3], 4)  # queued while asleep
     d.coord.restore_memory({"weights", "kv_cache"})
-    assert memory_calls(d)[-1][0] == "restore_memory" and d.coord.weights.stale
+    assert isinstance(memory_calls(d)[-1], RestoreMemory) and d.coord.weights.stale
     d.ticks(10)
     assert seq.output_ids == [] and not d.coord.may_dispatch()  # no step on zeroed weights
     d.coord.weights.updated_in_memory()  # the trainer pushed them

@@ -5,6 +5,11 @@ and keeps every request's state, so moving requests between groups during a
 switch is a local data operation. DP groups step independently: each idle
 group gets its next batch as soon as its previous step returns.
 
+It also owns every control operation (pause, switch, weight updates, memory
+release, the installed policy and placement): ``Engine`` runs these methods in
+the loop thread and adds only argument checks. Workers are reached through
+``workers`` (a ``WorkerClient``: one typed method per control call).
+
 Departure from the architecture picture (docs/switch.md), on purpose: batches
 are picked here (per group) rather than by each group's leader, and sent to
 every rank of the group directly. With all request state in one place the switch needs no
@@ -15,11 +20,12 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 from dataclasses import dataclass
 from typing import Callable
 
 from pat_engine.config import EngineConfig
-from pat_engine.core.layout_switch import LayoutSwitch
+from pat_engine.core.layout_switch import PlannedSwitch, check_target, plan_switch
 from pat_engine.core.measured_rates import MeasuredRates
 from pat_engine.core.memory import MemoryPlan
 from pat_engine.core.policy import ClusterStatus, GroupSnapshot, RequestSnapshot, SwitchDecision, SwitchPolicy
@@ -28,10 +34,11 @@ from pat_engine.core.scheduler import GroupScheduler
 from pat_engine.core.served_weights import ServedWeights
 from pat_engine.core.sleep_state import DISCARDED, SleepState
 from pat_engine.core.timeline import SwitchEvent, Timeline
+from pat_engine.core.worker_client import WorkerClient
 from pat_engine.core.worker_pool import WorkerPool
 from pat_engine.errors import LayoutError, WorkerFailure, last_traceback_line
 from pat_engine.parallel.layout import Layout
-from pat_engine.protocol import Reply, StepCommand, StepResult
+from pat_engine.protocol import Reply, StepCommand, StepResult, SwitchReport
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +92,11 @@ class GlobalCoordinator:
         self.seqs: dict[int, Sequence] = {}  # unfinished, by seq id
         self.step_log: list[StepRecord] | None = None  # set to a list to record every step
         self.last_step_at: float | None = None  # monotonic time of the last step result (for /health)
+
+    @property
+    def workers(self) -> WorkerClient:
+        """The typed control calls to the current worker pool (a restart replaces the pool)."""
+        return WorkerClient(self.pool)
 
     # ---- layout ----------------------------------------------------------------------
 
@@ -197,6 +209,109 @@ class GlobalCoordinator:
     def unfinished(self) -> list[Sequence]:
         return list(self.seqs.values())
 
+    # ---- control: what Engine asks for, run here in the loop thread ---------------------------------
+
+    def set_policy(self, policy: SwitchPolicy | None, cost_source: Any = None) -> None:
+        """Install the switch policy (None: static) and, when given, the cost source switches are priced
+        with (the predictor that comes with a controller)."""
+        self.policy = policy
+        if cost_source is not None:
+            self.cost_source = cost_source
+
+    def set_placement(self, placement: Callable[[Sequence, list[GroupScheduler]], int] | None) -> None:
+        self.placement = placement
+
+    def set_step_log(self, step_log: list[StepRecord] | None) -> None:
+        """Append a ``StepRecord`` per step to ``step_log`` (None: stop recording)."""
+        self.step_log = step_log
+
+    def pause(self, mode: str) -> int:
+        """Start no step until ``resume``; returns how many requests ``mode`` touched (Engine.pause)."""
+        self.paused = True
+        self.drain()
+        if mode == "retract":
+            return self.retract_all()
+        if mode == "abort":
+            return len(self.abort([s.seq_id for s in self.unfinished()], "abort", "aborted by pause (mode abort)"))
+        return len(self.unfinished())
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def abort_all(self, message: str) -> int:
+        return len(self.abort([s.seq_id for s in self.unfinished()], "abort", message))
+
+    def num_unfinished(self) -> int:
+        return len(self.seqs)
+
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.pool.procs]
+
+    def worker_stats(self) -> list[dict]:
+        return self.workers.stats()
+
+    def bandwidth_probe(self, nbytes: int, repeats: int) -> list[float]:
+        """Each rank's best seconds to exchange ``nbytes`` with its neighbours, all ranks at once."""
+        return self.workers.bandwidth_probe(nbytes, repeats)
+
+    def kv_blocks(self) -> dict:
+        """Free, cached and total KV blocks per DP group and whether the block invariants hold
+        (reported, not raised)."""
+        groups = [{"group": g, "free": s.blocks.num_free, "cached": s.blocks.num_cached,
+                   "total": s.blocks.num_blocks} for g, s in enumerate(self.schedulers)]
+        out = {"layout": str(self.layout), "groups": groups, "unfinished": len(self.seqs)}
+        try:
+            self.check_block_invariants()
+            out["invariants"] = "ok"
+        except AssertionError as exc:
+            out["invariants"] = f"violated: {exc}"
+        return out
+
+    def start_stage(self, policy: SwitchPolicy | None, base_layout: Layout | None = None) -> None:
+        """A new generation stage: back to ``base_layout`` first when given (an idle switch when nothing
+        runs), then ``policy`` (None: the installed one) counts decode steps from 0."""
+        if base_layout is not None and self.layout != base_layout:
+            self.switch(SwitchDecision(base_layout.tp, "new stage: base layout"))
+        self.policy = policy if policy is not None else self.policy
+        self.stage_decode_steps = 0
+        for s in self.schedulers:
+            s.decode_steps = 0
+
+    # ---- weights: updated in place at a step boundary -----------------------------------------------
+
+    def load_weights(self, tensors: list[tuple[str, Any]]) -> int:
+        """One bucket of full named tensors into every rank's shards; returns how many were applied."""
+        self.drain()
+        return self.workers.load_weights(tensors)
+
+    def reload_weights(self, path: str) -> None:
+        self.drain()
+        self.workers.reload_weights(path)
+
+    def receive_weights(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+                        timeout_s: float | None) -> int:
+        """The trainer's broadcast of full tensors, through the weight-update group ``group_name``."""
+        self.drain()
+        return self.workers.update_weights_from_distributed(names, dtypes, shapes, group_name, timeout_s)
+
+    def join_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str, timeout_s: float) -> None:
+        """Every worker joins a trainer's group as rank ``rank_offset + its rank`` (blocks until all have)."""
+        self.workers.init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name,
+                                               backend, timeout_s)
+
+    def leave_weights_update_group(self, group_name: str) -> bool:
+        return self.workers.destroy_weights_update_group(group_name)
+
+    def new_weight_version(self, version: str | None) -> str:
+        """Count one finished update; unfinished requests note from which token the new weights apply.
+        The prefix cache is dropped: its blocks hold KV the old weights computed."""
+        self.flush_prefix_cache()
+        name = self.weights.new_version(version)
+        for seq in self.seqs.values():
+            seq.note_new_weights(name)
+        return name
+
     # ---- the loop body -------------------------------------------------------------------
 
     def tick(self, timeout: float | None, wake=None) -> None:
@@ -306,12 +421,6 @@ class GlobalCoordinator:
         return ClusterStatus(time.time(), self.layout, tuple(groups), self.stage_decode_steps, self.config.block_size,
                              self.placement)
 
-    def start_stage(self, policy: SwitchPolicy | None) -> None:
-        self.policy = policy
-        self.stage_decode_steps = 0
-        for s in self.schedulers:
-            s.decode_steps = 0
-
     def reset(self, pool: WorkerPool, layout: Layout) -> list[Sequence]:
         """Adopt a fresh worker world: every unfinished request is queued again for recompute."""
         self.pool = pool
@@ -349,7 +458,7 @@ class GlobalCoordinator:
             self.retract_all()
             self.flush_prefix_cache()
             self.check_block_invariants()  # every block is free now: a restored pool holds nothing anyone reads
-        freed = sum(self.pool.call("release_memory", kv=kv, weights=weights))
+        freed = self.workers.release_memory(kv, weights)
         self.sleep.kv_cache = self.sleep.kv_cache or kv
         self.sleep.weights = self.sleep.weights or weights
         return freed
@@ -363,9 +472,9 @@ class GlobalCoordinator:
             return set()
         reload = weights and self.sleep.weights == DISCARDED and self.weights.restored_after_discard()
         blocks = self.memory.num_blocks(self.layout) if kv else None
-        self.pool.call("restore_memory", kv_blocks=blocks, weights=weights)
+        self.workers.restore_memory(blocks, weights)
         if reload:
-            self.pool.call("reload_weights", path=self.weights.path)
+            self.workers.reload_weights(self.weights.path)
         if weights:
             self.sleep.weights = None
         if kv:
@@ -375,7 +484,41 @@ class GlobalCoordinator:
     # ---- switching -------------------------------------------------------------------------
 
     def switch(self, decision: SwitchDecision) -> SwitchEvent:
-        """Change layout now (drains in-flight steps first); returns the switch's record."""
+        """Change layout now (docs/switch.md); returns the switch's record.
+
+        The target is checked before anything moves; then in-flight steps drain, every unfinished
+        request is taken out of its group, ``plan_switch`` decides where each goes and whether its KV
+        migrates, every rank runs the plan, and the requests join the new groups.
+        """
         if self.sleep.asleep:  # the reshard reads the weights and the KV it would move
             raise LayoutError(f"cannot change the layout while {self.sleep.describe()} is released; wake_up() first")
-        return LayoutSwitch(self).run(decision)
+        started = time.perf_counter()
+        new = check_target(self.memory, self.layout, decision.tp, self.unfinished())
+        self.drain()
+        old = self.layout
+        if new == old:
+            return SwitchEvent(self.timeline.now(), str(old), str(new), decision.reason, "none", 0.0)
+        seqs = self.take_unfinished()
+        planned = plan_switch(decision, seqs, old, new, self.schedulers, self.new_schedulers, self.memory,
+                              self.config.kv_transfer, self.placement, self.cost_source)
+        report = self.workers.switch(planned.plan)
+        planned.seat(seqs)
+        self.install_layout(new, planned.schedulers)
+        return self._record_switch(decision, planned, report, len(seqs), started)
+
+    def _record_switch(self, decision: SwitchDecision, planned: PlannedSwitch, report: SwitchReport, requests: int,
+                       started: float) -> SwitchEvent:
+        """Feed the measured costs back to the cost source and add the switch to the timeline."""
+        old, new = planned.plan.old, planned.plan.new
+        if planned.path == "migrate":
+            self.cost_source.record_kv_transfer(report.busiest_kv_bytes, report.busiest_kv_s)
+        self.cost_source.record_weight_reshard(old.tp, new.tp, report.weights_s)
+        costs = {**report.to_dict(), "migrated_requests": len(planned.tables), "requests": requests}
+        del costs["rank"]
+        if planned.estimate is not None:
+            costs.update(predicted_migrate_s=planned.estimate.migrate_s,
+                         predicted_recompute_s=planned.estimate.recompute_s)
+        event = SwitchEvent(self.timeline.now(), str(old), str(new), decision.reason, planned.path,
+                            time.perf_counter() - started, costs, dict(decision.details))
+        self.timeline.add_switch(event)
+        return event

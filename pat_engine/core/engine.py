@@ -5,7 +5,9 @@
         outs = engine.generate(["a prompt", [1, 2, 3]], SamplingParams(max_new_tokens=64),
                                switch_schedule=[(32, 4)])  # go to TP4 at decode step 32
 
-Every method can be called from any thread; the work runs in the engine loop.
+Every method can be called from any thread. What touches requests, layouts, weights or
+workers is a ``GlobalCoordinator`` method that ``_on_loop`` runs in the engine loop
+thread between steps; Engine methods check arguments and hand over.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import replace
-from typing import Any, Callable, Iterable, Iterator, Sequence as Seq
+from typing import Any, Callable, Iterable, Iterator, Sequence as Seq, TypeVar
 
+import torch
 from tqdm.auto import tqdm
 
 from pat_engine.config import EngineConfig, check_kv_transfer
@@ -26,9 +29,11 @@ from pat_engine.core.policy import ClusterStatus, ScheduledSwitches, SwitchDecis
 from pat_engine.core.request import Sequence
 from pat_engine.core.request_handle import RequestHandle
 from pat_engine.core.restart_budget import RestartBudget
-from pat_engine.core.rl_control import RLControlMixin
 from pat_engine.core.served_weights import ServedWeights
+from pat_engine.core.sleep_state import DISCARDED, check_tags, tags_for_level
 from pat_engine.core.timeline import SwitchEvent
+from pat_engine.core.weight_sync import DEFAULT_BUCKET_BYTES, WeightSync
+from pat_engine.core.worker_client import WorkerClient
 from pat_engine.core.worker_pool import WorkerPool
 from pat_engine.errors import EngineClosedError, EngineDeadError, InvalidRequestError, ModelLoadError, WorkerFailure
 from pat_engine.model.arch import load_model_arch
@@ -40,8 +45,11 @@ from pat_engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+PAUSE_MODES = ("in_place", "retract", "abort")
 
-class Engine(RLControlMixin):
+
+class Engine:
     def __init__(self, model: str, tp: int = 1, dp: int = 1, **kwargs: Any):
         self.config = EngineConfig.from_kwargs(model, tp=tp, dp=dp, **kwargs)
         cfg = self.config
@@ -63,9 +71,9 @@ class Engine(RLControlMixin):
         pool = self._start_pool(kv_blocks=0 if measure else None)
         if measure:
             try:
-                budgets = pool.call("kv_budget", utilization=cfg.gpu_memory_utilization)
-                self.memory.kv_budget_base = min(budgets)  # every rank must hold the same pool
-                pool.call("allocate_kv", num_blocks=self.memory.num_blocks(self.base_layout))
+                workers = WorkerClient(pool)
+                self.memory.kv_budget_base = min(workers.kv_budget(cfg.gpu_memory_utilization))  # same pool on every rank
+                workers.allocate_kv(self.memory.num_blocks(self.base_layout))
             except BaseException:
                 pool.kill()
                 raise
@@ -76,6 +84,7 @@ class Engine(RLControlMixin):
         self._loop = EngineLoop(self.coordinator, self._start_pool,
                                 RestartBudget(cfg.max_worker_restarts, cfg.restart_window_s), cfg.recover_failed_workers,
                                 self.weights)
+        self._weight_sync = WeightSync(self.arch, cfg, self.coordinator, self.weights, self._on_loop)
         self._closed = False
         try:
             attach_controller(self)
@@ -93,6 +102,11 @@ class Engine(RLControlMixin):
                 raise ModelLoadError(str(exc).splitlines()[0]) from None
             raise
         return pool
+
+    def _on_loop(self, method: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
+        """Run ``method`` (the coordinator's or the loop's) in the engine loop thread, between steps;
+        its value or its exception comes back here."""
+        return self._loop.run(method, *args, timeout=timeout)
 
     # ---- context manager / lifecycle ------------------------------------------------------------
 
@@ -132,11 +146,11 @@ class Engine(RLControlMixin):
 
     def prefix_cache_stats(self) -> dict:
         """Prefix-cache hit rate (prompt tokens found cached at admission), cached and used KV blocks."""
-        return self._loop.run(self.coordinator.prefix_cache_stats)
+        return self._on_loop(self.coordinator.prefix_cache_stats)
 
     def worker_pids(self) -> list[int]:
         """Process ids of the current worker processes, by rank."""
-        return self._loop.run(lambda: [p.pid for p in self.coordinator.pool.procs])
+        return self._on_loop(self.coordinator.worker_pids)
 
     @property
     def max_model_len(self) -> int:
@@ -155,38 +169,25 @@ class Engine(RLControlMixin):
     def record_steps(self) -> Iterator[list[StepRecord]]:
         """Collect a ``StepRecord`` for every step run inside the ``with`` block."""
         log: list[StepRecord] = []
-        self._loop.run(lambda: setattr(self.coordinator, "step_log", log))
+        self._on_loop(self.coordinator.set_step_log, log)
         try:
             yield log
         finally:
-            self._loop.run(lambda: setattr(self.coordinator, "step_log", None))
+            self._on_loop(self.coordinator.set_step_log, None)
 
     def measure_bandwidth(self, nbytes: int = 8 << 20, repeats: int = 3) -> float:
         """One-way per-rank point-to-point bandwidth (bytes/s), every rank sending at once."""
-        seconds = self._loop.run(lambda: self.coordinator.pool.call("bandwidth_probe", nbytes=nbytes, repeats=repeats))
+        seconds = self._on_loop(self.coordinator.bandwidth_probe, nbytes, repeats)
         slowest = max(seconds)
         return float("inf") if slowest == 0 else nbytes / slowest
 
     def kv_blocks(self) -> dict:
         """Free, cached and total KV blocks per DP group, and whether the block invariants hold (free +
         cached + in use == total, reference counts equal the tables); reported, not raised."""
-
-        def read() -> dict:
-            coord = self.coordinator
-            groups = [{"group": g, "free": s.blocks.num_free, "cached": s.blocks.num_cached,
-                       "total": s.blocks.num_blocks} for g, s in enumerate(coord.schedulers)]
-            out = {"layout": str(coord.layout), "groups": groups, "unfinished": len(coord.unfinished())}
-            try:
-                coord.check_block_invariants()
-                out["invariants"] = "ok"
-            except AssertionError as exc:
-                out["invariants"] = f"violated: {exc}"
-            return out
-
-        return self._loop.run(read)
+        return self._on_loop(self.coordinator.kv_blocks)
 
     def worker_stats(self) -> list[dict]:
-        return self._loop.run(lambda: self.coordinator.pool.call("stats"))
+        return self._on_loop(self.coordinator.worker_stats)
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -235,7 +236,7 @@ class Engine(RLControlMixin):
         self._ensure_open()
         samples = self._make([prompt], params, [request_id] if request_id else None)[0]
         handles = [RequestHandle(s, self.request_factory.decode) for s in samples]
-        self._loop.run(self._admit, samples)
+        self._on_loop(self._loop.admit, samples)
         return handles
 
     def check_request(self, prompt: Any, params: SamplingParams | None = None) -> None:
@@ -243,32 +244,17 @@ class Engine(RLControlMixin):
         self._ensure_open()
         self._make([prompt], params, None)
 
-    def _admit(self, samples: list[Sequence]) -> None:
-        """Queue the samples of one prompt (in the engine loop), noting the weight version they start under."""
-        for seq in samples:
-            seq.weight_versions = [(0, self.weights.version)]
-        self._loop.admit(samples)
-
     def abort(self, request_ids: Iterable[str]) -> int:
         """Stop requests; they finish with reason "abort" and keep what they generated."""
-        wanted = set(request_ids)
-
-        def _abort() -> int:
-            ids = [s.seq_id for s in self.coordinator.unfinished() if s.request_id in wanted]
-            held = [s for s in self._loop.quarantine.parked() if s.request_id in wanted and not s.finished]
-            self._loop.finish_parked(held, "abort", "aborted by the caller")  # held back after a crash
-            return len(self.coordinator.abort(ids, "abort", "aborted by the caller")) + len(held)
-
-        return self._loop.run(_abort)
+        return self._on_loop(self._loop.abort_requests, set(request_ids))
 
     def abort_all(self, message: str = "aborted by the caller") -> int:
         """Abort every unfinished request (each keeps what it generated); returns how many."""
-        return self._loop.run(lambda: len(self.coordinator.abort(
-            [s.seq_id for s in self.coordinator.unfinished()], "abort", message)))
+        return self._on_loop(self.coordinator.abort_all, message)
 
     def cluster_status(self) -> ClusterStatus:
         """A ``ClusterStatus`` snapshot: the layout and, per DP group, its requests and free KV blocks."""
-        return self._loop.run(self.coordinator.status)
+        return self._on_loop(self.coordinator.status)
 
     def generate(
         self,
@@ -291,18 +277,11 @@ class Engine(RLControlMixin):
         """
         self._ensure_open()
         families = self._make(prompts, params, request_ids)
-        start_stage = self._stage_starter(switch_schedule, kv_transfer, policy, from_base_layout)
+        stage_policy = self._stage_policy(switch_schedule, kv_transfer, policy)
         handles = [RequestHandle(s, self.request_factory.decode) for family in families for s in family]
         bar = tqdm(total=len(handles), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
 
-        def start() -> None:
-            if self._loop.dead is not None:
-                raise EngineDeadError(self._loop.dead)
-            start_stage()
-            for family in families:
-                self._admit(family)
-
-        self._loop.run(start)
+        self._on_loop(self._loop.start_batch, families, stage_policy, self.base_layout if from_base_layout else None)
         try:
             finished = 0
             while finished < len(handles):
@@ -334,7 +313,8 @@ class Engine(RLControlMixin):
         ``generate`` does the same for its own batch.
         """
         self._ensure_open()
-        self._loop.run(self._stage_starter(switch_schedule, kv_transfer, policy, from_base_layout))
+        self._on_loop(self.coordinator.start_stage, self._stage_policy(switch_schedule, kv_transfer, policy),
+                      self.base_layout if from_base_layout else None)
 
     def scheduled_policy(self, switch_schedule: list[tuple[int, int]], kv_transfer: str | None = None) -> ScheduledSwitches:
         """A fixed switch schedule ``[(decode_step, tp), ...]``, every target checked against this
@@ -344,18 +324,10 @@ class Engine(RLControlMixin):
             self.arch.layout(self.config.world, tp)
         return ScheduledSwitches(list(switch_schedule), kv_transfer)
 
-    def _stage_starter(self, switch_schedule, kv_transfer, policy, from_base_layout) -> Callable[[], None]:
-        """Validate the stage options now; return the closure that starts the stage in the loop."""
-        if switch_schedule is not None:
-            policy = self.scheduled_policy(switch_schedule, kv_transfer)
-
-        def start() -> None:
-            coord = self.coordinator
-            if from_base_layout and coord.layout != self.base_layout:
-                coord.switch(SwitchDecision(self.base_layout.tp, "new stage: base layout"))
-            coord.start_stage(policy if policy is not None else coord.policy)
-
-        return start
+    def _stage_policy(self, switch_schedule: list[tuple[int, int]] | None, kv_transfer: str | None,
+                      policy: SwitchPolicy | None) -> SwitchPolicy | None:
+        """The stage's policy, its options checked now (None: keep the installed one)."""
+        return self.scheduled_policy(switch_schedule, kv_transfer) if switch_schedule is not None else policy
 
     # ---- layout -----------------------------------------------------------------------------
 
@@ -365,21 +337,135 @@ class Engine(RLControlMixin):
         Returns the switch's record once it is done. Invalid targets are refused before anything moves.
         """
         self._ensure_open()
-        self.arch.layout(self.config.world, tp)
         check_kv_transfer(kv_transfer, allow_auto=False)
         decision = SwitchDecision(tp, "reconfigure() call", kv_transfer)
-        return self._loop.run(self.coordinator.switch, decision, timeout=timeout)
+        return self._on_loop(self.coordinator.switch, decision, timeout=timeout)  # the target is checked there
 
-    def set_policy(self, policy: SwitchPolicy | None) -> None:
-        """Install the policy consulted every ``switch_check_interval`` decode steps."""
-        self._loop.run(lambda: setattr(self.coordinator, "policy", policy))
+    def set_policy(self, policy: SwitchPolicy | None, cost_source: Any = None) -> None:
+        """Install the policy consulted every ``switch_check_interval`` decode steps and, when given,
+        the cost source switches are priced with (the controller's predictor)."""
+        self._on_loop(self.coordinator.set_policy, policy, cost_source)
 
     def set_placement(self, placement: Callable[[Sequence, list], int] | None) -> None:
         """Install the DP-group rule used at admission (None: fewest outstanding tokens).
 
         ``placement(seq, group_schedulers) -> group index``, e.g. ``pat_engine.rollout.placement.AdmissionPlacement``.
         """
-        self._loop.run(lambda: setattr(self.coordinator, "placement", placement))
+        self._on_loop(self.coordinator.set_placement, placement)
+
+    # ---- RL: weight sync (checks and batching in WeightSync) -------------------------------------
+
+    def check_weight_update(self, names: list[str], shapes: list[tuple[int, ...]], dtypes: list) -> None:
+        """Refuse a whole update before anything is applied: an unknown name, a wrong shape, a dtype
+        that is not floating point, or lists of different lengths (``InvalidRequestError`` names it)."""
+        self._weight_sync.check_update(names, shapes, dtypes)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, weight_version: str | None = None) -> int:
+        """Load new weights from ``(hf_name, full_tensor)`` pairs; returns how many tensors were applied.
+
+        Names and shapes are checked before anything is sent. Runs at a step boundary; requests in
+        flight continue with the new weights (as vLLM and SGLang do). ``weight_version`` names the
+        new weights in outputs (default: the count of updates so far).
+        """
+        self._ensure_open()
+        return self._weight_sync.from_tensors(named_tensors, bucket_bytes, weight_version)
+
+    def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> None:
+        """Reload every rank's shard from a checkpoint of the same architecture and shapes."""
+        self._ensure_open()
+        self._weight_sync.from_disk(path, weight_version)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str | None = None,
+                                  timeout_s: float | None = None) -> None:
+        """Every worker joins a trainer's group (trainer = rank 0, worker r = ``rank_offset + r``).
+
+        Blocks until the trainer has joined too. ``backend`` defaults to gloo on CPU, NCCL on GPU.
+        """
+        self._ensure_open()
+        self._weight_sync.join_group(master_address, master_port, rank_offset, world_size, group_name, backend,
+                                     timeout_s)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", weight_version: str | None = None,
+                                        timeout_s: float | None = None) -> int:
+        """Receive full tensors the trainer broadcasts (in ``names`` order) and load them under the current
+        layout. The update is checked whole first; a refused one leaves the weights as they were."""
+        self._ensure_open()
+        return self._weight_sync.from_distributed(names, dtypes, shapes, group_name, weight_version, timeout_s)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> bool:
+        self._ensure_open()
+        return self._weight_sync.leave_group(group_name)
+
+    @property
+    def weight_version(self) -> str:
+        return self.weights.version
+
+    # ---- RL: memory for a colocated trainer, pausing between steps ---------------------------------
+
+    def sleep(self, level: int = 1, tags: list[str] | None = None) -> int:
+        """Release memory for a colocated trainer; returns the bytes freed (summed over ranks).
+
+        level 1: the KV cache (on GPU the weights also move to host memory);
+        level 2: the KV cache and the weights (``wake_up`` reloads them from disk, or call
+        ``update_weights`` after waking). ``tags`` (SGLang's ``kv_cache``, ``weights``,
+        ``cuda_graph``) release exactly those instead; released weights are discarded.
+        Runs at a step boundary: running requests give their KV back and are prefilled again after
+        the wake-up (same tokens); nothing runs while any memory is released. Releasing what is
+        already released is a no-op.
+        """
+        self._ensure_open()
+        if tags is None:
+            wanted, weights_to = tags_for_level(level, self.config.device == "cuda")
+        else:
+            wanted, weights_to = check_tags(tags), DISCARDED
+        return self._on_loop(self.coordinator.release_memory, wanted, weights_to or DISCARDED)
+
+    def wake_up(self, tags: list[str] | None = None) -> list[str]:
+        """Restore what ``sleep`` released (``tags``: only "weights", "kv_cache" or "cuda_graph");
+        returns what was restored. Whatever was not released is left alone: waking an awake engine
+        is a no-op and never touches running requests or the prefix cache."""
+        self._ensure_open()
+        return sorted(self._on_loop(self.coordinator.restore_memory, check_tags(tags)))
+
+    @property
+    def sleeping(self) -> bool:
+        """Whether any memory is released (``sleep`` without the matching ``wake_up``)."""
+        return self.coordinator.sleep.asleep
+
+    def released_memory(self) -> list[str]:
+        """The memory tags released now."""
+        return sorted(self.coordinator.sleep.released())
+
+    def pause(self, mode: str = "in_place") -> int:
+        """Stop starting new steps until ``resume``; returns how many requests the mode touched.
+
+        ``in_place``: requests keep their KV and continue where they were. ``retract``: every
+        running request frees its KV and waits to be prefilled again (same tokens: sampling depends
+        only on (seed, position)). ``abort``: every unfinished request finishes with reason "abort",
+        keeping what it generated. Requests submitted while paused wait.
+        """
+        if mode not in PAUSE_MODES:
+            raise InvalidRequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        return self._on_loop(self.coordinator.pause, mode)
+
+    def resume(self) -> None:
+        self._on_loop(self.coordinator.resume)
+
+    @property
+    def paused(self) -> bool:
+        return self.coordinator.paused
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache (cached blocks are freed; blocks in use are no longer found by later
+        requests), as vLLM's ``reset_prefix_cache`` and SGLang's ``flush_cache``."""
+        self._on_loop(self.coordinator.flush_prefix_cache)
+        return True
+
+    def num_unfinished_requests(self) -> int:
+        return self._on_loop(self.coordinator.num_unfinished)
 
     def _ensure_open(self) -> None:
         if self._closed:

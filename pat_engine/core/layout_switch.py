@@ -1,10 +1,13 @@
-"""LayoutSwitch: the driver half of a live layout change (docs/switch.md).
+"""The switch planner: what a live layout change will do, decided without doing any of it.
 
-Pause at a step boundary (the coordinator drains in-flight steps), check the
-target, place every unfinished request in a target DP group (``switch_placement``:
-the installed admission placement's rebalancing, else balanced by context tokens), choose KV migration or recompute, reserve migrated requests'
-blocks in the new groups, have every rank run its ``SwitchExecutor``, then
-hand the coordinator the new layout and schedulers.
+``check_target`` refuses an invalid target before anything moves. ``plan_switch``
+places every unfinished request in a target DP group (``switch_placement``: the
+installed admission placement's rebalancing, else balanced by context tokens),
+reserves migrated requests' blocks in fresh schedulers for the new layout,
+and chooses KV migration or recompute with the cost source. It returns a
+``PlannedSwitch``: the ``SwitchPlan`` the workers run, the new schedulers and the
+estimate. The coordinator does the rest (``GlobalCoordinator.switch``): drain,
+take the requests, call the workers, seat the requests, install the layout.
 
 Blocks that requests share (the n samples of a prompt, a cached prefix) move
 once per target group and stay shared there, with their prefix-cache entries.
@@ -13,143 +16,138 @@ A recompute switch drops every block and the whole cache.
 
 If any rank fails, ``WorkerFailure`` propagates to the engine loop, which
 rebuilds a consistent world and recomputes the unfinished requests; the
-schedulers built here are dropped with their blocks, so nothing leaks.
+schedulers planned here are dropped with their blocks, so nothing leaks.
 """
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from pat_engine.core.block_pool import blocks_needed
 from pat_engine.core.kv_path_cost import KVPathEstimate, estimate_kv_paths
+from pat_engine.core.memory import MemoryPlan
 from pat_engine.core.policy import RequestSnapshot, SwitchDecision
 from pat_engine.core.request import Sequence
 from pat_engine.core.scheduler import GroupScheduler
-from pat_engine.core.timeline import SwitchEvent
 from pat_engine.errors import LayoutError
 from pat_engine.parallel.dp_placement import switch_placement
 from pat_engine.parallel.kv_plan import KVRun, kv_bytes_per_token, plan_kv_moves
 from pat_engine.parallel.layout import Layout
-from pat_engine.protocol import SeqTable, SwitchPlan, SwitchReport
-
-if TYPE_CHECKING:  # the coordinator owns the switch; only the type is needed here
-    from pat_engine.core.coordinator import GlobalCoordinator
+from pat_engine.protocol import SeqTable, SwitchPlan
 
 
-class LayoutSwitch:
-    """One switch of ``coordinator`` to another TP degree; ``run`` does it and returns its record."""
+def check_target(memory: MemoryPlan, current: Layout, tp: int, unfinished: list[Sequence]) -> Layout:
+    """The layout for TP ``tp``; ``LayoutError`` if the model, the world or the KV budget refuse it,
+    or an unfinished request would not fit one of its DP groups."""
+    new = memory.arch.layout(current.world, tp)
+    if memory.num_blocks(new) < 1:
+        raise LayoutError(f"{new}: the KV budget holds no block under this layout")
+    for seq in unfinished:
+        if not memory.fits(new, len(seq.prompt_ids), seq.params.max_new_tokens):
+            raise LayoutError(
+                f"{new}: request {seq.request_id} needs "
+                f"{memory.slots_needed(len(seq.prompt_ids), seq.params.max_new_tokens)} KV slots "
+                f"but a DP group would hold {memory.tokens_per_group(new)}")
+    return new
 
-    def __init__(self, coordinator: GlobalCoordinator) -> None:
-        self.coord = coordinator
 
-    def check_target(self, tp: int) -> Layout:
-        """Refuse an invalid target before anything moves."""
-        coord = self.coord
-        memory = coord.memory
-        new = memory.arch.layout(coord.layout.world, tp)
-        if memory.num_blocks(new) < 1:
-            raise LayoutError(f"{new}: the KV budget holds no block under this layout")
-        for seq in coord.unfinished():
-            if not memory.fits(new, len(seq.prompt_ids), seq.params.max_new_tokens):
-                raise LayoutError(
-                    f"{new}: request {seq.request_id} needs "
-                    f"{memory.slots_needed(len(seq.prompt_ids), seq.params.max_new_tokens)} KV slots "
-                    f"but a DP group would hold {memory.tokens_per_group(new)}")
-        return new
+@dataclass
+class PlannedSwitch:
+    """A switch decided: the workers' plan, the new groups' schedulers and where each request sits."""
 
-    def run(self, decision: SwitchDecision) -> SwitchEvent:
-        coord = self.coord
-        started = time.perf_counter()
-        new = self.check_target(decision.tp)
-        coord.drain()
-        old = coord.layout
-        if new == old:
-            return SwitchEvent(coord.timeline.now(), str(old), str(new), decision.reason, "none", 0.0)
-        seqs = coord.take_unfinished()
-        group_of = self._target_groups(seqs, new)
-        schedulers = coord.new_schedulers(new)
-        placed = _KVPlacement(coord.schedulers, schedulers, coord.config.block_size)
+    plan: SwitchPlan
+    schedulers: list[GroupScheduler]
+    estimate: KVPathEstimate | None
+    group_of: dict[int, int]  # seq_id -> new DP group
+    tables: dict[int, list[int]]  # seq_id -> block table in its new group (requests whose KV migrates)
+    registered: dict[int, int]  # seq_id -> leading blocks indexed in the new group's prefix cache
+
+    @property
+    def path(self) -> str:
+        return self.plan.kv_path
+
+    def seat(self, seqs: list[Sequence]) -> None:
+        """Once the workers ran the plan: each request joins its new group, running where its KV
+        migrated, waiting (to be prefilled again) where it did not."""
         for seq in seqs:
-            placed.place(seq, group_of[seq.seq_id])
-        path, estimate = self._choose_kv_path(decision, new, placed.runs, placed.contexts)
-        if path == "recompute":  # nothing moves: fresh groups, every request is prefilled again
-            schedulers = coord.new_schedulers(new)
-            placed = _KVPlacement(coord.schedulers, schedulers, coord.config.block_size)
-        tables = tuple(SeqTable(s.seq_id, group_of[s.seq_id], tuple(placed.tables[s.seq_id]), s.spec,
-                                tuple(s.tokens[: s.num_cached]) if s.spec.has_penalties else None)
-                       for s in seqs if s.seq_id in placed.tables)
-        plan = SwitchPlan(old, new, coord.memory.num_blocks(new), path, tuple(placed.runs), tables)
-        report = SwitchReport.merge(coord.pool.call("switch", plan=plan))
-
-        for seq in seqs:
-            sched = schedulers[group_of[seq.seq_id]]
-            table = placed.tables.get(seq.seq_id)
+            sched = self.schedulers[self.group_of[seq.seq_id]]
+            table = self.tables.get(seq.seq_id)
             if table is not None:
-                sched.add_running(seq, table)
-                seq.blocks_registered = placed.registered.get(seq.seq_id, 0)
+                sched.add_running(seq, table, self.registered.get(seq.seq_id, 0))
             else:
-                seq.forget_kv()  # its blocks belonged to the old pools: prefilled again in the new group
+                seq.forget_kv()  # its blocks belonged to the old pools
                 sched.add(seq)
-        for sched in schedulers:  # keep each group's admission order: running first by arrival, waiting by arrival
+        for sched in self.schedulers:  # keep admission order: running first by arrival, waiting by arrival
             sched.running.sort(key=lambda s: s.seq_id)
-        coord.install_layout(new, schedulers)
-        return self._record(decision, old, new, path, estimate, report, len(placed.tables), len(seqs), started)
-
-    def _target_groups(self, seqs: list[Sequence], new: Layout) -> dict[int, int]:
-        """seq_id -> new DP group, by ``switch_placement`` with the coordinator's admission placement:
-        the same call, on the same object, that the controller prices this switch with."""
-        target = switch_placement(self.coord.placement, [RequestSnapshot.of(s) for s in seqs], new.dp)
-        return {seqs[i].seq_id: g for g, members in enumerate(target) for i in members}
-
-    def _choose_kv_path(self, decision: SwitchDecision, new: Layout, runs: list[KVRun],
-                        contexts: list[tuple[int, int]]) -> tuple[str, KVPathEstimate | None]:
-        coord = self.coord
-        forced = decision.kv_path or (coord.config.kv_transfer if coord.config.kv_transfer != "auto" else None)
-        if not runs:
-            return "recompute", None
-        arch, itemsize = coord.memory.arch, coord.memory.dtype.itemsize
-        sent: dict[int, int] = {}
-        for m in plan_kv_moves(runs, coord.layout, new, arch.num_kv_heads):
-            if m.src != m.dst:
-                per_token = kv_bytes_per_token(arch.num_layers, len(m.heads), arch.head_dim, itemsize, 1)
-                sent[m.src] = sent.get(m.src, 0) + runs[m.run].num_tokens * per_token
-        per_group: list[list[int]] = [[] for _ in range(new.dp)]
-        for dst, tokens in contexts:  # recompute prefills every migrating request's whole context
-            per_group[dst].append(tokens)
-        costs = coord.cost_source
-        estimate = estimate_kv_paths(max(sent.values(), default=0), costs.bandwidth(), per_group,
-                                     lambda n, l_rms: costs.prefill_seconds(new.tp, n, l_rms))
-        return forced or estimate.path, estimate
-
-    def _record(self, decision: SwitchDecision, old: Layout, new: Layout, path: str,
-                estimate: KVPathEstimate | None, report: SwitchReport, migrated: int, requests: int,
-                started: float) -> SwitchEvent:
-        coord = self.coord
-        if path == "migrate":
-            coord.cost_source.record_kv_transfer(report.busiest_kv_bytes, report.busiest_kv_s)
-        coord.cost_source.record_weight_reshard(old.tp, new.tp, report.weights_s)
-        costs = {**report.to_dict(), "migrated_requests": migrated, "requests": requests}
-        del costs["rank"]
-        if estimate is not None:
-            costs.update(predicted_migrate_s=estimate.migrate_s, predicted_recompute_s=estimate.recompute_s)
-        event = SwitchEvent(coord.timeline.now(), str(old), str(new), decision.reason, path,
-                            time.perf_counter() - started, costs, dict(decision.details))
-        coord.timeline.add_switch(event)
-        return event
 
 
+def plan_switch(decision: SwitchDecision, seqs: list[Sequence], old: Layout, new: Layout,
+                old_schedulers: list[GroupScheduler], new_schedulers: Callable[[Layout], list[GroupScheduler]],
+                memory: MemoryPlan, default_kv_transfer: str, placement: Any, costs: Any) -> PlannedSwitch:
+    """Plan the switch of ``seqs`` (every unfinished request, by arrival, taken out of
+    ``old_schedulers``) from ``old`` to ``new``; nothing outside the returned plan is changed.
+
+    ``new_schedulers(layout)`` makes empty schedulers; ``default_kv_transfer`` is the engine's
+    "auto" / "migrate" / "recompute" (``decision.kv_path`` overrides it).
+    """
+    group_of = _target_groups(seqs, new, placement)
+    block_size = old_schedulers[0].block_size
+    schedulers = new_schedulers(new)
+    placed = _KVPlacement(old_schedulers, schedulers, block_size)
+    for seq in seqs:
+        placed.place(seq, group_of[seq.seq_id])
+    if placed.runs:
+        estimate = _estimate(old, new, memory, placed, costs)
+        forced = decision.kv_path or (default_kv_transfer if default_kv_transfer != "auto" else None)
+        path = forced or estimate.path
+    else:  # no request holds KV: nothing to migrate
+        path, estimate = "recompute", None
+    if path == "recompute":  # nothing moves: fresh groups, every request is prefilled again
+        schedulers = new_schedulers(new)
+        placed = _KVPlacement(old_schedulers, schedulers, block_size)
+    tables = tuple(SeqTable(s.seq_id, group_of[s.seq_id], tuple(placed.tables[s.seq_id]), s.spec,
+                            tuple(s.tokens[: s.num_cached]) if s.spec.has_penalties else None)
+                   for s in seqs if s.seq_id in placed.tables)
+    plan = SwitchPlan(old, new, memory.num_blocks(new), path, tuple(placed.runs), tables)
+    return PlannedSwitch(plan, schedulers, estimate, group_of, placed.tables, placed.registered)
+
+
+def _target_groups(seqs: list[Sequence], new: Layout, placement: Any) -> dict[int, int]:
+    """seq_id -> new DP group, by ``switch_placement`` with the admission placement: the same call,
+    on the same object, that the controller prices this switch with."""
+    target = switch_placement(placement, [RequestSnapshot.of(s) for s in seqs], new.dp)
+    return {seqs[i].seq_id: g for g, members in enumerate(target) for i in members}
+
+
+def _estimate(old: Layout, new: Layout, memory: MemoryPlan, placed: "_KVPlacement", costs: Any) -> KVPathEstimate:
+    """Predicted seconds of migrating the placed KV against prefilling it again in the new groups."""
+    arch, itemsize = memory.arch, memory.dtype.itemsize
+    sent: dict[int, int] = {}
+    for m in plan_kv_moves(placed.runs, old, new, arch.num_kv_heads):
+        if m.src != m.dst:
+            per_token = kv_bytes_per_token(arch.num_layers, len(m.heads), arch.head_dim, itemsize, 1)
+            sent[m.src] = sent.get(m.src, 0) + placed.runs[m.run].num_tokens * per_token
+    per_group: list[list[int]] = [[] for _ in range(new.dp)]
+    for dst, tokens in placed.contexts:  # recompute prefills every migrating request's whole context
+        per_group[dst].append(tokens)
+    return estimate_kv_paths(max(sent.values(), default=0), costs.bandwidth(), per_group,
+                             lambda n, l_rms: costs.prefill_seconds(new.tp, n, l_rms))
+
+
+@dataclass
 class _KVPlacement:
     """Where each migrating request's KV lands: new blocks for what no earlier request already
     brought to the same target group, shared references for what one did."""
 
-    def __init__(self, old: list[GroupScheduler], new: list[GroupScheduler], block_size: int) -> None:
-        self.old, self.new, self.block_size = old, new, block_size
-        self.runs: list[KVRun] = []
-        self.tables: dict[int, list[int]] = {}  # seq_id -> its table in its new group
-        self.registered: dict[int, int] = {}  # seq_id -> leading blocks indexed in the new group's cache
-        self.contexts: list[tuple[int, int]] = []  # (new group, cached tokens) of each migrating request
-        self._moved: dict[tuple[int, int, int], int] = {}  # (old group, old block, new group) -> new block
+    old: list[GroupScheduler]
+    new: list[GroupScheduler]
+    block_size: int
+    runs: list[KVRun] = field(default_factory=list)
+    tables: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> its table in its new group
+    registered: dict[int, int] = field(default_factory=dict)  # seq_id -> leading blocks indexed in the new cache
+    contexts: list[tuple[int, int]] = field(default_factory=list)  # (new group, cached tokens) per migrating request
+    _moved: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (old group, old block, new group) -> new
 
     def place(self, seq: Sequence, dst: int) -> None:
         if seq.num_cached == 0:

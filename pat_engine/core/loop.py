@@ -27,6 +27,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from pat_engine.core.coordinator import GlobalCoordinator
+from pat_engine.core.policy import SwitchPolicy
 from pat_engine.core.quarantine import Quarantine
 from pat_engine.core.request import Sequence
 from pat_engine.core.restart_budget import RestartBudget
@@ -34,6 +35,7 @@ from pat_engine.core.served_weights import ServedWeights
 from pat_engine.core.timeline import SwitchEvent
 from pat_engine.core.worker_pool import WorkerPool
 from pat_engine.errors import EngineClosedError, EngineDeadError, WorkerFailure
+from pat_engine.parallel.layout import Layout
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +102,31 @@ class EngineLoop:
     # ---- admission and state (run in the loop thread unless noted) -------------------------------
 
     def admit(self, samples: list[Sequence]) -> None:
-        """Queue the samples of one prompt; refused here, in the loop thread, so none slips in after the
-        engine died."""
+        """Queue the samples of one prompt, noting the weight version they start under; refused here,
+        in the loop thread, so none slips in after the engine died."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        for seq in samples:
+            seq.start_on_weights(self.weights.version)
         self.coordinator.add_samples(samples)
+
+    def start_batch(self, families: list[list[Sequence]], policy: SwitchPolicy | None,
+                    base_layout: Layout | None) -> None:
+        """A new stage and its requests in one loop turn, so no step runs before all are queued."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        self.coordinator.start_stage(policy, base_layout)
+        for family in families:
+            self.admit(family)
+
+    def abort_requests(self, request_ids: set[str]) -> int:
+        """Stop the unfinished requests with these ids, queued or held back by the quarantine; they
+        finish with reason "abort" and keep what they generated. Returns how many."""
+        coord = self.coordinator
+        ids = [s.seq_id for s in coord.unfinished() if s.request_id in request_ids]
+        held = [s for s in self.quarantine.parked() if s.request_id in request_ids and not s.finished]
+        self.finish_parked(held, "abort", "aborted by the caller")
+        return len(coord.abort(ids, "abort", "aborted by the caller")) + len(held)
 
     def finish_parked(self, seqs: list[Sequence], reason: str, error: str | None) -> None:
         """End requests held back by the quarantine (they are in no queue of the coordinator)."""

@@ -139,6 +139,14 @@ class Sequence:
             return None
         return self.stop_strings.text[: self.stop_strings.safe_len(self.finished)]
 
+    def start_on_weights(self, version: str) -> None:
+        """At admission: every token from the first comes from weights ``version`` until told otherwise."""
+        self.weight_versions = [(0, version)]
+
+    def note_new_weights(self, version: str) -> None:
+        """A weight update landed mid-request: tokens from the next one on come from ``version``."""
+        self.weight_versions.append((len(self.output_ids), version))
+
     def weight_version_spans(self, num_tokens: int) -> list[tuple[str, int, int]]:
         """``(version, start, end)`` over the first ``num_tokens`` output tokens (SGLang's
         ``meta_info["weight_versions"]``); a version that produced no token is left out, except the

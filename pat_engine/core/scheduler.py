@@ -41,15 +41,17 @@ class GroupScheduler:
         seq.status = SeqStatus.WAITING
         (self.waiting.appendleft if front else self.waiting.append)(seq)
 
-    def add_running(self, seq: Sequence, block_table: list[int]) -> None:
+    def add_running(self, seq: Sequence, block_table: list[int], blocks_registered: int = 0) -> None:
         """Adopt a sequence whose KV already sits in this group's pool (after a KV migration).
 
         ``block_table`` must hold references taken from this group's pool; the workers already know it.
+        ``blocks_registered``: its leading blocks already indexed in this group's prefix cache.
         """
         seq.group = self.group
         seq.status = SeqStatus.RUNNING
         seq.block_table = block_table
         seq.blocks_sent = len(block_table)
+        seq.blocks_registered = blocks_registered
         self.running.append(seq)
 
     def has_work(self) -> bool:

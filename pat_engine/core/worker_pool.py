@@ -26,7 +26,7 @@ import torch.distributed as dist
 from pat_engine.config import EngineConfig
 from pat_engine.errors import WorkerFailure, last_traceback_line
 from pat_engine.parallel.layout import Layout
-from pat_engine.protocol import Call, Reply, StepCommand, StepResult, WorkerArgs
+from pat_engine.protocol import Call, Reply, Shutdown, StepCommand, StepResult, WorkerArgs, WorkerCall
 import torch.multiprocessing  # noqa: F401  (registers the shared-memory pickling of tensors)
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class WorkerPool:
             return
         try:
             if self.alive():
-                self.call("shutdown", timeout=timeout)
+                self.call(Shutdown(), timeout=timeout)
         except Exception as exc:  # already broken: fall through to kill
             log.debug("graceful worker shutdown failed: %s", exc)
         deadline = time.monotonic() + timeout
@@ -118,12 +118,13 @@ class WorkerPool:
             except (BrokenPipeError, OSError) as exc:
                 raise WorkerFailure(self._death_message(r, f"could not send to it ({exc})"), rank=r) from exc
 
-    def call(self, method: str, ranks: list[int] | None = None, timeout: float | None = None, **kwargs) -> list:
-        """Run ``method`` on ``ranks`` (default: all) and return their values in rank order."""
+    def call(self, body: WorkerCall, ranks: list[int] | None = None, timeout: float | None = None) -> list:
+        """Run ``body`` on ``ranks`` (default: all) and return their values in rank order
+        (``WorkerClient`` gives each call a typed method)."""
         ranks = list(range(self.world)) if ranks is None else ranks
         call_id = next(self._call_ids)
-        self.send(ranks, Call(call_id, method, kwargs))
-        replies = self._collect_replies(call_id, ranks, timeout or self.config.step_timeout_s, method)
+        self.send(ranks, Call(call_id, body))
+        replies = self._collect_replies(call_id, ranks, timeout or self.config.step_timeout_s, type(body).__name__)
         return [replies[r].value for r in ranks]
 
     def poll(self, timeout: float | None, extra: list | None = None) -> list[StepResult | Reply]:

@@ -62,11 +62,6 @@ def attach_controller(engine) -> None:
     table = ProfileTable.load(path)
     check_deployment(table, engine_deployment(engine), engine.base_layout.tp, where=f"profile table {path}")
     controller = build_controller(engine, table)
-
-    def install() -> None:
-        engine.coordinator.policy = controller
-        engine.coordinator.cost_source = controller.predictor
-
-    engine._loop.run(install)
+    engine.set_policy(controller, cost_source=controller.predictor)
     log.info("switch controller attached from %s (candidates TP%s, estimator: %s)", path,
              "/".join(map(str, controller.candidates)), controller.estimator.name)

@@ -5,14 +5,24 @@ import this package and never each other, so the boundary is visible in the
 imports: core -> protocol <- worker.
 
 - ``steps``: the hot path (``StepCommand`` out, ``StepResult`` back).
-- ``calls``: method calls by name (``Call`` out, ``Reply`` back from every addressed rank).
+- ``calls``: control calls, one dataclass each (in a ``Call`` envelope out, a ``Reply`` back from every
+  addressed rank; the worker picks its handler by the call's type).
 - ``switch``: a live layout change (``SwitchPlan`` out, ``SwitchReport`` back per rank).
 - ``startup``: what a worker process is started with (``WorkerArgs``).
 """
 
-from pat_engine.protocol.calls import Call, Reply
+from pat_engine.protocol.calls import (
+    AllocateKV, BandwidthProbe, Call, DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, InjectFault, KVBudget,
+    LoadWeights, ReleaseMemory, ReloadWeights, Reply, RestoreMemory, Shutdown, Stats, Switch,
+    UpdateWeightsFromDistributed, WorkerCall,
+)
 from pat_engine.protocol.startup import WorkerArgs
 from pat_engine.protocol.steps import PromptLogprobs, SeqStep, StepCommand, StepResult
 from pat_engine.protocol.switch import SeqTable, SwitchPlan, SwitchReport
 
-__all__ = ["PromptLogprobs", "Call", "Reply", "SeqStep", "StepCommand", "SeqTable", "StepResult", "SwitchPlan", "SwitchReport", "WorkerArgs"]
+__all__ = [
+    "AllocateKV", "BandwidthProbe", "DestroyWeightsUpdateGroup", "InitWeightsUpdateGroup", "InjectFault", "KVBudget",
+    "LoadWeights", "ReleaseMemory", "ReloadWeights", "RestoreMemory", "Shutdown", "Stats", "Switch",
+    "UpdateWeightsFromDistributed", "WorkerCall",
+    "PromptLogprobs", "Call", "Reply", "SeqStep", "StepCommand", "SeqTable", "StepResult", "SwitchPlan", "SwitchReport", "WorkerArgs",
+]

@@ -2,7 +2,8 @@
 SwitchExecutor, and serves the driver's messages until told to stop.
 
 Messages arrive on a pipe: ``StepCommand`` (hot path; only TP rank 0 answers)
-or ``Call`` (every addressed rank answers with a ``Reply``). Any exception is
+or a ``Call`` carrying a typed control call (every addressed rank answers with a ``Reply``;
+``handle`` picks the handler by the call's type). Any exception is
 reported with its traceback instead of killing the process, so the driver can
 name the failing rank.
 """
@@ -10,17 +11,23 @@ name the failing rank.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import threading
 import time
 import traceback
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from pat_engine.model.arch import load_model_arch
 from pat_engine.parallel.group_pool import CommGroupPool
-from pat_engine.protocol import Call, Reply, StepCommand, SwitchPlan, SwitchReport, WorkerArgs
+from pat_engine.protocol import (
+    AllocateKV, BandwidthProbe, Call, DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, InjectFault, KVBudget,
+    LoadWeights, ReleaseMemory, ReloadWeights, Reply, RestoreMemory, Shutdown, Stats, StepCommand, Switch,
+    SwitchReport, UpdateWeightsFromDistributed, WorkerArgs, WorkerCall,
+)
 from pat_engine.worker.faults import FaultInjector
 from pat_engine.worker.infer_executor import InferExecutor
 from pat_engine.worker.switch_executor import SwitchExecutor
@@ -61,30 +68,34 @@ class Worker:
         self.switcher = SwitchExecutor(args.rank, self.cpu_world, self.groups, self.faults)
         self.update_groups: dict[str, dist.ProcessGroup] = {}  # trainer weight-update groups, by name
 
-    # ---- RPC methods (called by name from the driver) -----------------------------------
+    # ---- control calls, picked by the call's type (protocol/calls.py) ---------------------------
 
-    def rpc_switch(self, plan: SwitchPlan) -> SwitchReport:
-        return self.switcher.run(plan, self.executor)
+    @functools.singledispatchmethod
+    def handle(self, call: WorkerCall) -> Any:
+        raise TypeError(f"no handler for the control call {type(call).__name__}")
 
-    def rpc_stats(self) -> dict:
+    @handle.register
+    def _switch(self, call: Switch) -> SwitchReport:
+        return self.switcher.run(call.plan, self.executor)
+
+    @handle.register
+    def _stats(self, call: Stats) -> dict:
         s = self.groups.stats
         return {"group_hits": s.hits, "group_misses": s.misses, "group_seconds": s.creation_seconds,
                 "layouts": list(s.created_layouts), "kv_blocks": self.executor.kv.num_blocks}
 
-    def rpc_bandwidth_probe(self, nbytes: int, repeats: int = 3) -> float:
-        """Best time (s) to send ``nbytes`` to the next rank while receiving as many from the previous.
-
-        Every rank sends and receives at once, the pattern of a KV or weight redistribution.
-        """
+    @handle.register
+    def _bandwidth_probe(self, call: BandwidthProbe) -> float:
+        # every rank sends and receives at once, the pattern of a KV or weight redistribution
         from pat_engine.parallel.p2p import exchange
 
         world = self.args.world
         if world == 1:
             return 0.0
-        out = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=self.device)
+        out = torch.ones(max(1, call.nbytes // 4), dtype=torch.float32, device=self.device)
         inp = torch.empty_like(out)
         best = float("inf")
-        for _ in range(repeats):
+        for _ in range(call.repeats):
             dist.barrier(group=self.cpu_world)
             t = time.perf_counter()
             exchange({(self.rank + 1) % world: out}, {(self.rank - 1) % world: inp})
@@ -93,56 +104,65 @@ class Worker:
             best = min(best, time.perf_counter() - t)
         return best
 
-    def rpc_inject_fault(self, where: str, how: str = "raise") -> None:
-        """Test hook: make the next pass through ``where`` raise, hang, or kill this process."""
-        self.faults.arm(where, how)
+    @handle.register
+    def _inject_fault(self, call: InjectFault) -> None:
+        self.faults.arm(call.where, call.how)
 
-    # ---- weights and memory (RL colocation) -----------------------------------------------
+    @handle.register
+    def _shutdown(self, call: Shutdown) -> None:
+        return None
 
-    def rpc_load_weights(self, tensors: list) -> int:
-        """Load full HF-named tensors into this rank's shards under the current layout."""
-        return self.executor.load_tensors(tensors)
+    # ---- weights (RL weight sync) ----------------------------------------------------------------
 
-    def rpc_init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                      world_size: int, group_name: str, backend: str, timeout_s: float) -> None:
-        """Join a trainer's weight-update group as rank ``rank_offset + self.rank``."""
+    @handle.register
+    def _load_weights(self, call: LoadWeights) -> int:
+        return self.executor.load_tensors(call.tensors)
+
+    @handle.register
+    def _reload_weights(self, call: ReloadWeights) -> None:
+        self.executor.load_weights(call.path)
+
+    @handle.register
+    def _init_weights_update_group(self, call: InitWeightsUpdateGroup) -> None:
         from pat_engine.parallel.update_group import join_update_group
 
-        if group_name in self.update_groups:
-            raise ValueError(f"weight-update group {group_name!r} already exists; destroy it first")
-        self.update_groups[group_name] = join_update_group(master_address, master_port, rank_offset + self.rank,
-                                                           world_size, group_name, backend, timeout_s)
+        if call.group_name in self.update_groups:
+            raise ValueError(f"weight-update group {call.group_name!r} already exists; destroy it first")
+        self.update_groups[call.group_name] = join_update_group(
+            call.master_address, call.master_port, call.rank_offset + self.rank, call.world_size, call.group_name,
+            call.backend, call.timeout_s)
 
-    def rpc_update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                            group_name: str) -> int:
-        """Receive the trainer's broadcast of full tensors and load this rank's shards of them."""
+    @handle.register
+    def _update_weights_from_distributed(self, call: UpdateWeightsFromDistributed) -> int:
         from pat_engine.parallel.update_group import receive_broadcast
 
-        tensors = receive_broadcast(self.update_groups[group_name], names, dtypes, shapes, self.device)
+        tensors = receive_broadcast(self.update_groups[call.group_name], call.names, call.dtypes, call.shapes,
+                                    self.device)
         return self.executor.load_tensors(tensors)
 
-    def rpc_destroy_weights_update_group(self, group_name: str) -> bool:
-        pg = self.update_groups.pop(group_name, None)
+    @handle.register
+    def _destroy_weights_update_group(self, call: DestroyWeightsUpdateGroup) -> bool:
+        pg = self.update_groups.pop(call.group_name, None)
         if pg is not None:
             dist.destroy_process_group(pg)
         return pg is not None
 
-    def rpc_reload_weights(self, path: str) -> None:
-        self.executor.load_weights(path)
+    # ---- memory (RL colocation, GPU start-up) ----------------------------------------------------
 
-    def rpc_release_memory(self, kv: bool, weights: str | None) -> int:
-        """Free the KV pool and/or the weights ("offloaded" to host, or "discarded"); bytes freed."""
-        return self.executor.release_memory(kv, weights)
+    @handle.register
+    def _release_memory(self, call: ReleaseMemory) -> int:
+        return self.executor.release_memory(call.kv, call.weights)
 
-    def rpc_restore_memory(self, kv_blocks: int | None, weights: bool) -> None:
-        self.executor.restore_memory(kv_blocks, weights)
+    @handle.register
+    def _restore_memory(self, call: RestoreMemory) -> None:
+        self.executor.restore_memory(call.kv_blocks, call.weights)
 
-    def rpc_allocate_kv(self, num_blocks: int) -> None:
-        """GPU start-up: the first KV pool, once the driver knows what every rank can hold."""
-        self.executor.allocate_kv(num_blocks)
+    @handle.register
+    def _allocate_kv(self, call: AllocateKV) -> None:
+        self.executor.allocate_kv(call.num_blocks)
 
-    def rpc_kv_budget(self, utilization: float) -> int:
-        """GPU: bytes this rank can give the KV pool, after weights and an activation reserve."""
+    @handle.register
+    def _kv_budget(self, call: KVBudget) -> int:
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         arch, cfg = self.executor.arch, self.args.config
@@ -151,10 +171,7 @@ class Worker:
         # activations of the largest prefill step, plus full-vocab logits of a decode batch (float32)
         reserve = cfg.max_num_batched_tokens * (4 * arch.hidden_size + 2 * arch.intermediate_size // tp) * elt
         reserve += cfg.max_num_seqs * arch.vocab_size * 4
-        return max(0, int(free - total * (1 - utilization) - reserve))
-
-    def rpc_shutdown(self) -> None:
-        return None
+        return max(0, int(free - total * (1 - call.utilization) - reserve))
 
     # ---- loop ----------------------------------------------------------------------------
 
@@ -178,11 +195,11 @@ class Worker:
                 continue
             assert isinstance(msg, Call), f"unexpected message {type(msg).__name__}"
             try:
-                value = getattr(self, f"rpc_{msg.method}")(**msg.kwargs)
+                value = self.handle(msg.body)
                 conn.send(Reply(msg.call_id, self.rank, True, value=value))
             except Exception as exc:
                 conn.send(Reply(msg.call_id, self.rank, False, error=traceback.format_exc(), error_type=type(exc).__name__))
-            if msg.method == "shutdown":
+            if isinstance(msg.body, Shutdown):
                 return
 
 

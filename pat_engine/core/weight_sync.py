@@ -1,0 +1,127 @@
+"""``WeightSync``: the checks and batching of an RL weight update, on the caller's thread.
+
+Weights arrive as full Hugging Face-named tensors (as a trainer holds them);
+every rank slices its own shard under whatever layout is current, so an
+update after a live switch lands correctly. The caller's thread walks the
+tensor iterator (a trainer's generator may run collectives) and hands the
+engine loop one bucket at a time (``GlobalCoordinator.load_weights``), so the
+full model is never held twice. ``Engine``'s weight methods delegate here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from pat_engine.config import EngineConfig
+from pat_engine.core.coordinator import GlobalCoordinator
+from pat_engine.core.served_weights import ServedWeights
+from pat_engine.errors import InvalidRequestError, ModelLoadError
+from pat_engine.model.arch import ModelArch, load_model_arch
+from pat_engine.model.llama import CausalLM
+from pat_engine.model.weights import WeightNameCheck, safetensors_files
+from pat_engine.parallel.update_group import BACKENDS, parse_dtype
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], limit: int, check: WeightNameCheck) -> Iterator[list]:
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        check.check(name, tuple(tensor.shape))
+        tensor = tensor.detach()
+        if tensor.device.type == "cpu":
+            tensor = tensor.contiguous()
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= limit:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+class WeightSync:
+    """``on_loop(method, *args)`` runs a coordinator method in the engine loop thread and returns its value."""
+
+    def __init__(self, arch: ModelArch, config: EngineConfig, coordinator: GlobalCoordinator, weights: ServedWeights,
+                 on_loop: Callable[..., Any]) -> None:
+        self.arch, self.config, self.coordinator, self.weights = arch, config, coordinator, weights
+        self._on_loop = on_loop
+        self._names: WeightNameCheck | None = None
+
+    def name_check(self) -> WeightNameCheck:
+        """The served model's tensor names and full shapes (a meta-device model: no memory)."""
+        if self._names is None:
+            self._names = WeightNameCheck(CausalLM(self.arch, 1, torch.float32, "meta"))
+        return self._names
+
+    def check_update(self, names: list[str], shapes: list[tuple[int, ...]], dtypes: list) -> None:
+        """Refuse a whole update before anything is applied: an unknown name, a wrong shape, a dtype
+        that is not floating point, or lists of different lengths (``InvalidRequestError`` names it)."""
+        if not len(names) == len(shapes) == len(dtypes):
+            raise InvalidRequestError(f"names, shapes and dtypes differ in length ({len(names)}, {len(shapes)}, "
+                                      f"{len(dtypes)})")
+        check = self.name_check()
+        for name, shape, dtype in zip(names, shapes, dtypes):
+            try:
+                dt = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype)
+                if not dt.is_floating_point:
+                    raise ValueError(f"{dt} is not a floating-point dtype")
+                check.check(name, tuple(shape))
+            except (ValueError, ModelLoadError) as exc:
+                raise InvalidRequestError(f"weight {name!r}: {exc}") from None
+
+    def check_resident(self) -> None:
+        """Weights are written in place: refuse while ``sleep`` has them released (wake_up first)."""
+        state = self.coordinator.sleep.weights
+        if state is not None:
+            raise InvalidRequestError(f"the weights are released ({state}); call wake_up(['weights']) before "
+                                      "updating them")
+
+    def from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                     version: str | None) -> int:
+        self.check_resident()
+        applied = 0
+        for bucket in _buckets(named_tensors, bucket_bytes, self.name_check()):
+            applied += self._on_loop(self.coordinator.load_weights, bucket)
+            self.weights.updated_in_memory()
+        self._on_loop(self.coordinator.new_weight_version, version)
+        return applied
+
+    def from_disk(self, path: str, version: str | None) -> None:
+        self.check_resident()
+        arch = load_model_arch(path)
+        if arch.fingerprint() != self.arch.fingerprint():
+            raise ModelLoadError(f"{path!r} is a different model (architecture or shapes differ from the served one)")
+        safetensors_files(path)
+        self._on_loop(self.coordinator.reload_weights, str(path))
+        self.weights.updated_from_disk(str(path))
+        self._on_loop(self.coordinator.new_weight_version, version)
+
+    def join_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+                   backend: str | None, timeout_s: float | None) -> None:
+        world = self.config.world
+        backend = backend or ("nccl" if self.config.device == "cuda" else "gloo")
+        if backend not in BACKENDS:
+            raise InvalidRequestError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if rank_offset < 1 or rank_offset + world > world_size:
+            raise InvalidRequestError(f"ranks {rank_offset}..{rank_offset + world - 1} of this engine's {world} "
+                                      f"workers do not fit a group of {world_size} (rank 0 is the trainer)")
+        self._on_loop(self.coordinator.join_weights_update_group, master_address, int(master_port), rank_offset,
+                      world_size, group_name, backend, timeout_s or self.config.collective_timeout_s)
+
+    def from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]], group_name: str,
+                         version: str | None, timeout_s: float | None) -> int:
+        self.check_resident()
+        self.check_update(names, [tuple(s) for s in shapes], dtypes)
+        applied = self._on_loop(self.coordinator.receive_weights, list(names), [str(d) for d in dtypes],
+                                [list(s) for s in shapes], group_name, timeout_s)
+        self.weights.updated_in_memory()
+        self._on_loop(self.coordinator.new_weight_version, version)
+        return applied
+
+    def leave_group(self, group_name: str) -> bool:
+        return self._on_loop(self.coordinator.leave_weights_update_group, group_name)
