@@ -1,27 +1,69 @@
-"""The per-row sampler the batched one replaced, kept as the reference its tokens must equal."""
+"""The draw rule written out one row at a time, the reference the batched sampler must equal bit for bit.
+
+It follows the rule's definition (pat_engine/sampling/sampler.py) the plain way: a full stable
+sort for top_k / top_p, Python loops for the eight-lane sum and the running mass. Only the weight
+function (``pexp``, the kernel's polynomial exp) is shared with the engine; the C++ kernel is
+checked against it separately.
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from pat_engine.sampling.inverse_cdf import pexp
 from pat_engine.sampling.sampler import SamplingSpec, uniform_for
 
 
+def _lanes(e: list[float]) -> float:
+    acc = [0.0] * 8
+    for i, v in enumerate(e):
+        acc[i % 8] += v
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
+
+
+def _weights(row: torch.Tensor, temperature: float) -> tuple[torch.Tensor, list[float]]:
+    xf = row.float()
+    it = torch.tensor(1.0 / temperature, dtype=torch.float64).float()
+    z = (xf - xf.max()) * it
+    return z, pexp(z).double().tolist()
+
+
 def reference_row(logits: torch.Tensor, spec: SamplingSpec, position: int) -> tuple[int, float]:
-    """The drawn token and its log-probability after temperature, top-k and top-p (one row)."""
-    probs = torch.softmax(logits.to(torch.float64) / spec.temperature, dim=-1)
-    probs, order = probs.sort(descending=True, stable=True)
-    keep = probs.numel()
-    if spec.top_k > 0:
-        keep = min(keep, spec.top_k)
+    """The drawn token and its log-probability under the distribution drawn from (one row)."""
+    vocab = logits.numel()
+    z, e = _weights(logits, spec.temperature)
+    order = logits.float().sort(descending=True, stable=True).indices.tolist()
+    keep = min(spec.top_k, vocab) if spec.top_k > 0 else vocab
     if spec.top_p < 1.0:
-        cum = probs.cumsum(0)
-        keep = min(keep, int((cum < spec.top_p).sum().item()) + 1)
-    probs = probs[:keep]
-    cum = probs.cumsum(0)
-    target = uniform_for(spec.seed, position) * cum[-1].item()
-    index = min(int((cum <= target).sum().item()), keep - 1)
-    return int(order[index]), float(torch.log(probs[index] / cum[-1]))
+        whole, running, nucleus = _lanes(e), 0.0, 0
+        for i in order:
+            running += e[i]
+            nucleus += 1
+            if not running < spec.top_p * whole:
+                break
+        keep = min(keep, nucleus)
+    kept = set(order[:keep])
+    floor = torch.tensor(math.log(spec.min_p) if spec.min_p > 0 else float("-inf"), dtype=torch.float64).float()
+    e = [v if i in kept and bool(z[i] >= floor) else 0.0 for i, v in enumerate(e)]
+    total = _lanes(e)
+    target = uniform_for(spec.seed, position) * total
+    running, token = 0.0, max(i for i, v in enumerate(e) if v > 0)
+    for i, v in enumerate(e):
+        running += v
+        if running > target:
+            token = i
+            break
+    return token, float(z[token]) - math.log(total)
+
+
+def reference_logprob(logits: torch.Tensor, token: int) -> float:
+    """log_softmax(logits)[token]: torch's in float64, the kernel's weights otherwise."""
+    if logits.dtype == torch.float64:
+        return torch.log_softmax(logits, dim=-1)[token].item()
+    z, e = _weights(logits, 1.0)
+    return float(z[token]) - math.log(_lanes(e))
 
 
 def reference_sample(logits, specs, positions, suppressed=None):
@@ -40,8 +82,7 @@ def reference_sample(logits, specs, positions, suppressed=None):
             tokens.append(token)
     if not any(s.logprobs for s in specs):
         return tokens, None
-    raw = torch.log_softmax(logits.to(torch.float64), dim=-1)
-    chosen = raw[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    chosen = [reference_logprob(logits[i], t) for i, t in enumerate(tokens)]
     for i, spec in enumerate(specs):
         if spec.processed_logprobs and i in processed:
             chosen[i] = processed[i]

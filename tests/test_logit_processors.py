@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
@@ -10,7 +12,8 @@ from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
 )
 
-from pat_engine.sampling.processors import ProcessorRows, min_p_keep
+from pat_engine.sampling.inverse_cdf import weights
+from pat_engine.sampling.processors import ProcessorRows
 
 VOCAB = 50
 
@@ -58,6 +61,8 @@ def test_min_p_keeps_what_transformers_keeps():
         temperature, min_p = [0.7, 1.0, 1.5][trial % 3], [0.05, 0.2, 0.6, 1.0][trial % 4]
         scaled = TemperatureLogitsWarper(temperature)(None, logits.clone())
         ref = MinPLogitsWarper(min_p)(None, scaled.clone())
-        probs = torch.softmax(logits / temperature, -1).sort(descending=True, stable=True).values
-        keep = min_p_keep(probs, torch.tensor([[min_p]], dtype=torch.float64))
-        assert keep.item() == int(torch.isfinite(ref).sum())
+        # the sampler keeps a token when its logit after the temperature is within log(min_p) of the best
+        inv_temp = torch.tensor([1.0 / temperature], dtype=torch.float64).float()
+        floor = torch.tensor([math.log(min_p)], dtype=torch.float64).float()
+        e, _ = weights(logits, inv_temp, floor)
+        assert torch.equal(e[0] > 0, torch.isfinite(ref[0]))

@@ -72,11 +72,3 @@ class ProcessorRows:
         if self.counts is not None:
             sub = sub - self.frequency * self.counts - self.presence * (self.counts > 0).to(sub.dtype)
         return logits.index_copy(0, self.rows, sub)
-
-
-def min_p_keep(sorted_probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """How many of each row's descending probabilities min_p keeps (at least one).
-
-    sorted_probs: (S, K) descending; min_p: float64 (S, 1), 0 = off.
-    """
-    return (sorted_probs >= min_p * sorted_probs[:, :1]).sum(dim=-1).clamp(min=1)

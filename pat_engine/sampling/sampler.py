@@ -5,12 +5,12 @@ Each draw uses one uniform number that depends only on ``(seed, position)``
 recompute picks the same token: the logits are the same, and so is the
 random number. Greedy is argmax.
 
-The rule for a sampled row (float64): softmax of ``logits / temperature``, tokens in
-descending probability (ties: lower id first), the first ``top_k`` of them, cut to the
-smallest prefix whose mass reaches ``top_p``; the token is the first whose running mass
-exceeds ``u * kept mass``. The batch runs this as tensor ops over all sampled rows at
-once: a ``topk`` of the largest ``top_k`` (a full sort only for rows without a ``top_k``),
-per-row cut-offs as tensors, one host transfer at the end.
+The rule for a sampled row (sampling/inverse_cdf.py has the arithmetic, bit for bit): the kept
+tokens are those ``top_k``, ``top_p`` and ``min_p`` keep (top_k and top_p: a prefix of the
+tokens by descending logit, ties by lower id, found with a partial ``topk`` rather than a sort;
+min_p: tokens within ``log(min_p)`` of the best after the temperature); the token is the first
+kept one, in token-id order, whose running mass exceeds ``u * kept mass``. No row is sorted or
+copied to float64 whole: a C++ kernel does one pass per row on the CPU, torch ops elsewhere.
 
 Per-row settings travel as tensors in ``SamplingBatch`` (built once per step from the
 specs); logit processors that come later (penalties, min_p, logit_bias) are more
@@ -19,11 +19,13 @@ per-row tensors applied in ``SamplingBatch.process`` before the temperature.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from pat_engine.sampling.processors import ProcessorRows, min_p_keep
+from pat_engine.sampling.inverse_cdf import inverse_cdf, log_norm, pexp
+from pat_engine.sampling.processors import ProcessorRows
 
 _MASK64 = (1 << 64) - 1
 
@@ -196,25 +198,72 @@ def _descending(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return values, order
 
 
+def _logs(values: torch.Tensor) -> torch.Tensor:
+    """``math.log`` of each float64 value: one rounding whatever the row's place in the batch."""
+    return torch.tensor([math.log(v) for v in values.tolist()], dtype=torch.float64, device=values.device)
+
+
+def _restrict(x: torch.Tensor, batch: SamplingBatch, inv_temp: torch.Tensor) -> torch.Tensor:
+    """``x`` with every token outside its row's top_k / top_p prefix set to -inf.
+
+    The prefix is read off a partial ``topk`` in stable descending order; for top_p alone the
+    candidate count grows until the prefix's mass (the kernel's weights, over the row's whole Z)
+    reaches top_p, so no row is sorted whole unless its nucleus needs it.
+    """
+    rows, vocab = x.shape
+    top_k, top_p = batch.top_k, batch.top_p.squeeze(1).to(torch.float64)
+    limited = (top_k > 0) | (top_p < 1.0)
+    if not bool(limited.any()):
+        return x
+    index = limited.nonzero().squeeze(1)
+    xs = x.index_select(0, index)
+    k_cap = torch.where(top_k[index] > 0, top_k[index].clamp(max=vocab), vocab)
+    p = top_p[index]
+    it = inv_temp[index]
+    no_floor = torch.full_like(it, float("-inf"))
+    _, _, z_sum = inverse_cdf(xs, it, no_floor, None, draw=False)
+    xf = xs.float()
+    m = xf.max(dim=-1, keepdim=True).values
+    width = int(k_cap.max()) if bool((p >= 1.0).all()) else min(vocab, max(64, int(k_cap.max())))
+    while True:
+        values, order = _descending(xf, width if width < vocab else 0)
+        weight = pexp((values - m) * it.unsqueeze(1)).double()
+        running = weight.cumsum(dim=-1)
+        nucleus = (running < (p * z_sum).unsqueeze(1)).sum(dim=-1) + 1
+        # a row whose top_p prefix may run past the candidates needs more of them
+        short = (p < 1.0) & (nucleus > width) & (k_cap > width)
+        if width >= vocab or not bool(short.any()):
+            break
+        width = min(vocab, width * 4)
+    keep = torch.where(p < 1.0, torch.minimum(k_cap, nucleus), k_cap).clamp(max=values.shape[-1])
+    within = torch.arange(values.shape[-1], device=x.device) < keep.unsqueeze(1)
+    kept = torch.full_like(xs, float("-inf"))
+    kept.scatter_(1, order, torch.where(within, xs.gather(1, order), float("-inf")).to(xs.dtype))
+    out = x.clone()
+    out.index_copy_(0, index, kept)
+    return out
+
+
 def _draw(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens and processed log-probs of the sampled rows; logits: (S, vocab) float64."""
-    probs = torch.softmax(logits / batch.temperature, dim=-1)
-    probs, order = _descending(probs, batch.max_top_k)  # (S, K)
-    width = probs.shape[-1]
-    keep = torch.where(batch.top_k > 0, batch.top_k.clamp(max=width), width)
-    cum = probs.cumsum(dim=-1)
-    # smallest prefix whose mass reaches top_p (at least one token); top_p = 1 keeps everything
-    nucleus = (cum < batch.top_p).sum(dim=-1) + 1
-    keep = torch.where(batch.top_p.squeeze(1) < 1.0, torch.minimum(keep, nucleus), keep)
+    """Tokens and processed log-probs of the sampled rows; logits: (S, vocab), any float dtype."""
+    inv_temp = (1.0 / batch.temperature.squeeze(1)).to(torch.float32)
+    floor = torch.full_like(inv_temp, float("-inf"))
     if batch.min_p is not None:  # min_p = 0 keeps every token
-        keep = torch.minimum(keep, min_p_keep(probs, batch.min_p))
-    total = cum.gather(-1, (keep - 1).unsqueeze(1))  # (S, 1): mass of the kept prefix
-    target = uniforms(batch.seeds, batch.positions).unsqueeze(1) * total
-    within = torch.arange(width, device=probs.device) < keep.unsqueeze(1)
-    index = torch.minimum(((cum <= target) & within).sum(dim=-1), keep - 1).unsqueeze(1)
-    tokens = order.gather(-1, index).squeeze(1)
-    processed = torch.log(probs.gather(-1, index) / total).squeeze(1)
-    return tokens, processed
+        floor = torch.tensor([math.log(v) if v > 0 else float("-inf") for v in batch.min_p.squeeze(1).tolist()],
+                             dtype=torch.float64, device=inv_temp.device).to(torch.float32)
+    x = _restrict(logits, batch, inv_temp)
+    tokens, z_token, z_sum = inverse_cdf(x, inv_temp, floor, uniforms(batch.seeds, batch.positions))
+    return tokens, z_token.double() - _logs(z_sum)
+
+
+def _log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits) at ``tokens`` per row (float64). Float64 logits keep torch's log_softmax,
+    the exactness suite's reference; others go through the kernel: (x_t - m) - log(Z)."""
+    if logits.dtype == torch.float64:
+        return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(1)).squeeze(1)
+    m, z_sum = log_norm(logits)
+    z = logits.gather(-1, tokens.unsqueeze(1)).squeeze(1).float() - m
+    return z.double() - _logs(z_sum)
 
 
 @dataclass
@@ -234,22 +283,26 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
     tokens = logits.argmax(dim=-1)
     processed = None
     if batch.sampled.numel():
-        drawn, processed = _draw(logits.index_select(0, batch.sampled).to(torch.float64), batch)
+        drawn, processed = _draw(logits.index_select(0, batch.sampled), batch)
         tokens = tokens.index_copy(0, batch.sampled, drawn)
     if not batch.logprobs:
         return Sampled(tokens.tolist())
-    raw = torch.log_softmax(raw_logits.to(torch.float64), dim=-1)
-    chosen = raw.gather(-1, tokens.unsqueeze(1)).squeeze(1)
+    chosen = _log_probs(raw_logits, tokens)
     if processed is not None:  # sampled rows in processed mode: under the distribution drawn from
         rows = batch.sampled[batch.processed_rows]
         chosen = chosen.index_copy(0, rows, processed[batch.processed_rows])
     if batch.greedy_processed is not None:  # greedy rows after penalties
         rows = batch.greedy_processed
-        lp = torch.log_softmax(logits.index_select(0, rows).to(torch.float64), dim=-1)
-        chosen = chosen.index_copy(0, rows, lp.gather(-1, tokens.index_select(0, rows).unsqueeze(1)).squeeze(1))
+        chosen = chosen.index_copy(0, rows, _log_probs(logits.index_select(0, rows), tokens.index_select(0, rows)))
     top = None
     if batch.top_logprobs:
-        values, ids = raw.topk(min(batch.top_logprobs, raw.shape[-1]), dim=-1)
+        k = min(batch.top_logprobs, raw_logits.shape[-1])
+        if raw_logits.dtype == torch.float64:
+            values, ids = torch.log_softmax(raw_logits, dim=-1).topk(k, dim=-1)
+        else:
+            best, ids = raw_logits.topk(k, dim=-1)
+            m, z_sum = log_norm(raw_logits)
+            values = (best.float() - m.unsqueeze(1)).double() - _logs(z_sum).unsqueeze(1)
         top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
     return Sampled(tokens.tolist(), chosen.tolist(), top)
 

@@ -1,0 +1,173 @@
+// Sampling rows of logits by inverse CDF in token-id order: no sort, no float64 copy of the vocabulary.
+//
+//   inverse_cdf_cpu(x, inv_temp, floor, u, draw) -> (token int64 (B,), z_token f32 (B,), Z f64 (B,))
+//
+// x: (B, V) float32 / bfloat16 / float64 logits, unit stride along V; inv_temp, floor: float32 (B,);
+// u: float64 (B,) uniforms in [0, 1). For each row, with every float operation rounded on its own
+// (FMA contraction off) so that pat_engine/sampling/inverse_cdf.py computes the same bits in torch:
+//   m   = max_i float(x_i)
+//   z_i = (float(x_i) - m) * inv_temp                     (<= 0)
+//   e_i = z_i >= floor ? pexp(z_i) : 0                    (floor: log(min_p), or -inf)
+//   Z   = eight lanes, lane j summing e_{8b+j} in double in order, combined ((0+1)+(2+3))+((4+5)+(6+7))
+//   draw: token = the first i whose running double sum of e exceeds u * Z (else the last i with e_i > 0)
+//   without draw: token = argmax (the first maximum); Z and z_token = z of the token either way.
+// The token's log-probability under the sampled distribution is z_token - log(Z), the log taken by the
+// caller (a library log rounds differently in its vector and scalar paths). pexp is a fixed
+// polynomial (Cephes' expf: 1-2 ulp) rather than a library exp, so torch can reproduce it exactly.
+// Each row is one thread's sequential work: the result depends on the row alone, never on the batch,
+// the thread count or the row's alignment.
+
+#pragma GCC optimize("fp-contract=off")
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+
+namespace {
+
+constexpr int kLanes = 8;
+constexpr float kExpMin = -87.33654f;  // below this expf underflows: e = 0
+
+inline float to_float(float v) { return v; }
+inline float to_float(double v) { return static_cast<float>(v); }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// Cephes expf on z <= 0: 2^n * p(r), n = floor(z log2 e + 1/2), r = z - n ln 2 (in two parts).
+inline float pexp(float z) {
+  const float zc = z < kExpMin ? kExpMin : z;  // keeps n in range; the result is masked below
+  const float n = std::floor(zc * 1.44269504088896341f + 0.5f);
+  float r = zc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  const float r2 = r * r;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r2 + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return z >= kExpMin ? y * scale : 0.0f;
+}
+
+template <typename T>
+inline float row_max(const T* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_float(x[i]);
+    m = v > m ? v : m;
+  }
+  return m;
+}
+
+template <typename T>
+inline float weight(const T* x, int64_t i, float m, float it, float floor) {
+  const float z = (to_float(x[i]) - m) * it;
+  return z >= floor ? pexp(z) : 0.0f;
+}
+
+template <typename T>
+inline double lane_sum(const T* x, int64_t n, float m, float it, float floor) {
+  double acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    float e[kLanes];
+    for (int j = 0; j < kLanes; ++j) e[j] = weight(x, i + j, m, it, floor);
+    for (int j = 0; j < kLanes; ++j) acc[j] += static_cast<double>(e[j]);
+  }
+  for (int j = 0; i + j < n; ++j) acc[j] += static_cast<double>(weight(x, i + j, m, it, floor));
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+template <typename T>
+inline int64_t scan(const T* x, int64_t n, float m, float it, float floor, double target) {
+  // blocks of eight weights computed together (they vectorise), then added one by one in id order
+  double s = 0.0;
+  int64_t last = 0;
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const int k = static_cast<int>(n - i < kLanes ? n - i : kLanes);
+    float e[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (k == kLanes) {
+      for (int j = 0; j < kLanes; ++j) e[j] = weight(x, i + j, m, it, floor);
+    } else {
+      for (int j = 0; j < k; ++j) e[j] = weight(x, i + j, m, it, floor);
+    }
+    for (int j = 0; j < k; ++j) {
+      if (e[j] > 0.0f) last = i + j;
+      s += static_cast<double>(e[j]);
+      if (s > target) return i + j;
+    }
+  }
+  return last;  // rounding left u * Z at or above the whole sum: the last token that has mass
+}
+
+template <typename T>
+inline int64_t first_max(const T* x, int64_t n, float m) {
+  for (int64_t i = 0; i < n; ++i)
+    if (to_float(x[i]) == m) return i;
+  return 0;
+}
+
+template <typename T>
+void rows(const at::Tensor& x, const at::Tensor& inv_temp, const at::Tensor& floor, const at::Tensor& u, bool draw,
+          at::Tensor& token, at::Tensor& z_token, at::Tensor& z_sum) {
+  const int64_t b = x.size(0), n = x.size(1), xs = x.stride(0);
+  const T* xp = x.const_data_ptr<T>();
+  const float* itp = inv_temp.const_data_ptr<float>();
+  const float* fp = floor.const_data_ptr<float>();
+  const double* up = u.const_data_ptr<double>();
+  int64_t* tp = token.mutable_data_ptr<int64_t>();
+  float* zp = z_token.mutable_data_ptr<float>();
+  double* zs = z_sum.mutable_data_ptr<double>();
+  at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = xp + r * xs;
+      const float m = row_max(row, n), it = itp[r], fl = fp[r];
+      const double z = lane_sum(row, n, m, it, fl);
+      const int64_t t = draw ? scan(row, n, m, it, fl, up[r] * z) : first_max(row, n, m);
+      tp[r] = t;
+      zp[r] = (to_float(row[t]) - m) * it;
+      zs[r] = z;
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> inverse_cdf_cpu(const at::Tensor& x, const at::Tensor& inv_temp,
+                                                               const at::Tensor& floor, const at::Tensor& u,
+                                                               bool draw) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, "x must be CPU (rows, vocab), unit stride");
+  const int64_t b = x.size(0);
+  TORCH_CHECK(x.size(1) > 0, "an empty vocabulary");
+  TORCH_CHECK(inv_temp.scalar_type() == at::kFloat && inv_temp.is_contiguous() && inv_temp.numel() == b,
+              "inv_temp must be float32 (rows,)");
+  TORCH_CHECK(floor.scalar_type() == at::kFloat && floor.is_contiguous() && floor.numel() == b,
+              "floor must be float32 (rows,)");
+  TORCH_CHECK(u.scalar_type() == at::kDouble && u.is_contiguous() && u.numel() == b, "u must be float64 (rows,)");
+  at::Tensor token = at::empty({b}, x.options().dtype(at::kLong));
+  at::Tensor z_token = at::empty({b}, x.options().dtype(at::kFloat));
+  at::Tensor z_sum = at::empty({b}, x.options().dtype(at::kDouble));
+  switch (x.scalar_type()) {
+    case at::kFloat: rows<float>(x, inv_temp, floor, u, draw, token, z_token, z_sum); break;
+    case at::kDouble: rows<double>(x, inv_temp, floor, u, draw, token, z_token, z_sum); break;
+    case at::kBFloat16: rows<c10::BFloat16>(x, inv_temp, floor, u, draw, token, z_token, z_sum); break;
+    default: TORCH_CHECK(false, "float32, float64 or bfloat16 logits expected");
+  }
+  return {token, z_token, z_sum};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pat_kernels, m) {
+  m.def("inverse_cdf_cpu(Tensor x, Tensor inv_temp, Tensor floor, Tensor u, bool draw) -> (Tensor, Tensor, Tensor)",
+        &inverse_cdf_cpu);
+}

@@ -1,0 +1,104 @@
+"""The draw rule's arithmetic: inverse CDF in token-id order, the same bits from C++ and from torch.
+
+For a row of logits ``x``, an inverse temperature ``it`` and a floor (``log(min_p)``, or -inf):
+
+    m   = max_i float32(x_i)
+    z_i = (float32(x_i) - m) * it                       float32, each operation rounded on its own
+    e_i = pexp(z_i) if z_i >= floor else 0              a fixed polynomial exp (Cephes' expf)
+    Z   = the e_i summed in float64 in eight lanes (lane j takes i = j mod 8, in order),
+          the lanes combined ((0+1)+(2+3))+((4+5)+(6+7))
+    token = the first i whose running float64 sum of e exceeds u * Z
+
+The C++ kernel (csrc/pat_kernels/cpu/sample.cpp) does this with one thread per row and no sort;
+``_torch_inverse_cdf`` below does the same operations with torch (other devices, or
+``PAT_CPU_SAMPLER=torch``). Only +, *, floor, comparisons and exact conversions are used, which
+round the same in scalar and vector code, so neither the batch, the thread count nor the device
+changes a bit. The log of Z is left to the caller (Python's ``math.log``): a library log differs
+between its vector and scalar paths.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # the kernels package sits beside the engine in a checkout and in an install
+    from pat_kernels import cpu_sample
+except ImportError:  # pragma: no cover - a partial install: the torch path serves
+    cpu_sample = None
+
+LANES = 8
+EXP_MIN = -87.33654  # below this expf underflows: the weight is 0
+
+
+def pexp(z: torch.Tensor) -> torch.Tensor:
+    """Cephes' expf for float32 ``z <= 0``, operation by operation as in cpu/sample.cpp."""
+    zc = torch.clamp(z, min=EXP_MIN)
+    n = torch.floor(zc * 1.44269504088896341 + 0.5)
+    r = zc - n * 0.693359375
+    r = r - n * -2.12194440e-4
+    r2 = r * r
+    p = torch.full_like(r, 1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = p * r + c
+    y = p * r2 + r + 1.0
+    scale = ((n.to(torch.int32) + 127) << 23).view(torch.float32)
+    return torch.where(z >= EXP_MIN, y * scale, torch.zeros((), dtype=torch.float32, device=z.device))
+
+
+def weights(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e, m): every token's unnormalised weight (B, V) float32 and each row's max logit (B, 1)."""
+    xf = x.float()
+    m = xf.max(dim=-1, keepdim=True).values
+    z = (xf - m) * inv_temp.unsqueeze(1)
+    e = torch.where(z >= floor.unsqueeze(1), pexp(z), torch.zeros((), dtype=torch.float32, device=x.device))
+    return e, m
+
+
+def lane_sum(e: torch.Tensor) -> torch.Tensor:
+    """Z per row (float64), in the kernel's eight-lane order (a sequential cumsum down each lane)."""
+    rows, vocab = e.shape
+    padded = torch.nn.functional.pad(e, (0, -vocab % LANES)).view(rows, -1, LANES).double()
+    a = padded.cumsum(dim=1)[:, -1, :]
+    return ((a[:, 0] + a[:, 1]) + (a[:, 2] + a[:, 3])) + ((a[:, 4] + a[:, 5]) + (a[:, 6] + a[:, 7]))
+
+
+def _torch_inverse_cdf(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor, u: torch.Tensor,
+                       draw: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    e, m = weights(x, inv_temp, floor)
+    z_sum = lane_sum(e)
+    if draw:
+        running = e.double().cumsum(dim=-1)  # sequential along each row, as the kernel's scan
+        token = (running <= (u * z_sum).unsqueeze(1)).sum(dim=-1)
+        ids = torch.arange(e.shape[-1], device=e.device)
+        last = torch.where(e > 0, ids, 0).max(dim=-1).values  # where rounding left u * Z >= the whole sum
+        token = torch.where(token >= e.shape[-1], last, token)
+    else:
+        token = (x.float() == m).int().argmax(dim=-1)  # the first maximum
+    z_token = (x.float().gather(1, token.unsqueeze(1)) - m).squeeze(1) * inv_temp
+    return token, z_token, z_sum
+
+
+def inverse_cdf(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor, u: torch.Tensor | None,
+                draw: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: (token, z of the token (float32), Z (float64)); the token's log-probability under the
+    distribution drawn from is ``z - log(Z)``. ``draw=False``: the first maximum instead of a draw
+    (``u`` unused), for log-probs of given rows.
+
+    x: (B, V) logits; inv_temp, floor: float32 (B,); u: float64 (B,) uniforms.
+    """
+    x = x.contiguous()
+    inv_temp = inv_temp.to(torch.float32).contiguous()
+    floor = floor.to(torch.float32).contiguous()
+    u = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device) if u is None else u.contiguous()
+    if cpu_sample is not None and cpu_sample.usable(x):
+        return cpu_sample.inverse_cdf(x, inv_temp, floor, u, draw)
+    return _torch_inverse_cdf(x, inv_temp, floor, u, draw)
+
+
+def log_norm(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m, Z) of plain logits (temperature 1, no floor): log_softmax(x)_i = (float32(x_i) - m) - log(Z)."""
+    rows = x.shape[0]
+    ones = torch.ones(rows, dtype=torch.float32, device=x.device)
+    floor = torch.full((rows,), float("-inf"), dtype=torch.float32, device=x.device)
+    _, _, z_sum = inverse_cdf(x, ones, floor, None, draw=False)
+    return x.float().max(dim=-1).values, z_sum
