@@ -55,6 +55,10 @@ def reference_row(logits: torch.Tensor, spec: SamplingSpec, position: int) -> tu
         if running > target:
             token = i
             break
+    if logits.dtype == torch.float64:  # float64 rows report the log-prob in float64 over the kept tokens
+        scaled = torch.tensor([x / spec.temperature if v > 0 else float("-inf") for x, v in zip(logits.tolist(), e)],
+                              dtype=torch.float64)
+        return token, torch.log_softmax(scaled, dim=-1)[token].item()
     return token, float(z[token]) - math.log(total)
 
 

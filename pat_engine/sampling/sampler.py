@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pat_engine.sampling.inverse_cdf import inverse_cdf, log_norm, pexp
+from pat_engine.sampling.inverse_cdf import LANES, inverse_cdf, log_norm, pexp, weights
 from pat_engine.sampling.processors import ProcessorRows
 
 _MASK64 = (1 << 64) - 1
@@ -203,45 +203,91 @@ def _logs(values: torch.Tensor) -> torch.Tensor:
     return torch.tensor([math.log(v) for v in values.tolist()], dtype=torch.float64, device=values.device)
 
 
-def _restrict(x: torch.Tensor, batch: SamplingBatch, inv_temp: torch.Tensor) -> torch.Tensor:
-    """``x`` with every token outside its row's top_k / top_p prefix set to -inf.
+@dataclass
+class _Prefix:
+    """The top_k / top_p rows' kept tokens: ``order[:, :keep]`` (stable descending logits)."""
 
-    The prefix is read off a partial ``topk`` in stable descending order; for top_p alone the
-    candidate count grows until the prefix's mass (the kernel's weights, over the row's whole Z)
-    reaches top_p, so no row is sorted whole unless its nucleus needs it.
-    """
-    rows, vocab = x.shape
+    rows: torch.Tensor  # int64: which sampled rows these are
+    order: torch.Tensor  # (F, width) token ids by descending logit, ties by lower id
+    keep: torch.Tensor  # (F,) how many of them are kept
+
+
+def _prefixes(x: torch.Tensor, batch: SamplingBatch, inv_temp: torch.Tensor) -> _Prefix | None:
+    """Each top_k / top_p row's kept prefix, read off a partial ``topk``. For top_p the candidate count
+    comes from ``_nucleus_bound`` and grows if the prefix's mass (the kernel's weights, over the
+    row's whole Z) has not reached top_p, so no row is sorted whole unless its nucleus needs it."""
+    vocab = x.shape[1]
     top_k, top_p = batch.top_k, batch.top_p.squeeze(1).to(torch.float64)
     limited = (top_k > 0) | (top_p < 1.0)
     if not bool(limited.any()):
-        return x
+        return None
     index = limited.nonzero().squeeze(1)
-    xs = x.index_select(0, index)
+    xf = x.index_select(0, index).float()
     k_cap = torch.where(top_k[index] > 0, top_k[index].clamp(max=vocab), vocab)
-    p = top_p[index]
-    it = inv_temp[index]
-    no_floor = torch.full_like(it, float("-inf"))
-    _, _, z_sum = inverse_cdf(xs, it, no_floor, None, draw=False)
-    xf = xs.float()
+    p, it = top_p[index], inv_temp[index]
     m = xf.max(dim=-1, keepdim=True).values
-    width = int(k_cap.max()) if bool((p >= 1.0).all()) else min(vocab, max(64, int(k_cap.max())))
+    need, z_sum = k_cap, None
+    if bool((p < 1.0).any()):
+        _, _, z_sum = inverse_cdf(xf, it, torch.full_like(it, float("-inf")), None, draw=False)
+        need = torch.where(p < 1.0, torch.minimum(k_cap, _nucleus_bound(xf, m, it, p, z_sum)), k_cap)
+    width = int(need.max())
     while True:
         values, order = _descending(xf, width if width < vocab else 0)
-        weight = pexp((values - m) * it.unsqueeze(1)).double()
-        running = weight.cumsum(dim=-1)
+        keep = k_cap.clamp(max=values.shape[-1])
+        if z_sum is None:
+            break
+        running = pexp((values - m) * it.unsqueeze(1)).double().cumsum(dim=-1)
         nucleus = (running < (p * z_sum).unsqueeze(1)).sum(dim=-1) + 1
+        keep = torch.where(p < 1.0, torch.minimum(keep, nucleus), keep).clamp(max=values.shape[-1])
         # a row whose top_p prefix may run past the candidates needs more of them
         short = (p < 1.0) & (nucleus > width) & (k_cap > width)
         if width >= vocab or not bool(short.any()):
             break
         width = min(vocab, width * 4)
-    keep = torch.where(p < 1.0, torch.minimum(k_cap, nucleus), k_cap).clamp(max=values.shape[-1])
-    within = torch.arange(values.shape[-1], device=x.device) < keep.unsqueeze(1)
-    kept = torch.full_like(xs, float("-inf"))
-    kept.scatter_(1, order, torch.where(within, xs.gather(1, order), float("-inf")).to(xs.dtype))
-    out = x.clone()
-    out.index_copy_(0, index, kept)
-    return out
+    return _Prefix(index, order, keep)
+
+
+def _draw_in_prefix(x: torch.Tensor, prefix: _Prefix, inv_temp: torch.Tensor, floor: torch.Tensor,
+                    u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's draw over rows whose tokens outside ``prefix`` count as -inf, computed on the
+    candidates alone: the masked tokens' zero weights change no lane sum and no running sum."""
+    vocab = x.shape[1]
+    width = prefix.order.shape[1]
+    ids = torch.where(torch.arange(width, device=x.device) < prefix.keep.unsqueeze(1), prefix.order, vocab)
+    ids = ids.sort(dim=-1).values  # kept ids ascending, the rest (= vocab) last
+    xf = x.float()
+    m = xf.max(dim=-1, keepdim=True).values
+    z = (xf.gather(1, ids.clamp(max=vocab - 1)) - m) * inv_temp.unsqueeze(1)
+    e = torch.where((ids < vocab) & (z >= floor.unsqueeze(1)), pexp(z), 0.0).double()
+    lane = ids % LANES
+    a = [torch.where(lane == j, e, 0.0).cumsum(dim=-1)[:, -1] for j in range(LANES)]
+    z_sum = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))
+    running = e.cumsum(dim=-1)
+    pick = (running <= (u * z_sum).unsqueeze(1)).sum(dim=-1)
+    last = torch.where(e > 0, torch.arange(width, device=x.device), 0).max(dim=-1).values
+    pick = torch.where(pick >= width, last, pick).unsqueeze(1)
+    return ids.gather(1, pick).squeeze(1), z.gather(1, pick).squeeze(1), z_sum
+
+
+def _nucleus_bound(xf: torch.Tensor, m: torch.Tensor, inv_temp: torch.Tensor, top_p: torch.Tensor,
+                   z_sum: torch.Tensor) -> torch.Tensor:
+    """How many candidates hold each row's top_p prefix (int64), from a histogram instead of a sort.
+
+    A token's weight is about 2**b with b = floor(z * log2(e)); counting the tokens per b gives, from
+    the top, a lower bound of the mass above each b. The prefix lies among the tokens at or above
+    the first b whose bound reaches top_p * Z, taken one b lower against rounding. (Only the
+    candidate count comes from here; the prefix itself is found exactly in ``_restrict``.)
+    """
+    levels = 128
+    b = ((xf - m) * (inv_temp * 1.4426950408889634).unsqueeze(1)).floor().clamp(min=1 - levels, max=0)
+    idx = (b + (levels - 1)).long()  # 0 (weight ~2**-127) .. levels - 1 (weight ~1)
+    counts = torch.zeros(xf.shape[0], levels, dtype=torch.float64, device=xf.device).scatter_add_(
+        1, idx, torch.ones_like(idx, dtype=torch.float64))
+    scale = torch.pow(2.0, torch.arange(1 - levels, 1, dtype=torch.float64, device=xf.device))
+    mass_above = (counts * scale * 0.999).flip(1).cumsum(1).flip(1)  # bound of the mass at level >= b
+    need = (top_p * z_sum).unsqueeze(1)
+    first = ((mass_above >= need).sum(dim=1) - 2).clamp(min=0)  # highest level whose bound reaches need, less one
+    return counts.flip(1).cumsum(1).flip(1).gather(1, first.unsqueeze(1)).squeeze(1).long()
 
 
 def _draw(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,8 +297,33 @@ def _draw(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, tor
     if batch.min_p is not None:  # min_p = 0 keeps every token
         floor = torch.tensor([math.log(v) if v > 0 else float("-inf") for v in batch.min_p.squeeze(1).tolist()],
                              dtype=torch.float64, device=inv_temp.device).to(torch.float32)
-    x = _restrict(logits, batch, inv_temp)
-    tokens, z_token, z_sum = inverse_cdf(x, inv_temp, floor, uniforms(batch.seeds, batch.positions))
+    u = uniforms(batch.seeds, batch.positions)
+    prefix = _prefixes(logits, batch, inv_temp)
+    if prefix is None:
+        tokens, z_token, z_sum = inverse_cdf(logits, inv_temp, floor, u)
+    else:
+        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        z_token = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        z_sum = torch.empty(logits.shape[0], dtype=torch.float64, device=logits.device)
+        free = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device).index_fill(0, prefix.rows, False)
+        parts = [(prefix.rows, _draw_in_prefix(logits.index_select(0, prefix.rows), prefix, inv_temp[prefix.rows],
+                                               floor[prefix.rows], u[prefix.rows]))]
+        if bool(free.any()):
+            rows = free.nonzero().squeeze(1)
+            parts.append((rows, inverse_cdf(logits.index_select(0, rows), inv_temp[rows], floor[rows], u[rows])))
+        for rows, (t, z, zs) in parts:
+            tokens.index_copy_(0, rows, t)
+            z_token.index_copy_(0, rows, z)
+            z_sum.index_copy_(0, rows, zs)
+    if logits.dtype == torch.float64:  # the exactness suite's dtype: the log-prob in float64 over the kept tokens
+        kept = weights(logits, inv_temp, floor)[0] > 0
+        if prefix is not None:
+            in_prefix = torch.zeros_like(kept[prefix.rows])
+            within = torch.arange(prefix.order.shape[1], device=logits.device) < prefix.keep.unsqueeze(1)
+            in_prefix.scatter_(1, prefix.order, within)
+            kept[prefix.rows] &= in_prefix
+        scaled = torch.where(kept, logits / batch.temperature, float("-inf"))
+        return tokens, torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(1)).squeeze(1)
     return tokens, z_token.double() - _logs(z_sum)
 
 
