@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -31,3 +31,8 @@ class RequestOutput:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+def of_prompt(samples: list[RequestOutput]) -> RequestOutput:
+    """One prompt's output from its samples (sample 0 first): sample 0, carrying all of them when n > 1."""
+    return replace(samples[0], samples=list(samples)) if len(samples) > 1 else samples[0]

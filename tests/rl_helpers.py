@@ -52,14 +52,22 @@ def restore_env(old: dict[str, str | None]) -> None:
 class VllmLikeSamplingParams:
     """The attributes of ``vllm.SamplingParams`` that OpenRLHF sets (vLLM is not installable here).
 
-    Mutable like vLLM's: OpenRLHF's executors assign ``max_tokens`` on it.
+    Mutable like vLLM's: OpenRLHF's executors assign ``max_tokens`` on it. ``extra``: any other
+    vLLM attribute (``repetition_penalty=1.2``, ``bad_words=[...]``, ...).
     """
 
     def __init__(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, max_tokens: int | None = 16,
                  min_tokens: int = 0, skip_special_tokens: bool = True, logprobs: int | None = None,
-                 seed: int | None = None, n: int = 1, stop: list | None = None, ignore_eos: bool = False):
+                 seed: int | None = None, n: int = 1, stop: list | None = None, ignore_eos: bool = False,
+                 **extra):
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.max_tokens, self.min_tokens = max_tokens, min_tokens
         self.skip_special_tokens, self.logprobs, self.seed, self.n = skip_special_tokens, logprobs, seed, n
         self.stop, self.ignore_eos = stop or [], ignore_eos
-        self.repetition_penalty, self.presence_penalty, self.frequency_penalty = 1.0, 0.0, 0.0
+        self.repetition_penalty, self.presence_penalty, self.frequency_penalty, self.min_p = 1.0, 0.0, 0.0, 0.0
+        self.best_of, self.logit_bias, self.prompt_logprobs, self.bad_words = None, None, None, None
+        self.include_stop_str_in_output, self.truncate_prompt_tokens, self.structured_outputs = False, None, None
+        for name, value in extra.items():
+            if not hasattr(self, name):
+                raise TypeError(f"not a vllm.SamplingParams attribute this stand-in knows: {name}")
+            setattr(self, name, value)

@@ -148,10 +148,60 @@ def test_unsupported_paths_fail_clearly(engines):
         ray.get(engines[0].update_weight_cuda_ipc.remote("w", dtype=None, shape=(1,), ipc_handles={}))
     with pytest.raises(ray.exceptions.RayTaskError, match="gloo"):
         ray.get(engines[0].init_process_group.remote("127.0.0.1", 1, 1, 3, "g", backend="nccl", use_ray=False))
-    with pytest.raises(ray.exceptions.RayTaskError, match="repetition_penalty"):
-        params = VllmLikeSamplingParams(max_tokens=4)
-        params.repetition_penalty = 1.2
-        ray.get(engines[0].generate.remote(PROMPTS[0], params))
+    # the sampling options pat-engine lacks are refused by name (penalties, min_p, n, stop, logit_bias and
+    # prompt_logprobs, refused here before, are accepted now: test_sampling_options_take_effect)
+    for name, value in (("bad_words", ["x"]), ("best_of", 3), ("structured_outputs", {"json": {}})):
+        with pytest.raises(ray.exceptions.RayTaskError, match=name):
+            ray.get(engines[0].generate.remote(PROMPTS[0], VllmLikeSamplingParams(max_tokens=4, **{name: value})))
+
+
+def test_sampling_options_take_effect(engines, model_dir):
+    """What the RL integrations refused before sharing pat-engine's translator, through the actor."""
+    engine = engines[0]
+    ray.get(engine.wake_up.remote())
+
+    def run(prompt=PROMPTS[1], **kw):
+        params = VllmLikeSamplingParams(**{"temperature": 0.0, "max_tokens": 40, "ignore_eos": True, **kw})
+        return ray.get(engine.generate.remote(prompt, params))
+
+    plain = run().outputs[0]
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+        assert run(**{name: 1.5}).outputs[0].token_ids != plain.token_ids, name
+    assert run(logit_bias={7: 100.0}).outputs[0].token_ids == [7] * 40
+    assert run(temperature=1.0, seed=3).outputs[0].token_ids != plain.token_ids
+    assert run(temperature=1.0, seed=3, min_p=1.0).outputs[0].token_ids == plain.token_ids
+
+    many = run(temperature=1.0, seed=5, n=3, logprobs=1).outputs
+    assert [c.index for c in many] == [0, 1, 2] and len({tuple(c.token_ids) for c in many}) == 3
+    assert all(len(c.logprobs) == len(c.token_ids) == 40 for c in many)
+
+    stop = next(plain.text[i:i + 2] for i in range(len(plain.text) // 3, len(plain.text) - 1)
+                if plain.text[i:i + 2].isascii() and plain.text[i:i + 2].isprintable() and plain.text[i:i + 2].strip())
+    cut = run(stop=[stop]).outputs[0]
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", stop) and plain.text.startswith(cut.text)
+    assert stop not in cut.text and len(cut.token_ids) < 40
+    kept = run(stop=[stop], include_stop_str_in_output=True).outputs[0]
+    assert kept.text == cut.text + stop and kept.token_ids == cut.token_ids
+
+    prompt = PROMPTS[3]
+    scored = run(prompt, max_tokens=1, prompt_logprobs=2)
+    rows = scored.prompt_logprobs
+    assert rows[0] is None and len(rows) == len(prompt)
+    for tok, row in zip(prompt[1:], rows[1:]):  # the prompt token and the 2 most likely, as vLLM
+        ranked = {lp.rank: lp.logprob for lp in row.values() if lp.rank is not None}
+        assert tok in row and sorted(ranked) == [1, 2] and 0 >= ranked[1] >= ranked[2]
+        assert row[tok].logprob <= (ranked[1] if row[tok].rank else ranked[2]) + 1e-12
+
+
+def test_prefix_caching_off_is_honoured(engines):
+    """create_pat_engines(enable_prefix_caching=False) (as the fixture asks): no prompt block is ever reused."""
+    engine = engines[1]
+    ray.get(engine.wake_up.remote())
+    prompt = list(range(10, 60))  # three full blocks of 16 tokens
+    for _ in range(2):
+        ray.get(engine.generate.remote(prompt, VllmLikeSamplingParams(temperature=0.0, max_tokens=2)))
+    stats = ray.get(engine.prefix_cache_stats.remote())
+    assert stats["hit_tokens"] == 0 and stats["cached_blocks"] == 0
 
 
 def test_integrations_import_without_frameworks():

@@ -193,3 +193,77 @@ def test_adapter_release_and_resume_drive_sleep_and_wake(rollout):
         generate_all(client, prompts=PROMPTS[:1], max_new=MAX_NEW[:1])
     rollout.checkpoints.update_weights(global_steps=3)
     assert [o.token_ids for o in generate_all(client)] == hf_greedy_batch(rollout.steps[-1])
+
+
+# ---- sampling options through veRL's client (issue 20 item 5) ------------------------------------
+
+_ids = iter(range(10**6))
+
+
+def run_one(client, params, prompt=PROMPTS[1]):
+    return asyncio.run(client.generate(f"opt-{next(_ids)}", prompt_ids=prompt, sampling_params=dict(params)))
+
+
+def ascii_stop(text: str) -> str:
+    """Two printable ASCII characters from the middle of ``text`` (a stop string the decoded text really has)."""
+    for i in range(len(text) // 3, len(text) - 1):
+        if text[i:i + 2].isascii() and text[i:i + 2].isprintable() and text[i:i + 2].strip():
+            return text[i:i + 2]
+    raise AssertionError(f"no ASCII pair in {text!r}")
+
+
+def test_penalties_min_p_and_logit_bias_take_effect(rollout):
+    client = rollout.manager.get_client()
+    base = {**GREEDY, "max_tokens": 40, "ignore_eos": True}
+    plain = run_one(client, base).token_ids
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+        assert run_one(client, {**base, name: 1.5}).token_ids != plain, name
+    assert run_one(client, {**base, "logit_bias": {7: 100.0}}).token_ids == [7] * 40
+    sampled = {**base, "temperature": 1.0, "seed": 3}
+    assert run_one(client, sampled).token_ids != plain
+    assert run_one(client, {**sampled, "min_p": 1.0}).token_ids == plain  # only the most likely token is left
+
+
+def test_n_samples_stop_strings_and_prompt_logprobs(rollout, model_dir):
+    from transformers import AutoTokenizer
+
+    client = rollout.manager.get_client()
+    base = {**GREEDY, "max_tokens": 40, "ignore_eos": True}
+    out = run_one(client, {**base, "temperature": 1.0, "seed": 5, "n": 3})
+    samples = out.extra_fields["samples"]
+    assert len(samples) == 3 and samples[0]["token_ids"] == out.token_ids and samples[0]["log_probs"] == out.log_probs
+    assert len({tuple(s["token_ids"]) for s in samples}) == 3
+    assert all(len(s["log_probs"]) == len(s["token_ids"]) == 40 for s in samples)
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    plain = run_one(client, base).token_ids
+    stop = ascii_stop(tokenizer.decode(plain, skip_special_tokens=True))
+    cut = run_one(client, {**base, "stop": [stop]}).token_ids
+    assert len(cut) < len(plain) and plain[:len(cut)] == cut  # vLLM's ids: up to the token that completed it
+    assert stop in tokenizer.decode(cut, skip_special_tokens=True)
+
+    prompt = PROMPTS[3]
+    teacher = {"max_tokens": 1, "temperature": 1.0, "detokenize": False}  # what veRL's distillation teacher sends
+    top2 = run_one(client, {**teacher, "prompt_logprobs": 2}, prompt).extra_fields
+    own = run_one(client, {**teacher, "prompt_logprobs": 0}, prompt).extra_fields
+    assert len(top2["prompt_ids"]) == len(own["prompt_ids"]) == len(prompt)  # a row per token after the first + pad
+    assert own["prompt_ids"][:-1] == [[t] for t in prompt[1:]]
+    for (i1, i2), (a, b), (t,), (lp,) in zip(top2["prompt_ids"][:-1], top2["prompt_logprobs"][:-1],
+                                           own["prompt_ids"][:-1], own["prompt_logprobs"][:-1]):
+        assert 0 >= a >= b and lp <= a + 1e-12
+        if t in (i1, i2):
+            assert lp == pytest.approx(a if t == i1 else b)
+
+
+def test_prefix_caching_switch_reaches_the_engine(model_dir):
+    from pat_integrations.verl.settings import PatRolloutSettings
+
+    config = ppo_config(model_dir("llama"))
+    rollout_config, model_config = config.actor_rollout_ref.rollout, config.actor_rollout_ref.model
+    assert PatRolloutSettings.from_verl(rollout_config, model_config, 2).engine_kwargs["enable_prefix_caching"]
+    with open_dict(config):
+        rollout_config.enable_prefix_caching = False
+        rollout_config.repetition_penalty = 1.2
+    settings = PatRolloutSettings.from_verl(rollout_config, model_config, 2)
+    assert settings.engine_kwargs["enable_prefix_caching"] is False
+    assert settings.sampling_defaults == {"repetition_penalty": 1.2, "ignore_eos": False}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from pat_engine import RequestHandle, RequestOutput
+from pat_engine.outputs import of_prompt
 
 
 async def await_output(handle: RequestHandle) -> RequestOutput:
@@ -25,6 +26,11 @@ async def await_output(handle: RequestHandle) -> RequestOutput:
         _resolve(done)
     await done
     return handle.output()
+
+
+async def await_samples(handles: list[RequestHandle]) -> RequestOutput:
+    """The ``n`` samples of one prompt (sample 0 first) as ``Engine.generate`` returns them."""
+    return of_prompt(list(await asyncio.gather(*[await_output(h) for h in handles])))
 
 
 def _resolve(fut: asyncio.Future) -> None:

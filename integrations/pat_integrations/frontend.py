@@ -28,7 +28,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from pat_engine import Engine, RequestHandle, RequestOutput, SamplingParams, WorkerFailure
-from pat_integrations.async_bridge import await_output
+from pat_integrations.async_bridge import await_samples
 from pat_integrations.learned_placement import LearnedPlacement
 from pat_integrations.stage import StageCounter, StagePlan, begin_stage
 
@@ -43,7 +43,7 @@ class AsyncEngineFrontend:
         if placement is not None:
             engine.set_placement(placement.hook)
         self.stages = StageCounter()
-        self._handles: dict[str, RequestHandle] = {}
+        self._handles: dict[tuple[str, int], RequestHandle] = {}  # by (request id, sample index)
         self._admit = asyncio.Lock()
         self._open = asyncio.Event()
         self._open.set()
@@ -54,7 +54,8 @@ class AsyncEngineFrontend:
     # ---- requests ----------------------------------------------------------------------
 
     async def generate(self, prompt: Any, params: SamplingParams, request_id: str | None = None) -> RequestOutput | None:
-        """One request; None when the gate rejects it (the caller reports it as aborted)."""
+        """One request (with ``params.n`` > 1 its samples ride on ``samples``); None when the gate rejects
+        it (the caller reports it as aborted)."""
         outs = await self.generate_batch([prompt], [params], [request_id] if request_id else None)
         return outs[0] if outs is not None else None
 
@@ -79,38 +80,40 @@ class AsyncEngineFrontend:
                 # abort_all either closes the gate before it (we wait again) or sees our requests.
                 if self._open.is_set():
                     break
-            handles: list[RequestHandle] = []
+            families: list[list[RequestHandle]] = []  # the n samples of each prompt
             try:
                 for i, (prompt, sp) in enumerate(zip(prompts, params)):
                     rid = request_ids[i] if request_ids else None
                     if self.placement is not None:
                         rid = rid or f"pat-{uuid.uuid4().hex}"
                         self.placement.expect(rid, prompt, sp)
-                    handle = self.engine.submit(prompt, sp, rid)
-                    self._handles[handle.request_id] = handle
-                    handles.append(handle)
+                    samples = self.engine.submit_samples(prompt, sp, rid)
+                    for handle in samples:
+                        self._handles[(handle.request_id, handle.sample_index)] = handle
+                    families.append(samples)
             except BaseException:  # a bad request refuses the whole batch: withdraw what went in
-                if handles:
-                    self.engine.abort([h.request_id for h in handles])
-                self._forget(handles)
+                if families:
+                    self.engine.abort([f[0].request_id for f in families])
+                self._forget([h for f in families for h in f])
                 raise
             self._idle.clear()
         try:
-            outs = list(await asyncio.gather(*[await_output(h) for h in handles]))
+            outs = list(await asyncio.gather(*[await_samples(f) for f in families]))
         finally:
-            self._forget(handles)
+            self._forget([h for f in families for h in f])
         if self.placement is not None:
             for prompt, out in zip(prompts, outs):
                 self.placement.record(prompt, out)
-        failed = [o for o in outs if o.finish_reason == "error"]
+        every = [s for o in outs for s in (o.samples or [o])]
+        failed = [s for s in every if s.finish_reason == "error"]
         if failed:  # as Engine.generate: a request lost to a worker failure is an error, not a result
-            raise WorkerFailure(f"{len(failed)} of {len(outs)} requests failed: {failed[0].error}",
+            raise WorkerFailure(f"{len(failed)} of {len(every)} requests failed: {failed[0].error}",
                                 partial_outputs=outs)
         return outs
 
     def _forget(self, handles: list[RequestHandle]) -> None:
         for h in handles:
-            self._handles.pop(h.request_id, None)
+            self._handles.pop((h.request_id, h.sample_index), None)
         if not self._handles:
             self._idle.set()
 
@@ -124,7 +127,7 @@ class AsyncEngineFrontend:
         """Close the gate and abort every request in flight; returns their ids."""
         self._rejecting = reject
         self._open.clear()
-        ids = list(self._handles)
+        ids = list(dict.fromkeys(rid for rid, _ in self._handles))
         if ids:
             await asyncio.to_thread(self.engine.abort, ids)
         return ids

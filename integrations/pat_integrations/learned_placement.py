@@ -36,8 +36,9 @@ class LearnedPlacement:
         self.hook.expect(request_id, min(max(guess, 1.0), params.max_new_tokens))
 
     def record(self, prompt: Any, out: RequestOutput) -> None:
-        """After it finished: learn the length (only of responses that ran to their end)."""
+        """After it finished: learn the lengths of its samples (only of those that ran to their end)."""
         self.hook.forget([out.request_id])
-        if out.finish_reason in ("stop", "length"):
-            self.history.record(prompt_key(prompt), [len(out.token_ids)])
+        lengths = [len(s.token_ids) for s in (out.samples or [out]) if s.finish_reason in ("stop", "length")]
+        if lengths:
+            self.history.record(prompt_key(prompt), lengths)
             self._known = True

@@ -15,7 +15,7 @@ Every record carries a key (the line's ``id`` / ``custom_id``, else ``line-N``) 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pat_engine.errors import InvalidRequestError
 from pat_engine.outputs import RequestOutput
+from pat_engine.sampling_options import to_sampling_params
 from pat_engine.serve.openai_protocol import (
     BatchRequestInput,
     BatchRequestOutput,
@@ -43,7 +44,6 @@ from pat_engine.serve.translate import (
     completion_inputs,
     usage,
 )
-from pat_engine.sampling_params import SamplingParams
 
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
 
@@ -136,21 +136,9 @@ def parse_line(line: int, obj: Any, tokenizer: Any, max_model_len: int, defaults
         pat = PatLine.model_validate(obj)
     except ValidationError as exc:
         raise LineError(line, _pydantic_message(exc), key=key) from None
-    d = defaults
     try:
-        params = SamplingParams(
-            max_new_tokens=pat.max_tokens or d.max_tokens,
-            temperature=d.temperature if pat.temperature is None else pat.temperature,
-            top_p=d.top_p if pat.top_p is None else pat.top_p,
-            top_k=d.top_k if pat.top_k is None else pat.top_k,
-            seed=d.seed if pat.seed is None else pat.seed,
-            stop_token_ids=tuple(pat.stop_token_ids or ()),
-            stop=pat.stop or (),
-            ignore_eos=d.ignore_eos if pat.ignore_eos is None else pat.ignore_eos,
-            logprobs=d.logprobs if pat.logprobs is None else pat.logprobs,
-            min_new_tokens=pat.min_tokens,
-            n=pat.n,
-        )
+        options = pat.model_dump(exclude={"id", "prompt", "messages", "input_ids"})
+        params = to_sampling_params(options, defaults=asdict(defaults))
         if pat.messages is not None:
             prompt: Any = apply_chat_template(tokenizer, [{"role": m.role, "content": m.text()} for m in pat.messages])
         else:

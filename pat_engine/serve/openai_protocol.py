@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pat_engine.sampling_options import best_of_refusal
 from pat_engine.sampling_params import MAX_SAMPLES, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN
 
 MAX_MESSAGES = 2048  # per chat request; a chat of 200k messages peaked the driver at 2.8 GB
@@ -87,8 +88,9 @@ class _SamplingFields(_Request):
 
     @model_validator(mode="after")
     def _best_of_is_n(self):
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of={self.best_of} with n={self.n}: only best_of equal to n is supported")
+        refusal = best_of_refusal(self.best_of, self.n)
+        if refusal:
+            raise ValueError(refusal)
         return self
 
     @model_validator(mode="after")

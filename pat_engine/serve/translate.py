@@ -12,6 +12,7 @@ from typing import Any
 from pat_engine.core.inputs import max_prompt_chars
 from pat_engine.errors import InvalidRequestError
 from pat_engine.outputs import RequestOutput
+from pat_engine.sampling_options import OPTION_NAMES, to_sampling_params
 from pat_engine.sampling_params import SamplingParams
 from pat_engine.serve.openai_protocol import (
     ChatChoice,
@@ -27,7 +28,6 @@ from pat_engine.serve.openai_protocol import (
 )
 
 Prompt = str | list[int]
-DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request gives none
 
 
 @dataclass(frozen=True)
@@ -53,39 +53,12 @@ def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_pro
 
 def sampling_params(req: Any, max_new_tokens: int, logprobs: bool, top_logprobs: int = 0,
                     prompt_logprobs: int | None = None) -> SamplingParams:
-    """SamplingParams from the fields both endpoints share (SamplingParams validates them)."""
-    return SamplingParams(
-        top_logprobs=top_logprobs,
-        prompt_logprobs=prompt_logprobs,
-        max_new_tokens=max_new_tokens,
-        temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k,
-        seed=req.seed,
-        stop_token_ids=tuple(req.stop_token_ids or ()),
-        stop=tuple(req.stop or ()),
-        include_stop_str_in_output=req.include_stop_str_in_output,
-        ignore_eos=req.ignore_eos,
-        logprobs=logprobs,
-        min_new_tokens=req.min_tokens,
-        n=req.n,
-        repetition_penalty=req.repetition_penalty,
-        frequency_penalty=req.frequency_penalty,
-        presence_penalty=req.presence_penalty,
-        min_p=req.min_p,
-        logit_bias=logit_bias(req.logit_bias),
-    )
-
-
-def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI sends token ids as strings; the engine checks them against the vocabulary."""
-    out = []
-    for key, value in (bias or {}).items():
-        try:
-            out.append((int(key), float(value)))
-        except ValueError:
-            raise InvalidRequestError(f"logit_bias: key {key!r} is not a token id") from None
-    return tuple(out)
+    """SamplingParams from the sampling fields both endpoints share; the log-prob counts and the
+    token budget are read per endpoint by the caller."""
+    options = {name: getattr(req, name) for name in type(req).model_fields if name in OPTION_NAMES}
+    options.update(max_tokens=max_new_tokens, logprobs=logprobs, top_logprobs=top_logprobs,
+                   prompt_logprobs=prompt_logprobs)
+    return to_sampling_params(options)
 
 
 def completion_inputs(req: CompletionRequest) -> list[EngineInput]:

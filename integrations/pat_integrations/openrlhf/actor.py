@@ -76,10 +76,11 @@ class PatRolloutActor:
         params = from_vllm_like(sampling_params, default_max_tokens=max_len - len(prompt),
                                 logprobs_mode=self.settings.logprobs_mode)
         out = await self.frontend.generate(prompt, params)
-        skip = getattr(sampling_params, "skip_special_tokens", True)
         tokenizer = self.engine.tokenizer
-        decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=skip)) if tokenizer is not None else None
-        return to_vllm_shape(out, decode)
+        if tokenizer is None or params.stop:  # the engine's text: stop strings cut it where one matched
+            return to_vllm_shape(out)
+        skip = getattr(sampling_params, "skip_special_tokens", True)
+        return to_vllm_shape(out, lambda ids: tokenizer.decode(ids, skip_special_tokens=skip))
 
     def get_num_unfinished_requests(self) -> int:
         return self.frontend.num_in_flight
@@ -117,7 +118,7 @@ class PatRolloutActor:
         await self.frontend.wake_up(tags)
 
     async def reset_prefix_cache(self) -> None:
-        self.engine.flush_cache()  # no prefix cache to reset
+        self.engine.flush_cache()
 
     # ---- weights -----------------------------------------------------------------------------
 
@@ -162,6 +163,9 @@ class PatRolloutActor:
 
     def num_switches(self) -> int:
         return len(self.engine.switches)
+
+    def prefix_cache_stats(self) -> dict:
+        return self.engine.prefix_cache_stats()
 
     def shutdown(self) -> None:
         if self._update_group is not None:

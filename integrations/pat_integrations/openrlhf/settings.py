@@ -6,17 +6,15 @@ OpenRLHF's placement. The engine starts each stage at ``pat_base_tp``
 ``tensor_parallel_size / pat_base_tp`` DP groups, and may switch on
 ``pat_switch_schedule`` or its controller (``pat_engine_kwargs.profile_table``).
 ``pat_placement=True``: cost-aware DP admission with per-prompt learned lengths (docs/rollout.md).
+``enable_prefix_caching`` goes to the engine as it is (False: every prompt is prefilled in full).
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from pat_integrations.stage import StagePlan
-
-log = logging.getLogger(__name__)
 
 # vLLM arguments about placement and vLLM internals: handled by Ray or meaningless for pat-engine.
 IGNORED = {"worker_extension_cls", "distributed_executor_backend", "trust_remote_code", "num_gpus",
@@ -43,14 +41,11 @@ class PatActorSettings:
         if devices % base_tp:
             raise ValueError(f"pat_base_tp={base_tp} must divide tensor_parallel_size={devices}")
         engine_kwargs: dict[str, Any] = {}
-        for src, dst in (("seed", "seed"), ("max_model_len", "max_model_len"), ("dtype", "dtype"),
-                         ("gpu_memory_utilization", "gpu_memory_utilization")):
-            if kw.get(src) is not None:
-                engine_kwargs[dst] = kw[src]
-            kw.pop(src, None)
+        for name in ("seed", "max_model_len", "dtype", "gpu_memory_utilization", "enable_prefix_caching"):
+            if kw.get(name) is not None:
+                engine_kwargs[name] = kw[name]
+            kw.pop(name, None)
         kw.pop("enforce_eager", None)  # pat-engine captures no CUDA graphs yet: it always runs eagerly
-        if kw.pop("enable_prefix_caching", False):
-            log.warning("pat-engine has no prefix cache: enable_prefix_caching is ignored")
         kw.pop("full_determinism", None)  # pat sampling is always reproducible (per-request seed and position)
         mode = kw.pop("logprobs_mode", None) or "raw_logprobs"
         if mode not in ("raw_logprobs", "processed_logprobs"):

@@ -20,6 +20,7 @@ from pat_engine import Engine
 from pat_integrations.frontend import AsyncEngineFrontend, LayoutViews
 from pat_integrations.learned_placement import LearnedPlacement
 from pat_integrations.sampling import from_verl
+from pat_integrations.verl.outputs import token_output
 from pat_integrations.verl.settings import PatRolloutSettings
 
 log = logging.getLogger(__name__)
@@ -52,19 +53,10 @@ class PatServer(LayoutViews):
         if image_data is not None or video_data is not None or kwargs.get("audio_data") is not None:
             raise NotImplementedError("pat-engine serves text-only models: image/video/audio data is not supported")
         prompt_ids = [int(t) for t in prompt_ids]
-        params = from_verl(dict(sampling_params), self.settings.default_max_tokens(len(prompt_ids)))
+        s = self.settings
+        params = from_verl(sampling_params, s.default_max_tokens(len(prompt_ids)), defaults=s.sampling_defaults)
         out = await self.frontend.generate(prompt_ids, params, request_id)
-        extra = {"global_steps": self.global_steps}
-        if out is None:  # rejected at a closed gate: the client re-routes aborted requests
-            return TokenOutput(token_ids=[], stop_reason="aborted", extra_fields=extra)
-        extra["num_cached_tokens"] = 0  # no prefix cache
-        return TokenOutput(
-            token_ids=out.token_ids,
-            log_probs=out.logprobs,
-            stop_reason="aborted" if out.finish_reason == "abort" else "completed",
-            num_preempted=out.metrics.get("preemptions"),
-            extra_fields=extra,
-        )
+        return token_output(out, params.prompt_logprobs, self.global_steps)
 
     # ---- gate --------------------------------------------------------------------------
 
@@ -97,7 +89,7 @@ class PatServer(LayoutViews):
         await self.frontend.wake_up(["kv_cache"])
 
     async def clear_kv_cache(self) -> None:
-        self.engine.flush_cache()  # no prefix cache: nothing computed under old weights survives a request
+        self.engine.flush_cache()  # drop the prefix cache: KV computed under old weights is not reused
 
     # ---- weights ----------------------------------------------------------------------------
 

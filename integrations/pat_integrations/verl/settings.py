@@ -8,6 +8,8 @@ any ``pat_engine.config.EngineConfig`` field, plus ``switch_schedule``
 (``[[decode_step, tp], ...]``, applied afresh in every stage) and
 ``sleep_level`` (what ``sleep()`` releases in hybrid mode; default 2 like vLLM) and ``placement``
 (true: cost-aware DP admission with per-prompt learned lengths, see docs/rollout.md).
+``enable_prefix_caching`` goes to the engine; the config's ``repetition_penalty`` and
+``ignore_eos`` are defaults for requests that leave them out, as veRL's vLLM server has them.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class PatRolloutSettings:
     prompt_length: int = 512
     response_length: int = 512
     max_model_len: int = 1024
+    # what veRL's vLLM server takes from the rollout config when a request leaves it out
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_verl(cls, config: Any, model_config: Any, devices_per_node: int) -> "PatRolloutSettings":
@@ -88,6 +92,7 @@ class PatRolloutSettings:
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "max_model_len": max_len,
             "seed": config.seed,
+            "enable_prefix_caching": bool(getattr(config, "enable_prefix_caching", True)),
         }  # enforce_eager needs no mapping: pat-engine captures no CUDA graphs yet, it always runs eagerly
         engine_kwargs.update({k: v for k, v in extra.items() if k in _ENGINE_FIELDS})
         return cls(
@@ -95,6 +100,8 @@ class PatRolloutSettings:
             plan=StagePlan.from_options(extra.get("switch_schedule")),
             sleep_level=int(extra.get("sleep_level", 2)), placement=bool(extra.get("placement", False)),
             prompt_length=config.prompt_length, response_length=config.response_length, max_model_len=max_len,
+            sampling_defaults={name: getattr(config, name) for name in ("repetition_penalty", "ignore_eos")
+                               if getattr(config, name, None) is not None},
         )
 
     def default_max_tokens(self, prompt_len: int) -> int:

@@ -1,10 +1,12 @@
 """Between SGLang's ``/generate`` body and the engine: prompts and sampling parameters in, SGLang's
 response objects (``text``, ``output_ids``, ``meta_info``) out.
 
-What pat-engine does not support yet is listed once, in ``UNSUPPORTED_SAMPLING`` and
-``UNSUPPORTED_REQUEST`` (field -> the values that mean "off"). A request that
-turns one on gets a 400 naming the field. Supporting one later is one line:
-delete its entry and pass it on in ``to_sampling_params``.
+Sampling parameters go through pat-engine's one translator (``pat_engine.sampling_options``:
+SGLang's names, e.g. ``sampling_seed`` and ``no_stop_trim``, are aliases there, and its
+``REFUSED`` table says which sampling fields pat-engine lacks; ``UNSUPPORTED_SAMPLING`` is
+the part of it SGLang's schema has). Request fields pat-engine does not support are listed in
+``UNSUPPORTED_REQUEST`` (field -> the values that mean "off"). A request that turns one on
+gets a 400 naming the field.
 
 Exact partial-rollout resume: a draw depends only on ``(sampling_seed, absolute
 position)``, where the position counts from the first prompt token. Resubmitting
@@ -22,20 +24,15 @@ from typing import Any, Callable
 
 from pydantic import ValidationError
 
+from pat_engine import sampling_options
 from pat_engine.core.request_handle import RequestHandle, RequestProgress
 from pat_engine.errors import InvalidRequestError
+from pat_engine.sampling_options import REFUSED
 from pat_engine.sampling_params import SamplingParams
 from pat_engine.serve.sglang.protocol import GenerateRequest, SGLSamplingParams
-from pat_engine.serve.translate import EngineInput, logit_bias
+from pat_engine.serve.translate import EngineInput
 
-UNSUPPORTED_SAMPLING: dict[str, tuple] = {
-    "stop_regex": (None, "", []),
-    "json_schema": (None,),
-    "regex": (None,),
-    "ebnf": (None,),
-    "structural_tag": (None,),
-    "custom_params": (None, {}),
-}
+UNSUPPORTED_SAMPLING = {name: off for name, off in REFUSED.items() if name in SGLSamplingParams.model_fields}
 UNSUPPORTED_REQUEST: dict[str, tuple] = {
     "token_ids_logprob": (None,),
     "return_hidden_states": (False,),
@@ -78,30 +75,10 @@ def _refuse_unsupported(obj: Any, table: dict[str, tuple], where: str) -> None:
 
 def to_sampling_params(sp: SGLSamplingParams, return_logprob: bool, where: str = "", top_logprobs: int = 0,
                        prompt_logprobs: int | None = None) -> SamplingParams:
-    _refuse_unsupported(sp, UNSUPPORTED_SAMPLING, f"{where}sampling_params.")
-    stop = (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop or ())
-    return SamplingParams(
-        max_new_tokens=sp.max_new_tokens,
-        temperature=sp.temperature,
-        top_p=sp.top_p,
-        top_k=sp.top_k,
-        min_p=sp.min_p,
-        seed=sp.sampling_seed,
-        stop_token_ids=tuple(sp.stop_token_ids or ()),
-        stop=tuple(s for s in stop if s),
-        include_stop_str_in_output=sp.no_stop_trim,
-        ignore_eos=sp.ignore_eos,
-        logprobs=return_logprob,
-        logprobs_mode="processed",  # under the distribution sampled from, as SGLang reports them
-        top_logprobs=top_logprobs if return_logprob else 0,
-        prompt_logprobs=prompt_logprobs,
-        min_new_tokens=sp.min_new_tokens,
-        n=sp.n,
-        frequency_penalty=sp.frequency_penalty,
-        presence_penalty=sp.presence_penalty,
-        repetition_penalty=sp.repetition_penalty,
-        logit_bias=logit_bias(sp.logit_bias),
-    )
+    options = {**sp.model_dump(), "logprobs": return_logprob, "top_logprobs": top_logprobs if return_logprob else 0,
+               "prompt_logprobs": prompt_logprobs}
+    # logprobs under the distribution sampled from, as SGLang reports them
+    return sampling_options.to_sampling_params(options, logprobs_mode="processed", where=f"{where}sampling_params.")
 
 
 def parse_sampling_params(raw: dict[str, Any], where: str = "") -> SGLSamplingParams:
