@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator, Sequence as Seq, TypeVar
 
 import torch
@@ -38,7 +37,7 @@ from pat_engine.core.worker_pool import WorkerPool
 from pat_engine.errors import EngineClosedError, EngineDeadError, InvalidRequestError, ModelLoadError, WorkerFailure
 from pat_engine.model.arch import load_model_arch
 from pat_engine.model.weights import check_safetensors_headers, safetensors_files
-from pat_engine.outputs import RequestOutput
+from pat_engine.outputs import RequestOutput, of_prompt
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.setup import attach_controller
 from pat_engine.sampling_params import SamplingParams
@@ -296,7 +295,10 @@ class Engine:
                     raise WorkerFailure(self._loop.dead, partial_outputs=[h.output() for h in handles])
         finally:
             bar.close()
-        outputs = _per_prompt([h.output() for h in handles], [len(f) for f in families])
+        outputs, start = [], 0
+        for family in families:  # one output per prompt, carrying its samples when n > 1
+            outputs.append(of_prompt([h.output() for h in handles[start : start + len(family)]]))
+            start += len(family)
         errors = [s for o in outputs for s in (o.samples or [o]) if s.finish_reason == "error"]
         if errors:
             raise WorkerFailure(f"{len(errors)} of {len(handles)} requests failed: {errors[0].error}",
@@ -488,13 +490,3 @@ def raise_if_no_cuda() -> None:
 
     if not torch.cuda.is_available():
         raise InvalidRequestError("device='cuda' but no CUDA device is visible")
-
-
-def _per_prompt(outputs: list[RequestOutput], sizes: list[int]) -> list[RequestOutput]:
-    """One output per prompt: sample 0, carrying all its prompt's samples when n > 1."""
-    grouped, start = [], 0
-    for n in sizes:
-        samples = outputs[start : start + n]
-        start += n
-        grouped.append(replace(samples[0], samples=list(samples)) if n > 1 else samples[0])
-    return grouped
