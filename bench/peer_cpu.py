@@ -104,9 +104,10 @@ class HfEngine:
 
 
 class VllmEngine:
-    def __init__(self, path: str, tp: int, python: str, start_timeout_s: float):
+    def __init__(self, path: str, tp: int, python: str, start_timeout_s: float, max_model_len: int = 512):
         self.name = f"vLLM CPU 0.32, TP{tp}"
         self.path, self.tp, self.python, self.start_timeout_s = path, tp, python, start_timeout_s
+        self.max_model_len = max_model_len
 
     def start(self) -> float:
         all_cores = sorted(os.sched_getaffinity(0))
@@ -114,7 +115,7 @@ class VllmEngine:
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONPATH": ""}
         t = time.perf_counter()
-        self.proc = subprocess.Popen([self.python, str(RUNNER), self.path, str(self.tp)], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([self.python, str(RUNNER), self.path, str(self.tp), str(self.max_model_len)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
                                      start_new_session=True)
         try:
@@ -128,7 +129,11 @@ class VllmEngine:
         return time.perf_counter() - t
 
     def run(self, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "new_tokens": n}) + "\n")
+        return self.ask({"prompts": prompts, "new_tokens": n})
+
+    def ask(self, request: dict) -> tuple[float, list[list[int]]]:
+        """One generate call in the runner (its protocol: peer_vllm_runner.py); (seconds, tokens)."""
+        self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         reply = self._read(600)
         return reply["seconds"], reply["tokens"]

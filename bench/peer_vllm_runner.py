@@ -2,9 +2,11 @@
 
 Starts one ``vllm.LLM`` and answers JSON lines on stdin/stdout, so the parent can interleave it with
 the other engines: ``{"prompts": [[ids...], ...], "new_tokens": N}`` -> ``{"seconds": s, "tokens": [[...]]}``.
+A request may instead give ``"max_tokens": [per prompt]`` with ``n``, ``temperature``, ``top_p``, ``seed``
+and ``logprobs`` (bench/peer_rollout.py); ``tokens`` then lists every sample, prompt by prompt.
 The first line it prints is ``{"ready": true, "startup_s": s}`` (or ``{"error": ...}``).
 
-    python peer_vllm_runner.py MODEL_DIR TP
+    python peer_vllm_runner.py MODEL_DIR TP [MAX_MODEL_LEN]
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 
 def main() -> None:
     model, tp = sys.argv[1], int(sys.argv[2])
+    max_len = int(sys.argv[3]) if len(sys.argv) > 3 else 512
     # The protocol gets its own copy of stdout; fd 1 then points at stderr, so that nothing vLLM or
     # the processes it starts print (they inherit fd 1) can mix with the protocol.
     out = os.fdopen(os.dup(1), "w")
@@ -28,7 +31,7 @@ def main() -> None:
         from vllm.inputs import TokensPrompt
 
         llm = LLM(model=model, tensor_parallel_size=tp, dtype="float32", skip_tokenizer_init=True,
-                  max_model_len=512, seed=0, distributed_executor_backend="mp" if tp > 1 else None)
+                  max_model_len=max_len, seed=0, distributed_executor_backend="mp" if tp > 1 else None)
     except Exception as exc:  # reported to the parent, which records the reason
         out.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
         out.flush()
@@ -37,13 +40,15 @@ def main() -> None:
     out.flush()
     for line in sys.stdin:
         req = json.loads(line)
-        params = SamplingParams(temperature=0.0, max_tokens=req["new_tokens"], min_tokens=req["new_tokens"],
-                                ignore_eos=True, detokenize=False)
+        lengths = req.get("max_tokens") or [req["new_tokens"]] * len(req["prompts"])
+        params = [SamplingParams(temperature=req.get("temperature", 0.0), top_p=req.get("top_p", 1.0),
+                                 n=req.get("n", 1), seed=req.get("seed"), logprobs=req.get("logprobs"),
+                                 max_tokens=m, min_tokens=m, ignore_eos=True, detokenize=False) for m in lengths]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
         t = time.perf_counter()
         results = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t
-        tokens = [list(r.outputs[0].token_ids) for r in results]
+        tokens = [list(o.token_ids) for r in results for o in r.outputs]
         out.write(json.dumps({"seconds": seconds, "tokens": tokens}) + "\n")
         out.flush()
 

@@ -1,0 +1,181 @@
+"""RL rollouts against vLLM's CPU build: ragged prompts, a long tail of lengths, n samples at temperature 1.
+
+Two Qwen2-style checkpoints (random weights, float32, tied embeddings): ``h768`` (hidden 768,
+6 layers, 12 heads / 2 KV heads, vocab 16,384) and ``qwen-vocab`` (hidden 512, 4 layers, 8 / 2
+heads, Qwen2.5's vocabulary of 151,936, where the LM head and sampling weigh most). Workloads,
+each submitted at once and timed to its last token, lengths fixed per request (min = max tokens,
+EOS ignored, so both engines do the same work):
+
+- ``greedy tail``: 96 prompts of 16-256 tokens, greedy; lengths 70% 16-64 / 25% 64-256 / 5% 256-768;
+- ``grpo n=8``: 12 prompts x 8 samples at temperature 1 (top_p 1.0, then 0.95), the same length mix
+  per prompt, every token's log-prob returned (what a GRPO trainer reads).
+
+Engines alternate per round (pat, vLLM, pat, vLLM, ...), each started, warmed up on a small batch,
+run through every workload, and stopped, so only one holds the cores at a time. Greedy tokens are
+compared with vLLM's (random float32 models: a near-tie may flip a late token).
+
+    python bench/peer_rollout.py            # writes bench/results/peer_rollout.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import markdown_table, write_result  # noqa: E402
+from peer_cpu import VllmEngine, ensure_vllm, wait_for_quiet  # noqa: E402
+from pat_engine import Engine, SamplingParams  # noqa: E402
+from pat_engine.tiny_model import TinyModelSpec, write_tiny_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_LEN = 1100  # the longest prompt (256) + the longest response (768), with room
+SHAPES = {
+    "h768": TinyModelSpec(arch="qwen2", vocab_size=16384, hidden_size=768, intermediate_size=2048, num_layers=6,
+                          num_heads=12, num_kv_heads=2, max_position=2048, tie_word_embeddings=True, seed=21),
+    "qwen-vocab": TinyModelSpec(arch="qwen2", vocab_size=151936, hidden_size=512, intermediate_size=1408,
+                                num_layers=4, num_heads=8, num_kv_heads=2, max_position=2048,
+                                tie_word_embeddings=True, seed=22),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    max_tokens: list[int]  # per prompt
+    n: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    @property
+    def tokens(self) -> int:
+        return self.n * sum(self.max_tokens)
+
+
+def tail_lengths(count: int, g: torch.Generator) -> list[int]:
+    """70% 16-64, 25% 64-256, 5% 256-768 (at least one long one)."""
+    out = []
+    for i in range(count):
+        r = float(torch.rand((), generator=g))
+        lo, hi = (16, 64) if r < 0.70 else (64, 256) if r < 0.95 else (256, 768)
+        out.append(int(torch.randint(lo, hi + 1, (), generator=g)))
+    if max(out) < 256:
+        out[0] = 600
+    return out
+
+
+def workloads(vocab: int, seed: int) -> list[Workload]:
+    g = torch.Generator().manual_seed(seed)
+
+    def prompts(count: int) -> list[list[int]]:
+        return [torch.randint(10, vocab - 10, (int(torch.randint(16, 257, (), generator=g)),), generator=g).tolist()
+                for _ in range(count)]
+
+    greedy = Workload("greedy tail, 96 prompts", prompts(96), tail_lengths(96, g))
+    grpo_prompts, grpo_lengths = prompts(12), tail_lengths(12, g)
+    return [greedy,
+            Workload("grpo 12x8, t=1, top_p 1.0", grpo_prompts, grpo_lengths, n=8, temperature=1.0),
+            Workload("grpo 12x8, t=1, top_p 0.95", grpo_prompts, grpo_lengths, n=8, temperature=1.0, top_p=0.95)]
+
+
+class PatRollout:
+    name = "pat-engine TP1"
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def start(self) -> float:
+        t = time.perf_counter()
+        self.engine = Engine(self.path, tp=1, dtype="float32", max_model_len=MAX_LEN)
+        return time.perf_counter() - t
+
+    def run(self, w: Workload) -> tuple[float, list[list[int]]]:
+        params = [SamplingParams(max_new_tokens=m, min_new_tokens=m, n=w.n, temperature=w.temperature, top_p=w.top_p,
+                                 seed=1000 + i, logprobs=w.n > 1) for i, m in enumerate(w.max_tokens)]
+        t = time.perf_counter()
+        outs = self.engine.generate(w.prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t
+        return seconds, [s.token_ids for o in outs for s in (o.samples or [o])]
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class VllmRollout(VllmEngine):
+    def run_workload(self, w: Workload) -> tuple[float, list[list[int]]]:
+        return self.ask({"prompts": w.prompts, "max_tokens": w.max_tokens, "n": w.n, "temperature": w.temperature,
+                         "top_p": w.top_p, "seed": 0, "logprobs": 0 if w.n > 1 else None})
+
+
+def model_path(name: str) -> str:
+    path = ROOT / ".pat-cache" / f"rollout_{name}"
+    if not (path / "model.safetensors").is_file():
+        write_tiny_model(path, SHAPES[name])
+    return str(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--vllm-venv", default=os.environ.get("PAT_VLLM_VENV", str(Path.home() / ".cache" / "pat-engine"
+                                                                               / "venv-vllm-cpu")))
+    ap.add_argument("--max-load", type=float, default=1.5)
+    ap.add_argument("--wait-max-s", type=float, default=600)
+    args = ap.parse_args()
+    python, info = ensure_vllm(Path(args.vllm_venv))
+    if python is None:
+        raise SystemExit(f"vLLM is needed for this comparison and is not usable: {info}")
+    load, waited = wait_for_quiet(args.max_load, args.wait_max_s)
+    seconds: dict[tuple[str, str, str], list[float]] = {}
+    agree: dict[tuple[str, str], str] = {}
+    for shape in args.shapes:
+        path = model_path(shape)
+        loads = workloads(SHAPES[shape].vocab_size, seed=7)
+        for rnd in range(args.rounds):
+            tokens: dict[tuple[str, str], list[list[int]]] = {}
+            for eng in (PatRollout(path), VllmRollout(path, 1, python, 600, MAX_LEN)):
+                eng.start()
+                try:
+                    warm = Workload("warm-up", loads[0].prompts[:4], [8] * 4)
+                    (eng.run if isinstance(eng, PatRollout) else eng.run_workload)(warm)
+                    for w in loads:
+                        run = eng.run if isinstance(eng, PatRollout) else eng.run_workload
+                        s, toks = run(w)
+                        seconds.setdefault((shape, w.name, eng.name), []).append(s)
+                        tokens[(w.name, eng.name)] = toks
+                        print(f"{shape} round {rnd} {eng.name:22s} {w.name:28s} {s:7.2f} s", flush=True)
+                finally:
+                    eng.close()
+            greedy = loads[0].name
+            same = sum(a == b for a, b in zip(tokens[(greedy, "pat-engine TP1")], tokens[(greedy, "vLLM CPU 0.32, TP1")]))
+            agree[(shape, greedy)] = f"{same}/{len(loads[0].prompts)}"
+    rows = []
+    for shape in args.shapes:
+        for w in workloads(SHAPES[shape].vocab_size, seed=7):
+            pat = statistics.median(seconds[(shape, w.name, "pat-engine TP1")])
+            vllm = statistics.median(seconds[(shape, w.name, "vLLM CPU 0.32, TP1")])
+            rows.append([shape, w.name, w.tokens, f"{pat:.2f}", f"{vllm:.2f}", f"{vllm / pat:.2f}x",
+                         agree.get((shape, w.name), "")])
+    body = (f"Median of {args.rounds} rounds, engines alternating; seconds from submitting the whole rollout to "
+            f"its last token. pat-engine TP1 and vLLM CPU 0.32 TP1 (`VLLM_CPU_OMP_THREADS_BIND` = all cores), "
+            f"float32, max model length {MAX_LEN}. vLLM: {info}. 1-minute load at the start {load:.2f} (waited "
+            f"{waited:.0f} s for < {args.max_load}).\n\n"
+            + markdown_table(["model", "workload", "tokens", "pat s", "vLLM s", "pat speed / vLLM",
+                              "greedy sequences equal"], rows)
+            + "\n\nModels: " + "; ".join(f"`{k}`: {v.arch}, hidden {v.hidden_size}, {v.num_layers} layers, "
+                                        f"{v.num_heads}/{v.num_kv_heads} heads, vocab {v.vocab_size}, tied"
+                                        for k, v in SHAPES.items() if k in args.shapes))
+    write_result("peer_rollout", "RL rollouts: pat-engine vs vLLM CPU (long tail, n samples, temperature 1)", body)
+
+
+if __name__ == "__main__":
+    main()
