@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from pat_engine.core.policy import ClusterStatus, GroupSnapshot, RequestSnapshot
+from pat_engine.predictor.policy import ClusterStatus, GroupSnapshot, RequestSnapshot
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.analytic import analytic_table, synthetic_deployment
 from pat_engine.predictor.controller import ControllerConfig, SwitchController
@@ -142,7 +142,7 @@ def test_the_switch_target_is_priced_with_the_placement_the_switch_uses():
     """With the cost-aware admission placement installed, the target the controller prices is where
     the switch then puts every request (not the longest-context-first default)."""
     from driver_fixtures import make_driver
-    from pat_engine.core.policy import SwitchDecision
+    from pat_engine.predictor.policy import SwitchDecision
     from pat_engine.parallel.dp_placement import balance_by_context
     from pat_engine.rollout.placement import AdmissionPlacement
 

@@ -11,7 +11,7 @@ import pytest
 
 from driver_fixtures import BLOCK, expected_tokens, make_driver
 from pat_engine.core.layout_switch import LayoutSwitch
-from pat_engine.core.policy import ScheduledSwitches, SwitchDecision
+from pat_engine.predictor.policy import ScheduledSwitches, SwitchDecision
 from pat_engine.errors import LayoutError, WorkerFailure
 from pat_engine.parallel.dp_placement import balance_by_context
 from pat_engine.parallel.layout import Layout

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pat_engine.core.policy import RequestSnapshot
+from pat_engine.predictor.policy import RequestSnapshot
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.analytic import analytic_table, synthetic_deployment
 from pat_engine.predictor.drain import drain_seconds

@@ -20,9 +20,9 @@ from typing import Callable
 
 from pat_engine.config import EngineConfig
 from pat_engine.core.layout_switch import LayoutSwitch
-from pat_engine.core.measured_rates import MeasuredRates
+from pat_engine.predictor.measured_rates import MeasuredRates
 from pat_engine.core.memory import MemoryPlan
-from pat_engine.core.policy import ClusterStatus, GroupSnapshot, RequestSnapshot, SwitchDecision, SwitchPolicy
+from pat_engine.predictor.policy import ClusterStatus, GroupSnapshot, RequestSnapshot, SwitchDecision, SwitchPolicy
 from pat_engine.core.request import Sequence
 from pat_engine.core.scheduler import GroupScheduler
 from pat_engine.core.served_weights import ServedWeights

@@ -22,7 +22,8 @@ from pat_engine.core.coordinator import GlobalCoordinator, StepRecord
 from pat_engine.core.inputs import RequestFactory, load_tokenizer
 from pat_engine.core.loop import EngineLoop
 from pat_engine.core.memory import MemoryPlan, default_cpu_kv_bytes
-from pat_engine.core.policy import ClusterStatus, ScheduledSwitches, SwitchDecision, SwitchPolicy
+from pat_engine.predictor.cost_source import CostSource
+from pat_engine.predictor.policy import ClusterStatus, ScheduledSwitches, SwitchDecision, SwitchPolicy
 from pat_engine.core.request import Sequence
 from pat_engine.core.request_handle import RequestHandle
 from pat_engine.core.restart_budget import RestartBudget
@@ -35,7 +36,7 @@ from pat_engine.model.arch import load_model_arch
 from pat_engine.model.weights import check_safetensors_headers, safetensors_files
 from pat_engine.outputs import RequestOutput
 from pat_engine.parallel.layout import Layout
-from pat_engine.predictor.setup import attach_controller
+from pat_engine.core.controller_setup import attach_controller
 from pat_engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -370,9 +371,16 @@ class Engine(RLControlMixin):
         decision = SwitchDecision(tp, "reconfigure() call", kv_transfer)
         return self._loop.run(self.coordinator.switch, decision, timeout=timeout)
 
-    def set_policy(self, policy: SwitchPolicy | None) -> None:
-        """Install the policy consulted every ``switch_check_interval`` decode steps."""
-        self._loop.run(lambda: setattr(self.coordinator, "policy", policy))
+    def set_policy(self, policy: SwitchPolicy | None, cost_source: CostSource | None = None) -> None:
+        """Install the policy consulted every ``switch_check_interval`` decode steps, and with it the
+        source a switch prices its KV path with (None: keep the current one)."""
+
+        def install() -> None:
+            self.coordinator.policy = policy
+            if cost_source is not None:
+                self.coordinator.cost_source = cost_source
+
+        self._loop.run(install)
 
     def set_placement(self, placement: Callable[[Sequence, list], int] | None) -> None:
         """Install the DP-group rule used at admission (None: fewest outstanding tokens).

@@ -22,8 +22,8 @@ import time
 from typing import TYPE_CHECKING
 
 from pat_engine.core.block_pool import blocks_needed
-from pat_engine.core.kv_path_cost import KVPathEstimate, estimate_kv_paths
-from pat_engine.core.policy import RequestSnapshot, SwitchDecision
+from pat_engine.predictor.kv_path_cost import KVPathEstimate, estimate_kv_paths
+from pat_engine.predictor.policy import RequestSnapshot, SwitchDecision
 from pat_engine.core.request import Sequence
 from pat_engine.core.scheduler import GroupScheduler
 from pat_engine.core.timeline import SwitchEvent
