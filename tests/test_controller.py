@@ -12,7 +12,7 @@ import pytest
 
 from pat_engine.predictor.policy import ClusterStatus, GroupSnapshot, RequestSnapshot
 from pat_engine.parallel.layout import Layout
-from pat_engine.predictor.analytic import analytic_table, synthetic_deployment
+from longtail.analytic import analytic_table, synthetic_deployment
 from pat_engine.predictor.controller import ControllerConfig, SwitchController
 from pat_engine.predictor.lengths import LengthDistribution, MaxLengthBound
 from pat_engine.predictor.predictor import LatencyPredictor

@@ -15,7 +15,7 @@ from pat_engine import Engine, SamplingParams
 from pat_engine.config import EngineConfig
 from pat_engine.predictor.policy import StaticLayout
 from pat_engine.model.arch import load_model_arch
-from pat_engine.predictor.analytic import analytic_table
+from longtail.analytic import analytic_table
 from pat_engine.predictor.deployment import make_deployment, model_shape
 from pat_engine.predictor.table import SwitchCost
 

@@ -11,7 +11,7 @@ import pytest
 from pat_engine import Engine
 from pat_engine.config import EngineConfig
 from pat_engine.model.arch import load_model_arch
-from pat_engine.predictor.analytic import analytic_table
+from longtail.analytic import analytic_table
 from pat_engine.predictor.controller import SwitchController
 from pat_engine.predictor.deployment import make_deployment, model_shape
 from pat_engine.predictor.predictor import LatencyPredictor

@@ -45,7 +45,7 @@ import torch
 
 from pat_engine.model.arch import arch_from_hf_config
 from pat_engine.parallel.layout import Layout
-from pat_engine.predictor.analytic import analytic_table, synthetic_deployment
+from longtail.analytic import analytic_table, synthetic_deployment
 from pat_engine.predictor.deployment import reshard_bytes
 from pat_engine.predictor.table import ModelShape, ProfileTable, SwitchCost
 
