@@ -1,7 +1,8 @@
 """The layering docs/switch.md draws: core -> protocol <- worker, and the pure layers below import upward never.
 
 The predictor is below core: core installs a controller and asks it for switch costs, the
-predictor knows nothing of the engine."""
+predictor knows nothing of the engine. Leaf modules (the version)
+import nothing of pat_engine, so anything may read them without an import circle."""
 
 from __future__ import annotations
 
@@ -23,19 +24,24 @@ FORBIDDEN = {
     "rollout": {"worker", "protocol", "serve"},
     "sampling": {"core", "worker", "predictor", "serve", "model", "protocol", "parallel"},
 }
+LEAVES = ("version.py",)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports, by its dotted name."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+    return out
 
 
 def imported_subpackages(path: Path) -> set[str]:
     """The pat_engine subpackages and modules ``path`` imports ("" for ``import pat_engine`` itself)."""
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "pat_engine":
-                out.add(parts[1] if len(parts) > 1 else "")
-    return out
+    parts = [name.split(".") for name in imported_modules(path)]
+    return {p[1] if len(p) > 1 else "" for p in parts if p[0] == "pat_engine"}
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -49,3 +55,15 @@ def test_no_import_points_the_wrong_way(package):
         if wrong:
             bad[str(path.relative_to(PACKAGE))] = sorted(wrong)
     assert not bad, f"imports against the layering: {bad}"
+
+
+@pytest.mark.parametrize("leaf", LEAVES)
+def test_leaf_modules_import_nothing_of_the_package(leaf):
+    assert not imported_subpackages(PACKAGE / leaf)
+
+
+def test_the_sglang_routes_share_the_server_state_not_the_openai_app():
+    """serve/server.py registers the SGLang routes: importing it back would be a circle."""
+    bad = [str(p.relative_to(PACKAGE)) for p in (PACKAGE / "serve" / "sglang").rglob("*.py")
+           if "pat_engine.serve.server" in imported_modules(p)]
+    assert not bad, f"import serve/state.py instead: {bad}"

@@ -165,7 +165,7 @@ def _serve(ns: argparse.Namespace) -> int:
 
 def _server_config(ns: argparse.Namespace):
     """ServerConfig from the flags, checked before the engine starts."""
-    from pat_engine.serve.server import DEFAULT_MAX_BODY_BYTES, ServerConfig
+    from pat_engine.serve.state import DEFAULT_MAX_BODY_BYTES, ServerConfig
 
     if ns.max_queued_requests < 1:
         raise PatEngineError("--max-queued-requests must be at least 1")

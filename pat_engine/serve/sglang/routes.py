@@ -1,9 +1,10 @@
 """SGLang's native server API on pat-serve's app: ``/generate``, aborts, pause modes, info and load.
 
 ``register_sglang_routes(app, pat)`` adds the routes to the app ``build_app``
-made (weights and memory routes live in ``weight_routes.py``). Bodies are
-parsed by ``PatServer.parse`` (415 for a wrong content type, 400 naming a
-bad or unknown field); engine calls that block run in a worker thread.
+made (weights and memory routes live in ``weight_routes.py``), sharing its
+``PatServer`` (``serve/state.py``). Bodies are parsed by ``PatServer.parse``
+(415 for a wrong content type, 400 naming a bad or unknown field); engine
+calls that block run in a worker thread.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -30,15 +31,13 @@ from pat_engine.serve.sglang.protocol import (
 )
 from pat_engine.serve.sglang.translate import GenerateItem, generate_items, response_object
 from pat_engine.serve.sglang.weight_routes import register_weight_routes
+from pat_engine.serve.state import PatServer
 from pat_engine.version import __version__
-
-if TYPE_CHECKING:
-    from pat_engine.serve.server import PatServer
 
 HEALTH_TIMEOUT_S = 20.0
 
 
-def register_sglang_routes(app: FastAPI, pat: "PatServer") -> None:
+def register_sglang_routes(app: FastAPI, pat: PatServer) -> None:
     engine = pat.engine
     started = time.time()
 
