@@ -1,7 +1,7 @@
 """The layering docs/switch.md draws: core -> protocol <- worker, and the pure layers below import upward never.
 
 The predictor is below core: core installs a controller and asks it for switch costs, the
-predictor knows nothing of the engine. Leaf modules (the version)
+predictor knows nothing of the engine. Leaf modules (the version, the environment switches)
 import nothing of pat_engine, so anything may read them without an import circle."""
 
 from __future__ import annotations
@@ -24,15 +24,21 @@ FORBIDDEN = {
     "rollout": {"worker", "protocol", "serve"},
     "sampling": {"core", "worker", "predictor", "serve", "model", "protocol", "parallel"},
 }
-LEAVES = ("version.py",)
+LEAVES = ("version.py", "env.py")
+
+
+def _is_submodule(name: str) -> bool:
+    return (PACKAGE / f"{name}.py").is_file() or (PACKAGE / name).is_dir()
 
 
 def imported_modules(path: Path) -> set[str]:
-    """Every module ``path`` imports, by its dotted name."""
+    """Every module ``path`` imports, by its dotted name (``from pat_engine import env``: pat_engine.env)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module == "pat_engine":
+            out.update(f"pat_engine.{a.name}" if _is_submodule(a.name) else "pat_engine" for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             out.add(node.module)
     return out

@@ -17,6 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
+from pat_engine import env
 from pat_engine.errors import PatEngineError
 
 
@@ -175,7 +176,7 @@ def _server_config(ns: argparse.Namespace):
     drain = 20.0 if ns.drain_timeout is None else ns.drain_timeout
     if not drain >= 0:
         raise PatEngineError("--drain-timeout must be >= 0")
-    api_key = ns.api_key if ns.api_key is not None else os.environ.get("PAT_API_KEY") or None
+    api_key = ns.api_key if ns.api_key is not None else env.api_key()
     return ServerConfig(ns.served_model_name or ns.model, ns.max_queued_requests, body, api_key, drain)
 
 
