@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import pytest
-
 from longtail.analytic import analytic_table, synthetic_deployment
-from pat_engine.model.layers.attention import DEFAULT_BACKEND, AttentionBackend, TorchAttention, attention_backend
+
+from pat_engine.model.layers.attention import (
+    DEFAULT_BACKEND,
+    AttentionBackend,
+    TorchAttention,
+    attention_backend,
+)
 from pat_engine.parallel.dp_placement import RebalancingPlacement, switch_placement
 from pat_engine.predictor.cost_source import CostSource
 from pat_engine.predictor.measured_rates import MeasuredRates

@@ -22,8 +22,6 @@ import time
 from typing import TYPE_CHECKING
 
 from pat_engine.core.block_pool import blocks_needed
-from pat_engine.predictor.kv_path_cost import KVPathEstimate, estimate_kv_paths
-from pat_engine.predictor.policy import RequestSnapshot, SwitchDecision
 from pat_engine.core.request import Sequence
 from pat_engine.core.scheduler import GroupScheduler
 from pat_engine.core.timeline import SwitchEvent
@@ -31,6 +29,8 @@ from pat_engine.errors import LayoutError
 from pat_engine.parallel.dp_placement import switch_placement
 from pat_engine.parallel.kv_plan import KVRun, kv_bytes_per_token, plan_kv_moves
 from pat_engine.parallel.layout import Layout
+from pat_engine.predictor.kv_path_cost import KVPathEstimate, estimate_kv_paths
+from pat_engine.predictor.policy import RequestSnapshot, SwitchDecision
 from pat_engine.protocol import SeqTable, SwitchPlan, SwitchReport
 
 if TYPE_CHECKING:  # the coordinator owns the switch; only the type is needed here

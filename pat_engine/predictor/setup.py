@@ -8,7 +8,7 @@ engine's business (``core/controller_setup.py``).
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 from pat_engine.config import EngineConfig
 from pat_engine.model.arch import ModelArch

@@ -18,7 +18,12 @@ from pydantic import BaseModel, ValidationError
 
 from pat_engine.core.engine import Engine
 from pat_engine.errors import EngineClosedError, EngineDeadError
-from pat_engine.serve.async_engine import AsyncEngine, RequestGroup, ServerOverloaded, ServerShuttingDown
+from pat_engine.serve.async_engine import (
+    AsyncEngine,
+    RequestGroup,
+    ServerOverloaded,
+    ServerShuttingDown,
+)
 from pat_engine.serve.errors import APIError, validation_error
 from pat_engine.serve.guard import read_body_limited
 from pat_engine.serve.json_body import BadJSON, parse_json

@@ -16,8 +16,9 @@ gathers whole context blocks and runs ``scaled_dot_product_attention`` with the 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
