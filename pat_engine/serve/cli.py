@@ -90,9 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--title", default=None)
 
     d = sub.add_parser("demo", help="long-tail batch on the built-in tiny model with live switching (CPU, no download)")
-    from pat_engine.serve.demo import DemoConfig
+    from pat_engine.serve.demo import DemoConfig, default_model_dir
 
-    d.add_argument("--model-dir", type=Path, default=DemoConfig.model_dir, help="where the tiny model is (created if absent)")
+    d.add_argument("--model-dir", type=Path, default=default_model_dir(), help="where the tiny model is (created if absent)")
     d.add_argument("--out-dir", type=Path, default=DemoConfig.out_dir, help="prompts, results, timeline and report")
     d.add_argument("--requests", type=int, default=DemoConfig.requests)
     d.add_argument("--world", type=int, default=DemoConfig.world, help="CPU worker processes")

@@ -30,9 +30,14 @@ _WORDS = ("prove that the sum of two odd integers is even then compute the remai
           "is divided by six and explain each step of the answer in words").split()
 
 
+def default_model_dir() -> Path:
+    """Where the demo's tiny model lives unless told: under ``PAT_ENGINE_CACHE`` (read now, not at import)."""
+    return env.engine_cache() / "tiny-llama"
+
+
 @dataclass(frozen=True)
 class DemoConfig:
-    model_dir: Path = field(default_factory=lambda: env.engine_cache() / "tiny-llama")
+    model_dir: Path = field(default_factory=default_model_dir)
     out_dir: Path = Path("pat-demo")
     requests: int = 48
     world: int = 4
