@@ -23,7 +23,7 @@ import time
 from common import markdown_table, write_result
 from cpu_model import DTYPE, PROFILE, WORLD, long_tail_batch, model_path
 from pat_engine import Engine, SamplingParams
-from pat_engine.core.policy import StaticLayout
+from pat_engine.predictor.policy import StaticLayout
 
 
 def timed(engine: Engine, prompts, params, policy=None, start_tp: int = 1):

@@ -25,7 +25,7 @@ import numpy as np
 from common import RESULTS, markdown_table, write_result
 from cpu_model import DTYPE, PROFILE, WORLD, long_tail_batch, model_path
 from pat_engine import Engine, SamplingParams
-from pat_engine.core.policy import StaticLayout
+from pat_engine.predictor.policy import StaticLayout
 from pat_engine.predictor.predictor import LatencyPredictor
 from pat_engine.predictor.table import ProfileTable
 

@@ -31,7 +31,6 @@ import torch
 
 from common import markdown_table, write_result
 from pat_engine.sampling import sampler as new_sampler
-from pat_engine.sampling.sampler import SamplingBatch, SamplingSpec
 
 REPO = Path(__file__).resolve().parent.parent
 VOCABS = (16384, 151936)

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 from common import markdown_table, write_result
-from pat_engine.serve.sglang.local_cluster import PatServeProcess, SGLangRouter
+from local_cluster import PatServeProcess, SGLangRouter
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
 
 

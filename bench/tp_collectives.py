@@ -24,7 +24,7 @@ from common import markdown_table, write_result
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.group_pool import CommGroupPool
 from pat_engine.parallel.layout import Layout
-from pat_engine.serve.sglang.local_cluster import free_port
+from local_cluster import free_port
 
 HIDDEN, VOCAB = 512, 8192
 CALLS = 200

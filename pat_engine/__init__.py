@@ -13,10 +13,10 @@ from pat_engine.errors import (
 from pat_engine.outputs import RequestOutput
 from pat_engine.parallel.layout import Layout
 from pat_engine.sampling_params import SamplingParams
-
-__version__ = "0.1.0"
+from pat_engine.version import __version__
 
 __all__ = [
+    "__version__",
     "Engine",
     "RequestHandle",
     "RequestOutput",

@@ -9,12 +9,12 @@ TP1 wins for large batches, TP2 around 3-8 requests, TP4 for a single request.
 from __future__ import annotations
 
 import pytest
+from longtail.analytic import analytic_table, synthetic_deployment
 
-from pat_engine.core.policy import ClusterStatus, GroupSnapshot, RequestSnapshot
 from pat_engine.parallel.layout import Layout
-from pat_engine.predictor.analytic import analytic_table, synthetic_deployment
 from pat_engine.predictor.controller import ControllerConfig, SwitchController
 from pat_engine.predictor.lengths import LengthDistribution, MaxLengthBound
+from pat_engine.predictor.policy import ClusterStatus, GroupSnapshot, RequestSnapshot
 from pat_engine.predictor.predictor import LatencyPredictor
 from pat_engine.predictor.table import ModelShape, SwitchCost
 
@@ -142,8 +142,9 @@ def test_the_switch_target_is_priced_with_the_placement_the_switch_uses():
     """With the cost-aware admission placement installed, the target the controller prices is where
     the switch then puts every request (not the longest-context-first default)."""
     from driver_fixtures import make_driver
-    from pat_engine.core.policy import SwitchDecision
+
     from pat_engine.parallel.dp_placement import balance_by_context
+    from pat_engine.predictor.policy import SwitchDecision
     from pat_engine.rollout.placement import AdmissionPlacement
 
     d = make_driver(tp=1, dp=4)

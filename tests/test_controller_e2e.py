@@ -10,13 +10,13 @@ switch must carry the predicted remaining times that justified it.
 from __future__ import annotations
 
 import pytest
+from longtail.analytic import analytic_table
 
 from pat_engine import Engine, SamplingParams
 from pat_engine.config import EngineConfig
-from pat_engine.core.policy import StaticLayout
 from pat_engine.model.arch import load_model_arch
-from pat_engine.predictor.analytic import analytic_table
 from pat_engine.predictor.deployment import make_deployment, model_shape
+from pat_engine.predictor.policy import StaticLayout
 from pat_engine.predictor.table import SwitchCost
 
 pytestmark = pytest.mark.slow  # starts worker processes

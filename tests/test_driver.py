@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from driver_fixtures import BLOCK, expected_tokens, make_driver
-from pat_engine.core.policy import ScheduledSwitches, SwitchDecision
+from pat_engine.predictor.policy import ScheduledSwitches, SwitchDecision
 from pat_engine.errors import LayoutError, WorkerFailure
 from pat_engine.parallel.dp_placement import balance_by_context
 from pat_engine.parallel.layout import Layout

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pat_engine.core.policy import RequestSnapshot
+from pat_engine.predictor.policy import RequestSnapshot
 from pat_engine.predictor.lengths import LengthDistribution, MaxLengthBound, SnapshotLengthTracker, kaplan_meier
 
 

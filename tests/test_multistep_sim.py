@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-from longtail.multistep import PromptDataset, Variant, run_variant  # noqa: E402
-from longtail.simulator import Simulation  # noqa: E402
-from longtail.tables import a40_table  # noqa: E402
-from longtail.workload import Batch, LongTail  # noqa: E402
-from pat_engine.predictor.predictor import LatencyPredictor  # noqa: E402
-from pat_engine.rollout import RolloutConfig, TailBatchingConfig  # noqa: E402
-from pat_engine.rollout.config import PlacementConfig  # noqa: E402
+from longtail.multistep import PromptDataset, Variant, run_variant
+from longtail.simulator import Simulation
+from longtail.tables import a40_table
+from longtail.workload import Batch, LongTail
+from pat_engine.predictor.predictor import LatencyPredictor
+from pat_engine.rollout import RolloutConfig, TailBatchingConfig
+from pat_engine.rollout.config import PlacementConfig
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pat_engine.core.policy import RequestSnapshot
+from pat_engine.predictor.policy import RequestSnapshot
 from pat_engine.parallel.layout import Layout
-from pat_engine.predictor.analytic import analytic_table, synthetic_deployment
+from longtail.analytic import analytic_table, synthetic_deployment
 from pat_engine.predictor.drain import drain_seconds
 from pat_engine.predictor.fit import LatencyCurve, fit_decode, fit_prefill
 from pat_engine.parallel.dp_placement import balance_by_context

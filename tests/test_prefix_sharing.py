@@ -10,7 +10,7 @@ import pytest
 
 from driver_fixtures import BLOCK, expected_tokens, make_driver
 from pat_engine.core.block_pool import BlockPool
-from pat_engine.core.policy import ScheduledSwitches, SwitchDecision
+from pat_engine.predictor.policy import ScheduledSwitches, SwitchDecision
 
 PROMPT = list(range(100, 122))  # 22 tokens: 5 full blocks of 4 shareable (the last token always runs)
 

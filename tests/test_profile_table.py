@@ -11,7 +11,7 @@ import pytest
 from pat_engine import Engine
 from pat_engine.config import EngineConfig
 from pat_engine.model.arch import load_model_arch
-from pat_engine.predictor.analytic import analytic_table
+from longtail.analytic import analytic_table
 from pat_engine.predictor.controller import SwitchController
 from pat_engine.predictor.deployment import make_deployment, model_shape
 from pat_engine.predictor.predictor import LatencyPredictor
@@ -74,7 +74,7 @@ def test_engine_refuses_a_table_for_another_deployment(model_dir, tmp_path):
 @pytest.mark.slow
 def test_engine_runs_static_without_its_table_and_attaches_the_controller_with_one(model_dir, tmp_path, caplog):
     model = model_dir("llama")
-    with caplog.at_level(logging.WARNING, logger="pat_engine.predictor.setup"):
+    with caplog.at_level(logging.WARNING, logger="pat_engine.core.controller_setup"):
         with Engine(model, tp=1, dp=2, dtype="float32", profile_table=str(tmp_path / "missing.json")) as engine:
             assert engine.policy is None
     assert caplog.text.count("runs static") == 1

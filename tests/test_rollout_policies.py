@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from pat_engine.core.policy import RequestSnapshot
+from pat_engine.predictor.policy import RequestSnapshot
 from pat_engine.errors import InvalidRequestError
 from pat_engine.rollout import (GroupSizeController, GroupSizingConfig, PlacementItem, PromptEntry, RolloutConfig,
                                 RolloutScheduler, RoundTracker, TailBatcher, TailBatchingConfig, max_group_cost,

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from pat_engine import SamplingParams
-from pat_engine.core.policy import ScheduledSwitches
+from pat_engine.predictor.policy import ScheduledSwitches
 from pat_engine.serve.launcher import BackgroundServer
 from pat_engine.serve.server import ServerConfig, build_app
 from pat_engine.serve.translate import apply_chat_template

@@ -18,8 +18,7 @@ pytestmark = pytest.mark.slow  # starts server and worker processes
 
 try:
     import sglang_router  # noqa: F401
-
-    from pat_engine.serve.sglang.local_cluster import PatServeProcess, SGLangRouter
+    from local_cluster import PatServeProcess, SGLangRouter
 except ImportError as exc:  # pragma: no cover - depends on the optional wheel
     pytest.skip(f"sglang-router is not installed (pip install sglang-router==0.3.2): {exc}", allow_module_level=True)
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from local_cluster import free_port
 
 from pat_engine.parallel import shm_collectives
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.group_pool import CommGroupPool
 from pat_engine.parallel.layout import Layout
-from pat_engine.serve.sglang.local_cluster import free_port
 
 pytestmark = [pytest.mark.slow,  # starts processes
               pytest.mark.skipif(not shm_collectives.usable("gloo"), reason="shared-memory collectives need x86-64")]

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-from longtail.oracle import search  # noqa: E402
-from longtail.policies import distribution_policy, paper_policy  # noqa: E402
-from longtail.simulator import Simulation  # noqa: E402
-from longtail.tables import a40_table  # noqa: E402
-from longtail.workload import Batch, LongTail, make_batch  # noqa: E402
-from pat_engine.predictor.predictor import LatencyPredictor  # noqa: E402
+from longtail.oracle import search
+from longtail.policies import distribution_policy, paper_policy
+from longtail.simulator import Simulation
+from longtail.tables import a40_table
+from longtail.workload import Batch, LongTail, make_batch
+from pat_engine.predictor.predictor import LatencyPredictor
 
 
 @pytest.fixture(scope="module")

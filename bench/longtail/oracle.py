@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from pat_engine.core.policy import ScheduledSwitches
+from pat_engine.predictor.policy import ScheduledSwitches
 from longtail.simulator import Simulation
 
 

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pat_engine.core.policy import ClusterStatus, GroupSnapshot, RequestSnapshot, SwitchPolicy
+from pat_engine.predictor.policy import ClusterStatus, GroupSnapshot, RequestSnapshot, SwitchPolicy
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.drain import drain_seconds
-from pat_engine.core.kv_path_cost import rms_context
+from pat_engine.predictor.kv_path_cost import rms_context
 from pat_engine.parallel.dp_placement import balance_by_context
 from pat_engine.predictor.predictor import LatencyPredictor
 from longtail.workload import Batch

@@ -43,9 +43,9 @@ from functools import lru_cache
 
 import torch
 
+from longtail.analytic import analytic_table, synthetic_deployment
 from pat_engine.model.arch import arch_from_hf_config
 from pat_engine.parallel.layout import Layout
-from pat_engine.predictor.analytic import analytic_table, synthetic_deployment
 from pat_engine.predictor.deployment import reshard_bytes
 from pat_engine.predictor.table import ModelShape, ProfileTable, SwitchCost
 

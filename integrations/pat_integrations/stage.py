@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pat_engine import Engine, LayoutError
-from pat_engine.core.policy import SwitchPolicy
+from pat_engine.predictor.policy import SwitchPolicy
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,13 @@ import logging
 import time
 from typing import Any
 from dataclasses import dataclass
-from typing import Callable
 
 from pat_engine.config import EngineConfig
 from pat_engine.core.layout_switch import PlannedSwitch, check_target, plan_switch
-from pat_engine.core.measured_rates import MeasuredRates
+from pat_engine.predictor.cost_source import CostSource
+from pat_engine.predictor.measured_rates import MeasuredRates
 from pat_engine.core.memory import MemoryPlan
-from pat_engine.core.policy import ClusterStatus, GroupSnapshot, RequestSnapshot, SwitchDecision, SwitchPolicy
+from pat_engine.predictor.policy import ClusterStatus, GroupSnapshot, RequestSnapshot, SwitchDecision, SwitchPolicy
 from pat_engine.core.request import Sequence
 from pat_engine.core.scheduler import GroupScheduler
 from pat_engine.core.served_weights import ServedWeights
@@ -37,6 +37,7 @@ from pat_engine.core.timeline import SwitchEvent, Timeline
 from pat_engine.core.worker_client import WorkerClient
 from pat_engine.core.worker_pool import WorkerPool
 from pat_engine.errors import LayoutError, WorkerFailure, last_traceback_line
+from pat_engine.parallel.dp_placement import PlacementRule
 from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import Reply, StepCommand, StepResult, SwitchReport
 
@@ -77,10 +78,10 @@ class GlobalCoordinator:
         self.weights = weights or ServedWeights(config.model)
         self.sleep = SleepState()  # what release_memory gave back; nothing runs until it is restored
         self.timeline = Timeline(config.timeline_max_events)
-        self.cost_source = MeasuredRates()  # replaced by the predictor when a profile table is loaded
+        self.cost_source: CostSource = MeasuredRates()  # replaced by the predictor when a profile table is loaded
         self.policy: SwitchPolicy | None = None
         # optional admission rule: placement(seq, schedulers) -> group (pat_engine.rollout.placement)
-        self.placement: Callable[[Sequence, list[GroupScheduler]], int] | None = None
+        self.placement: PlacementRule | None = None
         self.pending_switch: SwitchDecision | None = None
         self.paused = False
         self.stage_decode_steps = 0  # set before the first install_layout, which copies it into the groups
@@ -211,14 +212,14 @@ class GlobalCoordinator:
 
     # ---- control: what Engine asks for, run here in the loop thread ---------------------------------
 
-    def set_policy(self, policy: SwitchPolicy | None, cost_source: Any = None) -> None:
+    def set_policy(self, policy: SwitchPolicy | None, cost_source: CostSource | None = None) -> None:
         """Install the switch policy (None: static) and, when given, the cost source switches are priced
         with (the predictor that comes with a controller)."""
         self.policy = policy
         if cost_source is not None:
             self.cost_source = cost_source
 
-    def set_placement(self, placement: Callable[[Sequence, list[GroupScheduler]], int] | None) -> None:
+    def set_placement(self, placement: PlacementRule | None) -> None:
         self.placement = placement
 
     def set_step_log(self, step_log: list[StepRecord] | None) -> None:

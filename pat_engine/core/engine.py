@@ -24,7 +24,8 @@ from pat_engine.core.coordinator import GlobalCoordinator, StepRecord
 from pat_engine.core.inputs import RequestFactory, load_tokenizer
 from pat_engine.core.loop import EngineLoop
 from pat_engine.core.memory import MemoryPlan, default_cpu_kv_bytes
-from pat_engine.core.policy import ClusterStatus, ScheduledSwitches, SwitchDecision, SwitchPolicy
+from pat_engine.predictor.cost_source import CostSource
+from pat_engine.predictor.policy import ClusterStatus, ScheduledSwitches, SwitchDecision, SwitchPolicy
 from pat_engine.core.request import Sequence
 from pat_engine.core.request_handle import RequestHandle
 from pat_engine.core.restart_budget import RestartBudget
@@ -38,8 +39,9 @@ from pat_engine.errors import EngineClosedError, EngineDeadError, InvalidRequest
 from pat_engine.model.arch import load_model_arch
 from pat_engine.model.weights import check_safetensors_headers, safetensors_files
 from pat_engine.outputs import RequestOutput, of_prompt
+from pat_engine.parallel.dp_placement import PlacementRule
 from pat_engine.parallel.layout import Layout
-from pat_engine.predictor.setup import attach_controller
+from pat_engine.core.controller_setup import attach_controller
 from pat_engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -343,12 +345,12 @@ class Engine:
         decision = SwitchDecision(tp, "reconfigure() call", kv_transfer)
         return self._on_loop(self.coordinator.switch, decision, timeout=timeout)  # the target is checked there
 
-    def set_policy(self, policy: SwitchPolicy | None, cost_source: Any = None) -> None:
-        """Install the policy consulted every ``switch_check_interval`` decode steps and, when given,
-        the cost source switches are priced with (the controller's predictor)."""
+    def set_policy(self, policy: SwitchPolicy | None, cost_source: CostSource | None = None) -> None:
+        """Install the policy consulted every ``switch_check_interval`` decode steps, and with it the
+        source a switch prices its KV path with (None: keep the current one)."""
         self._on_loop(self.coordinator.set_policy, policy, cost_source)
 
-    def set_placement(self, placement: Callable[[Sequence, list], int] | None) -> None:
+    def set_placement(self, placement: PlacementRule | None) -> None:
         """Install the DP-group rule used at admission (None: fewest outstanding tokens).
 
         ``placement(seq, group_schedulers) -> group index``, e.g. ``pat_engine.rollout.placement.AdmissionPlacement``.

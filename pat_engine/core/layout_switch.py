@@ -22,18 +22,19 @@ schedulers planned here are dropped with their blocks, so nothing leaks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from pat_engine.core.block_pool import blocks_needed
-from pat_engine.core.kv_path_cost import KVPathEstimate, estimate_kv_paths
 from pat_engine.core.memory import MemoryPlan
-from pat_engine.core.policy import RequestSnapshot, SwitchDecision
 from pat_engine.core.request import Sequence
 from pat_engine.core.scheduler import GroupScheduler
 from pat_engine.errors import LayoutError
-from pat_engine.parallel.dp_placement import switch_placement
+from pat_engine.parallel.dp_placement import PlacementRule, switch_placement
 from pat_engine.parallel.kv_plan import KVRun, kv_bytes_per_token, plan_kv_moves
 from pat_engine.parallel.layout import Layout
+from pat_engine.predictor.cost_source import CostSource
+from pat_engine.predictor.kv_path_cost import KVPathEstimate, estimate_kv_paths
+from pat_engine.predictor.policy import RequestSnapshot, SwitchDecision
 from pat_engine.protocol import SeqTable, SwitchPlan
 
 
@@ -84,7 +85,8 @@ class PlannedSwitch:
 
 def plan_switch(decision: SwitchDecision, seqs: list[Sequence], old: Layout, new: Layout,
                 old_schedulers: list[GroupScheduler], new_schedulers: Callable[[Layout], list[GroupScheduler]],
-                memory: MemoryPlan, default_kv_transfer: str, placement: Any, costs: Any) -> PlannedSwitch:
+                memory: MemoryPlan, default_kv_transfer: str, placement: PlacementRule | None,
+                costs: CostSource) -> PlannedSwitch:
     """Plan the switch of ``seqs`` (every unfinished request, by arrival, taken out of
     ``old_schedulers``) from ``old`` to ``new``; nothing outside the returned plan is changed.
 
@@ -113,14 +115,14 @@ def plan_switch(decision: SwitchDecision, seqs: list[Sequence], old: Layout, new
     return PlannedSwitch(plan, schedulers, estimate, group_of, placed.tables, placed.registered)
 
 
-def _target_groups(seqs: list[Sequence], new: Layout, placement: Any) -> dict[int, int]:
+def _target_groups(seqs: list[Sequence], new: Layout, placement: PlacementRule | None) -> dict[int, int]:
     """seq_id -> new DP group, by ``switch_placement`` with the admission placement: the same call,
     on the same object, that the controller prices this switch with."""
     target = switch_placement(placement, [RequestSnapshot.of(s) for s in seqs], new.dp)
     return {seqs[i].seq_id: g for g, members in enumerate(target) for i in members}
 
 
-def _estimate(old: Layout, new: Layout, memory: MemoryPlan, placed: "_KVPlacement", costs: Any) -> KVPathEstimate:
+def _estimate(old: Layout, new: Layout, memory: MemoryPlan, placed: "_KVPlacement", costs: CostSource) -> KVPathEstimate:
     """Predicted seconds of migrating the placed KV against prefilling it again in the new groups."""
     arch, itemsize = memory.arch, memory.dtype.itemsize
     sent: dict[int, int] = {}

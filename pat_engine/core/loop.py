@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from pat_engine.core.coordinator import GlobalCoordinator
-from pat_engine.core.policy import SwitchPolicy
+from pat_engine.predictor.policy import SwitchPolicy
 from pat_engine.core.quarantine import Quarantine
 from pat_engine.core.request import Sequence
 from pat_engine.core.restart_budget import RestartBudget

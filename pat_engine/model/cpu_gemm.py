@@ -20,10 +20,10 @@ turns it off (also how the benchmark measures the unpacked path).
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
+
+from pat_engine import env
 
 PACKED_ATTR = "cpu_packed"  # on a weight Parameter: (address of the plain data, packed tensor)
 GEMM_ATTR = "is_gemm_weight"  # set by the layers whose weight is multiplied through ``linear``
@@ -32,7 +32,7 @@ GEMM_ATTR = "is_gemm_weight"  # set by the layers whose weight is multiplied thr
 def packing_enabled(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether weights on ``device`` in ``dtype`` get packed (see the module docstring)."""
     return (torch.device(device).type == "cpu" and dtype == torch.float32
-            and torch.backends.mkldnn.is_available() and os.environ.get("PAT_CPU_GEMM", "onednn") != "torch")
+            and torch.backends.mkldnn.is_available() and env.cpu_gemm_packing())
 
 
 def pack(model: nn.Module) -> int:

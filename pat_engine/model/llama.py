@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pat_engine.model.arch import ModelArch
-from pat_engine.model.layers.attention import AttentionMetadata, paged_attention
+from pat_engine.model.layers.attention import DEFAULT_BACKEND, AttentionBackend, AttentionMetadata, paged_attention
 from pat_engine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pat_engine.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pat_engine.model.layers.norm import RMSNorm
@@ -33,6 +33,7 @@ class ForwardContext:
     attn: AttentionMetadata
     cos: torch.Tensor | None = None  # (T, 1, hd), set by CausalLM.forward
     sin: torch.Tensor | None = None
+    attn_backend: AttentionBackend = DEFAULT_BACKEND  # chosen by layers/attention.attention_backend
 
 
 class Attention(nn.Module):
@@ -64,7 +65,7 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # q and k are neighbours in the fused projection: one rotary pass serves both
         q, k = apply_rotary(qk, ctx.cos, ctx.sin).split([heads, kv_heads], dim=1)  # (T, h, hd), (T, kvh, hd)
-        out = paged_attention(q, k, v, ctx.kv_caches[layer], ctx.attn, self.scale)  # (T, h, hd)
+        out = paged_attention(q, k, v, ctx.kv_caches[layer], ctx.attn, self.scale, ctx.attn_backend)  # (T, h, hd)
         return self.o_proj(out.reshape(-1, heads * hd), ctx.tp)
 
 

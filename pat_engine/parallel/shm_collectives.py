@@ -31,9 +31,10 @@ import time
 import uuid
 from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
+
+from pat_engine import env
 
 SLOT_BYTES = 4 << 20  # per rank and parity; tmpfs only backs the pages a collective touches
 _HEADER_BYTES = 64 * 8  # one int64 sequence number per rank (up to 64 ranks)
@@ -48,7 +49,7 @@ class CollectiveError(RuntimeError):
 def usable(backend: str) -> bool:
     """Shared memory serves the CPU (gloo) groups on x86-64; ``PAT_CPU_COLLECTIVES=gloo`` turns it off."""
     return (backend == "gloo" and platform.machine().lower() in ("x86_64", "amd64")
-            and os.environ.get("PAT_CPU_COLLECTIVES", "shm") != "gloo")
+            and env.shm_collectives())
 
 
 def _alive(pid: int) -> bool:

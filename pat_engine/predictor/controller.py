@@ -28,7 +28,7 @@ from typing import Callable
 
 import numpy as np
 
-from pat_engine.core.policy import ClusterStatus, SwitchDecision
+from pat_engine.predictor.policy import ClusterStatus, SwitchDecision
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.lengths import RemainingEstimator, SnapshotLengthTracker
 from pat_engine.predictor.lookahead import Future, deferral_steps, deferred, drain_groups, switch_value

@@ -8,10 +8,13 @@ from pathlib import Path
 
 import torch
 
+from pat_engine.config import EngineConfig
 from pat_engine.model.arch import ModelArch
+from pat_engine.model.footprint import weight_bytes_per_rank
 from pat_engine.parallel.layout import Layout
 from pat_engine.platform_info import cpu_name, gpu_name
 from pat_engine.predictor.table import Deployment, ModelShape
+from pat_engine.version import __version__
 
 
 def device_name(device: str) -> str:
@@ -22,9 +25,7 @@ def device_name(device: str) -> str:
 
 
 def library_versions() -> dict:
-    import pat_engine
-
-    out = {"torch": torch.__version__, "pat-engine": pat_engine.__version__}
+    out = {"torch": torch.__version__, "pat-engine": __version__}
     try:
         out["transformers"] = importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:
@@ -54,15 +55,13 @@ def make_deployment(arch: ModelArch, model_path: str, dtype: torch.dtype, device
     )
 
 
-def engine_deployment(engine) -> Deployment:
-    cfg = engine.config
-    return make_deployment(engine.arch, cfg.model, cfg.torch_dtype(), cfg.device, cfg.world, cfg.block_size,
+def engine_deployment(arch: ModelArch, cfg: EngineConfig) -> Deployment:
+    """The deployment an engine of ``cfg`` serving ``arch`` runs (what its profile table must match)."""
+    return make_deployment(arch, cfg.model, cfg.torch_dtype(), cfg.device, cfg.world, cfg.block_size,
                            cfg.worker_threads())
 
 
 def model_shape(arch: ModelArch, dtype: torch.dtype) -> ModelShape:
-    from pat_engine.core.memory import weight_bytes_per_rank
-
     elt = torch.empty((), dtype=dtype).element_size()
     return ModelShape(arch.num_layers, arch.num_kv_heads, arch.head_dim, elt, weight_bytes_per_rank(arch, 1, dtype))
 

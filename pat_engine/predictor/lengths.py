@@ -25,7 +25,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from pat_engine.core.policy import RequestSnapshot
+from pat_engine.predictor.policy import RequestSnapshot
 
 
 class RemainingEstimator(Protocol):

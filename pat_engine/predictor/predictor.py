@@ -13,8 +13,7 @@ per-rank KV bytes / bandwidth) and recompute = Eq. 3-4 (prefill at the RMS
 context length of each target group, groups in parallel); plus the fixed
 costs measured by the profiler (groups, rebuild, graph capture).
 
-Also the engine's ``cost_source``: ``bandwidth()``, ``prefill_seconds()``,
-``record_kv_transfer()`` and ``record_prefill()``. Measured KV transfers
+Also the engine's ``CostSource`` (``cost_source.py``). Measured KV transfers
 refine the bandwidth (EMA); the table's prefill fit stays authoritative.
 """
 
@@ -25,13 +24,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from pat_engine.core.policy import RequestSnapshot
 from pat_engine.parallel.dp_placement import Placement
 from pat_engine.parallel.layout import Layout
+from pat_engine.predictor.cost_source import CostSource
 from pat_engine.predictor.drain import drain_seconds
 from pat_engine.predictor.fit import fit_decode, fit_prefill
-from pat_engine.core.kv_path_cost import rms_context
-from pat_engine.core.measured_rates import MeasuredRates
+from pat_engine.predictor.kv_path_cost import rms_context
+from pat_engine.predictor.measured_rates import MeasuredRates
+from pat_engine.predictor.policy import RequestSnapshot
 from pat_engine.predictor.table import ProfileTable
 
 
@@ -54,7 +54,7 @@ class SwitchCostEstimate:
         return {**asdict(self), "kv_path": self.kv_path, "total_s": self.total_s}
 
 
-class LatencyPredictor:
+class LatencyPredictor(CostSource):
     def __init__(self, table: ProfileTable, max_num_seqs: int = 256,
                  weight_bytes: Callable[[int, int], int] | None = None, bandwidth_alpha: float = 0.3):
         if not table.points:
@@ -73,7 +73,7 @@ class LatencyPredictor:
     def tps(self) -> list[int]:
         return self.decode.tps
 
-    # ---- the engine's cost_source interface ---------------------------------------------------------
+    # ---- CostSource ------------------------------------------------------------------------------
 
     def bandwidth(self) -> float:
         if self._measured.kv_bandwidth is not None:

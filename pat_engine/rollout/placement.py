@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
 
+from pat_engine.parallel.dp_placement import Placement, RebalancingPlacement
+
 
 @dataclass(frozen=True)
 class PlacementItem:
@@ -108,8 +110,8 @@ class Expectation:
     unit: Hashable | None = None
 
 
-class AdmissionPlacement:
-    """``coordinator.placement``: the DP group for one sequence as it is admitted.
+class AdmissionPlacement(RebalancingPlacement):
+    """A ``RebalancingPlacement`` (``Engine.set_placement``): the DP group for one sequence as it is admitted.
 
     Load of a group = predicted remaining cost of its unfinished sequences (``expect()`` gives
     a request's predicted length and unit; otherwise its ``max_new_tokens`` bound is used).
@@ -141,8 +143,8 @@ class AdmissionPlacement:
     def _seq_remaining(self, seq) -> tuple[float, int]:
         return self._remaining(seq.request_id, len(seq.prompt_ids), len(seq.output_ids), seq.params.max_new_tokens)
 
-    def rebalance(self, requests: Sequence, groups: int, token_cap_factor: float = 1.1) -> list[list[int]]:
-        """Per group, indices into ``requests`` (``core.policy.RequestSnapshot``s) after a layout
+    def rebalance(self, requests: Sequence, groups: int, token_cap_factor: float = 1.1) -> Placement:
+        """Per group, indices into ``requests`` (``predictor.policy.RequestSnapshot``s) after a layout
         switch: LPT on predicted remaining cost under the token cap.
 
         ``parallel.dp_placement.switch_placement`` calls it for both the switch and the

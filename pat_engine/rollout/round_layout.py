@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pat_engine.core.policy import RequestSnapshot
+from pat_engine.predictor.policy import RequestSnapshot
 from pat_engine.parallel.layout import Layout
 from pat_engine.parallel.dp_placement import balance_by_context
 from pat_engine.predictor.predictor import LatencyPredictor

@@ -29,8 +29,8 @@ from dataclasses import dataclass, replace
 from typing import Callable, Protocol
 
 from pat_engine.core.engine import Engine
-from pat_engine.core.policy import ScheduledSwitches
 from pat_engine.errors import InvalidRequestError, WorkerFailure
+from pat_engine.predictor.policy import ScheduledSwitches
 from pat_engine.rollout.config import PlacementConfig, RolloutConfig, TailBatchingConfig
 from pat_engine.rollout.runner import RolloutRunner, derived_seed
 from pat_engine.rollout.scheduler import RolloutScheduler

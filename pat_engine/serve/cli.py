@@ -17,6 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
+from pat_engine import env
 from pat_engine.errors import PatEngineError
 
 
@@ -89,9 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--title", default=None)
 
     d = sub.add_parser("demo", help="long-tail batch on the built-in tiny model with live switching (CPU, no download)")
-    from pat_engine.serve.demo import DemoConfig
+    from pat_engine.serve.demo import DemoConfig, default_model_dir
 
-    d.add_argument("--model-dir", type=Path, default=DemoConfig.model_dir, help="where the tiny model is (created if absent)")
+    d.add_argument("--model-dir", type=Path, default=default_model_dir(), help="where the tiny model is (created if absent)")
     d.add_argument("--out-dir", type=Path, default=DemoConfig.out_dir, help="prompts, results, timeline and report")
     d.add_argument("--requests", type=int, default=DemoConfig.requests)
     d.add_argument("--world", type=int, default=DemoConfig.world, help="CPU worker processes")
@@ -165,7 +166,7 @@ def _serve(ns: argparse.Namespace) -> int:
 
 def _server_config(ns: argparse.Namespace):
     """ServerConfig from the flags, checked before the engine starts."""
-    from pat_engine.serve.server import DEFAULT_MAX_BODY_BYTES, ServerConfig
+    from pat_engine.serve.state import DEFAULT_MAX_BODY_BYTES, ServerConfig
 
     if ns.max_queued_requests < 1:
         raise PatEngineError("--max-queued-requests must be at least 1")
@@ -175,7 +176,7 @@ def _server_config(ns: argparse.Namespace):
     drain = 20.0 if ns.drain_timeout is None else ns.drain_timeout
     if not drain >= 0:
         raise PatEngineError("--drain-timeout must be >= 0")
-    api_key = ns.api_key if ns.api_key is not None else os.environ.get("PAT_API_KEY") or None
+    api_key = ns.api_key if ns.api_key is not None else env.api_key()
     return ServerConfig(ns.served_model_name or ns.model, ns.max_queued_requests, body, api_key, drain)
 
 

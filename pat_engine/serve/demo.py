@@ -15,24 +15,29 @@ import json
 import os
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from pat_engine import env
 from pat_engine.serve.batch import BatchJob, run_batch
 from pat_engine.serve.batch_io import SamplingDefaults
 from pat_engine.serve.engine_args import EngineArgs
 from pat_engine.serve.summary import RunSummary
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
 
-DEFAULT_CACHE = Path(os.environ.get("PAT_ENGINE_CACHE", Path.home() / ".cache" / "pat-engine"))
 PROFILE_NAME = "pat_profile.json"  # a table placed next to the demo model turns the controller on
 _WORDS = ("prove that the sum of two odd integers is even then compute the remainder when a large prime "
           "is divided by six and explain each step of the answer in words").split()
 
 
+def default_model_dir() -> Path:
+    """Where the demo's tiny model lives unless told: under ``PAT_ENGINE_CACHE`` (read now, not at import)."""
+    return env.engine_cache() / "tiny-llama"
+
+
 @dataclass(frozen=True)
 class DemoConfig:
-    model_dir: Path = DEFAULT_CACHE / "tiny-llama"
+    model_dir: Path = field(default_factory=default_model_dir)
     out_dir: Path = Path("pat-demo")
     requests: int = 48
     world: int = 4

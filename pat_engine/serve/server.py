@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP app: completions, chat, models, health, metrics and the layout timeline.
 
 ``build_app(engine, config)`` makes a FastAPI app around an already started
-engine (the caller owns the engine and shuts it down). Request bodies are
-parsed here rather than by FastAPI so that every failure (content type,
+engine (the caller owns the engine and shuts it down) and one ``PatServer``
+(``state.py``), which the SGLang routes share. Request bodies are parsed by
+``PatServer.parse`` rather than by FastAPI so that every failure (content type,
 JSON syntax, schema, size) comes back as a 4xx in the OpenAI error shape.
 
 Shutdown (``PatServer.begin_drain``, run on SIGTERM): new requests get 503,
@@ -14,26 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pat_engine.core.engine import Engine
-from pat_engine.errors import EngineClosedError, EngineDeadError, InvalidRequestError
-from pat_engine.serve.async_engine import AsyncEngine, ClientDisconnected, RequestGroup, ServerOverloaded, ServerShuttingDown
-from pat_engine.serve.errors import APIError, validation_error
-from pat_engine.serve.guard import RequestGuard, read_body_limited
-from pat_engine.serve.json_body import BadJSON, parse_json
-from pat_engine.serve.metrics import ServerMetrics
-from pat_engine.serve.sglang import register_sglang_routes
+from pat_engine.errors import InvalidRequestError
+from pat_engine.serve.async_engine import ClientDisconnected
+from pat_engine.serve.errors import APIError
+from pat_engine.serve.guard import RequestGuard
 from pat_engine.serve.openai_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -43,108 +38,14 @@ from pat_engine.serve.openai_protocol import (
     ModelList,
     random_id,
 )
+from pat_engine.serve.sglang import register_sglang_routes
+from pat_engine.serve.state import DEFAULT_MAX_BODY_BYTES, PatServer, ServerConfig
 from pat_engine.serve.streams import chat_stream, completion_stream
-from pat_engine.serve.translate import EngineInput, chat_choice, chat_input, completion_choice, completion_inputs, usage
+from pat_engine.serve.translate import chat_choice, chat_input, completion_choice, completion_inputs, usage
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "PatServer", "ServerConfig", "build_app"]  # the state's names stay importable here
 
 log = logging.getLogger(__name__)
-M = TypeVar("M", bound=BaseModel)
-
-
-DEFAULT_MAX_BODY_BYTES = 16 << 20  # 16 MiB: a full 128k-token context as JSON ids is about 1 MB
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    served_model_name: str
-    max_queued_requests: int = 256  # requests in flight before new ones get 503
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    api_key: str | None = None  # when set: "Authorization: Bearer <key>" on every route but /health, /metrics
-    drain_timeout_s: float = 20.0  # on SIGTERM, how long running requests may go on before they are cut off
-
-
-class PatServer:
-    """State shared by the routes of one app: the engine bridge, metrics and config."""
-
-    def __init__(self, engine: Engine, config: ServerConfig):
-        self.engine = engine
-        self.config = config
-        self.metrics = ServerMetrics(engine, config.served_model_name)
-        self.aengine = AsyncEngine(engine, config.max_queued_requests, self.metrics)
-        self._drain_timer: threading.Timer | None = None
-
-    def begin_drain(self) -> None:
-        """Stop taking requests now; cut the running ones off after ``drain_timeout_s`` (any thread)."""
-        if self._drain_timer is not None:
-            return
-        self.aengine.closing = True
-        log.warning("shutting down: %d requests may finish within %.0fs", self.aengine.num_active,
-                    self.config.drain_timeout_s)
-        self._drain_timer = threading.Timer(self.config.drain_timeout_s, self.aengine.cut_off)
-        self._drain_timer.daemon = True
-        self._drain_timer.start()
-
-    def health(self) -> dict:
-        """200 with the engine's state, or an APIError(503) saying why the server cannot serve now."""
-        if self.aengine.closing:
-            raise APIError(503, "the server is shutting down")
-        h = self.engine.health()
-        if h["dead"]:
-            raise APIError(503, h["dead"])
-        if h["restarting"] or not h["workers_alive"]:
-            raise APIError(503, "workers are being restarted after a failure")
-        oldest = h["oldest_step_s"]
-        if oldest is not None and oldest > h["step_timeout_s"]:
-            raise APIError(503, f"a step has run for {oldest:.1f}s, past step_timeout_s={h['step_timeout_s']:g}; "
-                                "its workers are being replaced")
-        return {"status": "ok", "layout": str(self.engine.layout), "running": self.aengine.num_active, **h}
-
-    @property
-    def model(self) -> str:
-        return self.config.served_model_name
-
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.model, self.engine.config.model):
-            raise APIError(404, f"The model `{name}` does not exist.", param="model")
-
-    async def parse(self, request: Request, model: type[M]) -> M:
-        ctype = request.headers.get("content-type", "")
-        if ctype.split(";")[0].strip().lower() != "application/json":
-            raise APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}")
-        raw = await read_body_limited(request, self.config.max_body_bytes)
-        try:
-            data = parse_json(raw)
-        except BadJSON as exc:
-            raise APIError(400, str(exc)) from None
-        if not isinstance(data, dict):
-            raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
-        try:
-            return model.model_validate(data)
-        except ValidationError as exc:
-            raise validation_error(exc) from None
-
-    async def submit(self, inputs: list[EngineInput], request_id: str) -> RequestGroup:
-        try:
-            return await self.aengine.submit(inputs, request_id)
-        except ServerOverloaded as exc:
-            self.metrics.reject("overloaded")
-            raise APIError(503, str(exc), headers={"Retry-After": "1"}) from None
-        except (ServerShuttingDown, EngineClosedError) as exc:
-            self.metrics.reject("shutting_down")
-            raise APIError(503, f"{exc}; no new requests are taken") from None
-        except EngineDeadError as exc:
-            self.metrics.reject("engine_dead")
-            raise APIError(503, str(exc)) from None
-
-    async def collect(self, group: RequestGroup, request: Request) -> list:
-        async for _ in group.updates(disconnected=request.is_disconnected):
-            pass
-        outs = [h.output() for h in group.handles]
-        failed = [o for o in outs if o.finish_reason == "error"]
-        if failed:
-            raise APIError(500, f"generation failed: {failed[0].error}")
-        if self.aengine.closing and any(o.finish_reason == "abort" for o in outs):
-            raise APIError(503, self.aengine.cut_off_message())
-        return outs
 
 
 def build_app(engine: Engine, config: ServerConfig) -> FastAPI:

@@ -138,7 +138,7 @@ def run_profile(opts: ProfileOptions, command: str = "") -> ProfileTable:
                     kv_cache_bytes=kv_bytes_for(opts, tps, max_batch), threads_per_worker=opts.threads_per_worker,
                     block_size=opts.block_size, **opts.engine_kwargs)
     try:
-        deployment = replace(engine_deployment(engine), candidate_tps=tuple(tps))
+        deployment = replace(engine_deployment(engine.arch, engine.config), candidate_tps=tuple(tps))
         table = _open_table(opts, deployment, engine)
         capacity = min(engine.memory.tokens_per_group(Layout.for_world(opts.world, tp)) for tp in tps)
         grid = build_grid(tps, list(opts.batches), list(opts.contexts), opts.window,

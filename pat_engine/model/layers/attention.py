@@ -1,11 +1,13 @@
-"""Paged attention over a per-layer KV pool: plain torch for prefill, kernels for decode.
+"""Paged attention over a per-layer KV pool, behind a swappable ``AttentionBackend``.
 
 KV pool of one layer: ``(2, num_blocks, block_size, kv_heads_local, head_dim)``;
 a token at position ``p`` of a sequence lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``.
 
-Decode (one query per row, ``context_lens`` set) reads the pool in place:
-on CUDA the Triton kernel (``pat_kernels/paged_decode_attention.py``), on the CPU the C++ kernel
+A backend writes the step's new K/V and runs decode (one query per row) and prefill (packed new
+tokens) attention; ``attention_backend`` is the one place one is chosen. ``TorchAttention``, the
+only one today: decode reads the pool in place with a kernel where one serves, on CUDA the Triton
+kernel (``pat_kernels/paged_decode_attention.py``), on the CPU the C++ kernel
 (``pat_kernels/cpu/paged_decode_attention.cpp``, float32/float64/bfloat16, built on first use and
 cached; ``PAT_CPU_ATTENTION=torch`` turns it off). Otherwise, and for prefill, the torch path
 gathers whole context blocks and runs ``scaled_dot_product_attention`` with the step's mask.
@@ -14,7 +16,9 @@ gathers whole context blocks and runs ``scaled_dot_product_attention`` with the 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -33,19 +37,6 @@ else:
     _KERNELS_MISSING = None
 
 log = logging.getLogger(__name__)
-
-
-def load_decode_kernel(device: torch.device, dtype: torch.dtype) -> bool:
-    """Build or load the CPU kernels now (worker start-up) rather than in the first decode step,
-    which would stall that DP group mid-batch (about 15 s on a cold cache, 0.2-1 s warm).
-    Returns whether the decode kernel serves this device and dtype."""
-    if device.type != "cpu":
-        return False
-    if _KERNELS_MISSING is not None:  # said once per worker: every CPU kernel is off, silently slower otherwise
-        log.warning("pat_kernels cannot be imported (%s): the CPU kernels are off and the torch paths run; "
-                    "install pat-engine (pip install -e .) or put csrc/ on PYTHONPATH", _KERNELS_MISSING)
-        return False
-    return cpu_decode_kernel(dtype) is not None
 
 
 @dataclass
@@ -70,6 +61,50 @@ class AttentionMetadata:
     context_lens: torch.Tensor | None = None  # (B,) decode: for the paged decode kernels
 
 
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """What the attention layer calls; q: (T, h, hd), k, v: (T, kvh, hd), one layer's pool as above."""
+
+    name: str
+
+    def load(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Build or load kernels now (worker start-up) rather than in the first step, which would
+        stall that DP group mid-batch.
+
+        Returns:
+            Whether a decode kernel serves this device and dtype (False: a fallback path runs).
+        """
+        ...
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store the new tokens' K/V at ``slots`` (N,); the first N of the T rows of k, v are real."""
+        ...
+
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """One query per row (``meta.is_prefill`` False), over K/V already written.
+
+        Args:
+            q: (B, h, hd), row i the newest token of sequence i (padding rows allowed).
+            kv_cache: the layer's pool.
+            meta: the step's geometry (``block_tables``, ``context_lens``, ``mask``).
+            scale: the softmax scale.
+        Returns:
+            (B, h, hd).
+        """
+        ...
+
+    def prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """The step's new tokens, packed (``meta.pad_index`` places them), over K/V already written.
+
+        Args:
+            q: (T, h, hd).
+            kv_cache, meta, scale: as for ``decode``.
+        Returns:
+            (T, h, hd).
+        """
+        ...
+
+
 _TRITON_DECODE: object = None  # the Triton kernel, False when unavailable, None before the first look
 
 
@@ -86,34 +121,49 @@ def _triton_decode():
     return _TRITON_DECODE or None
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store the new tokens' K/V; k, v: (T, kvh, hd), of which the first ``len(slots)`` are real."""
-    if kv_cache.device.type == "cpu" and cpu_write_kv is not None and cpu_write_kv(kv_cache, k, v, slots):
-        return
+class TorchAttention(AttentionBackend):
+    """Decode through a paged kernel where one serves (Triton on CUDA, C++ on the CPU), else, and for
+    prefill, gather whole context blocks and run torch's ``scaled_dot_product_attention``."""
+
+    name = "torch"
+
+    def load(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """The CPU kernels build in about 15 s on a cold cache, 0.2-1 s warm."""
+        if device.type != "cpu":
+            return False
+        if _KERNELS_MISSING is not None:  # said once per worker: every CPU kernel is off, silently slower otherwise
+            log.warning("pat_kernels cannot be imported (%s): the CPU kernels are off and the torch paths run; "
+                        "install pat-engine (pip install -e .) or put csrc/ on PYTHONPATH", _KERNELS_MISSING)
+            return False
+        return cpu_decode_kernel(dtype) is not None
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        if kv_cache.device.type == "cpu" and cpu_write_kv is not None and cpu_write_kv(kv_cache, k, v, slots):
+            return
+        kvh, hd = kv_cache.shape[-2:]
+        n = slots.shape[0]
+        kv_cache[0].view(-1, kvh, hd).index_copy_(0, slots, k[:n])
+        kv_cache[1].view(-1, kvh, hd).index_copy_(0, slots, v[:n])
+
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.context_lens is not None:
+            if q.is_cuda:
+                kernel = _triton_decode() if q.dtype != torch.float64 else None
+                if kernel is not None:
+                    return kernel(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, scale)
+            elif q.device.type == "cpu":
+                kernel = cpu_decode_kernel(q.dtype)
+                if kernel is not None and kv_cache.is_contiguous():  # it indexes the pool by offsets
+                    return kernel(q, kv_cache, meta.block_tables, meta.context_lens, scale)
+        return gather_attention(q, kv_cache, meta, scale)
+
+    def prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return gather_attention(q, kv_cache, meta, scale)
+
+
+def gather_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The torch path, prefill and decode alike: gather each row's context blocks, then SDPA with the mask."""
     kvh, hd = kv_cache.shape[-2:]
-    n = slots.shape[0]
-    kv_cache[0].view(-1, kvh, hd).index_copy_(0, slots, k[:n])
-    kv_cache[1].view(-1, kvh, hd).index_copy_(0, slots, v[:n])
-
-
-def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-) -> torch.Tensor:
-    """q: (T, h, hd); k, v: (T, kvh, hd) for the new tokens. Returns (T, h, hd).
-
-    One attention call for the whole batch, prefill and decode alike (no loop over sequences).
-    """
-    write_kv(kv_cache, k, v, meta.slot_mapping)
-    kvh, hd = kv_cache.shape[-2:]
-    if not meta.is_prefill and meta.context_lens is not None:
-        if q.is_cuda:
-            kernel = _triton_decode() if q.dtype != torch.float64 else None
-            if kernel is not None:
-                return kernel(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, scale)
-        elif q.device.type == "cpu":
-            kernel = cpu_decode_kernel(q.dtype)
-            if kernel is not None and kv_cache.is_contiguous():  # it indexes the pool by offsets
-                return kernel(q, kv_cache, meta.block_tables, meta.context_lens, scale)
     b, nb = meta.block_tables.shape
     # index_select over whole blocks (contiguous rows) is several times faster than advanced indexing
     blocks = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, meta.block_tables.reshape(-1))
@@ -128,3 +178,36 @@ def paged_attention(
     )  # (B, h, n, hd)
     out = out.transpose(1, 2).reshape(b * n, heads, hd)
     return out if meta.pad_index is None else out.index_select(0, meta.pad_index)
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchAttention}
+
+
+def attention_backend(name: str = "torch") -> AttentionBackend:
+    """The one place a backend is chosen by name (a later issue adds Triton and FlashInfer)."""
+    if name not in _BACKENDS:
+        raise ValueError(f"attention backend must be one of {sorted(_BACKENDS)}, got {name!r}")
+    return _BACKENDS[name]()
+
+
+DEFAULT_BACKEND = attention_backend()
+
+
+def load_decode_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    """The default backend's ``load`` (what a worker calls at start-up)."""
+    return DEFAULT_BACKEND.load(device, dtype)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """The default backend's ``write_kv``."""
+    DEFAULT_BACKEND.write_kv(kv_cache, k, v, slots)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, backend: AttentionBackend = DEFAULT_BACKEND) -> torch.Tensor:
+    """q: (T, h, hd); k, v: (T, kvh, hd) for the new tokens. Returns (T, h, hd).
+
+    One attention call for the whole batch, prefill and decode alike (no loop over sequences).
+    """
+    backend.write_kv(kv_cache, k, v, meta.slot_mapping)
+    return backend.prefill(q, kv_cache, meta, scale) if meta.is_prefill else backend.decode(q, kv_cache, meta, scale)

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
 
-if TYPE_CHECKING:
-    from pat_engine.serve.server import PatServer
+from pat_engine.serve.state import PatServer
 
 M = TypeVar("M", bound=BaseModel)
 
 
-async def parse_optional(pat: "PatServer", request: Request, model: type[M]) -> M:
+async def parse_optional(pat: PatServer, request: Request, model: type[M]) -> M:
     """The model's defaults for a GET or an empty body, else the parsed body (400 naming a bad field)."""
     if request.method == "GET" or not await request.body():
         return model()

@@ -1,9 +1,10 @@
 """SGLang's native server API on pat-serve's app: ``/generate``, aborts, pause modes, info and load.
 
 ``register_sglang_routes(app, pat)`` adds the routes to the app ``build_app``
-made (weights and memory routes live in ``weight_routes.py``). Bodies are
-parsed by ``PatServer.parse`` (415 for a wrong content type, 400 naming a
-bad or unknown field); engine calls that block run in a worker thread.
+made (weights and memory routes live in ``weight_routes.py``), sharing its
+``PatServer`` (``serve/state.py``). Bodies are parsed by ``PatServer.parse``
+(415 for a wrong content type, 400 naming a bad or unknown field); engine
+calls that block run in a worker thread.
 """
 
 from __future__ import annotations
@@ -11,12 +12,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-import pat_engine
 from pat_engine.errors import EngineClosedError, InvalidRequestError, LayoutError
 from pat_engine.sampling_params import SamplingParams
 from pat_engine.serve.async_engine import ClientDisconnected, RequestGroup
@@ -31,14 +31,13 @@ from pat_engine.serve.sglang.protocol import (
 )
 from pat_engine.serve.sglang.translate import GenerateItem, generate_items, response_object
 from pat_engine.serve.sglang.weight_routes import register_weight_routes
-
-if TYPE_CHECKING:
-    from pat_engine.serve.server import PatServer
+from pat_engine.serve.state import PatServer
+from pat_engine.version import __version__
 
 HEALTH_TIMEOUT_S = 20.0
 
 
-def register_sglang_routes(app: FastAPI, pat: "PatServer") -> None:
+def register_sglang_routes(app: FastAPI, pat: PatServer) -> None:
     engine = pat.engine
     started = time.time()
 
@@ -118,7 +117,7 @@ def register_sglang_routes(app: FastAPI, pat: "PatServer") -> None:
         cfg, layout = engine.config, engine.layout
         status = await asyncio.to_thread(engine.cluster_status)
         return {"model_path": cfg.model, "tokenizer_path": cfg.tokenizer or cfg.model, "served_model_name": pat.model,
-                "engine": "pat-engine", "version": pat_engine.__version__, "tp_size": layout.tp,
+                "engine": "pat-engine", "version": __version__, "tp_size": layout.tp,
                 "dp_size": layout.dp, "world": cfg.world, "base_tp": engine.base_layout.tp, "dtype": cfg.dtype,
                 "device": cfg.device, "context_length": engine.max_model_len, "max_running_requests": cfg.max_num_seqs,
                 "max_total_num_tokens": sum(g.num_blocks for g in status.groups) * status.block_size,

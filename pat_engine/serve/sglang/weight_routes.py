@@ -13,7 +13,7 @@ import asyncio
 import base64
 import binascii
 import io
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from fastapi import FastAPI, Request
@@ -30,9 +30,7 @@ from pat_engine.serve.sglang.protocol import (
     UpdateFromDistributedRequest,
     UpdateFromTensorRequest,
 )
-
-if TYPE_CHECKING:
-    from pat_engine.serve.server import PatServer
+from pat_engine.serve.state import PatServer
 
 REFUSED = (InvalidRequestError, ModelLoadError, ValueError)
 
@@ -73,7 +71,7 @@ def decode_named_tensors(serialized: list[str]) -> list[tuple[str, torch.Tensor]
     return out
 
 
-def register_weight_routes(app: FastAPI, pat: "PatServer") -> None:
+def register_weight_routes(app: FastAPI, pat: PatServer) -> None:
     engine = pat.engine
 
     async def abort_first(requested: bool) -> None:

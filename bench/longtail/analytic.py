@@ -1,8 +1,9 @@
 """Build a profile table from a latency *model* instead of measurements.
 
 Used for deployments we cannot measure here (a paper-calibrated 8xA40 table,
-an analytic 8xH100 model) and for tests with known answers. Such tables say
-so in ``meta["source"]``; nothing in them is a measurement.
+an analytic 8xH100 model: ``tables.py``) and by tests with known answers (pytest
+puts ``bench/`` on the path). Such tables say so in ``meta["source"]``; nothing
+in them is a measurement.
 """
 
 from __future__ import annotations

@@ -9,8 +9,10 @@ degree, scaled by the TP ratio.
 
 from __future__ import annotations
 
+from pat_engine.predictor.cost_source import CostSource
 
-class MeasuredRates:
+
+class MeasuredRates(CostSource):
     DEFAULT_BANDWIDTH = 1e9
 
     def __init__(self, alpha: float = 0.3):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pat_engine.parallel.dp_placement import PlacementRule
 from pat_engine.parallel.layout import Layout
 
 
@@ -52,7 +53,7 @@ class ClusterStatus:
     block_size: int
     # the coordinator's admission placement: a switch re-places requests with its ``rebalance`` when it
     # has one, so a policy pricing a switch must place with it too (``parallel.dp_placement.switch_placement``)
-    placement: object | None = None
+    placement: PlacementRule | None = None
 
     @property
     def requests(self) -> list[RequestSnapshot]:

@@ -1,6 +1,7 @@
 """pat-serve instances behind an sglang-router, all on loopback with ports the OS picks.
 
-Used by the router test and the router benchmark, and a runnable picture of
+Used by the router test and the router benchmark (pytest puts ``bench/`` on the path; ``free_port``
+also serves the collectives test and benchmark), and a runnable picture of
 the multi-node recipe (docs/integrations.md) on one machine::
 
     with PatServeProcess(model, world=1) as a, PatServeProcess(model, world=1) as b, \\
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = "127.0.0.1"
 
 

@@ -1,0 +1,66 @@
+"""The ``PAT_*`` environment switches pat_engine reads: each one's name, default and effect, in one place.
+
+Every reader goes through the typed accessors below. They read the environment on every call,
+never caching: benchmarks flip a switch between A/B runs in one process, tests monkeypatch it,
+and worker processes inherit the driver's environment. A leaf module (it imports nothing of
+pat_engine), so any layer may read it.
+
+The CPU kernel switches ``PAT_CPU_ATTENTION``, ``PAT_CPU_NORM`` and ``PAT_CPU_ROTARY`` (``torch``
+turns a kernel family off) belong to ``pat_kernels`` (``csrc/pat_kernels/cpu_extension.py``),
+which pat_engine imports and which imports nothing of pat_engine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EnvSwitch:
+    name: str
+    default: str
+    effect: str
+
+    def value(self) -> str:
+        """The current value, the default when unset."""
+        return os.environ.get(self.name, self.default)
+
+    def says(self, word: str) -> bool:
+        """Whether the value says ``word`` (case and surrounding spaces ignored)."""
+        return self.value().strip().lower() == word
+
+
+CPU_GEMM = EnvSwitch("PAT_CPU_GEMM", "onednn",
+                     "torch: float32 CPU linear layers multiply the plain weights (F.linear) instead of "
+                     "oneDNN-packed copies; saves the packed copy's memory (model/cpu_gemm.py)")
+CPU_COLLECTIVES = EnvSwitch("PAT_CPU_COLLECTIVES", "shm",
+                            "gloo: CPU TP collectives between ranks on one host go through gloo instead of "
+                            "shared memory (parallel/shm_collectives.py)")
+API_KEY = EnvSwitch("PAT_API_KEY", "",
+                    "pat-serve's API key when --api-key is not given; empty: no key asked (serve/cli.py)")
+ENGINE_CACHE = EnvSwitch("PAT_ENGINE_CACHE", "~/.cache/pat-engine",
+                         "where `pat-serve demo` writes its tiny model (serve/demo.py)")
+
+SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, API_KEY, ENGINE_CACHE)
+
+
+def cpu_gemm_packing() -> bool:
+    """False when ``PAT_CPU_GEMM=torch``."""
+    return not CPU_GEMM.says("torch")
+
+
+def shm_collectives() -> bool:
+    """False when ``PAT_CPU_COLLECTIVES=gloo``."""
+    return not CPU_COLLECTIVES.says("gloo")
+
+
+def api_key() -> str | None:
+    """``PAT_API_KEY`` as given (no key: None)."""
+    return API_KEY.value() or None
+
+
+def engine_cache() -> Path:
+    """``PAT_ENGINE_CACHE``, ``~`` expanded."""
+    return Path(ENGINE_CACHE.value()).expanduser()

@@ -1,0 +1,42 @@
+"""``CostSource``: what a layout switch asks for its KV path estimate, and tells after it ran.
+
+The coordinator holds one (``coordinator.cost_source``): ``MeasuredRates`` by default, the
+``LatencyPredictor`` once a profile table is loaded (``Engine.set_policy(..., cost_source=...)``).
+The switch prices migrate against recompute with it (``kv_path_cost.estimate_kv_paths``) and
+reports what each switch and prefill measured, so the next estimate is better.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class CostSource(Protocol):
+    def bandwidth(self) -> float:
+        """Returns: the one-way per-rank KV migration bandwidth, bytes per second."""
+        ...
+
+    def prefill_seconds(self, tp: int, batch: int, l_rms: float) -> float:
+        """Time of one DP group's prefill (what recomputing migrated requests costs).
+
+        Args:
+            tp: the target layout's TP degree.
+            batch: requests prefilled together.
+            l_rms: their root-mean-square context length (``kv_path_cost.rms_context``).
+        Returns:
+            Seconds; ``inf`` when nothing is known yet (recompute is then never preferred blindly).
+        """
+        ...
+
+    def record_prefill(self, tp: int, tokens: int, seconds: float) -> None:
+        """A prefill step ran: ``tokens`` new tokens under TP ``tp`` took ``seconds``."""
+        ...
+
+    def record_kv_transfer(self, bytes_sent: int, seconds: float) -> None:
+        """A switch migrated KV: the busiest sender sent ``bytes_sent`` in ``seconds``."""
+        ...
+
+    def record_weight_reshard(self, from_tp: int, to_tp: int, seconds: float) -> None:
+        """A switch's weight phase (allocate and move the new shards) from_tp -> to_tp took ``seconds``."""
+        ...
