@@ -10,9 +10,10 @@ EOS ignored, so both engines do the same work):
 - ``grpo n=8``: 12 prompts x 8 samples at temperature 1 (top_p 1.0, then 0.95), the same length mix
   per prompt, every token's log-prob returned (what a GRPO trainer reads).
 
-Engines alternate per round (pat, vLLM, pat, vLLM, ...), each started, warmed up on a small batch,
-run through every workload, and stopped, so only one holds the cores at a time. Greedy tokens are
-compared with vLLM's (random float32 models: a near-tie may flip a late token).
+Both engines are started once per model (vLLM's start takes minutes here) and warmed up; then
+every workload runs on one and then the other, round after round (pat, vLLM, pat, vLLM, ...), so
+only one computes at a time while the other idles. Greedy tokens are compared with vLLM's (random
+float32 models: a near-tie may flip a late token).
 
     python bench/peer_rollout.py            # writes bench/results/peer_rollout.md
 """
@@ -140,24 +141,31 @@ def main() -> None:
     for shape in args.shapes:
         path = model_path(shape)
         loads = workloads(SHAPES[shape].vocab_size, seed=7)
-        for rnd in range(args.rounds):
-            tokens: dict[tuple[str, str], list[list[int]]] = {}
-            for eng in (PatRollout(path), VllmRollout(path, 1, python, 600, MAX_LEN)):
-                eng.start()
-                try:
-                    warm = Workload("warm-up", loads[0].prompts[:4], [8] * 4)
-                    (eng.run if isinstance(eng, PatRollout) else eng.run_workload)(warm)
+        pat, vllm = PatRollout(path), VllmRollout(path, 1, python, 900, MAX_LEN)
+        runs = {pat.name: pat.run, vllm.name: vllm.run_workload}
+        # both started once (vLLM takes minutes to start here); they idle while the other runs
+        pat.start()
+        try:
+            vllm.start()
+            try:
+                warm = Workload("warm-up", loads[0].prompts[:4], [8] * 4)
+                for run in runs.values():
+                    run(warm)
+                tokens: dict[tuple[str, str], list[list[int]]] = {}
+                for rnd in range(args.rounds):
                     for w in loads:
-                        run = eng.run if isinstance(eng, PatRollout) else eng.run_workload
-                        s, toks = run(w)
-                        seconds.setdefault((shape, w.name, eng.name), []).append(s)
-                        tokens[(w.name, eng.name)] = toks
-                        print(f"{shape} round {rnd} {eng.name:22s} {w.name:28s} {s:7.2f} s", flush=True)
-                finally:
-                    eng.close()
-            greedy = loads[0].name
-            same = sum(a == b for a, b in zip(tokens[(greedy, "pat-engine TP1")], tokens[(greedy, "vLLM CPU 0.32, TP1")]))
-            agree[(shape, greedy)] = f"{same}/{len(loads[0].prompts)}"
+                        for name, run in runs.items():  # alternating: pat, vLLM, pat, vLLM, ...
+                            s, toks = run(w)
+                            seconds.setdefault((shape, w.name, name), []).append(s)
+                            tokens[(w.name, name)] = toks
+                            print(f"{shape} round {rnd} {name:22s} {w.name:28s} {s:7.2f} s", flush=True)
+            finally:
+                vllm.close()
+        finally:
+            pat.close()
+        greedy = loads[0].name
+        same = sum(a == b for a, b in zip(tokens[(greedy, pat.name)], tokens[(greedy, vllm.name)]))
+        agree[(shape, greedy)] = f"{same}/{len(loads[0].prompts)}"
     rows = []
     for shape in args.shapes:
         for w in workloads(SHAPES[shape].vocab_size, seed=7):
@@ -165,7 +173,7 @@ def main() -> None:
             vllm = statistics.median(seconds[(shape, w.name, "vLLM CPU 0.32, TP1")])
             rows.append([shape, w.name, w.tokens, f"{pat:.2f}", f"{vllm:.2f}", f"{vllm / pat:.2f}x",
                          agree.get((shape, w.name), "")])
-    body = (f"Median of {args.rounds} rounds, engines alternating; seconds from submitting the whole rollout to "
+    body = (f"Median of {args.rounds} rounds, engines alternating run by run; seconds from submitting the whole rollout to "
             f"its last token. pat-engine TP1 and vLLM CPU 0.32 TP1 (`VLLM_CPU_OMP_THREADS_BIND` = all cores), "
             f"float32, max model length {MAX_LEN}. vLLM: {info}. 1-minute load at the start {load:.2f} (waited "
             f"{waited:.0f} s for < {args.max_load}).\n\n"
