@@ -148,3 +148,27 @@ def test_adapter_frontend_learned_placement_is_token_exact(engine):
         assert learned.history.predict(prompt_key(PROMPTS[2])) == 16  # learned: 4 + 6 * 2
     finally:
         engine.set_placement(None)
+
+
+def test_rewards_stream_during_the_round_and_score_resumed_responses_whole(engine):
+    from pat_engine.rollout.rewards import RewardConfig, RewardStage
+
+    def score(out) -> float:  # a function of the whole response; prompt 4's verifier crashes
+        if out.prompt_token_ids == PROMPTS[4]:
+            raise RuntimeError("sandbox error")
+        return float(len(out.token_ids) + sum(out.token_ids) % 7)
+
+    with RewardStage(score, RewardConfig(max_workers=2, timeout_s=30)) as stage:
+        runner, _ = make_runner(engine)
+        runner.rewards = stage
+        steps = [runner.step() for _ in range(3)]  # short, short, long (resumes the deferred partials)
+    assert steps[2].summary.kind == "long" and steps[2].resumed >= 1
+    for s in steps:
+        returned = [o for _, outs in s.groups for o in outs]
+        results = list(s.rewards.values())
+        assert len(results) == len(returned)  # every returned response has its result, none lost
+        assert all(r.error == "crashed: RuntimeError: sandbox error" for r in results if not r.ok)
+        assert sum(not r.ok for r in results) == sum(o.prompt_token_ids == PROMPTS[4] for o in returned)
+        # resumed responses are scored whole: their score counts the partial's tokens too
+        assert sorted(r.reward for r in results if r.ok) == sorted(
+            float(len(o.token_ids) + sum(o.token_ids) % 7) for o in returned if o.prompt_token_ids != PROMPTS[4])

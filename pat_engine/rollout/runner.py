@@ -10,6 +10,10 @@ Partial outputs of deferred prompts are kept with the weights version they were
 generated under: resumed exactly if the weights are unchanged when their long round
 comes (and the request can be resumed exactly, ``resume.exactly_resumable``),
 regenerated from the prompt otherwise.
+
+With a ``RewardStage`` each response is scored as soon as it finishes (resumed ones once joined),
+while the round still generates; the step waits only for the rewards still running when
+generation ends, so it costs max(generation, last reward) rather than their sum.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import contextlib
 import hashlib
 import queue
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from pat_engine.errors import PatEngineError, WorkerFailure
@@ -27,6 +31,7 @@ from pat_engine.rollout.config import PlacementConfig
 from pat_engine.rollout.placement import AdmissionPlacement, PredictorCost, default_token_cap, token_cost
 from pat_engine.rollout.placement import PlacementItem
 from pat_engine.rollout.resume import exactly_resumable, join_outputs, resume_request
+from pat_engine.rollout.rewards import RewardResult, RewardStage
 from pat_engine.rollout.round_layout import best_round_tp
 from pat_engine.rollout.scheduler import RolloutScheduler, RoundSummary
 from pat_engine.rollout.tail_batching import Partial, PromptEntry, RoundPlan, RoundTracker
@@ -42,6 +47,8 @@ class RolloutStep:
     resumed: int  # responses continued from a partial generated under the same weights
     stale_regenerated: int  # deferred responses whose partials were from older weights: run again from the prompt
     weights_version: int
+    rewards: dict[tuple[int, int], RewardResult] = field(default_factory=dict)  # (prompt, response) of the groups
+    reward_wait_s: float = 0.0  # waited for rewards after the last token
 
     @property
     def outputs(self) -> list[RequestOutput]:
@@ -67,8 +74,9 @@ class RolloutRunner:
     def __init__(self, engine, scheduler: RolloutScheduler,
                  params_for: Callable[[PromptEntry, int], SamplingParams], predictor=None,
                  placement: PlacementConfig | None = None, seed: int = 0, name: str = "rollout",
-                 stage_options: dict | None = None):
+                 stage_options: dict | None = None, rewards: RewardStage | None = None):
         self.engine = engine
+        self.rewards = rewards  # scores responses while the round generates (None: the caller scores)
         self.stage_options = dict(stage_options or {})  # begin_stage's switch_schedule / policy / kv_transfer
         self.scheduler = scheduler
         self.params_for = params_for
@@ -105,8 +113,10 @@ class RolloutRunner:
             jobs.sort(key=lambda j: -self._cost(j))
             engine.set_placement(self._admission_hook(jobs))
         handles: dict = {}
+        for key, out in instant.items():
+            self._score(plan, step, key, out)
         try:
-            self._follow(tracker, jobs, instant, handles)
+            self._follow(tracker, jobs, instant, handles, plan, step)
         except BaseException:
             with contextlib.suppress(PatEngineError):  # nothing of a failed (or interrupted) round runs on
                 engine.abort([h.request_id for h in handles.values() if not h.done()])
@@ -121,16 +131,21 @@ class RolloutRunner:
             if job.prefix is not None:
                 out = self._joined(job.prefix, out, plan.prompts[job.key[0]])
             outputs[job.key] = replace(out, sample_index=job.key[1])  # the response's index within its prompt
+            if job.prefix is not None and out.finish_reason in ("stop", "length"):
+                self._score(plan, step, job.key, outputs[job.key])  # a resumed response is scored whole
         lengths = {k: len(o.token_ids) for k, o in outputs.items()}
         partials = self._partials(plan, tracker, outputs, {j.key: j.params for j in jobs})
         summary = sched.finish_round(plan, tracker, lengths, partials)
         groups = [(plan.prompts[p], [outputs[(p, r)] for r in rs]) for p, rs in tracker.accepted()]
-        return RolloutStep(summary, groups, seconds, start_tp, resumed, stale, self.weights_version)
+        rewards, waited = self._collect_rewards(step, [(p, r) for p, rs in tracker.accepted() for r in rs])
+        return RolloutStep(summary, groups, seconds, start_tp, resumed, stale, self.weights_version, rewards, waited)
 
-    def _follow(self, tracker: RoundTracker, jobs: list[_Job], instant: dict, handles: dict) -> None:
+    def _follow(self, tracker: RoundTracker, jobs: list[_Job], instant: dict, handles: dict, plan: RoundPlan,
+                step: int) -> None:
         """Submit the round, feed finishes to the tracker until it closes, abort the late requests."""
         engine = self.engine
         events: queue.Queue = queue.Queue()
+        resumed = {j.key for j in jobs if j.prefix is not None}
         for key in instant:  # finished partials under the current weights: done already
             tracker.on_finished(*key)
         for job in jobs:
@@ -156,9 +171,28 @@ class RolloutRunner:
                 raise WorkerFailure(f"request {out.request_id} ended with {out.finish_reason}: {out.error}",
                                     partial_outputs=[h.output() for h in handles.values()])
             tracker.on_finished(*key)
+            if key not in resumed:  # a resumed one is scored once joined to its prefix
+                self._score(plan, step, key, replace(out, sample_index=key[1]))
         engine.abort([handles[k].request_id for k in tracker.unfinished() if k in handles])
         for h in handles.values():
             h.wait()
+
+    # ---- rewards ----------------------------------------------------------------------------------------
+
+    def _score(self, plan: RoundPlan, step: int, key: tuple[int, int], out: RequestOutput) -> None:
+        """Hand a finished response to the reward stage; its prompt anchors the adaptive timeout."""
+        if self.rewards is not None:
+            self.rewards.submit((step, key), out, task=plan.prompts[key[0]].uid)
+
+    def _collect_rewards(self, step: int, keys: list[tuple[int, int]]) -> tuple[dict, float]:
+        """Wait for what is still being scored; the results of the returned groups' responses.
+        Rewards of deferred prompts' responses are dropped (those responses come back later)."""
+        if self.rewards is None:
+            return {}, 0.0
+        t = time.perf_counter()
+        wanted = set(keys)
+        got = {r.key[1]: r for r in self.rewards.drain() if r.key[0] == step and r.key[1] in wanted}
+        return got, time.perf_counter() - t
 
     # ---- helpers ----------------------------------------------------------------------------------------
 

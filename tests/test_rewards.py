@@ -1,0 +1,153 @@
+"""The reward stage: streamed, bounded, and a timeout or a crash is that response's recorded failure."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+
+import pytest
+
+from pat_engine.outputs import RequestOutput
+from pat_engine.rollout.rewards import AdaptiveTimeout, RewardConfig, RewardStage, SubprocessReward
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a killed orphan waits for a reaper that a container may lack)."""
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def response(text: str, prompt: tuple[int, ...] = (1, 2)) -> RequestOutput:
+    return RequestOutput("r", list(prompt), [5, 6], text, "stop")
+
+
+def test_results_stream_as_they_finish_and_a_slow_one_does_not_hold_the_rest():
+    def score(out: RequestOutput) -> float:
+        time.sleep(float(out.text))
+        return float(out.text)
+
+    with RewardStage(score, RewardConfig(max_workers=3, timeout_s=10)) as stage:
+        for key, delay in enumerate(["0.6", "0.0", "0.05"]):
+            stage.submit(key, response(delay))
+        order = [r.key for r in stage.results()]
+    assert order[-1] == 0 and sorted(order) == [0, 1, 2]
+
+
+def test_a_crash_and_a_hang_are_recorded_failures_and_the_stage_goes_on():
+    def score(out: RequestOutput) -> float:
+        if out.text == "crash":
+            raise ValueError("bad answer format")
+        if out.text == "hang":
+            threading.Event().wait()  # never returns
+        return 1.0
+
+    with RewardStage(score, RewardConfig(max_workers=2, timeout_s=0.3)) as stage:
+        for key, text in enumerate(["crash", "hang", "ok", "ok"]):
+            stage.submit(key, response(text))
+        got = {r.key: r for r in stage.drain()}
+    assert got[0].error == "crashed: ValueError: bad answer format" and got[0].reward is None
+    assert got[1].timed_out and got[1].reward is None
+    assert got[2].reward == got[3].reward == 1.0 and got[2].ok
+
+
+def test_a_subprocess_reward_runs_and_is_killed_with_its_children_at_the_limit(tmp_path):
+    script = tmp_path / "verify.py"
+    script.write_text(
+        "import json, os, subprocess, sys, time\n"
+        "answer = json.load(sys.stdin)['text']\n"
+        "if answer == 'loop':\n"
+        f"    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"    open({str(tmp_path / 'child')!r}, 'w').write(str(child.pid))\n"
+        "    time.sleep(60)\n"
+        "if answer == 'fail':\n"
+        "    sys.exit('wrong format')\n"
+        "print(len(answer))\n")
+    reward = SubprocessReward((sys.executable, str(script)))
+    with RewardStage(reward, RewardConfig(max_workers=3, timeout_s=1.5)) as stage:
+        for key, text in enumerate(["four", "loop", "fail"]):
+            stage.submit(key, response(text))
+        got = {r.key: r for r in stage.drain()}
+    assert got[0].reward == 4.0
+    assert got[1].timed_out and got[1].seconds < 5
+    assert got[2].error.startswith("crashed: RuntimeError: exit code 1") and "wrong format" in got[2].error
+    child = int((tmp_path / "child").read_text())
+    time.sleep(0.2)
+    assert not running(child)  # the sandbox's own child went with it
+
+
+def test_an_async_reward_is_cancelled_at_its_limit():
+    cancelled = threading.Event()
+
+    async def judge(out: RequestOutput) -> float:
+        try:
+            await asyncio.sleep(0.0 if out.text == "fast" else 30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return 0.5
+
+    with RewardStage(judge, RewardConfig(timeout_s=0.3)) as stage:
+        stage.submit("a", response("fast"))
+        stage.submit("b", response("slow"))
+        got = {r.key: r for r in stage.drain()}
+    assert got["a"].reward == 0.5 and got["b"].timed_out and cancelled.is_set()
+
+
+def test_no_more_than_max_workers_run_at_once():
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def score(out: RequestOutput) -> float:
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        return 0.0
+
+    with RewardStage(score, RewardConfig(max_workers=2, timeout_s=5)) as stage:
+        for key in range(8):
+            stage.submit(key, response("x"))
+        assert len(stage.drain()) == 8
+    assert peak[0] == 2
+
+
+def test_the_adaptive_timeout_is_rollpackers_rule_per_task():
+    t = AdaptiveTimeout(RewardConfig(t_min=2.0, t_max=30.0, factor=1.5))
+    assert t.limit("case-1") == 30.0  # nothing succeeded yet
+    t.observe("case-1", 0.4, 0.0)  # a failure does not anchor
+    assert t.limit("case-1") == 30.0
+    t.observe("case-1", 0.4, 1.0)
+    assert t.limit("case-1") == 2.0  # 1.5 * 0.4 is below t_min
+    t.observe("case-1", 8.0, 1.0)
+    assert t.limit("case-1") == 12.0 and t.limit("case-2") == 30.0
+    t.observe("case-1", 40.0, 1.0)
+    assert t.limit("case-1") == 30.0
+    assert AdaptiveTimeout(RewardConfig(timeout_s=3.0)).limit("any") == 3.0
+
+
+def test_a_doomed_response_fails_fast_once_a_correct_one_is_known():
+    def score(out: RequestOutput) -> float:
+        if out.text == "doomed":
+            time.sleep(5)
+        return 1.0
+
+    cfg = RewardConfig(max_workers=1, t_min=0.2, t_max=4.0, factor=1.5)
+    with RewardStage(score, cfg) as stage:
+        stage.submit("good", response("good"))
+        assert [r.reward for r in stage.drain()] == [1.0]
+        stage.submit("doomed", response("doomed"))
+        (result,) = stage.drain()
+    assert result.timed_out and result.seconds < 1.0
+
+
+def test_bad_configurations_are_refused():
+    with pytest.raises(ValueError, match="max_workers"):
+        RewardConfig(max_workers=0)
+    with pytest.raises(ValueError, match="t_min"):
+        RewardConfig(t_min=5, t_max=1)
