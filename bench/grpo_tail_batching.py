@@ -12,6 +12,14 @@ Prompts come from a fixed pool in which each prompt has a persistent length scal
 (long-tail prompts stay long); the response length of a launch is a function of
 (prompt, launch, response), the same in every arm. Reward as in examples/grpo_tiny.py.
 Writes bench/results/grpo_tail_batching.md.
+
+    PYTHONPATH=.:profiler:integrations python bench/grpo_tail_batching.py --rewards [--iterations 8]
+
+compares the reward stage instead: two arms with tail batching + PAT score every response with
+the same verifier program (examples/reward_check.py, a subprocess per response), one streaming
+responses to it as they finish (``RewardStage`` in the runner), one scoring all of them after the
+rollout; step time = rollout + the reward time left after the last token. Writes
+bench/results/grpo_reward_stage.md.
 """
 
 from __future__ import annotations
@@ -29,12 +37,56 @@ from common import markdown_table, write_result  # noqa: E402
 from grpo_tiny import RESPONSES, Arm, PromptPool, rollout_config  # noqa: E402
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model  # noqa: E402
 
+def reward_stage(args) -> None:
+    """Streamed against sequential rewards, the same verifier, arms stepping in turn."""
+    pool = PromptPool(args.seed)
+    cfg = rollout_config(True, False, False, args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_tiny_model(Path(tmp) / "policy", TinyModelSpec(seed=args.seed))
+        arms = [Arm(f"{mode} rewards", cfg, pool, model_dir, args.seed, args.lr, reward_mode=mode,
+                    reward_work=args.reward_work, reward_workers=args.reward_workers)
+                for mode in ("streamed", "sequential")]
+        try:
+            for it in range(args.iterations):
+                for arm in arms:
+                    arm.step(it, 0.2)
+        finally:
+            for arm in arms:
+                arm.close()
+    rows = []
+    base = statistics.fmean(r["rollout_s"] + r["reward_s"] for r in arms[1].rows)
+    for arm in arms:
+        step = [r["rollout_s"] + r["reward_s"] for r in arm.rows]
+        rows.append([arm.label, f"{statistics.fmean(r['rollout_s'] for r in arm.rows):.2f}",
+                     f"{statistics.fmean(r['reward_s'] for r in arm.rows):.2f}", f"{statistics.fmean(step):.2f}",
+                     f"{base / statistics.fmean(step):.2f}x", sum(r["reward_failures"] for r in arm.rows),
+                     f"{arm.rows[0]['reward']:.3f} -> {arm.rows[-1]['reward']:.3f}"])
+    per_iter = markdown_table(["iter"] + [a.label for a in arms],
+                              [[k] + [f"{a.rows[k]['rollout_s']:.2f} + {a.rows[k]['reward_s']:.2f} s "
+                                      f"({a.rows[k]['kind'][0]})" for a in arms] for k in range(args.iterations)])
+    body = ("Measured on this host (2 cores shared by the engine's workers and the verifier processes; noisy). "
+            "Both arms: tail batching + PAT (TP1xDP2, a switch to TP2 at decode step 16), the same prompts and "
+            f"seeds, stepping in turn. Verifier: examples/reward_check.py --work {args.reward_work}, one subprocess "
+            f"per response, {args.reward_workers} at a time, RollPacker's adaptive timeout (t_max 30 s). "
+            "`reward s`: what the step still spent on rewards after its last token.\n\n"
+            + markdown_table(["arm", "rollout s (mean)", "reward s after the rollout (mean)", "step s (mean)",
+                              "speed-up vs sequential", "reward failures", "mean reward first -> last"], rows)
+            + "\n\nPer iteration: rollout + reward seconds (round kind)\n\n" + per_iter)
+    write_result("grpo_reward_stage", "GRPO (tiny, CPU): rewards streamed during the rollout vs after it", body)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iterations", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--rewards", action="store_true", help="compare streamed and sequential rewards instead")
+    ap.add_argument("--reward-work", type=int, default=2000, help="verifier work per response token")
+    ap.add_argument("--reward-workers", type=int, default=2)
     args = ap.parse_args()
+    if args.rewards:
+        reward_stage(args)
+        return
     pool = PromptPool(args.seed)
     arms_cfg = [
         ("A: PAT alone (plain rounds, 8 x 4)", rollout_config(False, False, False, args.seed)),

@@ -42,6 +42,7 @@ from pat_engine.platform_info import machine_summary  # noqa: E402
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model  # noqa: E402
 from pat_engine.rollout import GroupSizingConfig, PlacementConfig, PromptEntry, RolloutConfig  # noqa: E402
 from pat_engine.rollout import RolloutScheduler, TailBatchingConfig, straggler_ratio  # noqa: E402
+from pat_engine.rollout.rewards import RewardConfig, RewardStage, SubprocessReward  # noqa: E402
 from pat_engine.rollout.runner import RolloutRunner, derived_seed  # noqa: E402
 
 
@@ -212,10 +213,25 @@ class PromptPool:
         return min(MAX_LEN, MIN_LEN + int(3 * self.scale[uid] * e))
 
 
-class Arm:
-    """One GRPO run whose rollouts go through the rollout layer (``pat_engine.rollout``)."""
+REWARD_MODES = ("in-process", "streamed", "sequential")
 
-    def __init__(self, label: str, rollout: RolloutConfig, pool: PromptPool, model_dir: Path, seed: int, lr: float):
+
+def subprocess_reward(work: int) -> SubprocessReward:
+    """examples/reward_check.py run once per response, as a code or math verifier runs."""
+    return SubprocessReward((sys.executable, str(Path(__file__).with_name("reward_check.py")), "--work", str(work)))
+
+
+class Arm:
+    """One GRPO run whose rollouts go through the rollout layer (``pat_engine.rollout``).
+
+    ``reward_mode``: ``in-process`` scores with the target set here; ``streamed`` runs the verifier
+    program on each response as it finishes, while the round still generates (``RewardStage``);
+    ``sequential`` runs the same verifier on every response after the rollout, as a loop without a
+    reward stage does.
+    """
+
+    def __init__(self, label: str, rollout: RolloutConfig, pool: PromptPool, model_dir: Path, seed: int, lr: float,
+                 reward_mode: str = "in-process", reward_work: int = 2000, reward_workers: int = 2):
         from transformers import AutoModelForCausalLM
 
         self.label = label
@@ -228,8 +244,14 @@ class Arm:
         self.launches: dict[int, int] = {}
         self.pool = pool
         sched = RolloutScheduler(rollout, pool.drawer(), default_length=20)
+        if reward_mode not in REWARD_MODES:
+            raise ValueError(f"reward_mode must be one of {REWARD_MODES}, got {reward_mode!r}")
+        self.reward_mode = reward_mode
+        self.rewards = (None if reward_mode == "in-process" else
+                        RewardStage(subprocess_reward(reward_work), RewardConfig(max_workers=reward_workers)))
         self.runner = RolloutRunner(self.engine, sched, self.params_for, seed=seed, name=label[:1],
-                                    stage_options={"switch_schedule": [(16, 2)]})
+                                    stage_options={"switch_schedule": [(16, 2)]},
+                                    rewards=self.rewards if reward_mode == "streamed" else None)
         self.rows: list[dict] = []
 
     def params_for(self, entry: PromptEntry, r: int) -> SamplingParams:
@@ -241,9 +263,10 @@ class Arm:
 
     def step(self, it: int, clip: float) -> None:
         res = self.runner.step()
+        scores, reward_s = self._scores(res)
         outs, advantages, rewards = [], [], []
-        for _, group in res.groups:
-            r = torch.tensor([self.target[torch.tensor(o.token_ids)].float().mean().item() for o in group])
+        for p, (_, group) in enumerate(res.groups):
+            r = torch.tensor(scores[p])
             advantages.append((r - r.mean()) / (r.std() + 1e-6))
             rewards.append(r)
             outs += group
@@ -253,7 +276,8 @@ class Arm:
         self.engine.update_weights((n, p.detach()) for n, p in self.model.named_parameters())
         self.runner.weights_updated()
         s = res.summary
-        self.rows.append({"it": it, "reward": reward.mean().item(), "rollout_s": res.seconds, "kind": s.kind,
+        self.rows.append({"it": it, "reward": reward.mean().item(), "rollout_s": res.seconds, "reward_s": reward_s,
+                          "reward_failures": self._failures, "kind": s.kind,
                           "group": s.group_size, "launched": s.responses_launched, "returned": s.responses_returned,
                           "tokens": sum(len(o.token_ids) for o in outs), "longest": max(len(o.token_ids) for o in outs),
                           "stragglers": sum(straggler_ratio([len(o.token_ids) for o in g]) > 1.25 for _, g in res.groups),
@@ -262,7 +286,28 @@ class Arm:
         print(f"{self.label[:40]:40s} it {it:2d} {s.kind:5s} G{s.group_size} reward {reward.mean():.3f} "
               f"rollout {res.seconds:.2f}s longest {self.rows[-1]['longest']}", flush=True)
 
+    def _scores(self, res) -> tuple[list[list[float]], float]:
+        """Each returned group's rewards, and the seconds the step spent on rewards after its last
+        token (a failed verification scores 0, as a sandbox timeout does)."""
+        self._failures = 0
+        if self.reward_mode == "in-process":
+            return [[self.target[torch.tensor(o.token_ids)].float().mean().item() for o in g] for _, g in res.groups], 0.0
+        if self.reward_mode == "streamed":
+            results, seconds = res.rewards, res.reward_wait_s
+        else:  # every response now, after the rollout
+            t = time.perf_counter()
+            for p, (_, g) in enumerate(res.groups):
+                for r, o in enumerate(g):
+                    self.rewards.submit((p, r), o)
+            done = {r.key: r for r in self.rewards.drain()}
+            results = [[done[(p, r)] for r in range(len(g))] for p, (_, g) in enumerate(res.groups)]
+            seconds = time.perf_counter() - t
+        self._failures = sum(not r.ok for group in results for r in group)
+        return [[r.reward if r.ok else 0.0 for r in group] for group in results], seconds
+
     def close(self) -> None:
+        if self.rewards is not None:
+            self.rewards.close()
         self.engine.shutdown()
 
 

@@ -165,10 +165,11 @@ def test_rewards_stream_during_the_round_and_score_resumed_responses_whole(engin
     assert steps[2].summary.kind == "long" and steps[2].resumed >= 1
     for s in steps:
         returned = [o for _, outs in s.groups for o in outs]
-        results = list(s.rewards.values())
-        assert len(results) == len(returned)  # every returned response has its result, none lost
+        assert [len(r) for r in s.rewards] == [len(outs) for _, outs in s.groups]  # every response has its result
+        results = [r for group in s.rewards for r in group]
         assert all(r.error == "crashed: RuntimeError: sandbox error" for r in results if not r.ok)
         assert sum(not r.ok for r in results) == sum(o.prompt_token_ids == PROMPTS[4] for o in returned)
-        # resumed responses are scored whole: their score counts the partial's tokens too
-        assert sorted(r.reward for r in results if r.ok) == sorted(
-            float(len(o.token_ids) + sum(o.token_ids) % 7) for o in returned if o.prompt_token_ids != PROMPTS[4])
+        # each result is its own response's, and resumed responses are scored whole (the partial's tokens too)
+        for r, o in zip(results, returned):
+            assert r.ok == (o.prompt_token_ids != PROMPTS[4])
+            assert not r.ok or r.reward == float(len(o.token_ids) + sum(o.token_ids) % 7)

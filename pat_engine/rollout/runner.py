@@ -47,7 +47,7 @@ class RolloutStep:
     resumed: int  # responses continued from a partial generated under the same weights
     stale_regenerated: int  # deferred responses whose partials were from older weights: run again from the prompt
     weights_version: int
-    rewards: dict[tuple[int, int], RewardResult] = field(default_factory=dict)  # (prompt, response) of the groups
+    rewards: list[list[RewardResult]] = field(default_factory=list)  # with a reward stage: per group, per response
     reward_wait_s: float = 0.0  # waited for rewards after the last token
 
     @property
@@ -136,8 +136,9 @@ class RolloutRunner:
         lengths = {k: len(o.token_ids) for k, o in outputs.items()}
         partials = self._partials(plan, tracker, outputs, {j.key: j.params for j in jobs})
         summary = sched.finish_round(plan, tracker, lengths, partials)
-        groups = [(plan.prompts[p], [outputs[(p, r)] for r in rs]) for p, rs in tracker.accepted()]
-        rewards, waited = self._collect_rewards(step, [(p, r) for p, rs in tracker.accepted() for r in rs])
+        accepted = tracker.accepted()
+        groups = [(plan.prompts[p], [outputs[(p, r)] for r in rs]) for p, rs in accepted]
+        rewards, waited = self._collect_rewards(step, accepted)
         return RolloutStep(summary, groups, seconds, start_tp, resumed, stale, self.weights_version, rewards, waited)
 
     def _follow(self, tracker: RoundTracker, jobs: list[_Job], instant: dict, handles: dict, plan: RoundPlan,
@@ -184,15 +185,14 @@ class RolloutRunner:
         if self.rewards is not None:
             self.rewards.submit((step, key), out, task=plan.prompts[key[0]].uid)
 
-    def _collect_rewards(self, step: int, keys: list[tuple[int, int]]) -> tuple[dict, float]:
-        """Wait for what is still being scored; the results of the returned groups' responses.
+    def _collect_rewards(self, step: int, accepted) -> tuple[list[list[RewardResult]], float]:
+        """Wait for what is still being scored; the returned groups' results, in the groups' order.
         Rewards of deferred prompts' responses are dropped (those responses come back later)."""
         if self.rewards is None:
-            return {}, 0.0
+            return [], 0.0
         t = time.perf_counter()
-        wanted = set(keys)
-        got = {r.key[1]: r for r in self.rewards.drain() if r.key[0] == step and r.key[1] in wanted}
-        return got, time.perf_counter() - t
+        got = {r.key[1]: r for r in self.rewards.drain() if r.key[0] == step}
+        return [[got[(p, r)] for r in rs] for p, rs in accepted], time.perf_counter() - t
 
     # ---- helpers ----------------------------------------------------------------------------------------
 
