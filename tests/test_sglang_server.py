@@ -249,6 +249,46 @@ def test_slime_oversample_then_abort_all_keeps_partial_output(server, client, en
         assert o["output_ids"] + rest["output_ids"] == full["output_ids"]
 
 
+def test_the_over_provision_abort_resume_recipe_of_slime_and_areal(server, client, engine):
+    """docs/rollout.md's SGLang recipe: a step launches more responses than it needs, keeps the first
+    ones to finish, aborts the stragglers by rid; the next step resumes each straggler from prompt +
+    partial (same sampling_seed, max_new_tokens lowered by what it has) and gets exactly the tokens
+    and log-probs of an uninterrupted run, whatever the layout did in between."""
+    prompts = [[5, 6, 7], [9, 9, 9, 9], [100, 101], [40, 41, 42], [7, 7], [300, 3]]
+    lengths = [6, 8, 7, 400, 420, 440]  # three short, three stragglers
+    want = 3
+
+    def params(i: int, max_new: int) -> dict:
+        return {"max_new_tokens": max_new, "temperature": 1.0, "sampling_seed": 1000 + i, "ignore_eos": True}
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futs = [_post_async(pool, server.url, {"input_ids": p, "sampling_params": params(i, lengths[i]),
+                                               "return_logprob": True, "rid": f"step0-{i}"})
+                for i, p in enumerate(prompts)]
+        kept = [f.result() for f in futs[:want]]  # the first to finish; the stragglers are still generating
+        assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in kept)
+        for i in range(want, len(prompts)):
+            assert client.post("/abort_request", json={"rid": f"step0-{i}"}).status_code == 200
+        partial = {i: futs[i].result() for i in range(want, len(prompts))}
+    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in partial.values())
+    engine.reconfigure(2)  # between steps the layout may change (a switch, a weight sync, ...)
+    try:
+        for i, o in partial.items():  # step 1: the stragglers resume
+            k = len(o["output_ids"])
+            rest = client.post("/generate", json={
+                "input_ids": prompts[i] + o["output_ids"], "sampling_params": params(i, lengths[i] - k),
+                "return_logprob": True, "rid": f"step1-{i}"}).json()
+            tokens = o["output_ids"] + rest["output_ids"]
+            logprobs = o["meta_info"]["output_token_logprobs"] + rest["meta_info"]["output_token_logprobs"]
+            whole = client.post("/generate", json={"input_ids": prompts[i], "sampling_params": params(i, lengths[i]),
+                                                   "return_logprob": True}).json()
+            assert tokens == whole["output_ids"] and len(tokens) == lengths[i]
+            assert [lp for lp, _, _ in logprobs] == pytest.approx(
+                [lp for lp, _, _ in whole["meta_info"]["output_token_logprobs"]], abs=1e-9)
+    finally:
+        engine.reconfigure(1)
+
+
 def test_abort_by_rid_and_unknown_rid(server, client, engine):
     assert client.post("/abort_request", json={"rid": "no-such-request"}).status_code == 200
     with ThreadPoolExecutor(1) as pool:
