@@ -31,6 +31,18 @@ class TPGroup:
             dist.all_reduce(x, group=self.device_group)
         return x
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` stacked in TP-rank order: ``(size, *x.shape)``, the same on every rank.
+        Moves bits only (no sum), so a caller can add the parts in an order of its own."""
+        if self.size == 1:
+            return x.unsqueeze(0)
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_gather(x)
+        x = x.contiguous()
+        out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=self.device_group)  # gloo and NCCL alike
+        return out
+
     def gather_to_leader(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """TP rank 0 gets every rank's ``x`` concatenated along ``dim``; others get None."""
         if self.size == 1:

@@ -5,6 +5,9 @@ each rank runs its shard, TP rank 0 gathers the logits and samples. The
 executor keeps each sequence's block table and sampling spec, so decode
 messages stay small. Only the executor writes its own state: a layout switch
 hands it the new group, pool and tables through ``install``.
+
+``numerics="invariant"`` (docs/numerics.md) builds the model with the world size as the
+row-parallel chunk count: a fixed reduction tree for every layout of this world.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Iterator
 import torch
 from torch.profiler import record_function
 
-from pat_engine.model import cpu_gemm
+from pat_engine.model import chunk_weights, cpu_gemm
 from pat_engine.model.arch import ModelArch
 from pat_engine.model.layers.attention import load_decode_kernel
 from pat_engine.model.llama import CausalLM, ForwardContext
@@ -33,12 +36,13 @@ from pat_engine.worker.step_inputs import SeqState, StepInputBuilder
 
 class InferExecutor:
     def __init__(self, arch: ModelArch, layout: Layout, tp: TPGroup, dtype: torch.dtype, device: torch.device,
-                 block_size: int, num_blocks: int, lazy_kv: bool = False):
+                 block_size: int, num_blocks: int, lazy_kv: bool = False, numerics: str = "fast"):
         self.arch, self.layout, self.tp = arch, layout, tp
         self.lazy_kv = lazy_kv  # KV memory committed as it fills (the default-sized CPU pool; worker/kv_pool.zeroed)
         self.dtype, self.device = dtype, device
         self.block_size = block_size
-        self.model = CausalLM(arch, layout.tp, dtype, device)
+        self.numerics = numerics
+        self.model = CausalLM(arch, layout.tp, dtype, device, row_chunks=layout.world if numerics == "invariant" else None)
         self.kv = self.new_pool(layout, num_blocks)
         self.inputs = StepInputBuilder(block_size, device, arch.vocab_size)  # also keeps each sequence's table
         load_decode_kernel(device, dtype)
@@ -49,9 +53,11 @@ class InferExecutor:
     @contextlib.contextmanager
     def writing_weights(self) -> Iterator[None]:
         """Every write to the weights happens inside this block: the CPU GEMM packs derived from
-        them (model/cpu_gemm.py) are dropped on entry and rebuilt when the outermost block ends."""
+        them (model/cpu_gemm.py) are dropped on entry and rebuilt when the outermost block ends; the
+        invariant mode's chunk pieces (model/chunk_weights.py) are dropped too and rebuilt on first use."""
         if self._writers == 0:
             cpu_gemm.drop(self.model)
+            chunk_weights.drop(self.model)
         self._writers += 1
         try:
             yield
