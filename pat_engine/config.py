@@ -18,6 +18,7 @@ from pat_engine.errors import InvalidRequestError
 
 KV_PATHS = ("migrate", "recompute")  # how a switch carries unfinished requests' KV
 NUMERICS = ("invariant", "fast")  # docs/numerics.md
+DEFAULT_NUMERICS = "invariant"  # its cost is measured in bench/results/invariance.md
 
 
 def check_kv_transfer(value: str | None, *, allow_auto: bool) -> None:
@@ -66,7 +67,7 @@ class EngineConfig:
     # numerics (docs/numerics.md): "invariant" gives the same bits at every layout and across live switches
     # (row-parallel products summed over world-size fixed chunks by one tree, prefill attention through the
     # decode kernel); "fast" lets the layout decide the rounding (one GEMM + all-reduce, SDPA prefill)
-    numerics: str = "invariant"
+    numerics: str = DEFAULT_NUMERICS
 
     # processes and failures
     threads_per_worker: int | None = None  # default: cores // world (at least 1)
