@@ -7,7 +7,8 @@ messages stay small. Only the executor writes its own state: a layout switch
 hands it the new group, pool and tables through ``install``.
 
 ``numerics="invariant"`` (docs/numerics.md) builds the model with the world size as the
-row-parallel chunk count: a fixed reduction tree for every layout of this world.
+row-parallel chunk count (a fixed reduction tree for every layout of this world) and runs
+prefill attention through the decode kernel (prefilled KV = decoded KV, bit for bit).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class InferExecutor:
         self.numerics = numerics
         self.model = CausalLM(arch, layout.tp, dtype, device, row_chunks=layout.world if numerics == "invariant" else None)
         self.kv = self.new_pool(layout, num_blocks)
-        self.inputs = StepInputBuilder(block_size, device, arch.vocab_size)  # also keeps each sequence's table
+        # also keeps each sequence's table; invariant: prefill attention through the decode kernel (bit-equal KV)
+        self.inputs = StepInputBuilder(block_size, device, arch.vocab_size, prefill_as_decode=numerics == "invariant")
         load_decode_kernel(device, dtype)
         self._residency = "resident"  # where this rank's weight bytes are: "resident", "offloaded" or "discarded"
         self.kv_released = False  # the KV pool was given back (sleep); no step may run until it is restored
