@@ -16,6 +16,10 @@ import torch.distributed as dist
 from pat_engine.parallel.shm_collectives import ShmChannel
 
 
+# torch 2.13 renamed all_gather_into_tensor (now deprecated); a CUDA build of an older torch has only that
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 @dataclass
 class TPGroup:
     rank: int  # rank inside the group (= shard index)
@@ -38,10 +42,10 @@ class TPGroup:
             return x.unsqueeze(0)
         if self.shm is not None and self.shm.fits(x):
             return self.shm.all_gather(x)
-        x = x.contiguous()
-        out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x, group=self.device_group)  # gloo and NCCL alike
-        return out
+        flat = x.contiguous().view(-1)  # gloo wants the output as the inputs concatenated on dim 0
+        out = torch.empty(self.size * flat.numel(), dtype=x.dtype, device=x.device)
+        _all_gather_single(out, flat, group=self.device_group)  # gloo and NCCL alike, no host copy
+        return out.view(self.size, *x.shape)
 
     def gather_to_leader(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """TP rank 0 gets every rank's ``x`` concatenated along ``dim``; others get None."""
