@@ -66,10 +66,10 @@ class ReductionTree:
         mid = (lo + hi) // 2
         return self.sum(known, lo, mid) + self.sum(known, mid, hi)
 
-    def reduce(self, partials: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-        """``partials``: (chunks / tp.size, ...) this rank's chunk partials, in chunk order.
+    def reduce(self, partials: list[torch.Tensor], tp: TPGroup) -> torch.Tensor:
+        """``partials``: this rank's ``chunks / tp.size`` chunk partials, in chunk order.
         Returns the tree's root (the full sum), the same bits on every rank and at every TP."""
-        n = partials.shape[0]
+        n = len(partials)
         first = tp.rank * n
         leaves = {(first + i, first + i + 1): partials[i] for i in range(n)}
         if tp.size == 1:
@@ -78,5 +78,5 @@ class ReductionTree:
             mine = self.sum(leaves, first, first + n)
             gathered = tp.all_gather(mine)  # (size, ...) in rank order
             return self.sum({(r * n, (r + 1) * n): gathered[r] for r in range(tp.size)})
-        gathered = tp.all_gather(partials)  # (size, n, ...)
+        gathered = tp.all_gather(torch.stack(partials))  # (size, n, ...)
         return self.sum({(c, c + 1): gathered[c // n, c % n] for c in range(self.chunks)})

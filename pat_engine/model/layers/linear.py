@@ -86,5 +86,5 @@ class RowParallelLinear(nn.Module):
         pieces = chunk_weights.pieces(self.weight, w)
         acc = chunk_weights.accumulate_dtype(x.dtype)
         chunks = x.reshape(x.shape[0], len(pieces), w).transpose(0, 1).to(acc).contiguous()  # (n, M, w)
-        partials = torch.stack([linear(chunk, piece) for chunk, piece in zip(chunks, pieces)])  # (n, M, out)
+        partials = [linear(chunk, piece) for chunk, piece in zip(chunks, pieces)]  # n x (M, out)
         return self.tree.reduce(partials, tp).to(x.dtype)
