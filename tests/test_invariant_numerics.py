@@ -5,7 +5,7 @@ collectives over a barrier): TP1 = TP2 = TP4 bit for bit with the mode on, not w
 GEMM rows independent of the row count. Slow tier: real worker processes in bfloat16 and float32,
 tokens and logprobs of every sample compared bitwise across layouts and live switches (migrate and
 recompute), greedy and seeded sampling, n=2, prefix caching on; with ``numerics="fast"`` the same
-comparison finds differences.
+comparison finds differences. ``reference_logprobs`` (one process) returns the engine's log-probs.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 
-from pat_engine import Engine, SamplingParams
+from pat_engine import Engine, SamplingParams, reference_logprobs
 from pat_engine.config import EngineConfig
 from pat_engine.errors import InvalidRequestError
 from pat_engine.model.layers.linear import RowParallelLinear
@@ -157,10 +157,15 @@ def test_layouts_and_live_switches_give_the_same_bits(tiny_path, dtype, numerics
                 "switch TP2->TP1 recompute": _run(engine, 2, sampled, [(8, 1)], "recompute"),
             }
             diffs = _differences(runs)
+            switched = runs["switch TP1->TP2 recompute"]
+            pairs = [(p, tokens) for p, samples in zip(PROMPTS, switched) for tokens, _ in samples]
+            ref = reference_logprobs(tiny_path, pairs, dtype=dtype, world=2)
+            got = [lps for samples in switched for _, lps in samples]
             if numerics == "invariant":
+                assert ref == got, "the trainer-side log-probs differ from the engine's"
                 assert not diffs, f"{dtype} {'sampled' if sampled else 'greedy'}: {diffs}"
-            else:  # the same comparison fails without the mode: it can catch a regression
-                assert diffs
+            else:  # the same comparisons fail without the mode: they can catch a regression
+                assert diffs and ref != got
 
 
 @pytest.mark.slow

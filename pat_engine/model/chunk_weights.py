@@ -8,8 +8,9 @@ widening is exact, so the products are those of the model's weights), oneDNN-pac
 ``cpu_gemm`` packs float32. The plain weight stays the one the loader and resharder write.
 
 Derived state, like ``cpu_gemm``'s packs: ``drop`` forgets the pieces (``InferExecutor`` calls it
-before any weight write) and ``pieces`` builds them on first use, keyed by the plain tensor's
-address and shape, so a ``.data`` replaced by a switch is never served stale.
+before any weight write) and ``pack`` builds them after it; ``pieces`` also builds them on first
+use (a model outside an executor), keyed by the plain tensor's address and shape, so a ``.data``
+replaced by a switch is never served stale.
 
 On CUDA the float32 copies cost 2x the row-parallel weights' bfloat16 bytes of GPU memory;
 ``torch.mm(..., out_dtype=torch.float32)`` could read the bfloat16 weights directly (not done: no
@@ -46,6 +47,15 @@ def pieces(weight: nn.Parameter, width: int) -> list[torch.Tensor]:
         built.append(piece)
     setattr(weight, PIECES_ATTR, (key, built))
     return built
+
+
+def pack(model: nn.Module) -> int:
+    """Build the pieces of every chunked layer of ``model`` now (after a weight write, so the next
+    step does not pay for it); returns how many layers were packed."""
+    layers = [m for m in model.modules() if getattr(m, "chunk_width", 0) and m.weight.numel()]
+    for m in layers:
+        pieces(m.weight, m.chunk_width)
+    return len(layers)
 
 
 def drop(model: nn.Module) -> None:

@@ -55,8 +55,8 @@ class InferExecutor:
     @contextlib.contextmanager
     def writing_weights(self) -> Iterator[None]:
         """Every write to the weights happens inside this block: the CPU GEMM packs derived from
-        them (model/cpu_gemm.py) are dropped on entry and rebuilt when the outermost block ends; the
-        invariant mode's chunk pieces (model/chunk_weights.py) are dropped too and rebuilt on first use."""
+        them (model/cpu_gemm.py), and the invariant mode's chunk pieces (model/chunk_weights.py), are
+        dropped on entry and rebuilt when the outermost block ends."""
         if self._writers == 0:
             cpu_gemm.drop(self.model)
             chunk_weights.drop(self.model)
@@ -67,6 +67,7 @@ class InferExecutor:
             self._writers -= 1
             if self._writers == 0 and self._residency == "resident":
                 cpu_gemm.pack(self.model)
+                chunk_weights.pack(self.model)
 
     def new_pool(self, layout: Layout, num_blocks: int, filled_later: bool = False) -> PagedKVPool:
         """A KV pool sized for ``layout``; ``filled_later``: no layers yet (a switch appends them one by one)."""
