@@ -179,3 +179,26 @@ def test_world_four_tp_1_2_4(tiny_path):
             "switch TP4->TP2 recompute": _run(engine, 4, True, [(6, 2)], "recompute"),
         }
     assert not _differences(runs)
+
+
+@pytest.mark.slow
+def test_chunked_prefill_and_no_prefix_cache_give_the_same_bits(tiny_path):
+    """Prefill split into 8-token chunks, no prefix cache, another layout: still the same bits."""
+    with Engine(tiny_path, tp=1, dp=2, dtype="bfloat16", numerics="invariant") as engine:
+        plain = _run(engine, 1, True)
+    with Engine(tiny_path, tp=2, dp=1, dtype="bfloat16", numerics="invariant", max_num_batched_tokens=8,
+                enable_prefix_caching=False) as engine:
+        chunked = _run(engine, 2, True)
+    assert not _differences({"TP1xDP2": plain, "TP2xDP1 chunked prefill": chunked})
+
+
+@pytest.mark.slow
+def test_float64_invariant_still_matches_transformers(model_dir):
+    from conftest import MAX_NEW as HF_MAX_NEW, PROMPTS as HF_PROMPTS, hf_greedy_batch
+
+    path = model_dir("llama")
+    with Engine(path, tp=1, dp=2, dtype="float64", numerics="invariant") as engine:
+        for tp in (1, 2):
+            engine.reconfigure(tp=tp)
+            outs = engine.generate(HF_PROMPTS, [SamplingParams(max_new_tokens=m) for m in HF_MAX_NEW], use_tqdm=False)
+            assert [o.token_ids for o in outs] == hf_greedy_batch(path), f"TP{tp}"
