@@ -65,7 +65,7 @@ class EngineConfig:
     profile_table: str | None = None  # latency table for the automatic switch controller
 
     # numerics (docs/numerics.md): "invariant" gives the same bits at every layout and across live switches
-    # (row-parallel products summed over world-size fixed chunks by one tree, prefill attention through the
+    # (row-parallel products summed over max_tp fixed chunks by one tree, prefill attention through the
     # decode kernel); "fast" lets the layout decide the rounding (one GEMM + all-reduce, SDPA prefill)
     numerics: str = DEFAULT_NUMERICS
 

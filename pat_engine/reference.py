@@ -2,7 +2,7 @@
 
 ``reference_logprobs`` runs each (prompt, response) pair as one prefill through an
 ``InferExecutor`` built as an engine in ``numerics="invariant"`` builds a rank: the row-parallel
-chunk count is the engine's world size, prefill attention goes through the decode kernel
+chunk count follows from the engine's world size, prefill attention goes through the decode kernel
 (docs/numerics.md). That prefill gives every position the hidden state, to the bit, that the
 engine's prefill or decode step gave it at any layout of that world, and the log-probs come
 from the same float64 log-softmax of the same logits as the sampler's. So a response's

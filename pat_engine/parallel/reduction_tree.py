@@ -1,8 +1,9 @@
 """The fixed summation tree of a row-parallel product (``numerics="invariant"``, docs/numerics.md).
 
 A row-parallel weight ``(out, in)`` has its input dim cut into ``chunks`` equal pieces, chunks =
-the world size (the largest TP any layout of the world can have), so every TP ``t`` of the
-world gives each rank ``chunks / t`` whole, consecutive chunks. Each chunk's partial product
+``max_tp``, the largest TP any layout of the world can give the model (``ModelArch.max_tp``: the
+world size when it is a power of two the heads divide), so every TP ``t`` of the world gives each
+rank ``chunks / t`` whole, consecutive chunks. Each chunk's partial product
 (float32, float64 for float64 models) is a leaf of one binary tree over ``[0, chunks)``: node
 ``[lo, hi)`` = node ``[lo, mid)`` + node ``[mid, hi)``, ``mid = (lo + hi) // 2``. Every layout
 evaluates exactly this tree on exactly these leaves, so the sum has the same bits at every TP:
@@ -28,7 +29,7 @@ Span = tuple[int, int]  # [lo, hi) in chunks
 
 @dataclass(frozen=True)
 class ReductionTree:
-    chunks: int  # leaves: the input dim's fixed pieces (= the world size)
+    chunks: int  # leaves: the input dim's fixed pieces (= max_tp)
 
     def __post_init__(self) -> None:
         if self.chunks < 1:

@@ -6,8 +6,8 @@ executor keeps each sequence's block table and sampling spec, so decode
 messages stay small. Only the executor writes its own state: a layout switch
 hands it the new group, pool and tables through ``install``.
 
-``numerics="invariant"`` (docs/numerics.md) builds the model with the world size as the
-row-parallel chunk count (a fixed reduction tree for every layout of this world) and runs
+``numerics="invariant"`` (docs/numerics.md) builds the model with the largest TP of the world
+as the row-parallel chunk count (a fixed reduction tree for every layout of this world) and runs
 prefill attention through the decode kernel (prefilled KV = decoded KV, bit for bit).
 """
 
@@ -43,7 +43,8 @@ class InferExecutor:
         self.dtype, self.device = dtype, device
         self.block_size = block_size
         self.numerics = numerics
-        self.model = CausalLM(arch, layout.tp, dtype, device, row_chunks=layout.world if numerics == "invariant" else None)
+        self.model = CausalLM(arch, layout.tp, dtype, device,
+                              row_chunks=arch.max_tp(layout.world) if numerics == "invariant" else None)
         self.kv = self.new_pool(layout, num_blocks)
         # also keeps each sequence's table; invariant: prefill attention through the decode kernel (bit-equal KV)
         self.inputs = StepInputBuilder(block_size, device, arch.vocab_size, prefill_as_decode=numerics == "invariant")

@@ -74,7 +74,7 @@ class RowParallelLinear(nn.Module):
         self.weight = sharded_parameter(row_parallel(out_features, in_features, unit), tp, dtype, device)
         self.tree = ReductionTree(chunks) if chunks else None
         if chunks and in_features % chunks:
-            raise ValueError(f"invariant numerics: the {chunks} chunks (the world size) do not divide the "
+            raise ValueError(f"invariant numerics: the {chunks} chunks (the largest TP) do not divide the "
                              f"row-parallel input dim {in_features}")
         self.chunk_width = in_features // chunks if chunks else 0
         self.is_gemm_weight = chunks is None  # the invariant path multiplies its chunk pieces instead
