@@ -77,11 +77,13 @@ def labelled_pieces():
 class Rollout:
     """Drives one InferExecutor the way the scheduler does: a prefill, then one token per step."""
 
-    def __init__(self, path: str, batch: int, prompt_len: int, new_tokens: int, sampled: bool):
+    def __init__(self, path: str, batch: int, prompt_len: int, new_tokens: int, sampled: bool,
+                 dtype: torch.dtype = torch.float32, layout: Layout = Layout(1, 1), numerics: str = "fast"):
+        """``layout``: a TP1 layout whose world sets the invariant mode's chunk count (bench/invariance.py)."""
         arch = load_model_arch(path)
         blocks_per_seq = -(-(prompt_len + new_tokens + 1) // BLOCK)
-        self.ex = InferExecutor(arch, Layout(1, 1), TPGroup(rank=0, size=1, ranks=(0,)), torch.float32, torch.device("cpu"), BLOCK,
-                                batch * blocks_per_seq + 1)
+        self.ex = InferExecutor(arch, layout, TPGroup(rank=0, size=1, ranks=(0,)), dtype, torch.device("cpu"), BLOCK,
+                                batch * blocks_per_seq + 1, numerics=numerics)
         self.ex.load_weights(path)
         self.batch, self.prompt_len, self.blocks_per_seq = batch, prompt_len, blocks_per_seq
         g = torch.Generator().manual_seed(batch)

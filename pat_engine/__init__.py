@@ -12,6 +12,7 @@ from pat_engine.errors import (
 )
 from pat_engine.outputs import RequestOutput
 from pat_engine.parallel.layout import Layout
+from pat_engine.reference import reference_logprobs
 from pat_engine.sampling_params import SamplingParams
 from pat_engine.version import __version__
 
@@ -22,6 +23,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "Layout",
+    "reference_logprobs",
     "PatEngineError",
     "InvalidRequestError",
     "LayoutError",

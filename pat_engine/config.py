@@ -17,6 +17,8 @@ import torch
 from pat_engine.errors import InvalidRequestError
 
 KV_PATHS = ("migrate", "recompute")  # how a switch carries unfinished requests' KV
+NUMERICS = ("invariant", "fast")  # docs/numerics.md
+DEFAULT_NUMERICS = "fast"  # invariant costs more than 5% in bfloat16 (bench/results/invariance.md, docs/numerics.md)
 
 
 def check_kv_transfer(value: str | None, *, allow_auto: bool) -> None:
@@ -62,6 +64,11 @@ class EngineConfig:
     switch_check_interval: int = 8  # decode steps between policy evaluations
     profile_table: str | None = None  # latency table for the automatic switch controller
 
+    # numerics (docs/numerics.md): "invariant" gives the same bits at every layout and across live switches
+    # (row-parallel products summed over max_tp fixed chunks by one tree, prefill attention through the
+    # decode kernel); "fast" lets the layout decide the rounding (one GEMM + all-reduce, SDPA prefill)
+    numerics: str = DEFAULT_NUMERICS
+
     # processes and failures
     threads_per_worker: int | None = None  # default: cores // world (at least 1)
     worker_start_timeout_s: float = 300.0
@@ -76,6 +83,8 @@ class EngineConfig:
         if self.tp < 1 or self.dp < 1:
             raise InvalidRequestError(f"tp and dp must be >= 1, got tp={self.tp}, dp={self.dp}")
         check_kv_transfer(self.kv_transfer, allow_auto=True)
+        if self.numerics not in NUMERICS:
+            raise InvalidRequestError(f"numerics must be one of {', '.join(NUMERICS)}, got {self.numerics!r}")
         if self.device not in ("cpu", "cuda"):
             raise InvalidRequestError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -1,6 +1,6 @@
 """Shared-memory TP collectives (parallel/shm_collectives.py) between real processes.
 
-Same results as gloo, on every rank, over many back-to-back calls of changing shapes (the two
+Same results as gloo (all-reduce, gather to the leader, all-gather), on every rank, over many back-to-back calls of changing shapes (the two
 slot sets alternate); too-large tensors take gloo; a dead peer is an error within a second.
 """
 
@@ -47,12 +47,16 @@ def _agree_with_gloo(rank: int, world: int, port: int, failures) -> None:
             assert (gathered is None) == (rank != 0) and (want_gather is None) == (rank != 0)
             if rank == 0:
                 assert torch.equal(gathered, want_gather), i
+            stacked, want_stacked = group.all_gather(x), plain.all_gather(x)  # every rank, rank order
+            assert stacked.shape == (world, *x.shape) and torch.equal(stacked, want_stacked), i
+            assert torch.equal(stacked[rank], x), i
         every = [None] * world
         dist.all_gather_object(every, group.all_reduce(torch.arange(5, dtype=torch.float32) * (rank + 1)).tolist())
         assert all(v == every[0] for v in every)  # the same bits on every rank
         big = torch.ones(shm_collectives.SLOT_BYTES // 4 + 1)  # one float over a slot: gloo serves
         assert not group.shm.fits(big)
         assert torch.equal(group.all_reduce(big), torch.full_like(big, world))
+        assert torch.equal(group.all_gather(big * rank), torch.arange(world, dtype=big.dtype)[:, None] * big)
     except BaseException as e:  # reported to the parent: mp.spawn only says which rank failed
         failures.put(f"rank {rank}: {e!r}")
         raise

@@ -93,6 +93,11 @@ class ModelArch:
                 pass
         return out
 
+    def max_tp(self, world: int) -> int:
+        """The largest TP any layout of ``world`` gives this model (every valid TP divides it, being a
+        smaller power of two): the invariant numerics mode's row-parallel chunk count (docs/numerics.md)."""
+        return self.valid_layouts(world)[-1].tp
+
     def kv_heads_per_rank(self, tp: int) -> int:
         return kv_heads_per_rank(self.num_kv_heads, tp)
 

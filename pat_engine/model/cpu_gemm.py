@@ -40,9 +40,15 @@ def pack(model: nn.Module) -> int:
     packed = 0
     for p in _gemm_weights(model):
         if p.dim() == 2 and p.numel() > 0 and packing_enabled(p.device, p.dtype):
-            setattr(p, PACKED_ATTR, (p.data_ptr(), torch.ops.mkldnn._reorder_linear_weight(p.detach())))
+            attach_pack(p)
             packed += 1
     return packed
+
+
+def attach_pack(weight: torch.Tensor) -> torch.Tensor:
+    """Give ``weight`` (a Parameter or a plain tensor) its pack; returns ``weight``."""
+    setattr(weight, PACKED_ATTR, (weight.data_ptr(), torch.ops.mkldnn._reorder_linear_weight(weight.detach())))
+    return weight
 
 
 def drop(model: nn.Module) -> None:

@@ -5,7 +5,8 @@ the TP handle arrives in the ``ForwardContext`` of every call, so a layout
 switch only has to replace parameter data and pass a different handle.
 
 Differences between the families are flags on ``ModelArch``: bias on q/k/v
-(Qwen2) and per-head RMSNorm on q and k (Qwen3).
+(Qwen2) and per-head RMSNorm on q and k (Qwen3). ``row_chunks`` (the invariant numerics
+mode, docs/numerics.md) is handed to the two row-parallel products of every layer.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class ForwardContext:
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, tp: int, dtype, device):
+    def __init__(self, arch: ModelArch, tp: int, dtype, device, row_chunks: int | None = None):
         super().__init__()
         self.arch = arch
         hd = arch.head_dim
@@ -47,7 +48,7 @@ class Attention(nn.Module):
             Component(arch.kv_size, unit=hd, replicate=True),
         )
         self.qkv_proj = ColumnParallelLinear(arch.hidden_size, qkv, arch.qkv_bias, tp, dtype, device)
-        self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, hd, tp, dtype, device)
+        self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, hd, tp, dtype, device, row_chunks)
         self.q_norm = RMSNorm(hd, arch.rms_eps, dtype, device) if arch.qk_norm else None
         self.k_norm = RMSNorm(hd, arch.rms_eps, dtype, device) if arch.qk_norm else None
         self.scale = hd**-0.5
@@ -70,11 +71,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch, tp: int, dtype, device):
+    def __init__(self, arch: ModelArch, tp: int, dtype, device, row_chunks: int | None = None):
         super().__init__()
         inter = arch.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(arch.hidden_size, (Component(inter), Component(inter)), False, tp, dtype, device)
-        self.down_proj = RowParallelLinear(inter, arch.hidden_size, 1, tp, dtype, device)
+        self.down_proj = RowParallelLinear(inter, arch.hidden_size, 1, tp, dtype, device, row_chunks)
 
     def forward(self, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -82,12 +83,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, tp: int, dtype, device):
+    def __init__(self, arch: ModelArch, tp: int, dtype, device, row_chunks: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_eps, dtype, device)
-        self.self_attn = Attention(arch, tp, dtype, device)
+        self.self_attn = Attention(arch, tp, dtype, device, row_chunks)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_eps, dtype, device)
-        self.mlp = MLP(arch, tp, dtype, device)
+        self.mlp = MLP(arch, tp, dtype, device, row_chunks)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext,
                 layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,12 +106,13 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """The TP shard of a decoder-only LM. Parameter names mirror the HF checkpoint."""
 
-    def __init__(self, arch: ModelArch, tp: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, arch: ModelArch, tp: int, dtype: torch.dtype, device: torch.device | str,
+                 row_chunks: int | None = None):
         super().__init__()
         self.arch = arch
         self.dtype = dtype
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(arch, tp, dtype, device) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, tp, dtype, device, row_chunks) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_eps, dtype, device)
         tied = self.embed_tokens.weight if arch.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp, dtype, device, tied_to=tied)

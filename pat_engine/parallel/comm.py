@@ -16,6 +16,10 @@ import torch.distributed as dist
 from pat_engine.parallel.shm_collectives import ShmChannel
 
 
+# torch 2.13 renamed all_gather_into_tensor (now deprecated); a CUDA build of an older torch has only that
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 @dataclass
 class TPGroup:
     rank: int  # rank inside the group (= shard index)
@@ -30,6 +34,18 @@ class TPGroup:
                 return self.shm.all_reduce(x)
             dist.all_reduce(x, group=self.device_group)
         return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` stacked in TP-rank order: ``(size, *x.shape)``, the same on every rank.
+        Moves bits only (no sum), so a caller can add the parts in an order of its own."""
+        if self.size == 1:
+            return x.unsqueeze(0)
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_gather(x)
+        flat = x.contiguous().view(-1)  # gloo wants the output as the inputs concatenated on dim 0
+        out = torch.empty(self.size * flat.numel(), dtype=x.dtype, device=x.device)
+        _all_gather_single(out, flat, group=self.device_group)  # gloo and NCCL alike, no host copy
+        return out.view(self.size, *x.shape)
 
     def gather_to_leader(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """TP rank 0 gets every rank's ``x`` concatenated along ``dim``; others get None."""

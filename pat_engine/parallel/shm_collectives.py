@@ -142,6 +142,10 @@ class ShmChannel:
             x.add_(part)
         return x
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` stacked in rank order, ``(size, *x.shape)``, on every rank."""
+        return torch.stack(self._exchange(x.contiguous()))
+
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor | None:
         """Rank 0 gets every rank's ``x`` concatenated along ``dim``; the others get None."""
         parts = self._exchange(x.contiguous())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from pat_engine.config import DEFAULT_NUMERICS, NUMERICS
 from pat_engine.core.engine import Engine
 from pat_engine.errors import InvalidRequestError, LayoutError
 from pat_engine.parallel.layout import Layout
@@ -55,13 +56,14 @@ class EngineArgs:
     start_timeout_s: float = 300.0
     max_worker_restarts: int = 4
     restart_window_s: float = 300.0
+    numerics: str = DEFAULT_NUMERICS
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":
         sched = tuple(ns.switch_schedule) if ns.switch_schedule else None
         return cls(ns.model, ns.tp, ns.dp, ns.world, ns.dtype, ns.max_model_len, ns.kv_cache_bytes, ns.seed,
                    ns.profile, sched, ns.kv_transfer, ns.threads_per_worker, ns.step_timeout, ns.start_timeout,
-                   ns.max_worker_restarts, ns.restart_window)
+                   ns.max_worker_restarts, ns.restart_window, ns.numerics)
 
     def layout(self) -> Layout:
         """The base layout; ``--world`` and ``--dp`` must agree when both are given."""
@@ -83,7 +85,8 @@ class EngineArgs:
         kwargs = dict(dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed, kv_transfer=self.kv_transfer,
                       kv_cache_bytes=self.kv_cache_bytes, threads_per_worker=self.threads_per_worker,
                       step_timeout_s=self.step_timeout_s, worker_start_timeout_s=self.start_timeout_s,
-                      max_worker_restarts=self.max_worker_restarts, restart_window_s=self.restart_window_s)
+                      max_worker_restarts=self.max_worker_restarts, restart_window_s=self.restart_window_s,
+                      numerics=self.numerics)
         if self.profile:
             kwargs["profile_table"] = self.profile
         engine = Engine(self.model, tp=layout.tp, dp=layout.dp, **kwargs)
@@ -117,6 +120,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                     help='fixed switches, e.g. "32:4,64:2": TP4 at decode step 32, TP2 at step 64')
     g.add_argument("--kv-transfer", choices=("auto", "migrate", "recompute"), default="auto",
                    help="how switches move the KV cache (auto: the cost model picks)")
+    g.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
+                   help="invariant: the same bits at every layout and across live switches; fast: the layout "
+                        "decides the rounding (docs/numerics.md)")
     g.add_argument("--threads-per-worker", type=int, default=None, help="torch threads per worker (CPU)")
     f = p.add_argument_group("failures")
     f.add_argument("--step-timeout", type=float, default=600.0, metavar="S",

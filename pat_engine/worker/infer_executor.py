@@ -5,6 +5,10 @@ each rank runs its shard, TP rank 0 gathers the logits and samples. The
 executor keeps each sequence's block table and sampling spec, so decode
 messages stay small. Only the executor writes its own state: a layout switch
 hands it the new group, pool and tables through ``install``.
+
+``numerics="invariant"`` (docs/numerics.md) builds the model with the largest TP of the world
+as the row-parallel chunk count (a fixed reduction tree for every layout of this world) and runs
+prefill attention through the decode kernel (prefilled KV = decoded KV, bit for bit).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Iterator
 import torch
 from torch.profiler import record_function
 
-from pat_engine.model import cpu_gemm
+from pat_engine.model import chunk_weights, cpu_gemm
 from pat_engine.model.arch import ModelArch
 from pat_engine.model.layers.attention import load_decode_kernel
 from pat_engine.model.llama import CausalLM, ForwardContext
@@ -33,14 +37,17 @@ from pat_engine.worker.step_inputs import SeqState, StepInputBuilder
 
 class InferExecutor:
     def __init__(self, arch: ModelArch, layout: Layout, tp: TPGroup, dtype: torch.dtype, device: torch.device,
-                 block_size: int, num_blocks: int, lazy_kv: bool = False):
+                 block_size: int, num_blocks: int, lazy_kv: bool = False, numerics: str = "fast"):
         self.arch, self.layout, self.tp = arch, layout, tp
         self.lazy_kv = lazy_kv  # KV memory committed as it fills (the default-sized CPU pool; worker/kv_pool.zeroed)
         self.dtype, self.device = dtype, device
         self.block_size = block_size
-        self.model = CausalLM(arch, layout.tp, dtype, device)
+        self.numerics = numerics
+        self.model = CausalLM(arch, layout.tp, dtype, device,
+                              row_chunks=arch.max_tp(layout.world) if numerics == "invariant" else None)
         self.kv = self.new_pool(layout, num_blocks)
-        self.inputs = StepInputBuilder(block_size, device, arch.vocab_size)  # also keeps each sequence's table
+        # also keeps each sequence's table; invariant: prefill attention through the decode kernel (bit-equal KV)
+        self.inputs = StepInputBuilder(block_size, device, arch.vocab_size, prefill_as_decode=numerics == "invariant")
         load_decode_kernel(device, dtype)
         self._residency = "resident"  # where this rank's weight bytes are: "resident", "offloaded" or "discarded"
         self.kv_released = False  # the KV pool was given back (sleep); no step may run until it is restored
@@ -49,9 +56,11 @@ class InferExecutor:
     @contextlib.contextmanager
     def writing_weights(self) -> Iterator[None]:
         """Every write to the weights happens inside this block: the CPU GEMM packs derived from
-        them (model/cpu_gemm.py) are dropped on entry and rebuilt when the outermost block ends."""
+        them (model/cpu_gemm.py), and the invariant mode's chunk pieces (model/chunk_weights.py), are
+        dropped on entry and rebuilt when the outermost block ends."""
         if self._writers == 0:
             cpu_gemm.drop(self.model)
+            chunk_weights.drop(self.model)
         self._writers += 1
         try:
             yield
@@ -59,6 +68,7 @@ class InferExecutor:
             self._writers -= 1
             if self._writers == 0 and self._residency == "resident":
                 cpu_gemm.pack(self.model)
+                chunk_weights.pack(self.model)
 
     def new_pool(self, layout: Layout, num_blocks: int, filled_later: bool = False) -> PagedKVPool:
         """A KV pool sized for ``layout``; ``filled_later``: no layers yet (a switch appends them one by one)."""

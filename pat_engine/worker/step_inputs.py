@@ -8,6 +8,12 @@ step can take are then few and known in advance (what CUDA-graph capture needs),
 the CPU the padding to a multiple of 4 rows happens once here instead of in every GEMM.
 Padding rows run token 0 at position 0 over one context slot and write no KV.
 
+``prefill_as_decode`` (the invariant numerics mode, docs/numerics.md) gives a prefill the
+decode geometry instead: one row per prompt token, its own context length, its sequence's
+block table. Attention then runs through the decode kernel for prefill too, so a token's
+hidden states, and the KV computed from them, have the same bits whether the token was
+prefilled or decoded (a recompute switch re-prefills decoded tokens).
+
 Ids, positions, block tables and lengths live in buffers allocated once and grown on
 demand; a step fills a prefix of them (on GPU from host tensors with non-blocking copies)
 and the forward reads views, so it never waits on the host.
@@ -78,8 +84,9 @@ class _Buffers:
 class StepInputBuilder:
     """Keeps each sequence's block table and sampling spec, and builds every step's inputs."""
 
-    def __init__(self, block_size: int, device: torch.device, vocab_size: int):
+    def __init__(self, block_size: int, device: torch.device, vocab_size: int, prefill_as_decode: bool = False):
         self.block_size = block_size
+        self.prefill_as_decode = prefill_as_decode
         self.device = device
         self.vocab_size = vocab_size  # the logit processors' (B, vocab) tensors
         self.seqs: dict[int, SeqState] = {}
@@ -125,12 +132,7 @@ class StepInputBuilder:
         table = torch.zeros(rows, width, dtype=torch.long)
         table[:n] = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables])
         slots = table[torch.arange(n), pos[:n] // bs] * bs + pos[:n] % bs
-        mask = torch.arange(width * bs)[None, :] <= pos[:, None]  # padding rows see slot 0 only
-        attn = AttentionMetadata(
-            is_prefill=False, slot_mapping=self._bufs.fill("slots", slots), query_len=1,
-            block_tables=self._bufs.fill("tables", table), mask=self._bufs.fill("mask", mask[:, None, None, :]),
-            context_lens=self._bufs.fill("lens", pos + 1),
-        )
+        attn = self._decode_attention(slots, table, pos, width)  # padding rows see slot 0 only
         return StepInputs(self._bufs.fill("ids", ids), self._bufs.fill("pos", pos), attn, slice(0, n),
                           self._sampling(cmd, samples))
 
@@ -138,23 +140,42 @@ class StepInputBuilder:
         bs = self.block_size
         lens = torch.tensor([len(s.token_ids) for s in cmd.seqs])
         starts = torch.tensor([s.start_pos for s in cmd.seqs])
-        n, query_len = len(cmd.seqs), int(lens.max())
+        n = len(cmd.seqs)
         width = -(-int((starts + lens).max()) // bs)
         table = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.long)
         row = torch.repeat_interleave(torch.arange(n), lens)  # (T,) the sequence of each packed token
         offset = torch.arange(row.numel()) - (torch.cumsum(lens, 0) - lens)[row]  # index inside its sequence
         pos = starts[row] + offset
         slots = table[row, pos // bs] * bs + pos % bs
-        # query i of row b sees context j <= start_b + i (padding queries: the row's last token's view)
-        last = starts + lens - 1
-        query_pos = torch.minimum(starts[:, None] + torch.arange(query_len)[None, :], last[:, None])  # (B, n)
-        mask = torch.arange(width * bs)[None, None, :] <= query_pos[:, :, None]  # (B, n, ctx)
-        attn = AttentionMetadata(
-            is_prefill=True, slot_mapping=self._bufs.fill("slots", slots), query_len=query_len,
-            block_tables=self._bufs.fill("tables", table), mask=self._bufs.fill("mask", mask[:, None]),
-            pad_index=self._bufs.fill("pad_index", row * query_len + offset),
-        )
+        if self.prefill_as_decode:
+            attn = self._decode_attention(slots, table[row], pos, width)
+        else:
+            attn = self._prefill_attention(slots, table, starts, lens, pos, row, offset, width)
         logits_rows = self._bufs.fill("logits_rows", torch.cumsum(lens, 0) - 1)
         ids = torch.tensor([t for s in cmd.seqs for t in s.token_ids], dtype=torch.long)
         return StepInputs(self._bufs.fill("ids", ids), self._bufs.fill("pos", pos), attn, logits_rows,
                           self._sampling(cmd, samples))
+
+    def _decode_attention(self, slots: torch.Tensor, table: torch.Tensor, pos: torch.Tensor,
+                          width: int) -> AttentionMetadata:
+        """One query row per token: ``table`` (rows, width) its sequence's blocks, ``pos`` (rows,) its position."""
+        mask = torch.arange(width * self.block_size)[None, :] <= pos[:, None]
+        return AttentionMetadata(
+            is_prefill=False, slot_mapping=self._bufs.fill("slots", slots), query_len=1,
+            block_tables=self._bufs.fill("tables", table), mask=self._bufs.fill("mask", mask[:, None, None, :]),
+            context_lens=self._bufs.fill("lens", pos + 1),
+        )
+
+    def _prefill_attention(self, slots: torch.Tensor, table: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+                           pos: torch.Tensor, row: torch.Tensor, offset: torch.Tensor, width: int) -> AttentionMetadata:
+        """Each sequence one row of ``max(lens)`` query slots; ``pad_index`` places the packed tokens."""
+        bs, query_len = self.block_size, int(lens.max())
+        # query i of row b sees context j <= start_b + i (padding queries: the row's last token's view)
+        last = starts + lens - 1
+        query_pos = torch.minimum(starts[:, None] + torch.arange(query_len)[None, :], last[:, None])  # (B, n)
+        mask = torch.arange(width * bs)[None, None, :] <= query_pos[:, :, None]  # (B, n, ctx)
+        return AttentionMetadata(
+            is_prefill=True, slot_mapping=self._bufs.fill("slots", slots), query_len=query_len,
+            block_tables=self._bufs.fill("tables", table), mask=self._bufs.fill("mask", mask[:, None]),
+            pad_index=self._bufs.fill("pad_index", row * query_len + offset),
+        )

@@ -1,7 +1,8 @@
 """Tensor-parallel linear layers. Each parameter carries its ``ShardSpec``.
 
 Column-parallel layers split the output dim and need no communication;
-row-parallel layers split the input dim and all-reduce their partial sums.
+row-parallel layers split the input dim and all-reduce their partial sums, or, in the
+invariant numerics mode, sum fixed chunks of it by one tree whatever the TP (docs/numerics.md).
 Local sizes are never cached: a layout switch replaces ``weight.data`` with a
 shard of another shape and the matmul simply follows.
 """
@@ -12,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pat_engine.model import cpu_gemm
+from pat_engine.model import chunk_weights, cpu_gemm
 from pat_engine.parallel.shard_spec import Component, ShardSpec, column_bias, column_parallel, row_parallel
 from pat_engine.parallel.comm import TPGroup
+from pat_engine.parallel.reduction_tree import ReductionTree
 
 
 # torch's CPU GEMM runs row counts that are not a multiple of 4 through a slower remainder path
@@ -59,13 +61,30 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Input arrives sharded; partial products are summed over the TP group."""
+    """Input arrives sharded; partial products are summed over the TP group.
 
-    is_gemm_weight = True
+    ``chunks`` (the invariant numerics mode): the input dim is cut into that many fixed pieces,
+    each multiplied on its own in float32 (float64 for float64) and summed by one
+    ``ReductionTree``, then rounded to the model dtype once; None: one GEMM and the group's
+    all-reduce (faster, but the layout decides the rounding)."""
 
-    def __init__(self, in_features: int, out_features: int, unit: int, tp: int, dtype, device):
+    def __init__(self, in_features: int, out_features: int, unit: int, tp: int, dtype, device,
+                 chunks: int | None = None):
         super().__init__()
         self.weight = sharded_parameter(row_parallel(out_features, in_features, unit), tp, dtype, device)
+        self.tree = ReductionTree(chunks) if chunks else None
+        if chunks and in_features % chunks:
+            raise ValueError(f"invariant numerics: the {chunks} chunks (the largest TP) do not divide the "
+                             f"row-parallel input dim {in_features}")
+        self.chunk_width = in_features // chunks if chunks else 0
+        self.is_gemm_weight = chunks is None  # the invariant path multiplies its chunk pieces instead
 
     def forward(self, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-        return tp.all_reduce(linear(x, self.weight))
+        if self.tree is None:
+            return tp.all_reduce(linear(x, self.weight))
+        w = self.chunk_width
+        pieces = chunk_weights.pieces(self.weight, w)
+        acc = chunk_weights.accumulate_dtype(x.dtype)
+        chunks = x.reshape(x.shape[0], len(pieces), w).transpose(0, 1).to(acc).contiguous()  # (n, M, w)
+        partials = [linear(chunk, piece) for chunk, piece in zip(chunks, pieces)]  # n x (M, out)
+        return self.tree.reduce(partials, tp).to(x.dtype)

@@ -1,0 +1,83 @@
+"""The fixed summation tree of a row-parallel product (``numerics="invariant"``, docs/numerics.md).
+
+A row-parallel weight ``(out, in)`` has its input dim cut into ``chunks`` equal pieces, chunks =
+``max_tp``, the largest TP any layout of the world can give the model (``ModelArch.max_tp``: the
+world size when it is a power of two the heads divide), so every TP ``t`` of the world gives each
+rank ``chunks / t`` whole, consecutive chunks. Each chunk's partial product
+(float32, float64 for float64 models) is a leaf of one binary tree over ``[0, chunks)``: node
+``[lo, hi)`` = node ``[lo, mid)`` + node ``[mid, hi)``, ``mid = (lo + hi) // 2``. Every layout
+evaluates exactly this tree on exactly these leaves, so the sum has the same bits at every TP:
+
+- a rank whose chunks form a node of the tree (always, when ``chunks / t`` is a power of two
+  dividing ``chunks``) sums them itself and the group all-gathers one partial per rank;
+- otherwise the group all-gathers every chunk's partial and each rank sums the whole tree.
+
+The upper levels are summed by every rank from the gathered partials, in the tree's order:
+the collective only moves bits, it never adds (an all-reduce's order is its own business).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pat_engine.parallel.comm import TPGroup
+
+Span = tuple[int, int]  # [lo, hi) in chunks
+
+
+@dataclass(frozen=True)
+class ReductionTree:
+    chunks: int  # leaves: the input dim's fixed pieces (= max_tp)
+
+    def __post_init__(self) -> None:
+        if self.chunks < 1:
+            raise ValueError(f"a reduction tree needs at least one chunk, got {self.chunks}")
+
+    def local_chunks(self, tp: int) -> int:
+        """How many chunks each rank of a TP ``tp`` group holds."""
+        if self.chunks % tp:
+            raise ValueError(f"TP {tp} does not divide the {self.chunks} chunks of the reduction tree")
+        return self.chunks // tp
+
+    def is_node(self, span: Span, lo: int = 0, hi: int | None = None) -> bool:
+        hi = self.chunks if hi is None else hi
+        if span == (lo, hi):
+            return True
+        if hi - lo <= 1 or not (lo <= span[0] and span[1] <= hi):
+            return False
+        mid = (lo + hi) // 2
+        return self.is_node(span, lo, mid) or self.is_node(span, mid, hi)
+
+    def ranks_are_nodes(self, tp: int) -> bool:
+        """Whether every rank's chunks of a TP ``tp`` group form one node (the rank pre-sums them)."""
+        n = self.local_chunks(tp)
+        return all(self.is_node((r * n, (r + 1) * n)) for r in range(tp))
+
+    def sum(self, known: dict[Span, torch.Tensor], lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Node ``[lo, hi)`` of the tree, from ``known`` node values (at least every leaf below it,
+        or nodes covering them)."""
+        hi = self.chunks if hi is None else hi
+        value = known.get((lo, hi))
+        if value is not None:
+            return value
+        if hi - lo <= 1:
+            raise KeyError(f"chunk {lo} of the reduction tree has no value")
+        mid = (lo + hi) // 2
+        return self.sum(known, lo, mid) + self.sum(known, mid, hi)
+
+    def reduce(self, partials: list[torch.Tensor], tp: TPGroup) -> torch.Tensor:
+        """``partials``: this rank's ``chunks / tp.size`` chunk partials, in chunk order.
+        Returns the tree's root (the full sum), the same bits on every rank and at every TP."""
+        n = len(partials)
+        first = tp.rank * n
+        leaves = {(first + i, first + i + 1): partials[i] for i in range(n)}
+        if tp.size == 1:
+            return self.sum(leaves)
+        if self.ranks_are_nodes(tp.size):
+            mine = self.sum(leaves, first, first + n)
+            gathered = tp.all_gather(mine)  # (size, ...) in rank order
+            return self.sum({(r * n, (r + 1) * n): gathered[r] for r in range(tp.size)})
+        gathered = tp.all_gather(torch.stack(partials))  # (size, n, ...)
+        return self.sum({(c, c + 1): gathered[c // n, c % n] for c in range(self.chunks)})
