@@ -48,13 +48,13 @@ SHAPES = ("zipf", "flat")
 
 
 def make_logits(shape: str, rows: int, vocab: int, g: torch.Generator) -> torch.Tensor:
-    """``zipf``: an LM-like row (logit falling with the log of a random rank, plus noise: the top token
-    holds a few percent to a third of the mass); ``flat``: N(0, 3) logits, the worst case for top_p
-    (its nucleus spans most of the vocabulary)."""
+    """``zipf``: an LM-like row (probability falling as rank**-1.5, with noise: top_p 0.95 keeps a few
+    hundred to a few thousand tokens); ``flat``: N(0, 3) logits, the worst case for top_p (its
+    nucleus spans tens of thousands of tokens)."""
     if shape == "flat":
         return torch.randn(rows, vocab, generator=g) * 3
     ranks = torch.stack([torch.randperm(vocab, generator=g) for _ in range(rows)]).float() + 1
-    return -1.2 * torch.log(ranks) + 0.5 * torch.randn(rows, vocab, generator=g)
+    return -1.5 * torch.log(ranks) + 0.5 * torch.randn(rows, vocab, generator=g)
 
 
 def load_old(commit: str):

@@ -5,7 +5,7 @@
 chunk count follows from the engine's world size, prefill attention goes through the decode kernel
 (docs/numerics.md). That prefill gives every position the hidden state, to the bit, that the
 engine's prefill or decode step gave it at any layout of that world, and the log-probs come
-from the same float64 log-softmax of the same logits as the sampler's. So a response's
+from the same logits by the sampler's own rule (sampling/logprobs.py). So a response's
 reference log-probs equal the ``RequestOutput.logprobs`` the invariant engine returned (raw
 log-probs, the default ``logprobs_mode``) for the same model, dtype and world.
 

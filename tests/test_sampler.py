@@ -136,3 +136,30 @@ def test_the_polynomial_exp_is_within_two_ulp():
     z = -torch.rand(100_000, generator=torch.Generator().manual_seed(2)) * 87
     exact = torch.exp(z.double())
     assert ((pexp(z).double() - exact) / exact).abs().max() < 2.5e-7
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_prefix_kernel_equals_masking_the_row(dtype, monkeypatch):
+    """top_k / top_p rows through the C++ prefix kernel (histogram, partial sort) against the torch
+    path (partial topk, the row masked to its prefix): flat and peaked rows, quantised ties, big vocab."""
+    from pat_engine.sampling import inverse_cdf as icdf
+
+    if icdf.cpu_sample is None or not icdf.cpu_sample.usable(torch.zeros(1, dtype=dtype)):
+        pytest.skip("the CPU kernels are not built here")
+    g = torch.Generator().manual_seed(3)
+    vocab, rows = 20000, 12
+    flat = torch.randn(rows, vocab, generator=g) * 3
+    peaked = -1.2 * torch.log(torch.stack([torch.randperm(vocab, generator=g) for _ in range(rows)]).float() + 1)
+    for logits in (flat, peaked, (flat * 2).round() / 2):
+        logits = logits.to(dtype)
+        specs = [SamplingSpec(t, k, p, seed=50 + i, logprobs=True, processed_logprobs=True, min_p=mp)
+                 for i, (t, k, p, mp) in enumerate(
+                     [(1.0, -1, 0.95, 0.0), (0.7, 50, 1.0, 0.0), (1.3, 300, 0.9, 0.0), (1.0, -1, 0.5, 0.05),
+                      (1.0, 1, 1.0, 0.0), (2.0, -1, 0.999, 0.0), (1.0, vocab, 0.99, 0.0), (0.3, -1, 0.95, 0.0),
+                      (1.0, 7, 0.3, 0.0), (1.0, -1, 1.0, 0.0), (1.0, -1, 0.95, 0.2), (1.0, 20000, 1.0, 0.0)])]
+        positions = list(range(100, 100 + rows))
+        got = sample(logits, specs, positions)
+        monkeypatch.setenv("PAT_CPU_SAMPLER", "torch")
+        want = sample(logits, specs, positions)
+        monkeypatch.delenv("PAT_CPU_SAMPLER")
+        assert got == want

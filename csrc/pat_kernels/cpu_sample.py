@@ -22,3 +22,14 @@ def inverse_cdf(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor, u:
                 draw: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token, z of the token, Z) per row; see cpu/sample.cpp. Call only where ``usable(x)``."""
     return torch.ops.pat_kernels.inverse_cdf_cpu(x, inv_temp, floor, u, draw)
+
+
+def weights(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """Every token's weight (float32, like x's shape); see cpu/sample.cpp. Call only where ``usable(x)``."""
+    return torch.ops.pat_kernels.weights_cpu(x, inv_temp, floor)
+
+
+def inverse_cdf_prefix(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor, u: torch.Tensor,
+                       top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The draw among each row's top_k / top_p prefix; see cpu/sample.cpp. Call only where ``usable(x)``."""
+    return torch.ops.pat_kernels.inverse_cdf_prefix_cpu(x, inv_temp, floor, u, top_k, top_p)

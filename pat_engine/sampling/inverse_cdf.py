@@ -47,11 +47,10 @@ def pexp(z: torch.Tensor) -> torch.Tensor:
 
 def weights(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e, m): every token's unnormalised weight (B, V) float32 and each row's max logit (B, 1)."""
-    xf = x.float()
-    m = xf.max(dim=-1, keepdim=True).values
-    z = (xf - m) * inv_temp.unsqueeze(1)
-    e = torch.where(z >= floor.unsqueeze(1), pexp(z), torch.zeros((), dtype=torch.float32, device=x.device))
-    return e, m
+    inv_temp, floor = inv_temp.to(torch.float32).contiguous(), floor.to(torch.float32).contiguous()
+    if cpu_sample is not None and cpu_sample.usable(x):
+        return cpu_sample.weights(x.contiguous(), inv_temp, floor), x.float().max(dim=-1, keepdim=True).values
+    return _torch_weights(x, inv_temp, floor)
 
 
 def lane_sum(e: torch.Tensor) -> torch.Tensor:
@@ -62,9 +61,16 @@ def lane_sum(e: torch.Tensor) -> torch.Tensor:
     return ((a[:, 0] + a[:, 1]) + (a[:, 2] + a[:, 3])) + ((a[:, 4] + a[:, 5]) + (a[:, 6] + a[:, 7]))
 
 
+def _torch_weights(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.float()
+    m = xf.max(dim=-1, keepdim=True).values
+    z = (xf - m) * inv_temp.unsqueeze(1)
+    return torch.where(z >= floor.unsqueeze(1), pexp(z), torch.zeros((), dtype=torch.float32, device=x.device)), m
+
+
 def _torch_inverse_cdf(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor, u: torch.Tensor,
                        draw: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    e, m = weights(x, inv_temp, floor)
+    e, m = _torch_weights(x, inv_temp, floor)
     z_sum = lane_sum(e)
     if draw:
         running = e.double().cumsum(dim=-1)  # sequential along each row, as the kernel's scan
@@ -102,3 +108,15 @@ def log_norm(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     floor = torch.full((rows,), float("-inf"), dtype=torch.float32, device=x.device)
     _, _, z_sum = inverse_cdf(x, ones, floor, None, draw=False)
     return x.float().max(dim=-1).values, z_sum
+
+
+def inverse_cdf_in_prefix(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor, u: torch.Tensor,
+                          top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``inverse_cdf`` among each row's top_k / top_p prefix, by the C++ kernel (it sorts only the
+    highest logits holding the prefix); None where the kernel does not serve ``x`` (the caller then
+    masks the row to its prefix and calls ``inverse_cdf``: the same bits)."""
+    if cpu_sample is None or not cpu_sample.usable(x):
+        return None
+    return cpu_sample.inverse_cdf_prefix(x.contiguous(), inv_temp.to(torch.float32).contiguous(),
+                                         floor.to(torch.float32).contiguous(), u.contiguous(),
+                                         top_k.to(torch.long).contiguous(), top_p.to(torch.float64).contiguous())

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pat_engine.sampling.inverse_cdf import LANES, inverse_cdf, log_norm, pexp, weights
+from pat_engine.sampling.inverse_cdf import inverse_cdf, inverse_cdf_in_prefix, weights
+from pat_engine.sampling.logprobs import log_z, token_logprobs, top_logprobs
 from pat_engine.sampling.processors import ProcessorRows
 
 _MASK64 = (1 << 64) - 1
@@ -198,11 +199,6 @@ def _descending(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return values, order
 
 
-def _logs(values: torch.Tensor) -> torch.Tensor:
-    """``math.log`` of each float64 value: one rounding whatever the row's place in the batch."""
-    return torch.tensor([math.log(v) for v in values.tolist()], dtype=torch.float64, device=values.device)
-
-
 @dataclass
 class _Prefix:
     """The top_k / top_p rows' kept tokens: ``order[:, :keep]`` (stable descending logits)."""
@@ -226,9 +222,11 @@ def _prefixes(x: torch.Tensor, batch: SamplingBatch, inv_temp: torch.Tensor) -> 
     k_cap = torch.where(top_k[index] > 0, top_k[index].clamp(max=vocab), vocab)
     p, it = top_p[index], inv_temp[index]
     m = xf.max(dim=-1, keepdim=True).values
-    need, z_sum = k_cap, None
+    need, z_sum, e = k_cap, None, None
     if bool((p < 1.0).any()):
-        _, _, z_sum = inverse_cdf(xf, it, torch.full_like(it, float("-inf")), None, draw=False)
+        no_floor = torch.full_like(it, float("-inf"))
+        e, _ = weights(xf, it, no_floor)
+        _, _, z_sum = inverse_cdf(xf, it, no_floor, None, draw=False)
         need = torch.where(p < 1.0, torch.minimum(k_cap, _nucleus_bound(xf, m, it, p, z_sum)), k_cap)
     width = int(need.max())
     while True:
@@ -236,7 +234,7 @@ def _prefixes(x: torch.Tensor, batch: SamplingBatch, inv_temp: torch.Tensor) -> 
         keep = k_cap.clamp(max=values.shape[-1])
         if z_sum is None:
             break
-        running = pexp((values - m) * it.unsqueeze(1)).double().cumsum(dim=-1)
+        running = e.gather(1, order).double().cumsum(dim=-1)
         nucleus = (running < (p * z_sum).unsqueeze(1)).sum(dim=-1) + 1
         keep = torch.where(p < 1.0, torch.minimum(keep, nucleus), keep).clamp(max=values.shape[-1])
         # a row whose top_p prefix may run past the candidates needs more of them
@@ -247,26 +245,14 @@ def _prefixes(x: torch.Tensor, batch: SamplingBatch, inv_temp: torch.Tensor) -> 
     return _Prefix(index, order, keep)
 
 
-def _draw_in_prefix(x: torch.Tensor, prefix: _Prefix, inv_temp: torch.Tensor, floor: torch.Tensor,
-                    u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's draw over rows whose tokens outside ``prefix`` count as -inf, computed on the
-    candidates alone: the masked tokens' zero weights change no lane sum and no running sum."""
-    vocab = x.shape[1]
+def _masked(x: torch.Tensor, prefix: _Prefix) -> torch.Tensor:
+    """The prefix rows of ``x`` with every token outside the kept prefix at -inf: the kernel then
+    draws among the kept tokens alone (a masked token's weight is 0 and changes no sum)."""
     width = prefix.order.shape[1]
-    ids = torch.where(torch.arange(width, device=x.device) < prefix.keep.unsqueeze(1), prefix.order, vocab)
-    ids = ids.sort(dim=-1).values  # kept ids ascending, the rest (= vocab) last
-    xf = x.float()
-    m = xf.max(dim=-1, keepdim=True).values
-    z = (xf.gather(1, ids.clamp(max=vocab - 1)) - m) * inv_temp.unsqueeze(1)
-    e = torch.where((ids < vocab) & (z >= floor.unsqueeze(1)), pexp(z), 0.0).double()
-    lane = ids % LANES
-    a = [torch.where(lane == j, e, 0.0).cumsum(dim=-1)[:, -1] for j in range(LANES)]
-    z_sum = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))
-    running = e.cumsum(dim=-1)
-    pick = (running <= (u * z_sum).unsqueeze(1)).sum(dim=-1)
-    last = torch.where(e > 0, torch.arange(width, device=x.device), 0).max(dim=-1).values
-    pick = torch.where(pick >= width, last, pick).unsqueeze(1)
-    return ids.gather(1, pick).squeeze(1), z.gather(1, pick).squeeze(1), z_sum
+    within = torch.arange(width, device=x.device) < prefix.keep.unsqueeze(1)
+    rows = x.index_select(0, prefix.rows)
+    kept = torch.full_like(rows, float("-inf"))
+    return kept.scatter_(1, prefix.order, torch.where(within, rows.gather(1, prefix.order), kept.gather(1, prefix.order)))
 
 
 def _nucleus_bound(xf: torch.Tensor, m: torch.Tensor, inv_temp: torch.Tensor, top_p: torch.Tensor,
@@ -290,6 +276,30 @@ def _nucleus_bound(xf: torch.Tensor, m: torch.Tensor, inv_temp: torch.Tensor, to
     return counts.flip(1).cumsum(1).flip(1).gather(1, first.unsqueeze(1)).squeeze(1).long()
 
 
+def _draw_by_kernel(logits: torch.Tensor, batch: SamplingBatch, inv_temp: torch.Tensor, floor: torch.Tensor,
+                    u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The draw with top_k / top_p rows in the C++ prefix kernel; None where it does not serve (float64
+    logits keep the general path, whose float64 log-probs need the masked rows)."""
+    top_k, top_p = batch.top_k, batch.top_p.squeeze(1)
+    limited = (top_k > 0) | (top_p < 1.0)
+    if logits.dtype == torch.float64 or not bool(limited.any()):
+        return None
+    rows, free = limited.nonzero().squeeze(1), (~limited).nonzero().squeeze(1)
+    part = inverse_cdf_in_prefix(logits.index_select(0, rows), inv_temp[rows], floor[rows], u[rows], top_k[rows],
+                                 top_p[rows])
+    if part is None:
+        return None
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(logits.shape[0], dtype=torch.float64, device=logits.device)
+    parts = [(rows, part)]
+    if free.numel():
+        parts.append((free, inverse_cdf(logits.index_select(0, free), inv_temp[free], floor[free], u[free])))
+    for index, (t, z, z_sum) in parts:
+        tokens.index_copy_(0, index, t)
+        logprobs.index_copy_(0, index, z.double() - log_z(z_sum))
+    return tokens, logprobs
+
+
 def _draw(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and processed log-probs of the sampled rows; logits: (S, vocab), any float dtype."""
     inv_temp = (1.0 / batch.temperature.squeeze(1)).to(torch.float32)
@@ -298,43 +308,17 @@ def _draw(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, tor
         floor = torch.tensor([math.log(v) if v > 0 else float("-inf") for v in batch.min_p.squeeze(1).tolist()],
                              dtype=torch.float64, device=inv_temp.device).to(torch.float32)
     u = uniforms(batch.seeds, batch.positions)
+    fast = _draw_by_kernel(logits, batch, inv_temp, floor, u)
+    if fast is not None:
+        return fast
     prefix = _prefixes(logits, batch, inv_temp)
-    if prefix is None:
-        tokens, z_token, z_sum = inverse_cdf(logits, inv_temp, floor, u)
-    else:
-        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-        z_token = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        z_sum = torch.empty(logits.shape[0], dtype=torch.float64, device=logits.device)
-        free = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device).index_fill(0, prefix.rows, False)
-        parts = [(prefix.rows, _draw_in_prefix(logits.index_select(0, prefix.rows), prefix, inv_temp[prefix.rows],
-                                               floor[prefix.rows], u[prefix.rows]))]
-        if bool(free.any()):
-            rows = free.nonzero().squeeze(1)
-            parts.append((rows, inverse_cdf(logits.index_select(0, rows), inv_temp[rows], floor[rows], u[rows])))
-        for rows, (t, z, zs) in parts:
-            tokens.index_copy_(0, rows, t)
-            z_token.index_copy_(0, rows, z)
-            z_sum.index_copy_(0, rows, zs)
+    x = logits if prefix is None else logits.index_copy(0, prefix.rows, _masked(logits, prefix))
+    tokens, z_token, z_sum = inverse_cdf(x, inv_temp, floor, u)
     if logits.dtype == torch.float64:  # the exactness suite's dtype: the log-prob in float64 over the kept tokens
-        kept = weights(logits, inv_temp, floor)[0] > 0
-        if prefix is not None:
-            in_prefix = torch.zeros_like(kept[prefix.rows])
-            within = torch.arange(prefix.order.shape[1], device=logits.device) < prefix.keep.unsqueeze(1)
-            in_prefix.scatter_(1, prefix.order, within)
-            kept[prefix.rows] &= in_prefix
+        kept = weights(x, inv_temp, floor)[0] > 0
         scaled = torch.where(kept, logits / batch.temperature, float("-inf"))
         return tokens, torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(1)).squeeze(1)
-    return tokens, z_token.double() - _logs(z_sum)
-
-
-def _log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits) at ``tokens`` per row (float64). Float64 logits keep torch's log_softmax,
-    the exactness suite's reference; others go through the kernel: (x_t - m) - log(Z)."""
-    if logits.dtype == torch.float64:
-        return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(1)).squeeze(1)
-    m, z_sum = log_norm(logits)
-    z = logits.gather(-1, tokens.unsqueeze(1)).squeeze(1).float() - m
-    return z.double() - _logs(z_sum)
+    return tokens, z_token.double() - log_z(z_sum)
 
 
 @dataclass
@@ -358,22 +342,16 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
         tokens = tokens.index_copy(0, batch.sampled, drawn)
     if not batch.logprobs:
         return Sampled(tokens.tolist())
-    chosen = _log_probs(raw_logits, tokens)
+    chosen = token_logprobs(raw_logits, tokens)
     if processed is not None:  # sampled rows in processed mode: under the distribution drawn from
         rows = batch.sampled[batch.processed_rows]
         chosen = chosen.index_copy(0, rows, processed[batch.processed_rows])
     if batch.greedy_processed is not None:  # greedy rows after penalties
         rows = batch.greedy_processed
-        chosen = chosen.index_copy(0, rows, _log_probs(logits.index_select(0, rows), tokens.index_select(0, rows)))
+        chosen = chosen.index_copy(0, rows, token_logprobs(logits.index_select(0, rows), tokens.index_select(0, rows)))
     top = None
     if batch.top_logprobs:
-        k = min(batch.top_logprobs, raw_logits.shape[-1])
-        if raw_logits.dtype == torch.float64:
-            values, ids = torch.log_softmax(raw_logits, dim=-1).topk(k, dim=-1)
-        else:
-            best, ids = raw_logits.topk(k, dim=-1)
-            m, z_sum = log_norm(raw_logits)
-            values = (best.float() - m.unsqueeze(1)).double() - _logs(z_sum).unsqueeze(1)
+        values, ids = top_logprobs(raw_logits, batch.top_logprobs)
         top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
     return Sampled(tokens.tolist(), chosen.tolist(), top)
 

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from pat_engine.protocol import PromptLogprobs
+from pat_engine.sampling.logprobs import token_logprobs, top_logprobs
 
 CHUNK_ROWS = 256  # hidden rows turned into full-vocabulary logits at a time
 
@@ -32,9 +33,8 @@ def prompt_logprobs(hidden: torch.Tensor, prompt: list[int], k: int,
         if logits is None:
             leader = False
             continue
-        lp = torch.log_softmax(logits.to(torch.float64), dim=-1)
-        logprobs += lp.gather(-1, targets[start:stop].unsqueeze(1)).squeeze(1).tolist()
+        logprobs += token_logprobs(logits, targets[start:stop]).tolist()  # the sampler's rule, to the bit
         if k:
-            values, ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
+            values, ids = top_logprobs(logits, k)
             tops += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
     return PromptLogprobs(logprobs, tops if k else None) if leader else None

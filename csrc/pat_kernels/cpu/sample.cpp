@@ -25,11 +25,14 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -165,9 +168,191 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> inverse_cdf_cpu(const at::Tensor&
   return {token, z_token, z_sum};
 }
 
+template <typename T>
+void weight_rows(const at::Tensor& x, const at::Tensor& inv_temp, const at::Tensor& floor, at::Tensor& e) {
+  const int64_t b = x.size(0), n = x.size(1), xs = x.stride(0);
+  const T* xp = x.const_data_ptr<T>();
+  const float* itp = inv_temp.const_data_ptr<float>();
+  const float* fp = floor.const_data_ptr<float>();
+  float* ep = e.mutable_data_ptr<float>();
+  at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = xp + r * xs;
+      const float m = row_max(row, n), it = itp[r], fl = fp[r];
+      float* out = ep + r * n;
+      for (int64_t i = 0; i < n; ++i) out[i] = weight(row, i, m, it, fl);
+    }
+  });
+}
+
+// Every token's weight e_i (the rule above), float32 (B, V): what top_p's prefix mass is read from.
+at::Tensor weights_cpu(const at::Tensor& x, const at::Tensor& inv_temp, const at::Tensor& floor) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, "x must be CPU (rows, vocab), unit stride");
+  TORCH_CHECK(inv_temp.scalar_type() == at::kFloat && inv_temp.is_contiguous() && inv_temp.numel() == x.size(0),
+              "inv_temp must be float32 (rows,)");
+  TORCH_CHECK(floor.scalar_type() == at::kFloat && floor.is_contiguous() && floor.numel() == x.size(0),
+              "floor must be float32 (rows,)");
+  at::Tensor e = at::empty({x.size(0), x.size(1)}, x.options().dtype(at::kFloat));
+  switch (x.scalar_type()) {
+    case at::kFloat: weight_rows<float>(x, inv_temp, floor, e); break;
+    case at::kDouble: weight_rows<double>(x, inv_temp, floor, e); break;
+    case at::kBFloat16: weight_rows<c10::BFloat16>(x, inv_temp, floor, e); break;
+    default: TORCH_CHECK(false, "float32, float64 or bfloat16 logits expected");
+  }
+  return e;
+}
+
+// ---- top_k / top_p: the kept prefix of the tokens by descending logit (ties: lower id first) -------------
+//
+// inverse_cdf_prefix_cpu(x, inv_temp, floor, u, top_k, top_p) -> (token, z_token, Z_kept)
+// top_k: int64 (B,), <= 0 off; top_p: float64 (B,), >= 1 off. The prefix is the first top_k tokens of
+// that order, cut to the first ones whose running float64 sum of weights (taken without the floor)
+// reaches top_p * Z (Z over every token); the draw is then the rule above over the kept tokens alone
+// (as if every other logit were -inf). Only the tokens of the highest logit buckets holding that
+// mass (or that count) are sorted: a 4096-bucket histogram of the logits' ordered bits finds them.
+
+inline uint32_t ordered_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);  // unsigned order = float order
+}
+
+template <typename T>
+void prefix_row(const T* row, int64_t n, float it, float fl, double u, int64_t top_k, double top_p,
+                int64_t* token, float* z_token, double* z_kept, std::vector<float>& e, std::vector<char>& kept,
+                std::vector<std::pair<float, int64_t>>& cand) {
+  const float m = row_max(row, n);
+  const float no_floor = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) e[i] = weight(row, i, m, it, no_floor);
+  const int64_t k_cap = top_k > 0 && top_k < n ? top_k : n;
+  const bool nucleus = top_p < 1.0;
+  const double target = nucleus ? top_p * lane_sum(row, n, m, it, no_floor) : 0.0;
+  // the highest buckets that hold the count and (with a margin against rounding) the mass
+  constexpr int kBuckets = 4096;
+  std::vector<double> mass(kBuckets, 0.0);
+  std::vector<int64_t> count(kBuckets, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int b = static_cast<int>(ordered_bits(to_float(row[i])) >> 20);
+    mass[b] += e[i];
+    count[b] += 1;
+  }
+  int low = 0;
+  double acc_mass = 0.0;
+  int64_t acc_count = 0;
+  for (int b = kBuckets - 1; b >= 0; --b) {
+    acc_mass += mass[b];
+    acc_count += count[b];
+    if (acc_count >= k_cap && (!nucleus || acc_mass >= target * (1.0 + 1e-9))) {
+      low = b;
+      break;
+    }
+  }
+  int64_t keep = 0;
+  for (int pass = 0; pass < 2 && keep == 0; ++pass) {  // pass 1 (rounding beat the margin): every token
+    cand.clear();
+    for (int64_t i = 0; i < n; ++i)
+      if (pass == 1 || static_cast<int>(ordered_bits(to_float(row[i])) >> 20) >= low)
+        cand.emplace_back(to_float(row[i]), i);
+    std::sort(cand.begin(), cand.end(), [](const auto& a, const auto& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    });
+    const int64_t c = static_cast<int64_t>(cand.size());
+    int64_t cut = std::min(k_cap, c);
+    if (nucleus) {
+      double running = 0.0;
+      int64_t reached = -1;
+      for (int64_t j = 0; j < c; ++j) {
+        running += e[cand[j].second];
+        if (!(running < target)) {
+          reached = j + 1;
+          break;
+        }
+      }
+      if (reached < 0 && c < n && pass == 0) continue;  // the prefix may run past the candidates
+      cut = std::min(cut, reached < 0 ? c : reached);
+    }
+    keep = cut;
+  }
+  std::fill(kept.begin(), kept.end(), 0);
+  for (int64_t j = 0; j < keep; ++j) kept[cand[j].second] = 1;
+  // the draw over the kept tokens, in id order, with the floor: as the masked row in rows() would
+  double acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t i = 0; i < n; ++i)
+    if (kept[i]) acc[i % kLanes] += static_cast<double>(weight(row, i, m, it, fl));
+  const double z = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  const double goal = u * z;
+  double s = 0.0;
+  int64_t t = -1, last = 0;
+  for (int64_t i = 0; i < n && t < 0; ++i) {
+    if (!kept[i]) continue;
+    const float w = weight(row, i, m, it, fl);
+    if (w > 0.0f) last = i;
+    s += static_cast<double>(w);
+    if (s > goal) t = i;
+  }
+  if (t < 0) t = last;
+  *token = t;
+  *z_token = (to_float(row[t]) - m) * it;
+  *z_kept = z;
+}
+
+template <typename T>
+void prefix_rows(const at::Tensor& x, const at::Tensor& inv_temp, const at::Tensor& floor, const at::Tensor& u,
+                 const at::Tensor& top_k, const at::Tensor& top_p, at::Tensor& token, at::Tensor& z_token,
+                 at::Tensor& z_sum) {
+  const int64_t b = x.size(0), n = x.size(1), xs = x.stride(0);
+  const T* xp = x.const_data_ptr<T>();
+  const float* itp = inv_temp.const_data_ptr<float>();
+  const float* fp = floor.const_data_ptr<float>();
+  const double* up = u.const_data_ptr<double>();
+  const int64_t* kp = top_k.const_data_ptr<int64_t>();
+  const double* pp = top_p.const_data_ptr<double>();
+  int64_t* tp = token.mutable_data_ptr<int64_t>();
+  float* zp = z_token.mutable_data_ptr<float>();
+  double* zs = z_sum.mutable_data_ptr<double>();
+  at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> e(n);
+    std::vector<char> kept(n);
+    std::vector<std::pair<float, int64_t>> cand;
+    cand.reserve(n);
+    for (int64_t r = begin; r < end; ++r)
+      prefix_row(xp + r * xs, n, itp[r], fp[r], up[r], kp[r], pp[r], tp + r, zp + r, zs + r, e, kept, cand);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> inverse_cdf_prefix_cpu(const at::Tensor& x, const at::Tensor& inv_temp,
+                                                                      const at::Tensor& floor, const at::Tensor& u,
+                                                                      const at::Tensor& top_k, const at::Tensor& top_p) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, "x must be CPU (rows, vocab), unit stride");
+  const int64_t b = x.size(0);
+  TORCH_CHECK(x.size(1) > 0, "an empty vocabulary");
+  TORCH_CHECK(inv_temp.scalar_type() == at::kFloat && inv_temp.is_contiguous() && inv_temp.numel() == b,
+              "inv_temp must be float32 (rows,)");
+  TORCH_CHECK(floor.scalar_type() == at::kFloat && floor.is_contiguous() && floor.numel() == b,
+              "floor must be float32 (rows,)");
+  TORCH_CHECK(u.scalar_type() == at::kDouble && u.is_contiguous() && u.numel() == b, "u must be float64 (rows,)");
+  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.is_contiguous() && top_k.numel() == b,
+              "top_k must be int64 (rows,)");
+  TORCH_CHECK(top_p.scalar_type() == at::kDouble && top_p.is_contiguous() && top_p.numel() == b,
+              "top_p must be float64 (rows,)");
+  at::Tensor token = at::empty({b}, x.options().dtype(at::kLong));
+  at::Tensor z_token = at::empty({b}, x.options().dtype(at::kFloat));
+  at::Tensor z_sum = at::empty({b}, x.options().dtype(at::kDouble));
+  switch (x.scalar_type()) {
+    case at::kFloat: prefix_rows<float>(x, inv_temp, floor, u, top_k, top_p, token, z_token, z_sum); break;
+    case at::kDouble: prefix_rows<double>(x, inv_temp, floor, u, top_k, top_p, token, z_token, z_sum); break;
+    case at::kBFloat16: prefix_rows<c10::BFloat16>(x, inv_temp, floor, u, top_k, top_p, token, z_token, z_sum); break;
+    default: TORCH_CHECK(false, "float32, float64 or bfloat16 logits expected");
+  }
+  return {token, z_token, z_sum};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pat_kernels, m) {
+  m.def("weights_cpu(Tensor x, Tensor inv_temp, Tensor floor) -> Tensor", &weights_cpu);
+  m.def("inverse_cdf_prefix_cpu(Tensor x, Tensor inv_temp, Tensor floor, Tensor u, Tensor top_k, Tensor top_p) -> "
+        "(Tensor, Tensor, Tensor)", &inverse_cdf_prefix_cpu);
   m.def("inverse_cdf_cpu(Tensor x, Tensor inv_temp, Tensor floor, Tensor u, bool draw) -> (Tensor, Tensor, Tensor)",
         &inverse_cdf_cpu);
 }
