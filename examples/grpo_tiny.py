@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from pat_engine import Engine, RequestOutput, SamplingParams  # noqa: E402
+from pat_engine import Engine, RequestOutput, SamplingParams, reference_logprobs  # noqa: E402
 from pat_engine.platform_info import machine_summary  # noqa: E402
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model  # noqa: E402
 from pat_engine.rollout import GroupSizingConfig, PlacementConfig, PromptEntry, RolloutConfig  # noqa: E402
@@ -59,6 +59,7 @@ class GRPOConfig:
     switch_step: int = 16  # decode step at which the rollout merges to TP2
     seed: int = 0
     sync: bool = True  # False: a control run that never pushes weights to the engine
+    numerics: str = "fast"  # the engine's numerics; "invariant": reference_logprobs equals the rollout's to the bit
 
 
 def target_set(vocab_size: int) -> torch.Tensor:
@@ -132,7 +133,8 @@ def run(cfg: GRPOConfig, workdir: Path) -> list[dict]:
     target = target_set(model.config.vocab_size)
     rng = random.Random(cfg.seed)
     rows = []
-    with Engine(str(path), tp=1, dp=2, dtype="float32") as engine:
+    served = path  # a checkpoint of the weights the engine serves, for the trainer-side reference log-probs
+    with Engine(str(path), tp=1, dp=2, dtype="float32", numerics=cfg.numerics) as engine:
         for it in range(cfg.iterations):
             prompts = make_prompts(cfg, rng)
             batch = [p for p in prompts for _ in range(cfg.group)]
@@ -146,17 +148,23 @@ def run(cfg: GRPOConfig, workdir: Path) -> list[dict]:
             rollout_s = time.perf_counter() - t0
             switches = [e for e in engine.switches[seen:] if e.reason.startswith("schedule")]
             rewards = rewards_of(outs, target)
+            # the trainer's side of the same numbers: one process, the engine's kernels (docs/numerics.md)
+            reference = reference_logprobs(str(served), [(o.prompt_token_ids, o.token_ids) for o in outs],
+                                           dtype="float32", world=engine.config.world)
+            mismatch = max(abs(a - b) for o, ref in zip(outs, reference) for a, b in zip(o.logprobs, ref))
             t1 = time.perf_counter()
             drift = grpo_step(model, optimizer, outs, group_advantages(rewards, cfg.group), cfg.clip)
             applied = 0
             if cfg.sync:
                 applied = engine.update_weights((name, p.detach()) for name, p in model.named_parameters())
+                served = workdir / f"policy-{it + 1}"
+                model.save_pretrained(served)
             train_s = time.perf_counter() - t1
             rows.append({
                 "iteration": it, "mean_reward": rewards.mean().item(), "rollout_s": rollout_s,
                 "switches": " ".join(f"{e.from_layout}->{e.to_layout}" for e in switches) or "none",
                 "tokens": sum(len(o.token_ids) for o in outs), "max_len": max(lengths),
-                "logprob_drift": drift, "train_s": train_s, "tensors": applied,
+                "logprob_drift": drift, "reference_mismatch": mismatch, "train_s": train_s, "tensors": applied,
             })
             print(format_row(rows[-1]), flush=True)
     return rows
@@ -312,13 +320,14 @@ class Arm:
 
 
 HEADER = ("| iter | mean reward | rollout s | switches during rollout | tokens | longest | "
-          "max abs(trainer - rollout logprob) | train+sync s |")
-SEPARATOR = "|---:|---:|---:|---|---:|---:|---:|---:|"
+          "max abs(trainer - rollout logprob) | max abs(reference_logprobs - rollout logprob) | train+sync s |")
+SEPARATOR = "|---:|---:|---:|---|---:|---:|---:|---:|---:|"
 
 
 def format_row(r: dict) -> str:
     return (f"| {r['iteration']:>4} | {r['mean_reward']:.3f} | {r['rollout_s']:.2f} | {r['switches']} | "
-            f"{r['tokens']} | {r['max_len']} | {r['logprob_drift']:.1e} | {r['train_s']:.2f} |")
+            f"{r['tokens']} | {r['max_len']} | {r['logprob_drift']:.1e} | {r['reference_mismatch']:.1e} | "
+            f"{r['train_s']:.2f} |")
 
 
 def main() -> None:
@@ -326,6 +335,8 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=GRPOConfig.iterations)
     ap.add_argument("--seed", type=int, default=GRPOConfig.seed)
     ap.add_argument("--no-sync", action="store_true", help="never call update_weights (the control run)")
+    ap.add_argument("--numerics", choices=("fast", "invariant"), default="fast",
+                    help="the engine's numerics; invariant: reference_logprobs equals the rollout's to the bit")
     ap.add_argument("--with-control", action="store_true", help="then repeat without update_weights, for contrast")
     ap.add_argument("--out", help="also write the table, command and machine to this markdown file")
     ap.add_argument("--tail-batching", action="store_true", help="rollouts through pat_engine.rollout: tail batching")
@@ -335,7 +346,7 @@ def main() -> None:
     if args.tail_batching or args.sagc or args.placement:  # a prompt pool with persistent lengths, rollout layer
         run_rollout_layer(rollout_config(args.tail_batching, args.sagc, args.placement, args.seed), args)
         return
-    cfg = GRPOConfig(iterations=args.iterations, seed=args.seed, sync=not args.no_sync)
+    cfg = GRPOConfig(iterations=args.iterations, seed=args.seed, sync=not args.no_sync, numerics=args.numerics)
     rows = table(cfg)
     control = table(dataclasses.replace(cfg, sync=False)) if args.with_control and cfg.sync else None
     if args.out:
@@ -377,7 +388,9 @@ def write_report(path: Path, rows: list[dict], cfg: GRPOConfig, control: list[di
         f"rollout, switching to TP2xDP1 at decode step {cfg.switch_step}. Reward: fraction of response tokens in "
         "a target quarter of the vocabulary (random policy: about 0.25). The logprob column compares the "
         "trainer's log-probabilities of the sampled tokens with those the engine returned: float32 noise only, "
-        "so the engine served exactly the weights the trainer had just pushed. Runs differ a little from one "
+        "so the engine served exactly the weights the trainer had just pushed. The reference column compares "
+        "`pat_engine.reference_logprobs` (one process, the engine's kernels) with the rollout's: 0 to the bit "
+        f"with `--numerics invariant`, float32 rounding with the default `fast` (this run: {cfg.numerics}). Runs differ a little from one "
         "another: in float32 the batch composition changes the last bits of the logits (pat-engine's token-exact "
         "guarantees are stated in float64).",
         "",
