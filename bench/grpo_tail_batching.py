@@ -37,15 +37,11 @@ from common import markdown_table, write_result  # noqa: E402
 from grpo_tiny import RESPONSES, Arm, PromptPool, rollout_config  # noqa: E402
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model  # noqa: E402
 
-def reward_stage(args) -> None:
-    """Streamed against sequential rewards, the same verifier, arms stepping in turn."""
-    pool = PromptPool(args.seed)
-    cfg = rollout_config(True, False, False, args.seed)
+def run_in_turn(args, make_arms) -> list[Arm]:
+    """The arms ``make_arms(model_dir)`` builds, on one tiny policy, stepping in turn (A, B, A, B, ...)."""
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_model(Path(tmp) / "policy", TinyModelSpec(seed=args.seed))
-        arms = [Arm(f"{mode} rewards", cfg, pool, model_dir, args.seed, args.lr, reward_mode=mode,
-                    reward_work=args.reward_work, reward_workers=args.reward_workers)
-                for mode in ("streamed", "sequential")]
+        arms = make_arms(model_dir)
         try:
             for it in range(args.iterations):
                 for arm in arms:
@@ -53,6 +49,16 @@ def reward_stage(args) -> None:
         finally:
             for arm in arms:
                 arm.close()
+    return arms
+
+
+def reward_stage(args) -> None:
+    """Streamed against sequential rewards, the same verifier, arms stepping in turn."""
+    pool = PromptPool(args.seed)
+    cfg = rollout_config(True, False, False, args.seed)
+    arms = run_in_turn(args, lambda model_dir: [
+        Arm(f"{mode} rewards", cfg, pool, model_dir, args.seed, args.lr, reward_mode=mode,
+            reward_work=args.reward_work, reward_workers=args.reward_workers) for mode in ("streamed", "sequential")])
     rows = []
     base = statistics.fmean(r["rollout_s"] + r["reward_s"] for r in arms[1].rows)
     for arm in arms:
@@ -93,16 +99,8 @@ def main() -> None:
         ("B: tail batching + PAT", rollout_config(True, False, False, args.seed)),
         ("C: tail batching + PAT + SAGC", rollout_config(True, True, False, args.seed)),
     ]
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_tiny_model(Path(tmp) / "policy", TinyModelSpec(seed=args.seed))
-        arms = [Arm(label, cfg, pool, model_dir, args.seed, args.lr) for label, cfg in arms_cfg]
-        try:
-            for it in range(args.iterations):
-                for arm in arms:
-                    arm.step(it, 0.2)
-        finally:
-            for arm in arms:
-                arm.close()
+    arms = run_in_turn(args, lambda model_dir: [Arm(label, cfg, pool, model_dir, args.seed, args.lr)
+                                                for label, cfg in arms_cfg])
     base = statistics.fmean(r["rollout_s"] for r in arms[0].rows)
     summary = []
     for arm in arms:
