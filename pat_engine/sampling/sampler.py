@@ -330,6 +330,26 @@ class Sampled:
     top: list[list[tuple[int, float]]] | None = None  # per row: (token id, log-prob), most likely first
 
 
+def _raw_logprobs(raw_logits: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch,
+                  processed: torch.Tensor | None) -> torch.Tensor:
+    """Every row's raw log-prob (float64). A sampled row at temperature 1 with no filter and no
+    processor drew from the raw distribution itself: its processed log-prob is the raw one, the same
+    bits (the same kernel sums), so it is not computed twice."""
+    same = None
+    if processed is not None and logits is raw_logits and logits.dtype != torch.float64:
+        same = (batch.temperature.squeeze(1) == 1.0) & (batch.top_k <= 0) & (batch.top_p.squeeze(1) >= 1.0)
+        if batch.min_p is not None:
+            same &= batch.min_p.squeeze(1) <= 0.0
+    if same is None or not bool(same.any()):
+        return token_logprobs(raw_logits, tokens)
+    chosen = torch.empty(tokens.shape[0], dtype=torch.float64, device=tokens.device)
+    chosen.index_copy_(0, batch.sampled[same], processed[same])
+    rest = torch.ones_like(tokens, dtype=torch.bool).index_fill(0, batch.sampled[same], False).nonzero().squeeze(1)
+    if rest.numel():
+        chosen.index_copy_(0, rest, token_logprobs(raw_logits.index_select(0, rest), tokens.index_select(0, rest)))
+    return chosen
+
+
 def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
     """logits: (B, vocab). Raw log-probs come from the model's logits (tokens suppressed before
     ``min_new_tokens`` excluded); processed ones from the distribution the token was drawn from."""
@@ -342,7 +362,7 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
         tokens = tokens.index_copy(0, batch.sampled, drawn)
     if not batch.logprobs:
         return Sampled(tokens.tolist())
-    chosen = token_logprobs(raw_logits, tokens)
+    chosen = _raw_logprobs(raw_logits, logits, tokens, batch, processed)
     if processed is not None:  # sampled rows in processed mode: under the distribution drawn from
         rows = batch.sampled[batch.processed_rows]
         chosen = chosen.index_copy(0, rows, processed[batch.processed_rows])

@@ -80,36 +80,33 @@ inline float weight(const T* x, int64_t i, float m, float it, float floor) {
 }
 
 template <typename T>
-inline double lane_sum(const T* x, int64_t n, float m, float it, float floor) {
+inline double lane_sum(const T* x, int64_t n, float m, float it, float floor, float* e = nullptr) {
+  // ``e``, when given, keeps every weight for the scan that follows (computed once)
   double acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    float e[kLanes];
-    for (int j = 0; j < kLanes; ++j) e[j] = weight(x, i + j, m, it, floor);
-    for (int j = 0; j < kLanes; ++j) acc[j] += static_cast<double>(e[j]);
+    float w[kLanes];
+    for (int j = 0; j < kLanes; ++j) w[j] = weight(x, i + j, m, it, floor);
+    for (int j = 0; j < kLanes; ++j) acc[j] += static_cast<double>(w[j]);
+    if (e != nullptr)
+      for (int j = 0; j < kLanes; ++j) e[i + j] = w[j];
   }
-  for (int j = 0; i + j < n; ++j) acc[j] += static_cast<double>(weight(x, i + j, m, it, floor));
+  for (int j = 0; i + j < n; ++j) {
+    const float w = weight(x, i + j, m, it, floor);
+    acc[j] += static_cast<double>(w);
+    if (e != nullptr) e[i + j] = w;
+  }
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-template <typename T>
-inline int64_t scan(const T* x, int64_t n, float m, float it, float floor, double target) {
-  // blocks of eight weights computed together (they vectorise), then added one by one in id order
+inline int64_t scan(const float* e, int64_t n, double target) {
+  // the weights added one by one in id order until their running sum passes the target
   double s = 0.0;
   int64_t last = 0;
-  for (int64_t i = 0; i < n; i += kLanes) {
-    const int k = static_cast<int>(n - i < kLanes ? n - i : kLanes);
-    float e[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
-    if (k == kLanes) {
-      for (int j = 0; j < kLanes; ++j) e[j] = weight(x, i + j, m, it, floor);
-    } else {
-      for (int j = 0; j < k; ++j) e[j] = weight(x, i + j, m, it, floor);
-    }
-    for (int j = 0; j < k; ++j) {
-      if (e[j] > 0.0f) last = i + j;
-      s += static_cast<double>(e[j]);
-      if (s > target) return i + j;
-    }
+  for (int64_t i = 0; i < n; ++i) {
+    if (e[i] > 0.0f) last = i;
+    s += static_cast<double>(e[i]);
+    if (s > target) return i;
   }
   return last;  // rounding left u * Z at or above the whole sum: the last token that has mass
 }
@@ -133,11 +130,12 @@ void rows(const at::Tensor& x, const at::Tensor& inv_temp, const at::Tensor& flo
   float* zp = z_token.mutable_data_ptr<float>();
   double* zs = z_sum.mutable_data_ptr<double>();
   at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> e(draw ? n : 0);
     for (int64_t r = begin; r < end; ++r) {
       const T* row = xp + r * xs;
       const float m = row_max(row, n), it = itp[r], fl = fp[r];
-      const double z = lane_sum(row, n, m, it, fl);
-      const int64_t t = draw ? scan(row, n, m, it, fl, up[r] * z) : first_max(row, n, m);
+      const double z = lane_sum(row, n, m, it, fl, draw ? e.data() : nullptr);
+      const int64_t t = draw ? scan(e.data(), n, up[r] * z) : first_max(row, n, m);
       tp[r] = t;
       zp[r] = (to_float(row[t]) - m) * it;
       zs[r] = z;
