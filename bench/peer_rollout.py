@@ -113,7 +113,7 @@ class PatRollout:
 class VllmRollout(VllmEngine):
     def run_workload(self, w: Workload) -> tuple[float, list[list[int]]]:
         return self.ask({"prompts": w.prompts, "max_tokens": w.max_tokens, "n": w.n, "temperature": w.temperature,
-                         "top_p": w.top_p, "seed": 0, "logprobs": 0 if w.n > 1 else None})
+                         "top_p": w.top_p, "logprobs": 0 if w.n > 1 else None})
 
 
 def model_path(name: str) -> str:
