@@ -215,10 +215,33 @@ inline uint32_t ordered_bits(float f) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);  // unsigned order = float order
 }
 
+// Sorts keys whose low 32 bits (the token id) already ascend: a stable radix sort on the high 32
+// bits (two passes of 16) keeps that order among equal logits; small sets take std::sort.
+inline void sort_keys(std::vector<uint64_t>& keys, std::vector<uint64_t>& scratch) {
+  if (keys.size() < 4096) {
+    std::sort(keys.begin(), keys.end());
+    return;
+  }
+  scratch.resize(keys.size());
+  std::vector<uint32_t> start(1 << 16);
+  for (int shift : {32, 48}) {
+    std::fill(start.begin(), start.end(), 0u);
+    for (uint64_t k : keys) ++start[(k >> shift) & 0xffff];
+    uint32_t sum = 0;
+    for (auto& c : start) {
+      const uint32_t here = c;
+      c = sum;
+      sum += here;
+    }
+    for (uint64_t k : keys) scratch[start[(k >> shift) & 0xffff]++] = k;
+    keys.swap(scratch);
+  }
+}
+
 template <typename T>
 void prefix_row(const T* row, int64_t n, float it, float fl, double u, int64_t top_k, double top_p,
                 int64_t* token, float* z_token, double* z_kept, std::vector<float>& e, std::vector<char>& kept,
-                std::vector<std::pair<float, int64_t>>& cand) {
+                std::vector<uint64_t>& cand, std::vector<uint64_t>& scratch) {
   const float m = row_max(row, n);
   const float no_floor = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < n; ++i) e[i] = weight(row, i, m, it, no_floor);
@@ -248,19 +271,19 @@ void prefix_row(const T* row, int64_t n, float it, float fl, double u, int64_t t
   int64_t keep = 0;
   for (int pass = 0; pass < 2 && keep == 0; ++pass) {  // pass 1 (rounding beat the margin): every token
     cand.clear();
-    for (int64_t i = 0; i < n; ++i)
-      if (pass == 1 || static_cast<int>(ordered_bits(to_float(row[i])) >> 20) >= low)
-        cand.emplace_back(to_float(row[i]), i);
-    std::sort(cand.begin(), cand.end(), [](const auto& a, const auto& b) {
-      return a.first > b.first || (a.first == b.first && a.second < b.second);
-    });
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t bits = ordered_bits(to_float(row[i]));
+      if (pass == 1 || static_cast<int>(bits >> 20) >= low)
+        cand.push_back((static_cast<uint64_t>(~bits) << 32) | static_cast<uint64_t>(i));  // ascending = x desc, id asc
+    }
+    sort_keys(cand, scratch);
     const int64_t c = static_cast<int64_t>(cand.size());
     int64_t cut = std::min(k_cap, c);
     if (nucleus) {
       double running = 0.0;
       int64_t reached = -1;
       for (int64_t j = 0; j < c; ++j) {
-        running += e[cand[j].second];
+        running += e[static_cast<int64_t>(cand[j] & 0xffffffffu)];
         if (!(running < target)) {
           reached = j + 1;
           break;
@@ -272,7 +295,7 @@ void prefix_row(const T* row, int64_t n, float it, float fl, double u, int64_t t
     keep = cut;
   }
   std::fill(kept.begin(), kept.end(), 0);
-  for (int64_t j = 0; j < keep; ++j) kept[cand[j].second] = 1;
+  for (int64_t j = 0; j < keep; ++j) kept[static_cast<int64_t>(cand[j] & 0xffffffffu)] = 1;
   // the draw over the kept tokens, in id order, with the floor: as the masked row in rows() would
   double acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int64_t i = 0; i < n; ++i)
@@ -311,10 +334,10 @@ void prefix_rows(const at::Tensor& x, const at::Tensor& inv_temp, const at::Tens
   at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> e(n);
     std::vector<char> kept(n);
-    std::vector<std::pair<float, int64_t>> cand;
+    std::vector<uint64_t> cand, scratch;
     cand.reserve(n);
     for (int64_t r = begin; r < end; ++r)
-      prefix_row(xp + r * xs, n, itp[r], fp[r], up[r], kp[r], pp[r], tp + r, zp + r, zs + r, e, kept, cand);
+      prefix_row(xp + r * xs, n, itp[r], fp[r], up[r], kp[r], pp[r], tp + r, zp + r, zs + r, e, kept, cand, scratch);
   });
 }
 
