@@ -19,6 +19,7 @@
 
 #pragma GCC optimize("fp-contract=off")
 
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -118,27 +119,60 @@ inline int64_t first_max(const T* x, int64_t n, float m) {
   return 0;
 }
 
+// ---- the entry points' shared checks and outputs ---------------------------------------------------------
+
+void check_vector(const at::Tensor& t, at::ScalarType dtype, int64_t rows, const char* what) {
+  TORCH_CHECK(t.scalar_type() == dtype && t.is_contiguous() && t.numel() == rows, what);
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& inv_temp, const at::Tensor& floor) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, "x must be CPU (rows, vocab), unit stride");
+  TORCH_CHECK(x.size(1) > 0, "an empty vocabulary");
+  check_vector(inv_temp, at::kFloat, x.size(0), "inv_temp must be float32 (rows,)");
+  check_vector(floor, at::kFloat, x.size(0), "floor must be float32 (rows,)");
+}
+
+// What a draw answers per row, and the raw pointers a row loop writes through.
+struct Draws {
+  at::Tensor token, z_token, z_sum;
+  explicit Draws(const at::Tensor& x)
+      : token(at::empty({x.size(0)}, x.options().dtype(at::kLong))),
+        z_token(at::empty({x.size(0)}, x.options().dtype(at::kFloat))),
+        z_sum(at::empty({x.size(0)}, x.options().dtype(at::kDouble))) {}
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> out() const { return {token, z_token, z_sum}; }
+};
+
+// One row's read-only inputs (logits, inverse temperature, floor, uniform) and its outputs.
 template <typename T>
-void rows(const at::Tensor& x, const at::Tensor& inv_temp, const at::Tensor& floor, const at::Tensor& u, bool draw,
-          at::Tensor& token, at::Tensor& z_token, at::Tensor& z_sum) {
-  const int64_t b = x.size(0), n = x.size(1), xs = x.stride(0);
-  const T* xp = x.const_data_ptr<T>();
-  const float* itp = inv_temp.const_data_ptr<float>();
-  const float* fp = floor.const_data_ptr<float>();
-  const double* up = u.const_data_ptr<double>();
-  int64_t* tp = token.mutable_data_ptr<int64_t>();
-  float* zp = z_token.mutable_data_ptr<float>();
-  double* zs = z_sum.mutable_data_ptr<double>();
+struct RowArgs {
+  const T* x;
+  int64_t n, stride;
+  const float* inv_temp;
+  const float* floor;
+  const double* u;
+  int64_t* token;
+  float* z_token;
+  double* z_sum;
+  RowArgs(const at::Tensor& logits, const at::Tensor& it, const at::Tensor& fl, const at::Tensor& uniforms, Draws& d)
+      : x(logits.const_data_ptr<T>()), n(logits.size(1)), stride(logits.stride(0)),
+        inv_temp(it.const_data_ptr<float>()), floor(fl.const_data_ptr<float>()), u(uniforms.const_data_ptr<double>()),
+        token(d.token.mutable_data_ptr<int64_t>()), z_token(d.z_token.mutable_data_ptr<float>()),
+        z_sum(d.z_sum.mutable_data_ptr<double>()) {}
+  const T* row(int64_t r) const { return x + r * stride; }
+};
+
+template <typename T>
+void rows(const RowArgs<T>& a, int64_t b, bool draw) {
   at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> e(draw ? n : 0);
+    std::vector<float> e(draw ? a.n : 0);
     for (int64_t r = begin; r < end; ++r) {
-      const T* row = xp + r * xs;
-      const float m = row_max(row, n), it = itp[r], fl = fp[r];
-      const double z = lane_sum(row, n, m, it, fl, draw ? e.data() : nullptr);
-      const int64_t t = draw ? scan(e.data(), n, up[r] * z) : first_max(row, n, m);
-      tp[r] = t;
-      zp[r] = (to_float(row[t]) - m) * it;
-      zs[r] = z;
+      const T* row = a.row(r);
+      const float m = row_max(row, a.n), it = a.inv_temp[r], fl = a.floor[r];
+      const double z = lane_sum(row, a.n, m, it, fl, draw ? e.data() : nullptr);
+      const int64_t t = draw ? scan(e.data(), a.n, a.u[r] * z) : first_max(row, a.n, m);
+      a.token[r] = t;
+      a.z_token[r] = (to_float(row[t]) - m) * it;
+      a.z_sum[r] = z;
     }
   });
 }
@@ -146,24 +180,13 @@ void rows(const at::Tensor& x, const at::Tensor& inv_temp, const at::Tensor& flo
 std::tuple<at::Tensor, at::Tensor, at::Tensor> inverse_cdf_cpu(const at::Tensor& x, const at::Tensor& inv_temp,
                                                                const at::Tensor& floor, const at::Tensor& u,
                                                                bool draw) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, "x must be CPU (rows, vocab), unit stride");
-  const int64_t b = x.size(0);
-  TORCH_CHECK(x.size(1) > 0, "an empty vocabulary");
-  TORCH_CHECK(inv_temp.scalar_type() == at::kFloat && inv_temp.is_contiguous() && inv_temp.numel() == b,
-              "inv_temp must be float32 (rows,)");
-  TORCH_CHECK(floor.scalar_type() == at::kFloat && floor.is_contiguous() && floor.numel() == b,
-              "floor must be float32 (rows,)");
-  TORCH_CHECK(u.scalar_type() == at::kDouble && u.is_contiguous() && u.numel() == b, "u must be float64 (rows,)");
-  at::Tensor token = at::empty({b}, x.options().dtype(at::kLong));
-  at::Tensor z_token = at::empty({b}, x.options().dtype(at::kFloat));
-  at::Tensor z_sum = at::empty({b}, x.options().dtype(at::kDouble));
-  switch (x.scalar_type()) {
-    case at::kFloat: rows<float>(x, inv_temp, floor, u, draw, token, z_token, z_sum); break;
-    case at::kDouble: rows<double>(x, inv_temp, floor, u, draw, token, z_token, z_sum); break;
-    case at::kBFloat16: rows<c10::BFloat16>(x, inv_temp, floor, u, draw, token, z_token, z_sum); break;
-    default: TORCH_CHECK(false, "float32, float64 or bfloat16 logits expected");
-  }
-  return {token, z_token, z_sum};
+  check_rows(x, inv_temp, floor);
+  check_vector(u, at::kDouble, x.size(0), "u must be float64 (rows,)");
+  Draws d(x);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "inverse_cdf_cpu", [&] {
+    rows(RowArgs<scalar_t>(x, inv_temp, floor, u, d), x.size(0), draw);
+  });
+  return d.out();
 }
 
 template <typename T>
@@ -185,18 +208,11 @@ void weight_rows(const at::Tensor& x, const at::Tensor& inv_temp, const at::Tens
 
 // Every token's weight e_i (the rule above), float32 (B, V): what top_p's prefix mass is read from.
 at::Tensor weights_cpu(const at::Tensor& x, const at::Tensor& inv_temp, const at::Tensor& floor) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, "x must be CPU (rows, vocab), unit stride");
-  TORCH_CHECK(inv_temp.scalar_type() == at::kFloat && inv_temp.is_contiguous() && inv_temp.numel() == x.size(0),
-              "inv_temp must be float32 (rows,)");
-  TORCH_CHECK(floor.scalar_type() == at::kFloat && floor.is_contiguous() && floor.numel() == x.size(0),
-              "floor must be float32 (rows,)");
+  check_rows(x, inv_temp, floor);
   at::Tensor e = at::empty({x.size(0), x.size(1)}, x.options().dtype(at::kFloat));
-  switch (x.scalar_type()) {
-    case at::kFloat: weight_rows<float>(x, inv_temp, floor, e); break;
-    case at::kDouble: weight_rows<double>(x, inv_temp, floor, e); break;
-    case at::kBFloat16: weight_rows<c10::BFloat16>(x, inv_temp, floor, e); break;
-    default: TORCH_CHECK(false, "float32, float64 or bfloat16 logits expected");
-  }
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "weights_cpu", [&] {
+    weight_rows<scalar_t>(x, inv_temp, floor, e);
+  });
   return e;
 }
 
@@ -318,54 +334,31 @@ void prefix_row(const T* row, int64_t n, float it, float fl, double u, int64_t t
 }
 
 template <typename T>
-void prefix_rows(const at::Tensor& x, const at::Tensor& inv_temp, const at::Tensor& floor, const at::Tensor& u,
-                 const at::Tensor& top_k, const at::Tensor& top_p, at::Tensor& token, at::Tensor& z_token,
-                 at::Tensor& z_sum) {
-  const int64_t b = x.size(0), n = x.size(1), xs = x.stride(0);
-  const T* xp = x.const_data_ptr<T>();
-  const float* itp = inv_temp.const_data_ptr<float>();
-  const float* fp = floor.const_data_ptr<float>();
-  const double* up = u.const_data_ptr<double>();
-  const int64_t* kp = top_k.const_data_ptr<int64_t>();
-  const double* pp = top_p.const_data_ptr<double>();
-  int64_t* tp = token.mutable_data_ptr<int64_t>();
-  float* zp = z_token.mutable_data_ptr<float>();
-  double* zs = z_sum.mutable_data_ptr<double>();
+void prefix_rows(const RowArgs<T>& a, int64_t b, const int64_t* top_k, const double* top_p) {
   at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> e(n);
-    std::vector<char> kept(n);
+    std::vector<float> e(a.n);
+    std::vector<char> kept(a.n);
     std::vector<uint64_t> cand, scratch;
-    cand.reserve(n);
+    cand.reserve(a.n);
     for (int64_t r = begin; r < end; ++r)
-      prefix_row(xp + r * xs, n, itp[r], fp[r], up[r], kp[r], pp[r], tp + r, zp + r, zs + r, e, kept, cand, scratch);
+      prefix_row(a.row(r), a.n, a.inv_temp[r], a.floor[r], a.u[r], top_k[r], top_p[r], a.token + r, a.z_token + r,
+                 a.z_sum + r, e, kept, cand, scratch);
   });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> inverse_cdf_prefix_cpu(const at::Tensor& x, const at::Tensor& inv_temp,
                                                                       const at::Tensor& floor, const at::Tensor& u,
                                                                       const at::Tensor& top_k, const at::Tensor& top_p) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, "x must be CPU (rows, vocab), unit stride");
-  const int64_t b = x.size(0);
-  TORCH_CHECK(x.size(1) > 0, "an empty vocabulary");
-  TORCH_CHECK(inv_temp.scalar_type() == at::kFloat && inv_temp.is_contiguous() && inv_temp.numel() == b,
-              "inv_temp must be float32 (rows,)");
-  TORCH_CHECK(floor.scalar_type() == at::kFloat && floor.is_contiguous() && floor.numel() == b,
-              "floor must be float32 (rows,)");
-  TORCH_CHECK(u.scalar_type() == at::kDouble && u.is_contiguous() && u.numel() == b, "u must be float64 (rows,)");
-  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.is_contiguous() && top_k.numel() == b,
-              "top_k must be int64 (rows,)");
-  TORCH_CHECK(top_p.scalar_type() == at::kDouble && top_p.is_contiguous() && top_p.numel() == b,
-              "top_p must be float64 (rows,)");
-  at::Tensor token = at::empty({b}, x.options().dtype(at::kLong));
-  at::Tensor z_token = at::empty({b}, x.options().dtype(at::kFloat));
-  at::Tensor z_sum = at::empty({b}, x.options().dtype(at::kDouble));
-  switch (x.scalar_type()) {
-    case at::kFloat: prefix_rows<float>(x, inv_temp, floor, u, top_k, top_p, token, z_token, z_sum); break;
-    case at::kDouble: prefix_rows<double>(x, inv_temp, floor, u, top_k, top_p, token, z_token, z_sum); break;
-    case at::kBFloat16: prefix_rows<c10::BFloat16>(x, inv_temp, floor, u, top_k, top_p, token, z_token, z_sum); break;
-    default: TORCH_CHECK(false, "float32, float64 or bfloat16 logits expected");
-  }
-  return {token, z_token, z_sum};
+  check_rows(x, inv_temp, floor);
+  check_vector(u, at::kDouble, x.size(0), "u must be float64 (rows,)");
+  check_vector(top_k, at::kLong, x.size(0), "top_k must be int64 (rows,)");
+  check_vector(top_p, at::kDouble, x.size(0), "top_p must be float64 (rows,)");
+  Draws d(x);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "inverse_cdf_prefix_cpu", [&] {
+    prefix_rows(RowArgs<scalar_t>(x, inv_temp, floor, u, d), x.size(0), top_k.const_data_ptr<int64_t>(),
+                top_p.const_data_ptr<double>());
+  });
+  return d.out();
 }
 
 }  // namespace
