@@ -44,7 +44,7 @@ from pathlib import Path
 
 import httpx
 
-from common import markdown_table, write_result
+from common import markdown_table, settled_kv, write_result
 from faults import AUTH, KEY, MAX_LEN, bad_inputs, send_bad
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
 
@@ -91,6 +91,13 @@ def classify(tally: Tally, kind: str, want: list[int], got: list[int], finish: s
         tally.errors[f"finished as {finish} with a prefix of the reference"] += 1
 
 
+def in_band_error(tally: Tally, kind: str, error: dict) -> None:
+    """A stream that ended with an error object: an explicit error, not a lost request."""
+    tally.by_kind[kind] += 1
+    tally.outcomes["explicit error"] += 1
+    tally.errors[f"in-band error: {error.get('message', '')[:60]}"] += 1
+
+
 def http_error(tally: Tally, kind: str, status: int, text: str) -> None:
     tally.by_kind[kind] += 1
     try:
@@ -126,10 +133,7 @@ async def one_request(client: httpx.AsyncClient, prompt: Prompt, want: list[int]
                 last = None
                 async for obj in sse_objects(r):
                     if "error" in obj:
-                        tally.by_kind[kind] += 1
-                        tally.outcomes["explicit error"] += 1
-                        tally.errors[f"in-band error: {obj['error'].get('message', '')[:60]}"] += 1
-                        return
+                        return in_band_error(tally, kind, obj["error"])
                     last = obj
             if last is None:
                 tally.outcomes["lost"] += 1
@@ -151,10 +155,7 @@ async def one_request(client: httpx.AsyncClient, prompt: Prompt, want: list[int]
                 got, finish = [], None
                 async for obj in sse_objects(r):
                     if "error" in obj:
-                        tally.by_kind[kind] += 1
-                        tally.outcomes["explicit error"] += 1
-                        tally.errors[f"in-band error: {obj['error']['message'][:60]}"] += 1
-                        return
+                        return in_band_error(tally, kind, obj["error"])
                     if kind == "hang-up":  # leave after the first chunk
                         tally.outcomes["hung up"] += 1
                         tally.by_kind[kind] += 1
@@ -281,16 +282,6 @@ def references(url: str, prompts: list[Prompt]) -> list[list[int]]:
             "max_new_tokens": p.max_new, "temperature": 0, "ignore_eos": True}}).json()["output_ids"] for p in prompts]
 
 
-def settle(url: str, timeout: float = 60.0) -> tuple[dict, int]:
-    deadline = time.monotonic() + timeout
-    with httpx.Client(base_url=url, headers=AUTH, timeout=60) as c:
-        while True:
-            kv = c.get("/pat/kv").json()
-            if kv["unfinished"] == 0 or time.monotonic() > deadline:
-                return kv, c.get("/health").status_code
-            time.sleep(0.2)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=600.0)
@@ -326,7 +317,8 @@ def main() -> None:
             stop.set()
             bad.join(150)
             wall = time.monotonic() - start
-            kv, health = settle(url)
+            kv = settled_kv(url, AUTH, timeout=60)
+            health = httpx.get(url + "/health", headers=AUTH, timeout=60).status_code
         finally:
             proc.terminate()
             proc.wait(60)

@@ -6,6 +6,7 @@ import datetime
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from pat_engine.platform_info import machine_summary
@@ -49,3 +50,17 @@ def write_result(name: str, title: str, body: str) -> Path:
     path = RESULTS / f"{name}.md"
     path.write_text(text)
     return path
+
+
+def settled_kv(url: str, headers: dict | None = None, timeout: float = 30.0) -> dict:
+    """pat-serve's ``/pat/kv`` once nothing runs (or ``timeout`` passes): aborts of hung-up streams
+    land within about half a second of the hang-up."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
+        while True:
+            kv = client.get("/pat/kv").json()
+            if kv["unfinished"] == 0 or time.monotonic() > deadline:
+                return kv
+            time.sleep(0.2)

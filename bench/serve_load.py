@@ -40,7 +40,7 @@ from pathlib import Path
 
 import httpx
 
-from common import markdown_table, write_result
+from common import markdown_table, settled_kv, write_result
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -149,16 +149,6 @@ async def client_loop(cid: int, url: str, deadline: float, load: Load, disconnec
 
 async def run_clients(n: int, url: str, deadline: float, load: Load, disconnect_rate: float = 0.0) -> None:
     await asyncio.gather(*(client_loop(c, url, deadline, load, disconnect_rate) for c in range(n)))
-
-
-def settled_kv(url: str, timeout: float = 30.0) -> dict:
-    """``/pat/kv`` once nothing runs (aborts of hung-up streams land within about half a second)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        kv = httpx.get(url + "/pat/kv", timeout=60).json()
-        if kv["unfinished"] == 0 or time.monotonic() > deadline:
-            return kv
-        time.sleep(0.2)
 
 
 def metric_sum(text: str, name: str) -> float:
