@@ -49,7 +49,7 @@ def weights(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor) -> tup
     """(e, m): every token's unnormalised weight (B, V) float32 and each row's max logit (B, 1)."""
     inv_temp, floor = inv_temp.to(torch.float32).contiguous(), floor.to(torch.float32).contiguous()
     if cpu_sample is not None and cpu_sample.usable(x):
-        return cpu_sample.weights(x.contiguous(), inv_temp, floor), x.float().max(dim=-1, keepdim=True).values
+        return cpu_sample.weights(x.contiguous(), inv_temp, floor), x.max(dim=-1, keepdim=True).values.float()
     return _torch_weights(x, inv_temp, floor)
 
 
@@ -107,7 +107,7 @@ def log_norm(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ones = torch.ones(rows, dtype=torch.float32, device=x.device)
     floor = torch.full((rows,), float("-inf"), dtype=torch.float32, device=x.device)
     _, _, z_sum = inverse_cdf(x, ones, floor, None, draw=False)
-    return x.float().max(dim=-1).values, z_sum
+    return x.max(dim=-1).values.float(), z_sum  # the max is exact in any dtype: no float copy of the rows
 
 
 def inverse_cdf_in_prefix(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor, u: torch.Tensor,
