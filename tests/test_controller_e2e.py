@@ -57,10 +57,13 @@ def test_controller_switches_on_its_own_and_tokens_match_static(engine):
 
     auto = [e for e in events if e.reason != "new stage: base layout"]
     layouts = [e.to_layout for e in auto]
-    # up as the batch shrinks (usually TP2 then TP4; when the groups drift apart a check may skip TP2),
-    # ending on TP4 for the last request
+    # up as the batch shrinks, ending on TP4 for the last request. The path between is not fixed: the DP
+    # groups run unsynchronised, so a check may see 2 requests left and go to TP4, and then, rightly,
+    # back to TP2xDP2 if those 2 are better served one per group (the table says 0.007 s < 0.008 s a step).
     tps = [int(name[2]) for name in layouts]
-    assert tps and tps == sorted(set(tps)) and tps[-1] == 4, layouts
+    why = [(e.to_layout, e.ok, e.reason) for e in events]  # printed if an assertion fails
+    assert tps and min(tps) > 1 and tps[-1] == 4, why
+    assert all(a != b for a, b in zip(layouts, layouts[1:])), why
     for ev in auto:
         assert ev.ok and ev.reason.startswith(controller.estimator.name)
         d = ev.decision
