@@ -14,6 +14,10 @@ Driver side (a real ``Engine``, one worker process): per decode step, the round 
 gap between one result and the next dispatch is the driver's scheduling and bookkeeping.
 
     PYTHONPATH=.:profiler:integrations:csrc python bench/step_breakdown.py --label after
+
+``--rollout``: whole RL rollouts instead (bench/peer_rollout.py's ragged, long-tailed, n-sample
+workloads on its two model shapes), each split into prefill, decode forward, LM head + sampling,
+the worker round trip and the driver, with the tail's steps counted apart.
 """
 
 from __future__ import annotations
@@ -165,6 +169,63 @@ def driver_row(path: str, batch: int, args) -> dict:
     }
 
 
+TAIL_BATCH = 8  # a decode step with at most this many rows is "tail"
+
+
+def rollout_row(engine: Engine, w) -> dict:
+    """One whole RL rollout (peer_rollout's workloads) on a real engine, split by where its wall time went."""
+    params = [SamplingParams(max_new_tokens=m, min_new_tokens=m, n=w.n, temperature=w.temperature, top_p=w.top_p,
+                             seed=1000 + i, logprobs=w.n > 1) for i, m in enumerate(w.max_tokens)]
+    with engine.record_steps() as log:
+        t = time.perf_counter()
+        engine.generate(w.prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t
+    prefill = [r for r in log if r.is_prefill]
+    decode = [r for r in log if not r.is_prefill]
+    tail = [r for r in decode if r.batch_size <= TAIL_BATCH]
+    return {
+        "wall": wall,
+        "prefill": sum(r.seconds for r in prefill),
+        "decode forward": sum(r.forward_seconds - r.head_seconds - r.sample_seconds for r in decode),
+        "LM head": sum(r.head_seconds for r in decode),
+        "sampling": sum(r.sample_seconds for r in decode),
+        "ipc": sum(r.seconds - r.forward_seconds for r in decode),
+        "driver": wall - sum(r.seconds for r in log),
+        "steps": f"{len(prefill)} + {len(decode)}",
+        "tail": f"{len(tail)} steps, {sum(r.seconds for r in tail):.2f} s, "
+                f"{1000 * statistics.median([r.seconds for r in tail] or [0]):.1f} ms/step",
+    }
+
+
+ROLLOUT_PARTS = ["prefill", "decode forward", "LM head", "sampling", "ipc", "driver"]
+
+
+def rollout_tables(args) -> str:
+    """The RL rollout split for both peer_rollout shapes: where the seconds of each workload go."""
+    from peer_rollout import MAX_LEN, SHAPES, model_path, workloads
+
+    rows = []
+    for shape in SHAPES:
+        path = model_path(shape)
+        loads = workloads(SHAPES[shape].vocab_size, seed=7)
+        with Engine(path, tp=1, dtype="float32", max_model_len=MAX_LEN, threads_per_worker=args.threads) as engine:
+            warm = type(loads[0])("warm-up", loads[0].prompts[:4], [8] * 4)
+            rollout_row(engine, warm)
+            for w in loads:
+                r = rollout_row(engine, w)
+                rows.append([args.label, shape, w.name, f"{r['wall']:.2f}"]
+                            + [f"{r[p]:.2f} ({100 * r[p] / r['wall']:.0f}%)" for p in ROLLOUT_PARTS]
+                            + [r["steps"], r["tail"]])
+                print(rows[-1], flush=True)
+    return (f"## Whole RL rollouts (bench/peer_rollout.py's workloads), seconds and share of the wall time\n\n"
+            f"One engine, TP1, float32, {args.threads} threads. *prefill*: prefill steps, dispatch to result; "
+            "*decode forward*: the worker's decode steps without the LM head and sampling; *LM head*: "
+            "the logits of the decode steps; *sampling*: log-probs and the draw; *ipc*: pickling + socket + wake-ups of decode steps; *driver*: "
+            "wall time with no step in flight (scheduling, bookkeeping, detokenising, outputs); *tail*: decode "
+            f"steps of at most {TAIL_BATCH} rows.\n\n"
+            + markdown_table(["run", "model", "workload", "wall s"] + ROLLOUT_PARTS + ["steps", "tail"], rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
@@ -174,11 +235,18 @@ def main() -> None:
     ap.add_argument("--kv-cache-bytes", type=int, default=None,
                     help="the driver rows' engine KV bytes (default: the engine's own; 67108864 was the old CPU default)")
     ap.add_argument("--driver-only", action="store_true", help="skip the in-process worker rows")
+    ap.add_argument("--rollout", action="store_true",
+                    help="split whole RL rollouts (peer_rollout's workloads) instead of single decode steps; "
+                         "writes bench/results/step_breakdown_rollout_<label>.md")
     ap.add_argument("--label", default="current", help="names this run in the results file (e.g. before/after)")
     ap.add_argument("--compare-with", help="an earlier run's results file (e.g. of the code before a change): "
                     "its tables are included and the result is written to bench/results/step_breakdown.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.rollout:
+        write_result(f"step_breakdown_rollout_{args.label}", f"RL rollout breakdown ({args.label})",
+                     f"Load average before: {open('/proc/loadavg').read().split()[0]}.\n\n" + rollout_tables(args))
+        return
     worker_rows, driver_rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         path = str(write_tiny_model(tmp, SPEC))

@@ -59,6 +59,8 @@ class StepRecord:
     seconds: float  # driver-side, dispatch to result
     forward_seconds: float  # worker-side forward + sampling on TP rank 0
     busy_groups: int  # groups with a step in flight when this one was dispatched
+    head_seconds: float = 0.0  # of forward_seconds: the LM head
+    sample_seconds: float = 0.0  # of forward_seconds: log-probs and the draw
 
 
 @dataclass
@@ -380,7 +382,8 @@ class GlobalCoordinator:
             self.step_log.append(StepRecord(
                 self.timeline.now(), self.layout.tp, self.layout.dp, msg.group, is_prefill, len(flight.batch),
                 sum(s.start_pos + len(s.token_ids) for s in flight.cmd.seqs), sum(len(s.token_ids) for s in flight.cmd.seqs),
-                time.monotonic() - flight.sent_at, msg.forward_seconds, flight.busy_groups))
+                time.monotonic() - flight.sent_at, msg.forward_seconds, flight.busy_groups, msg.head_seconds,
+                msg.sample_seconds))
         finished = sched.on_result(flight.batch, is_prefill, msg)
         for seq in flight.batch:
             if seq.seq_id in self.seqs:

@@ -162,14 +162,18 @@ class InferExecutor:
         with record_function("forward"):
             hidden = self.model(step.input_ids, step.positions, ctx)
         prompts = self._prompt_logprobs(cmd, hidden)  # every TP rank joins these logits gathers
+        head_start = time.perf_counter()
         with record_function("logits"):
             logits = self.model.compute_logits(hidden[step.logits_rows], self.tp)
         if logits is None:  # not the TP leader: nothing to report
             return None
+        sample_start = time.perf_counter()
         with record_function("sample"):
             out = sample_batch(logits, step.sampling)
+        end = time.perf_counter()
         return StepResult(cmd.step_id, self.layout.group_of(self.tp.ranks[0]), out.tokens, out.logprobs,
-                          time.perf_counter() - start, out.top, prompts or None)
+                          end - start, out.top, prompts or None, head_seconds=sample_start - head_start,
+                          sample_seconds=end - sample_start)
 
     def _prompt_logprobs(self, cmd: StepCommand, hidden: torch.Tensor) -> dict[int, PromptLogprobs]:
         """Prompt log-probs of the sequences that asked (a prefill packs each one's tokens in order)."""
