@@ -59,6 +59,10 @@ class AttentionMetadata:
     mask: torch.Tensor
     pad_index: torch.Tensor | None = None  # prefill only
     context_lens: torch.Tensor | None = None  # (B,) decode: for the paged decode kernels
+    # prefill of ragged prompts: rows of similar length run as separate padded groups (each part's
+    # ``tokens`` says which of the step's packed tokens it holds); the fields above then go unused
+    parts: list["AttentionMetadata"] | None = None
+    tokens: torch.Tensor | None = None  # in a part: (t,) indices into the step's packed tokens
 
 
 @runtime_checkable
@@ -163,6 +167,11 @@ class TorchAttention(AttentionBackend):
 
 def gather_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """The torch path, prefill and decode alike: gather each row's context blocks, then SDPA with the mask."""
+    if meta.parts is not None:  # ragged prefill: one padded call per group of similar rows
+        out = torch.empty_like(q)
+        for part in meta.parts:
+            out.index_copy_(0, part.tokens, gather_attention(q.index_select(0, part.tokens), kv_cache, part, scale))
+        return out
     kvh, hd = kv_cache.shape[-2:]
     b, nb = meta.block_tables.shape
     # index_select over whole blocks (contiguous rows) is several times faster than advanced indexing

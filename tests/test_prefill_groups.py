@@ -1,0 +1,72 @@
+"""Ragged prefill in groups of similar length: the same bits as one call padded to the longest prompt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pat_engine.model.arch import load_model_arch
+from pat_engine.parallel.comm import TPGroup
+from pat_engine.parallel.layout import Layout
+from pat_engine.protocol import SeqStep, StepCommand
+from pat_engine.sampling.sampler import SamplingSpec
+from pat_engine.worker import step_inputs
+from pat_engine.worker.infer_executor import InferExecutor
+from pat_engine.worker.step_inputs import prefill_row_groups
+
+BLOCK, BLOCKS_PER_SEQ = 4, 24
+
+
+def test_groups_bound_the_padding_and_keep_batch_order():
+    lens = [16, 250, 40, 17, 100, 256, 24, 60]
+    groups = prefill_row_groups(lens, ratio=1.5)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    for g in groups:
+        assert g == sorted(g)
+        assert max(lens[i] for i in g) <= 1.5 * min(lens[i] for i in g)
+    assert prefill_row_groups([7, 7, 8]) == [[0, 1, 2]]  # similar lengths: one call, as before
+    assert prefill_row_groups([5]) == [[0]]
+
+
+def _executor(path: str, dtype: torch.dtype) -> InferExecutor:
+    ex = InferExecutor(load_model_arch(path), Layout(1, 1), TPGroup(rank=0, size=1, ranks=(0,)), dtype,
+                       torch.device("cpu"), block_size=BLOCK, num_blocks=8 * BLOCKS_PER_SEQ + 1)
+    ex.load_weights(path)
+    return ex
+
+
+def _prefill(ex: InferExecutor, prompts: list[list[int]], cached: list[int]) -> tuple[list[int], list[float], torch.Tensor]:
+    """Prefill ``prompts`` (the first ``cached[i]`` tokens already in the KV cache from an earlier step):
+    sampled tokens, their log-probs and the whole KV pool."""
+    spec = [SamplingSpec(temperature=1.0, top_k=0, top_p=1.0, seed=i, logprobs=True) for i in range(len(prompts))]
+    tables = [list(range(1 + i * BLOCKS_PER_SEQ, 1 + (i + 1) * BLOCKS_PER_SEQ)) for i in range(len(prompts))]
+    if any(cached):
+        ex.execute(StepCommand(0, True, [SeqStep(i, p[:c], 0, block_table=t, sampling=s)
+                                         for i, (p, c, t, s) in enumerate(zip(prompts, cached, tables, spec)) if c]))
+    out = ex.execute(StepCommand(1, True, [SeqStep(i, p[c:], c, block_table=t, sampling=s)
+                                           for i, (p, c, t, s) in enumerate(zip(prompts, cached, tables, spec))]))
+    return out.tokens, out.logprobs, torch.cat([layer.flatten() for layer in ex.kv.layers])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_grouped_prefill_equals_one_padded_call(model_dir, monkeypatch, dtype):
+    """float64: the same bits. float32 and bfloat16 in the fast numerics mode: SDPA's rounding already
+    depends on how wide a row is padded (the batch's longest prompt), so grouping changes it the way
+    another batch would; tokens hold and log-probs agree to rounding. The invariant mode prefills
+    through the decode kernel, one row per token, and is not grouped (tests/test_invariant_numerics.py)."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [3, 70, 9, 41, 17, 90, 5, 33]
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in lengths]
+    cached = [0, 8, 0, 4, 0, 0, 0, 12]  # some rows continue after a cached prefix
+    path = model_dir("llama")
+    grouped = _prefill(_executor(path, dtype), prompts, cached)
+    assert len(prefill_row_groups([p - c for p, c in zip(lengths, cached)])) > 2  # the case under test
+    monkeypatch.setattr(step_inputs, "_PREFILL_GROUP_RATIO", float("inf"))  # one group: the old single call
+    single = _prefill(_executor(path, dtype), prompts, cached)
+    assert grouped[0] == single[0]
+    if dtype == torch.float64:
+        assert grouped[1] == single[1] and torch.equal(grouped[2], single[2])  # log-probs and the KV written
+    else:
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(torch.tensor(grouped[1]), torch.tensor(single[1]), rtol=0, atol=tol)
+        torch.testing.assert_close(grouped[2].float(), single[2].float(), rtol=tol, atol=tol)
