@@ -168,7 +168,8 @@ class StepInputBuilder:
 
     def _prefill_attention(self, slots: torch.Tensor, table: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
                            pos: torch.Tensor, row: torch.Tensor, offset: torch.Tensor, width: int) -> AttentionMetadata:
-        """Each sequence one row of ``max(lens)`` query slots; ``pad_index`` places the packed tokens."""
+        """Each sequence one row of ``max(lens)`` query slots; ``pad_index`` places the packed tokens.
+        ``cu_seqlens`` and ``context_lens`` give the same geometry unpadded, for the varlen kernels."""
         bs, query_len = self.block_size, int(lens.max())
         # query i of row b sees context j <= start_b + i (padding queries: the row's last token's view)
         last = starts + lens - 1
@@ -178,4 +179,6 @@ class StepInputBuilder:
             is_prefill=True, slot_mapping=self._bufs.fill("slots", slots), query_len=query_len,
             block_tables=self._bufs.fill("tables", table), mask=self._bufs.fill("mask", mask[:, None]),
             pad_index=self._bufs.fill("pad_index", row * query_len + offset),
+            context_lens=self._bufs.fill("prefill_lens", starts + lens),
+            cu_seqlens=self._bufs.fill("cu_seqlens", torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0))),
         )
