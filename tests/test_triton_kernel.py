@@ -84,6 +84,7 @@ def test_fast_rule_splits_only_the_tail():
     assert decode_splits(2, 8, 8192, 132, "fast") == 256  # 32 splits: 16 programs -> 512
     assert decode_splits(16, 8, 65536, 132, "fast") == 13120  # 5 splits reach the 528-program target
     assert decode_splits(1, 8, 300, 132, "fast") is None  # too short for two splits of 256
+    assert decode_splits(0, 8, 4096, 132, "fast") is None
     for batch in (1, 2, 4, 8, 16, 32):
         tps = decode_splits(batch, 8, 20_000, 132, "fast")
         assert tps is None or (tps % 16 == 0 and tps >= MIN_TOKENS_PER_SPLIT and -(-20_000 // tps) >= 2)

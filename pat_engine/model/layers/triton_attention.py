@@ -71,7 +71,7 @@ def decode_splits(batch: int, heads: int, max_context: int, sm_count: int, numer
         return _round_up(max(invariant_tokens_per_split, block_size), block_size)
     target = PROGRAMS_PER_SM * sm_count
     programs = batch * heads
-    if programs >= target:
+    if programs == 0 or programs >= target:
         return None
     splits = min(-(-target // programs), max_context // MIN_TOKENS_PER_SPLIT)
     if splits < 2:
