@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from pat_engine.errors import InvalidRequestError
+from pat_engine.model.layers.attention import BACKEND_NAMES
 
 KV_PATHS = ("migrate", "recompute")  # how a switch carries unfinished requests' KV
 NUMERICS = ("invariant", "fast")  # docs/numerics.md
@@ -68,6 +69,9 @@ class EngineConfig:
     # (row-parallel products summed over max_tp fixed chunks by one tree, prefill attention through the
     # decode kernel); "fast" lets the layout decide the rounding (one GEMM + all-reduce, SDPA prefill)
     numerics: str = DEFAULT_NUMERICS
+    # attention kernels (docs/attention.md): "auto" (Triton on CUDA, torch + the C++ decode kernel on the
+    # CPU), "torch", "triton" or "flashinfer" (pip install -e ".[gpu]")
+    attention_backend: str = "auto"
 
     # processes and failures
     threads_per_worker: int | None = None  # default: cores // world (at least 1)
@@ -85,6 +89,9 @@ class EngineConfig:
         check_kv_transfer(self.kv_transfer, allow_auto=True)
         if self.numerics not in NUMERICS:
             raise InvalidRequestError(f"numerics must be one of {', '.join(NUMERICS)}, got {self.numerics!r}")
+        if self.attention_backend not in BACKEND_NAMES:
+            raise InvalidRequestError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, "
+                                      f"got {self.attention_backend!r}")
         if self.device not in ("cpu", "cuda"):
             raise InvalidRequestError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -42,4 +42,4 @@ def test_the_torch_backend_is_chosen_in_one_place():
     assert isinstance(DEFAULT_BACKEND, TorchAttention) and isinstance(DEFAULT_BACKEND, AttentionBackend)
     assert attention_backend("torch").name == "torch"
     with pytest.raises(ValueError, match="attention backend must be one of"):
-        attention_backend("flashinfer")
+        attention_backend("paged")

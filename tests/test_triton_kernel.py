@@ -1,37 +1,307 @@
-"""The Triton paged decode kernel equals the torch path (run by Triton's CPU interpreter)."""
+"""The Triton attention kernels and backend against the torch path (run by Triton's CPU interpreter).
+
+Kernels: the one-program decode kernel, the split-KV decode kernel (long-tail batches, GQA,
+float32 and bfloat16), the packed varlen prefill kernel (ragged prompts, with and without cached
+context). Backend: the invariant mode's bits (a sequence alone = inside a batch = with half the
+heads, as at a higher TP; prefill = decode), the split rule as a pure function, the flashinfer
+backend's error. Under the interpreter every program runs in numpy, so the bitwise tests prove
+the kernels' structure (no value depends on the batch, the grid or the heads); ``gpu`` tests
+repeat them compiled.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 
 import pytest
 import torch
 
-from pat_engine.model.layers.attention import AttentionMetadata, paged_attention
+from pat_engine.model.layers.attention import AttentionBackend, AttentionMetadata, attention_backend, gather_attention
+from pat_engine.model.layers.triton_attention import (
+    INVARIANT_TOKENS_PER_SPLIT,
+    MIN_TOKENS_PER_SPLIT,
+    TritonAttention,
+    decode_splits,
+)
+from pat_engine.protocol import SeqStep, StepCommand
+from pat_engine.worker.step_inputs import StepInputBuilder
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the import of triton
-triton = pytest.importorskip("triton", reason="Triton is not installed (optional GPU extra)")
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="Triton is not installed (optional GPU extra)")
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+LONG_TAIL = [1, 3, 17, 70]
 
 
+def _pool(lens: list[int], bs: int, kvh: int, d: int, dtype: torch.dtype, seed: int = 0):
+    """A random pool (2, blocks, bs, kvh, d) and shuffled block tables (B, width) holding ``lens`` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // bs) for n in lens]
+    blocks = sum(need) + 3  # spare blocks hold garbage nobody may read
+    perm = torch.randperm(blocks, generator=g)
+    tables = torch.zeros(len(lens), max(need), dtype=torch.long)
+    at = 0
+    for row, n in enumerate(need):
+        tables[row, :n] = perm[at : at + n]
+        at += n
+    cache = torch.randn(2, blocks, bs, kvh, d, generator=g).to(dtype)
+    return cache.to(DEV), tables.to(DEV)
+
+
+def _decode_meta(tables: torch.Tensor, lens: list[int], bs: int) -> AttentionMetadata:
+    ctx = torch.tensor(lens, device=tables.device)
+    mask = (torch.arange(tables.shape[1] * bs, device=tables.device)[None, :] < ctx[:, None])[:, None, None, :]
+    return AttentionMetadata(False, torch.zeros(0, dtype=torch.long, device=tables.device), 1, tables, mask,
+                             context_lens=ctx)
+
+
+def _reference(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The torch gather path in float32 on the same (rounded) inputs."""
+    return gather_attention(q.float(), cache.float(), meta, scale)
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    return dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+
+
+# --- the split rule: a pure function (fast tier, no Triton) ---------------------------------------------------
+
+
+def test_invariant_rule_is_one_constant_for_every_step():
+    shapes = [(1, 1, 16, 132), (1, 32, 100_000, 132), (512, 64, 4096, 132), (3, 5, 70, 1), (256, 8, 64, 16)]
+    assert {decode_splits(*s, "invariant") for s in shapes} == {INVARIANT_TOKENS_PER_SPLIT}
+    assert decode_splits(1, 8, 4096, 132, "invariant", block_size=512) == 512  # a split is whole pages
+    assert decode_splits(9, 8, 4096, 132, "invariant", block_size=8, invariant_tokens_per_split=12) == 16
+
+
+def test_fast_rule_splits_only_the_tail():
+    assert decode_splits(64, 32, 4096, 132, "fast") is None  # 2048 programs fill 132 SMs
+    assert decode_splits(1, 8, 4096, 132, "fast") == MIN_TOKENS_PER_SPLIT  # 16 splits of 256 (capped by length)
+    assert decode_splits(2, 8, 8192, 132, "fast") == 256  # 32 splits: 16 programs -> 512
+    assert decode_splits(16, 8, 65536, 132, "fast") == 13120  # 5 splits reach the 528-program target
+    assert decode_splits(1, 8, 300, 132, "fast") is None  # too short for two splits of 256
+    assert decode_splits(0, 8, 4096, 132, "fast") is None
+    for batch in (1, 2, 4, 8, 16, 32):
+        tps = decode_splits(batch, 8, 20_000, 132, "fast")
+        assert tps is None or (tps % 16 == 0 and tps >= MIN_TOKENS_PER_SPLIT and -(-20_000 // tps) >= 2)
+    with pytest.raises(ValueError, match="numerics"):
+        decode_splits(1, 8, 4096, 132, "exact")
+
+
+# --- backends: registration and the flashinfer error ----------------------------------------------------------
+
+
+@needs_triton
+def test_triton_backend_is_registered_with_its_numerics():
+    backend = attention_backend("triton", numerics="invariant")
+    assert isinstance(backend, TritonAttention) and isinstance(backend, AttentionBackend)
+    assert backend.name == "triton" and backend.numerics == "invariant"
+
+
+def test_flashinfer_backend_is_registered_without_importing_flashinfer():
+    import pat_engine.model.layers.flashinfer_attention  # noqa: F401
+
+    assert "flashinfer" not in sys.modules or importlib.util.find_spec("flashinfer") is not None
+    with pytest.raises(ValueError, match="invariant"):
+        attention_backend("flashinfer", numerics="invariant")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is not None, reason="flashinfer is installed")
+def test_choosing_flashinfer_without_it_says_what_to_install():
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[gpu\]"'):
+        attention_backend("flashinfer")
+
+
+# --- decode kernels -------------------------------------------------------------------------------------------
+
+
+@needs_triton
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (2, 1)])
 def test_triton_decode_matches_torch(heads, kv_heads):
     from pat_kernels.paged_decode_attention import paged_decode_attention
 
-    g = torch.Generator().manual_seed(0)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    bs, d, blocks = 4, 16, 12
-    lengths = [5, 9, 1]
-    tables = torch.tensor([[3, 7, 0], [1, 2, 11], [4, 0, 0]])
-    cache = torch.randn(2, blocks, bs, kv_heads, d, generator=g).to(dev)
-    q = torch.randn(len(lengths), heads, d, generator=g).to(dev)
-    new_k = torch.randn(len(lengths), kv_heads, d, generator=g).to(dev)
-    new_v = torch.randn(len(lengths), kv_heads, d, generator=g).to(dev)
-    pos = torch.tensor(lengths) - 1
-    slots = tables[torch.arange(3), pos // bs] * bs + pos % bs
-    nb = tables.shape[1]
-    meta = AttentionMetadata(False, slots.to(dev), query_len=1, block_tables=tables.to(dev),
-                             mask=(torch.arange(nb * bs)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :].to(dev))
-    reference = paged_attention(q, new_k, new_v, cache, meta, d**-0.5)  # writes the new K/V, then attends
-    got = paged_decode_attention(q, cache[0], cache[1], tables.to(dev), torch.tensor(lengths).to(dev), d**-0.5)
-    assert torch.allclose(got, reference, atol=1e-5, rtol=1e-5)
+    bs, d = 4, 16
+    cache, tables = _pool([5, 9, 1], bs, kv_heads, d, torch.float32)
+    meta = _decode_meta(tables, [5, 9, 1], bs)
+    q = torch.randn(3, heads, d, generator=torch.Generator().manual_seed(1)).to(DEV)
+    got = paged_decode_attention(q, cache[0], cache[1], tables, meta.context_lens, d**-0.5)
+    assert torch.allclose(got, _reference(q, cache, meta, d**-0.5), atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("heads,kv_heads,bs,tps,dtype", [
+    (2, 2, 4, 8, torch.float32),  # GQA 1, 9 splits
+    (4, 2, 8, 16, torch.float32),  # GQA 2, 5 splits
+    (3, 1, 4, 12, torch.bfloat16),  # GQA 3, 6 splits
+    (4, 1, 8, 24, torch.bfloat16),  # GQA 4, 3 splits
+])
+def test_split_kv_matches_torch_on_a_long_tail(heads, kv_heads, bs, tps, dtype):
+    from pat_kernels.split_kv_decode import split_kv_decode_attention
+
+    d = 16
+    cache, tables = _pool(LONG_TAIL, bs, kv_heads, d, dtype)
+    meta = _decode_meta(tables, LONG_TAIL, bs)
+    q = torch.randn(len(LONG_TAIL), heads, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEV)
+    got = split_kv_decode_attention(q, cache[0], cache[1], tables, meta.context_lens, d**-0.5, tps)
+    assert got.dtype == dtype and -(-70 // tps) >= 3  # the longest row runs several splits
+    torch.testing.assert_close(got.float(), _reference(q, cache, meta, d**-0.5), **_tol(dtype))
+
+
+@needs_triton
+def test_one_split_equals_the_one_program_kernel():
+    from pat_kernels.paged_decode_attention import paged_decode_attention
+    from pat_kernels.split_kv_decode import split_kv_decode_attention
+
+    bs, d = 4, 16
+    cache, tables = _pool(LONG_TAIL, bs, 2, d, torch.float32)
+    lens = torch.tensor(LONG_TAIL, device=DEV)
+    q = torch.randn(len(LONG_TAIL), 4, d, generator=torch.Generator().manual_seed(2)).to(DEV)
+    one = paged_decode_attention(q, cache[0], cache[1], tables, lens, d**-0.5)
+    split = split_kv_decode_attention(q, cache[0], cache[1], tables, lens, d**-0.5, tables.shape[1] * bs)
+    torch.testing.assert_close(split, one, atol=1e-6, rtol=1e-6)
+
+
+@needs_triton
+def test_backend_decode_writes_then_splits_the_tail(monkeypatch):
+    """Through ``paged_attention``: the new token's K/V written first, then the split kernel (fast mode, the tail)."""
+    import pat_engine.model.layers.triton_attention as triton_attention
+    from pat_engine.model.layers.attention import paged_attention
+
+    bs, d = 4, 16
+    cache, tables = _pool(LONG_TAIL, bs, 2, d, torch.float32)
+    meta = _decode_meta(tables, LONG_TAIL, bs)
+    pos = meta.context_lens - 1
+    meta.slot_mapping = tables[torch.arange(4, device=DEV), pos // bs] * bs + pos % bs
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(4, h, d, generator=g).to(DEV) for h in (2, 2, 2))
+    width = tables.shape[1] * bs
+    assert decode_splits(4, 2, width, 64, "fast", bs) is None  # 72 tokens: too short for the rule's floor...
+    monkeypatch.setattr(triton_attention, "MIN_TOKENS_PER_SPLIT", 8)  # ...lowered to reach the split kernel
+    assert decode_splits(4, 2, width, 64, "fast", bs) == 8
+    reference_cache = cache.clone()
+    got = paged_attention(q, k, v, cache, meta, d**-0.5, TritonAttention("fast", sm_count=64))
+    expected = paged_attention(q, k, v, reference_cache, meta, d**-0.5)  # the torch backend
+    assert torch.equal(cache, reference_cache)  # the same KV written
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+# --- the invariant mode: bits that depend on the sequence alone -----------------------------------------------
+
+
+def _invariant(tps: int = 16) -> TritonAttention:
+    return TritonAttention("invariant", sm_count=132, invariant_tokens_per_split=tps)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_decode_alone_equals_in_a_batch(dtype):
+    bs, d, heads, kvh = 4, 16, 2, 1
+    lens = LONG_TAIL + [1, 1]  # two decode padding rows (position 0, one slot)
+    cache, tables = _pool(lens, bs, kvh, d, dtype)
+    q = torch.randn(len(lens), heads, d, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEV)
+    backend = _invariant()
+    batch = backend.decode(q, cache, _decode_meta(tables, lens, bs), d**-0.5)
+    for row in (0, 2):  # 1 and 17 tokens: alone their table is narrower than the batch's (70 tokens)
+        width = -(-lens[row] // bs)
+        alone = backend.decode(q[row : row + 1], cache, _decode_meta(tables[row : row + 1, :width], lens[row : row + 1], bs),
+                               d**-0.5)
+        assert torch.equal(alone[0], batch[row])
+    pair = backend.decode(q[[3, 1]], cache, _decode_meta(tables[[3, 1]], [70, 3], bs), d**-0.5)  # other order, other batch
+    assert torch.equal(pair[0], batch[3]) and torch.equal(pair[1], batch[1])
+    torch.testing.assert_close(batch[:4].float(), _reference(q[:4], cache, _decode_meta(tables[:4], LONG_TAIL, bs), d**-0.5),
+                               **_tol(dtype))
+
+
+@needs_triton
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 1)])  # (2, 1): KV replicated at TP2, the group halves
+def test_invariant_decode_with_half_the_heads_equals_those_heads(heads, kv_heads):
+    bs, d = 8, 16
+    cache, tables = _pool(LONG_TAIL, bs, kv_heads, d, torch.bfloat16)
+    q = torch.randn(len(LONG_TAIL), heads, d, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(DEV)
+    meta = _decode_meta(tables, LONG_TAIL, bs)
+    backend = _invariant(24)  # 3 splits for 70 tokens
+    full = backend.decode(q, cache, meta, d**-0.5)
+    half_kv = max(kv_heads // 2, 1)
+    for rank in range(2):  # each TP2 rank's own heads and its own (contiguous) KV pool
+        kv = slice(rank * half_kv, (rank + 1) * half_kv) if kv_heads > 1 else slice(0, 1)
+        mine = slice(rank * heads // 2, (rank + 1) * heads // 2)
+        out = backend.decode(q[:, mine].contiguous(), cache[:, :, :, kv].contiguous(), meta, d**-0.5)
+        assert torch.equal(out, full[:, mine])
+
+
+# --- prefill --------------------------------------------------------------------------------------------------
+
+
+def _prefill_meta(starts: list[int], news: list[int], tables: torch.Tensor, bs: int, as_decode: bool = False):
+    """The step builder's metadata for sequences with ``starts`` cached tokens and ``news`` new ones."""
+    builder = StepInputBuilder(bs, torch.device(DEV), vocab_size=32, prefill_as_decode=as_decode)
+    seqs = [SeqStep(i, [1] * n, s, block_table=[int(b) for b in tables[i]]) for i, (s, n) in enumerate(zip(starts, news))]
+    return builder.build(StepCommand(0, True, seqs), samples=False).attn
+
+
+@needs_triton
+@pytest.mark.parametrize("starts,news,heads,kv_heads,dtype", [
+    ([0, 0, 0], [5, 1, 12], 4, 2, torch.float32),  # ragged prompts, nothing cached
+    ([3, 8, 0, 16], [4, 1, 12, 2], 4, 2, torch.float32),  # with cached context (prefix cache, chunked prefill)
+    ([3, 8, 0, 16], [4, 1, 12, 2], 6, 3, torch.bfloat16),
+])
+def test_varlen_prefill_matches_torch(starts, news, heads, kv_heads, dtype):
+    bs, d = 4, 16
+    cache, tables = _pool([s + n for s, n in zip(starts, news)], bs, kv_heads, d, dtype)
+    meta = _prefill_meta(starts, news, tables, bs)
+    assert meta.cu_seqlens.tolist() == [0] + torch.tensor(news).cumsum(0).tolist()
+    q = torch.randn(sum(news), heads, d, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEV)
+    backend = TritonAttention("fast", prefill_tiles=(8, 8))  # tiles smaller than the longest prompt: several per row
+    got = backend.prefill(q, cache, meta, d**-0.5)
+    torch.testing.assert_close(got.float(), _reference(q, cache, meta, d**-0.5), **_tol(dtype))
+
+
+@needs_triton
+def test_invariant_prefill_equals_decoding_each_token():
+    """The invariant prefill is the decode path, row by row: a re-prefilled token gets the bits it was decoded with."""
+    bs, d, starts, news = 4, 16, [3, 0, 16], [3, 6, 2]
+    cache, tables = _pool([s + n for s, n in zip(starts, news)], bs, 1, d, torch.bfloat16)
+    q = torch.randn(sum(news), 2, d, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).to(DEV)
+    backend = _invariant()
+    prefilled = backend.prefill(q, cache, _prefill_meta(starts, news, tables, bs), d**-0.5)
+    as_decode = _prefill_meta(starts, news, tables, bs, as_decode=True)  # what the engine builds in this mode
+    assert not as_decode.is_prefill
+    assert torch.equal(prefilled, backend.decode(q, cache, as_decode, d**-0.5))
+    last = sum(news) - 1  # the last token of the last sequence, decoded alone at position 17
+    alone = backend.decode(q[last:], cache, _decode_meta(tables[2:], [18], bs), d**-0.5)
+    assert torch.equal(alone[0], prefilled[last])
+
+
+# --- compiled, on a GPU ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_kernels_match_torch_and_keep_invariance(dtype):
+    from pat_kernels.split_kv_decode import split_kv_decode_attention
+
+    bs, d, heads, kvh = 16, 128, 32, 8
+    lens = [1, 100, 1000, 5000]
+    cache, tables = _pool(lens, bs, kvh, d, dtype)
+    meta = _decode_meta(tables, lens, bs)
+    q = torch.randn(len(lens), heads, d, device=DEV).to(dtype)
+    tol = _tol(dtype) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    got = split_kv_decode_attention(q, cache[0], cache[1], tables, meta.context_lens, d**-0.5, 256)
+    torch.testing.assert_close(got.float(), _reference(q, cache, meta, d**-0.5), **tol)
+    backend = _invariant(INVARIANT_TOKENS_PER_SPLIT)
+    full = backend.decode(q, cache, meta, d**-0.5)
+    alone = backend.decode(q[1:2], cache, _decode_meta(tables[1:2, : -(-100 // bs)], [100], bs), d**-0.5)
+    assert torch.equal(alone[0], full[1])
+    half = backend.decode(q[:, 16:].contiguous(), cache[:, :, :, 4:].contiguous(), meta, d**-0.5)
+    assert torch.equal(half, full[:, 16:])
+    starts, news = [0, 37, 500], [300, 1, 64]
+    cache, tables = _pool([s + n for s, n in zip(starts, news)], bs, kvh, d, dtype)
+    pmeta = _prefill_meta(starts, news, tables, bs)
+    q = torch.randn(sum(news), heads, d, device=DEV).to(dtype)
+    out = TritonAttention("fast").prefill(q, cache, pmeta, d**-0.5)
+    torch.testing.assert_close(out.float(), _reference(q, cache, pmeta, d**-0.5), **tol)

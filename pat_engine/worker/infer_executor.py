@@ -22,7 +22,7 @@ from torch.profiler import record_function
 
 from pat_engine.model import chunk_weights, cpu_gemm
 from pat_engine.model.arch import ModelArch
-from pat_engine.model.layers.attention import load_decode_kernel
+from pat_engine.model.layers.attention import attention_backend
 from pat_engine.model.llama import CausalLM, ForwardContext
 from pat_engine.model.weights import load_shard_from_disk, load_shard_from_tensors
 from pat_engine.parallel.comm import TPGroup
@@ -37,7 +37,8 @@ from pat_engine.worker.step_inputs import SeqState, StepInputBuilder
 
 class InferExecutor:
     def __init__(self, arch: ModelArch, layout: Layout, tp: TPGroup, dtype: torch.dtype, device: torch.device,
-                 block_size: int, num_blocks: int, lazy_kv: bool = False, numerics: str = "fast"):
+                 block_size: int, num_blocks: int, lazy_kv: bool = False, numerics: str = "fast",
+                 attention: str = "auto"):
         self.arch, self.layout, self.tp = arch, layout, tp
         self.lazy_kv = lazy_kv  # KV memory committed as it fills (the default-sized CPU pool; worker/kv_pool.zeroed)
         self.dtype, self.device = dtype, device
@@ -48,7 +49,8 @@ class InferExecutor:
         self.kv = self.new_pool(layout, num_blocks)
         # also keeps each sequence's table; invariant: prefill attention through the decode kernel (bit-equal KV)
         self.inputs = StepInputBuilder(block_size, device, arch.vocab_size, prefill_as_decode=numerics == "invariant")
-        load_decode_kernel(device, dtype)
+        self.attention = attention_backend(attention, numerics, device)
+        self.attention.load(device, dtype)  # kernels built now, not in a DP group's first step
         self._residency = "resident"  # where this rank's weight bytes are: "resident", "offloaded" or "discarded"
         self.kv_released = False  # the KV pool was given back (sleep); no step may run until it is restored
         self._writers = 0  # open ``writing_weights`` blocks
@@ -158,7 +160,7 @@ class InferExecutor:
         start = time.perf_counter()
         with record_function("prepare"):
             step = self.inputs.build(cmd, samples=self.tp.rank == 0)
-        ctx = ForwardContext(tp=self.tp, kv_caches=self.kv.layers, attn=step.attn)
+        ctx = ForwardContext(tp=self.tp, kv_caches=self.kv.layers, attn=step.attn, attn_backend=self.attention)
         with record_function("forward"):
             hidden = self.model(step.input_ids, step.positions, ctx)
         prompts = self._prompt_logprobs(cmd, hidden)  # every TP rank joins these logits gathers

@@ -23,9 +23,10 @@ and the forward reads views, so it never waits on the host.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 from pat_engine.model.layers.attention import AttentionMetadata
 from pat_engine.protocol import StepCommand
@@ -189,22 +190,28 @@ class StepInputBuilder:
                                    lens: torch.Tensor, row: torch.Tensor, offset: torch.Tensor) -> AttentionMetadata:
         """The prefill's rows in groups of similar length (``prefill_row_groups``), each one padded call."""
         groups = prefill_row_groups(lens.tolist(), _PREFILL_GROUP_RATIO)
+        width = -(-int((starts + lens).max()) // self.block_size)
+        unpadded = {"context_lens": self._bufs.fill("prefill_lens", starts + lens),  # for the varlen kernels
+                    "cu_seqlens": self._bufs.fill("cu_seqlens", F.pad(torch.cumsum(lens, 0), (1, 0)))}
         if len(groups) == 1:
-            width = -(-int((starts + lens).max()) // self.block_size)
-            return self._prefill_attention(slots, table[:, :width], starts, lens, row, offset, width)
+            meta = self._prefill_attention(slots, table[:, :width], starts, lens, row, offset, width)
+            return replace(meta, **unpadded)
         parts = []
         first = torch.cumsum(lens, 0) - lens  # each row's first packed token
         for k, rows in enumerate(groups):
             idx = torch.tensor(rows)
-            width = -(-int((starts[idx] + lens[idx]).max()) // self.block_size)
+            part_width = -(-int((starts[idx] + lens[idx]).max()) // self.block_size)
             tokens = torch.cat([torch.arange(int(first[r]), int(first[r] + lens[r])) for r in rows])
             local_row = torch.repeat_interleave(torch.arange(len(rows)), lens[idx])
-            part = self._prefill_attention(slots, table[idx, :width], starts[idx], lens[idx], local_row,
-                                           offset[tokens], width, name=f"p{k}")
+            part = self._prefill_attention(slots, table[idx, :part_width], starts[idx], lens[idx], local_row,
+                                           offset[tokens], part_width, name=f"p{k}")
             part.tokens = self._bufs.fill(f"p{k}tokens", tokens)
             parts.append(part)
-        return AttentionMetadata(is_prefill=True, slot_mapping=self._bufs.fill("slots", slots), query_len=0,
-                                 block_tables=parts[0].block_tables, mask=parts[0].mask, parts=parts)
+        query_len = int(lens.max())  # the whole step's geometry, for the varlen kernels (no mask: nothing pads to it)
+        return AttentionMetadata(is_prefill=True, slot_mapping=self._bufs.fill("slots", slots), query_len=query_len,
+                                 block_tables=self._bufs.fill("tables", table[:, :width]), mask=None,
+                                 pad_index=self._bufs.fill("pad_index", row * query_len + offset), parts=parts,
+                                 **unpadded)
 
     def _prefill_attention(self, slots: torch.Tensor, table: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
                            row: torch.Tensor, offset: torch.Tensor, width: int, name: str = "") -> AttentionMetadata:

@@ -63,7 +63,7 @@ class Worker:
         arch = load_model_arch(cfg.model)
         self.executor = InferExecutor(arch, args.layout, tp_group, cfg.torch_dtype(), self.device,
                                       cfg.block_size, args.num_blocks, lazy_kv=cfg.kv_cache_bytes is None,
-                                      numerics=cfg.numerics)
+                                      numerics=cfg.numerics, attention=cfg.attention_backend)
         self.executor.load_weights(args.weights_path)
         self.faults = FaultInjector(args.rank)
         self.switcher = SwitchExecutor(args.rank, self.cpu_world, self.groups, self.faults)

@@ -5,12 +5,19 @@ a token at position ``p`` of a sequence lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``.
 
 A backend writes the step's new K/V and runs decode (one query per row) and prefill (packed new
-tokens) attention; ``attention_backend`` is the one place one is chosen. ``TorchAttention``, the
-only one today: decode reads the pool in place with a kernel where one serves, on CUDA the Triton
-kernel (``pat_kernels/paged_decode_attention.py``), on the CPU the C++ kernel
-(``pat_kernels/cpu/paged_decode_attention.cpp``, float32/float64/bfloat16, built on first use and
-cached; ``PAT_CPU_ATTENTION=torch`` turns it off). Otherwise, and for prefill, the torch path
-gathers whole context blocks and runs ``scaled_dot_product_attention`` with the step's mask.
+tokens) attention; ``attention_backend`` is the one place one is chosen (docs/attention.md):
+
+- ``"torch"`` (``TorchAttention``, the default): decode reads the pool in place with a kernel where
+  one serves, on CUDA the one-program Triton kernel (``pat_kernels/paged_decode_attention.py``), on
+  the CPU the C++ kernel (``pat_kernels/cpu/paged_decode_attention.cpp``, float32/float64/bfloat16,
+  built on first use and cached; ``PAT_CPU_ATTENTION=torch`` turns it off). Otherwise, and for
+  prefill, the torch path gathers whole context blocks and runs ``scaled_dot_product_attention``
+  with the step's mask.
+- ``"triton"`` (``triton_attention.TritonAttention``): split-KV decode for the long tail, a varlen
+  prefill kernel, and a fixed split size in the invariant numerics mode.
+- ``"flashinfer"`` (``flashinfer_attention.FlashInferAttention``): optional, needs the ``gpu`` extra.
+
+The last two are imported only when chosen, so neither Triton nor flashinfer is needed to import this.
 """
 
 from __future__ import annotations
@@ -49,18 +56,22 @@ class AttentionMetadata:
     tokens each query sees (causal, and only the row's own tokens). Prefill packs its T
     new tokens; ``pad_index`` (T,) places each in the padded (B * query_len) layout.
     Gathering whole blocks copies contiguous runs of ``block_size`` tokens, several
-    times faster on CPU than gathering token by token.
+    times faster on CPU than gathering token by token. The paged kernels read
+    ``context_lens`` (decode and prefill) and ``cu_seqlens`` (prefill, the varlen kernel)
+    instead of the mask.
     """
 
     is_prefill: bool
     slot_mapping: torch.Tensor  # (N,) slot of each new token; N may be below the rows (decode padding)
     query_len: int
     block_tables: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None  # None for a prefill in parts
     pad_index: torch.Tensor | None = None  # prefill only
-    context_lens: torch.Tensor | None = None  # (B,) decode: for the paged decode kernels
-    # prefill of ragged prompts: rows of similar length run as separate padded groups (each part's
-    # ``tokens`` says which of the step's packed tokens it holds); the fields above then go unused
+    context_lens: torch.Tensor | None = None  # (B,) each row's context after this step (cached + new tokens)
+    cu_seqlens: torch.Tensor | None = None  # (B + 1,) prefill: row b's new tokens are packed rows cu[b] .. cu[b + 1]
+    # prefill of ragged prompts on the torch path: rows of similar length run as separate padded groups
+    # (each part's ``tokens`` says which of the step's packed tokens it holds; the whole step's ``mask``
+    # is then None, its other fields still describe the whole step for the varlen kernels)
     parts: list["AttentionMetadata"] | None = None
     tokens: torch.Tensor | None = None  # in a part: (t,) indices into the step's packed tokens
 
@@ -189,14 +200,40 @@ def gather_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
     return out if meta.pad_index is None else out.index_select(0, meta.pad_index)
 
 
-_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchAttention}
+def _torch_backend(numerics: str = "fast") -> AttentionBackend:
+    return TorchAttention()  # its decode kernels compute each (row, head) whole; prefill_as_decode does the rest
 
 
-def attention_backend(name: str = "torch") -> AttentionBackend:
-    """The one place a backend is chosen by name (a later issue adds Triton and FlashInfer)."""
+def _triton_backend(numerics: str = "fast") -> AttentionBackend:
+    from pat_engine.model.layers.triton_attention import TritonAttention
+
+    return TritonAttention(numerics)
+
+
+def _flashinfer_backend(numerics: str = "fast") -> AttentionBackend:
+    from pat_engine.model.layers.flashinfer_attention import FlashInferAttention
+
+    return FlashInferAttention(numerics)
+
+
+# name -> factory taking the engine's numerics mode; the factories import their modules on call
+_BACKENDS: dict[str, Callable[..., AttentionBackend]] = {
+    "torch": _torch_backend, "triton": _triton_backend, "flashinfer": _flashinfer_backend,
+}
+
+
+BACKEND_NAMES = ("auto", *_BACKENDS)  # what EngineConfig.attention_backend accepts
+
+
+def attention_backend(name: str = "torch", numerics: str = "fast", device: torch.device | None = None) -> AttentionBackend:
+    """The one place a backend is chosen by name, for the engine's numerics mode (docs/numerics.md).
+    "auto": the Triton kernels on a CUDA device where Triton imports, else torch (on the CPU, torch
+    with the C++ decode kernel)."""
+    if name == "auto":
+        name = "triton" if device is not None and device.type == "cuda" and _triton_decode() is not None else "torch"
     if name not in _BACKENDS:
-        raise ValueError(f"attention backend must be one of {sorted(_BACKENDS)}, got {name!r}")
-    return _BACKENDS[name]()
+        raise ValueError(f"attention backend must be one of {sorted(BACKEND_NAMES)}, got {name!r}")
+    return _BACKENDS[name](numerics)
 
 
 DEFAULT_BACKEND = attention_backend()
