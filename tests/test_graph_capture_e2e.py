@@ -81,7 +81,7 @@ def test_cuda_graphs_give_the_eager_tokens(model_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_backend_replays_what_it_captured():
-    from pat_engine.worker.graph_capture import CudaGraphBackend
+    from pat_engine.worker.graph_backends import CudaGraphBackend
 
     x = torch.zeros(4, device="cuda")
     graph = CudaGraphBackend(torch.device("cuda")).capture(lambda: x * 2 + 1)

@@ -36,9 +36,8 @@ What survives a layout change: the input buffers (their sizes depend on ``max_gr
 Every rank of a TP group captures the same sizes in the same order, as the collectives recorded
 inside must pair up: every decision above follows calls and steps the whole group receives.
 
-Two ``GraphBackend``s: ``CudaGraphBackend`` (``torch.cuda.CUDAGraph``, warm-up on a side stream, one
-memory pool per capture epoch) and ``StandInGraphBackend`` for the CPU: its capture runs the forward
-once and records the callable, and a replay runs it eagerly over the same persistent buffers, so the
+How a forward becomes replayable is a ``GraphBackend`` (worker/graph_backends.py): CUDA graphs, or
+the CPU stand-in that replays the recorded forward eagerly over the same persistent buffers, so the
 ladder, the padding and the copies in and out run exactly as on a GPU.
 """
 
@@ -46,9 +45,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -58,6 +55,7 @@ from pat_engine.model.layers.attention import AttentionMetadata
 from pat_engine.model.llama import ForwardContext
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.protocol import StepCommand
+from pat_engine.worker.graph_backends import CapturedGraph, GraphBackend, make_backend
 from pat_engine.worker.kv_pool import PagedKVPool
 from pat_engine.worker.step_inputs import StepInputs
 
@@ -76,98 +74,6 @@ class GraphSettings:
         if backend is None:
             return None
         return cls(backend, cfg.decode_graph_ladder(), min(cfg.max_model_len or max_position, max_position))
-
-
-class CapturedGraph(Protocol):
-    output: torch.Tensor  # (B, hidden): the forward's result, rewritten by every replay
-
-    def replay(self) -> None: ...
-
-
-@runtime_checkable
-class GraphBackend(Protocol):
-    """How a forward over persistent buffers becomes something replayable."""
-
-    name: str
-
-    def new_epoch(self) -> None:
-        """Every graph was dropped: later captures start a fresh memory pool."""
-        ...
-
-    def capture(self, forward: Callable[[], torch.Tensor]) -> CapturedGraph:
-        """Warm ``forward`` up, then capture it.
-
-        Args:
-            forward: reads and writes only tensors that outlive the graph (the buffers, the weights,
-                the KV pool); returns the hidden states.
-        Returns:
-            The graph; ``replay`` reruns ``forward`` on whatever the buffers hold then.
-        """
-        ...
-
-
-class _Recorded:
-    def __init__(self, forward: Callable[[], torch.Tensor], output: torch.Tensor):
-        self.forward, self.output = forward, output
-
-    def replay(self) -> None:
-        self.output.copy_(self.forward())  # copied out like a graph's static output
-
-
-class StandInGraphBackend:
-    """CPU CI: "captures" by running the forward once and recording it; replays run it eagerly."""
-
-    name = "standin"
-
-    def new_epoch(self) -> None:
-        pass
-
-    def capture(self, forward: Callable[[], torch.Tensor]) -> CapturedGraph:
-        return _Recorded(forward, forward())
-
-
-class _CudaCaptured:
-    def __init__(self, graph: torch.cuda.CUDAGraph, output: torch.Tensor):
-        self.graph, self.output = graph, output
-
-    def replay(self) -> None:
-        self.graph.replay()
-
-
-class CudaGraphBackend:
-    """``torch.cuda.CUDAGraph``; the graphs of one epoch share one memory pool (captured largest first,
-    so smaller sizes fit in what the largest reserved; one replays at a time, so sharing is safe)."""
-
-    name = "cuda"
-
-    def __init__(self, device: torch.device, warmups: int = 2):
-        if device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
-        self.device, self.warmups = device, warmups
-        self._pool: object | None = None
-
-    def new_epoch(self) -> None:
-        self._pool = None
-
-    def capture(self, forward: Callable[[], torch.Tensor]) -> CapturedGraph:
-        # lazy initialisations (cuBLAS workspaces, NCCL communicators, Triton compiles) must not be captured
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(self.warmups):
-                forward()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            output = forward()
-        if self._pool is None:
-            self._pool = graph.pool()
-        torch.cuda.synchronize(self.device)  # so the capture's time is measured whole
-        return _CudaCaptured(graph, output)
-
-
-def make_backend(name: str, device: torch.device) -> GraphBackend:
-    return CudaGraphBackend(device) if name == "cuda" else StandInGraphBackend()
 
 
 class _GraphBuffers:
@@ -191,7 +97,7 @@ class _GraphBuffers:
         self.pos[:n].copy_(step.positions[:n])
         self.slots[:n].copy_(attn.slot_mapping[:n])
         self.lens[:n].copy_(attn.context_lens[:n])
-        self.tables[:b].fill_(scratch_block)  # entries past a real row's own are never read unmasked
+        self.tables[:n].fill_(scratch_block)  # entries past a row's own blocks: never read unmasked
         self.tables[:n, : attn.block_tables.shape[1]].copy_(attn.block_tables[:n])
         self.pad(n, b, scratch_block)
 
@@ -213,7 +119,7 @@ class GraphStats:
     eager_decodes: int = 0  # decode steps no graph could hold
 
     def to_dict(self) -> dict:
-        return {**self.__dict__, "capture_s_per_size": self.capture_s / self.captures if self.captures else 0.0}
+        return {**asdict(self), "capture_s_per_size": self.capture_s / self.captures if self.captures else 0.0}
 
 
 def _weights_key(model: torch.nn.Module) -> tuple[int, ...] | None:
@@ -275,7 +181,7 @@ class DecodeGraphs:
     def capture(self, model: torch.nn.Module, tp: TPGroup, pool: PagedKVPool, upto: int | None = None) -> tuple[int, float]:
         """Capture the sizes a batch of at most ``upto`` rows can run as (every size for None) that are
         not captured yet; returns (how many were captured, seconds)."""
-        if not self.enabled or pool.scratch_block is None:
+        if not self.enabled or pool.scratch_block is None or not pool.layers:  # off, or the KV is released
             return 0, 0.0
         sizes = self.ladder if upto is None else graph_sizes_upto(self.ladder, upto)
         start = time.perf_counter()
