@@ -20,6 +20,26 @@ from pat_engine.model.layers.attention import BACKEND_NAMES
 KV_PATHS = ("migrate", "recompute")  # how a switch carries unfinished requests' KV
 NUMERICS = ("invariant", "fast")  # docs/numerics.md
 DEFAULT_NUMERICS = "fast"  # invariant costs more than 5% in bfloat16 (bench/results/invariance.md, docs/numerics.md)
+GRAPH_BACKENDS = ("auto", "standin")  # docs/hot-path.md, worker/graph_capture.py
+DEFAULT_MAX_GRAPH_BATCH = 256
+
+
+def graph_ladder(max_batch: int) -> tuple[int, ...]:
+    """The padded decode batch sizes graphs are captured for, up to ``max_batch``: 1, 2, 4, 8, then
+    steps of 8 to 256 and of 16 beyond (at most 7 padding rows up to 256, 15 beyond), and
+    ``max_batch`` itself so that the largest batch allowed never falls back to eager."""
+    steps = [1, 2, 4, 8, *range(16, 257, 8), *range(272, max_batch + 1, 16)]
+    sizes = [s for s in steps if s <= max_batch]
+    return tuple(sizes + [max_batch] if max_batch >= 1 and max_batch not in sizes else sizes)
+
+
+def graph_sizes_upto(ladder: tuple[int, ...], batch: int) -> tuple[int, ...]:
+    """The ladder sizes a decode batch of at most ``batch`` rows can run as (``batch`` rounded up to a
+    ladder size, and every smaller one); all of them when ``batch`` is past the ladder's end."""
+    if batch <= 0:
+        return ()
+    top = next((s for s in ladder if s >= batch), ladder[-1] if ladder else 0)
+    return tuple(s for s in ladder if s <= top)
 
 
 def check_kv_transfer(value: str | None, *, allow_auto: bool) -> None:
@@ -73,6 +93,15 @@ class EngineConfig:
     # CPU), "torch", "triton" or "flashinfer" (pip install -e ".[gpu]")
     attention_backend: str = "auto"
 
+    # decode graphs (worker/graph_capture.py): on CUDA the decode forward of each padded batch size up to
+    # max_graph_batch (capped at max_num_seqs) is captured once and replayed; prefill and larger batches
+    # run eagerly. enforce_eager (vLLM's name) captures nothing. graph_backend "standin" runs the same
+    # bookkeeping on any device with eager replays (CPU tests and benchmarks); "auto": CUDA graphs on
+    # CUDA, none on the CPU
+    enforce_eager: bool = False
+    graph_backend: str = "auto"
+    max_graph_batch: int = DEFAULT_MAX_GRAPH_BATCH
+
     # processes and failures
     threads_per_worker: int | None = None  # default: cores // world (at least 1)
     worker_start_timeout_s: float = 300.0
@@ -96,6 +125,11 @@ class EngineConfig:
             raise InvalidRequestError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}; choose from {sorted(_DTYPES)} or 'auto'")
+        if self.graph_backend not in GRAPH_BACKENDS:
+            raise InvalidRequestError(f"graph_backend must be one of {', '.join(GRAPH_BACKENDS)}, "
+                                      f"got {self.graph_backend!r}")
+        if self.max_graph_batch < 1:
+            raise InvalidRequestError(f"max_graph_batch must be >= 1, got {self.max_graph_batch}")
         if self.block_size < 1:
             raise InvalidRequestError(f"block_size must be >= 1, got {self.block_size}")
         for name in ("worker_start_timeout_s", "collective_timeout_s", "step_timeout_s", "restart_window_s"):
@@ -117,6 +151,18 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
         return cls(model=str(model), **kwargs)
+
+    def graphs(self) -> str | None:
+        """Which decode graphs the workers capture: "cuda", "standin", or None (every step eager)."""
+        if self.enforce_eager:
+            return None
+        if self.graph_backend == "standin":
+            return "standin"
+        return "cuda" if self.device == "cuda" else None
+
+    def decode_graph_ladder(self) -> tuple[int, ...]:
+        """The batch sizes captured (empty when graphs are off)."""
+        return graph_ladder(min(self.max_graph_batch, self.max_num_seqs)) if self.graphs() else ()
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype != "auto":

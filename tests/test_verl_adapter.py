@@ -267,3 +267,7 @@ def test_prefix_caching_switch_reaches_the_engine(model_dir):
     settings = PatRolloutSettings.from_verl(rollout_config, model_config, 2)
     assert settings.engine_kwargs["enable_prefix_caching"] is False
     assert settings.sampling_defaults == {"repetition_penalty": 1.2, "ignore_eos": False}
+    for flag in (True, False):  # vLLM's enforce_eager: no CUDA graphs
+        with open_dict(config):
+            rollout_config.enforce_eager = flag
+        assert PatRolloutSettings.from_verl(rollout_config, model_config, 2).engine_kwargs["enforce_eager"] is flag

@@ -218,7 +218,7 @@ class Simulation:
         cost = self.pred.switch_cost(old, new, reqs, placement, target)
         migrate = cost.kv_path == "migrate"
         # recompute: the re-prefill runs as ordinary prefill steps after the switch, not inside it
-        seconds = cost.weights_s + cost.fixed_s + (cost.migrate_s if migrate else 0.0)
+        seconds = cost.weights_s + cost.fixed_s + cost.graphs_s + (cost.migrate_s if migrate else 0.0)
         self.switches.append(SwitchRecord(self.now, old.tp, tp, len(reqs), seconds, cost.kv_path,
                                           self._pending_details))
         self.now += seconds

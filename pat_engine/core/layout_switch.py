@@ -111,7 +111,8 @@ def plan_switch(decision: SwitchDecision, seqs: list[Sequence], old: Layout, new
     tables = tuple(SeqTable(s.seq_id, group_of[s.seq_id], tuple(placed.tables[s.seq_id]), s.spec,
                             tuple(s.tokens[: s.num_cached]) if s.spec.has_penalties else None)
                    for s in seqs if s.seq_id in placed.tables)
-    plan = SwitchPlan(old, new, memory.num_blocks(new), path, tuple(placed.runs), tables)
+    per_group = tuple(sum(1 for g in group_of.values() if g == group) for group in range(new.dp))
+    plan = SwitchPlan(old, new, memory.num_blocks(new), path, tuple(placed.runs), tables, per_group)
     return PlannedSwitch(plan, schedulers, estimate, group_of, placed.tables, placed.registered)
 
 

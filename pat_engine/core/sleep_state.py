@@ -6,8 +6,9 @@ awake engine (RL frameworks do, by tag, and clients retry) must never replace a
 KV pool that running requests and the prefix cache still point into.
 
 Tags follow SGLang's ``release/resume_memory_occupation``: ``kv_cache``,
-``weights`` and ``cuda_graph`` (the captured graphs live in the KV's memory
-pool on GPU; on the CPU there are none, so the tag only travels with the KV).
+``weights`` and ``cuda_graph`` (the decode graphs read the KV pool and the weights, so a worker
+drops them with either and captures them again as steps need them after the wake-up; the tag
+only travels with the KV).
 """
 
 from __future__ import annotations

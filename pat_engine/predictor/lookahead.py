@@ -84,7 +84,7 @@ def drain_groups(pred, layout: Layout, groups: np.ndarray, ctx: np.ndarray, rem:
 
 
 def switch_seconds(pred, src: Layout, src_groups: np.ndarray, dst: Layout, fut: Future) -> np.ndarray:
-    """(...) weights + fixed + min(migrate, recompute) for the requests still running (rem > 0)."""
+    """(...) weights + fixed + graphs + min(migrate, recompute) for the requests still running (rem > 0)."""
     live = (fut.rem > 0) & fut.cached
     grown = np.where(live, fut.ctx, 0.0)  # (..., n)
     bw = max(pred.bandwidth(), 1.0)
@@ -94,6 +94,7 @@ def switch_seconds(pred, src: Layout, src_groups: np.ndarray, dst: Layout, fut: 
     rms = np.sqrt((grown**2).sum(axis=-1) / np.maximum(n, 1))
     recompute = pred.prefill(dst.tp, np.maximum(np.ceil(n / dst.dp), 1), rms)
     fixed = pred.weight_seconds(src.tp, dst.tp, bw) + pred.fixed_seconds(src.tp, dst.tp)
+    fixed = fixed + pred.graph_seconds(src.tp, dst.tp, np.ceil((fut.rem > 0).sum(axis=-1) / dst.dp))
     return np.where((fut.rem > 0).any(axis=-1), fixed + np.minimum(migrate, recompute), 0.0)
 
 

@@ -11,7 +11,9 @@ the busiest sender's reshard bytes / bandwidth);
 KV = min(migrate, recompute) with migrate = Eq. 1-2 (busiest source group's
 per-rank KV bytes / bandwidth) and recompute = Eq. 3-4 (prefill at the RMS
 context length of each target group, groups in parallel); plus the fixed
-costs measured by the profiler (groups, rebuild, graph capture).
+costs measured by the profiler (groups, rebuild) and the decode graphs' recapture: the profiled
+capture time of one graph times the ladder sizes the busiest new DP group can still use (its
+requests rounded up to a ladder size, and every smaller size; worker/graph_capture.py).
 
 Also the engine's ``CostSource`` (``cost_source.py``). Measured KV transfers
 refine the bandwidth (EMA); the table's prefill fit stays authoritative.
@@ -24,6 +26,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from pat_engine.config import DEFAULT_MAX_GRAPH_BATCH, graph_ladder
 from pat_engine.parallel.dp_placement import Placement
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.cost_source import CostSource
@@ -41,6 +44,7 @@ class SwitchCostEstimate:
     migrate_s: float
     recompute_s: float
     fixed_s: float
+    graphs_s: float = 0.0  # recapturing the decode graphs the new layout can use
 
     @property
     def kv_path(self) -> str:
@@ -48,7 +52,7 @@ class SwitchCostEstimate:
 
     @property
     def total_s(self) -> float:
-        return self.weights_s + min(self.migrate_s, self.recompute_s) + self.fixed_s
+        return self.weights_s + min(self.migrate_s, self.recompute_s) + self.fixed_s + self.graphs_s
 
     def to_dict(self) -> dict:
         return {**asdict(self), "kv_path": self.kv_path, "total_s": self.total_s}
@@ -56,7 +60,8 @@ class SwitchCostEstimate:
 
 class LatencyPredictor(CostSource):
     def __init__(self, table: ProfileTable, max_num_seqs: int = 256,
-                 weight_bytes: Callable[[int, int], int] | None = None, bandwidth_alpha: float = 0.3):
+                 weight_bytes: Callable[[int, int], int] | None = None, bandwidth_alpha: float = 0.3,
+                 graph_ladder_sizes: Sequence[int] | None = None):
         if not table.points:
             raise ValueError("the profile table has no points")
         self.table = table
@@ -68,6 +73,10 @@ class LatencyPredictor(CostSource):
         self._measured = MeasuredRates(bandwidth_alpha)
         fixed = [c.fixed_s for c in table.switch_costs]
         self._default_fixed = float(np.median(fixed)) if fixed else 0.0
+        # the engine's decode-graph ladder (EngineConfig.decode_graph_ladder; empty: graphs off)
+        ladder = graph_ladder(min(DEFAULT_MAX_GRAPH_BATCH, max_num_seqs)) if graph_ladder_sizes is None \
+            else graph_ladder_sizes
+        self.graph_ladder = np.asarray(sorted(ladder), dtype=np.int64)
 
     @property
     def tps(self) -> list[int]:
@@ -160,6 +169,17 @@ class LatencyPredictor(CostSource):
         cost = self.table.switch_cost(from_tp, to_tp)
         return cost.fixed_s if cost is not None else self._default_fixed
 
+    def graph_seconds(self, from_tp: int, to_tp: int, requests: np.ndarray | int) -> np.ndarray | float:
+        """Recapturing decode graphs after from_tp -> to_tp when the busiest new DP group holds ``requests``:
+        one profiled capture per ladder size up to ``requests`` rounded up to a ladder size (elementwise)."""
+        cost = self.table.switch_cost(from_tp, to_tp)
+        per_size = cost.graphs_s_per_size if cost is not None else 0.0
+        ladder = self.graph_ladder
+        n = np.asarray(requests)
+        sizes = np.where(n > 0, np.minimum(np.searchsorted(ladder, n, side="left") + 1, len(ladder)), 0)
+        out = per_size * sizes
+        return float(out) if out.ndim == 0 else out
+
     def switch_cost(self, old: Layout, new: Layout, reqs: Sequence[RequestSnapshot], old_placement: Placement,
                     new_placement: Placement) -> SwitchCostEstimate:
         if old == new:
@@ -174,5 +194,6 @@ class LatencyPredictor(CostSource):
             lens = [reqs[i].context_len for i in idx if reqs[i].cached]
             if lens:
                 recompute = max(recompute, self.prefill_seconds(new.tp, len(lens), rms_context(lens)))
+        busiest = max((len(idx) for idx in new_placement), default=0)
         return SwitchCostEstimate(self.weight_seconds(old.tp, new.tp, bw), migrate, recompute,
-                                  self.fixed_seconds(old.tp, new.tp))
+                                  self.fixed_seconds(old.tp, new.tp), self.graph_seconds(old.tp, new.tp, busiest))

@@ -48,7 +48,8 @@ def build_controller(arch: ModelArch, config: EngineConfig, can_hold: CanHold, t
     def weight_bytes(from_tp: int, to_tp: int) -> int:
         return reshard_bytes(arch, dtype, Layout.for_world(config.world, from_tp), Layout.for_world(config.world, to_tp))
 
-    predictor = LatencyPredictor(table, config.max_num_seqs, weight_bytes)
+    predictor = LatencyPredictor(table, config.max_num_seqs, weight_bytes,
+                                 graph_ladder_sizes=config.decode_graph_ladder())
     cfg = controller_config or ControllerConfig(check_interval=config.switch_check_interval)
     tracker = None
     if estimator == "max":

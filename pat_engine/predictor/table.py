@@ -8,7 +8,7 @@ One JSON file per deployment::
      "model": {num_layers, num_kv_heads, head_dim, elt_bytes, ...},   # for the KV-bytes estimate
      "points": [{tp, batch_size, context_len, total_tokens, prefill_s, decode_step_s, ...}],
      "bandwidth_bytes_per_s": one-way per-rank bytes/s of the reshard collectives,
-     "switch_costs": [{from_tp, to_tp, fixed_s, weight_bytes, ...}],
+     "switch_costs": [{from_tp, to_tp, fixed_s, weight_bytes, graphs_s_per_size, ...}],
      "meta": {command, created, profile_seconds, notes}}
 
 ``batch_size`` is per DP group; ``total_tokens`` is the mean total context of
@@ -110,10 +110,13 @@ class SwitchCost:
 
     from_tp: int
     to_tp: int
-    fixed_s: float  # groups (cached), rebuild, graph capture, bookkeeping: total minus weights and KV
+    fixed_s: float  # groups (cached), rebuild, bookkeeping: total minus weights, KV and graph capture
     weight_bytes: int  # busiest sender's reshard bytes (from the plan)
     weights_s: float | None = None  # measured weight reshard time, if any
     groups_first_s: float | None = None  # group creation on first use (cached afterwards)
+    # capturing one decode graph under to_tp (0: graphs off, or a table from before they existed); a switch
+    # pays it for each ladder size its busiest new DP group can still use (predictor.graph_seconds)
+    graphs_s_per_size: float = 0.0
 
 
 @dataclass

@@ -35,12 +35,19 @@ class SwitchPlan:
     kv_path: str  # "migrate" or "recompute"
     runs: tuple[KVRun, ...] = ()  # KV that moves: each run of shared or own blocks once per target group
     tables: tuple[SeqTable, ...] = ()  # the migrated sequences' tables in their new groups
+    group_requests: tuple[int, ...] = ()  # unfinished requests per new DP group (empty: not known)
 
     def __post_init__(self) -> None:
         if self.kv_path not in KV_PATHS:
             raise ValueError(f"kv_path must be one of {KV_PATHS}, got {self.kv_path!r}")
         if self.kv_path == "recompute" and (self.runs or self.tables):
             raise ValueError("a recompute switch migrates no KV: runs and tables must be empty")
+        if self.group_requests and len(self.group_requests) != self.new.dp:
+            raise ValueError(f"group_requests has {len(self.group_requests)} entries for {self.new.dp} DP groups")
+
+    def requests_in(self, group: int) -> int | None:
+        """Unfinished requests new DP group ``group`` starts with (which decode graphs it recaptures)."""
+        return self.group_requests[group] if self.group_requests else None
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,8 @@ class SwitchReport:
     kv_pool_bytes_after: int
     busiest_kv_bytes: int  # KV bytes of the rank that sent the most, and how long its KV phase took:
     busiest_kv_s: float  # the sample a bandwidth estimate learns from
+    graphs_s: float = 0.0  # recapturing the decode graphs the new layout can use (0 where graphs are off)
+    graphs_captured: int = 0  # how many batch sizes were captured
 
     @classmethod
     def for_rank(cls, rank: int, **values) -> "SwitchReport":
@@ -82,6 +91,8 @@ class SwitchReport:
             weights_s=max(r.weights_s for r in reports),
             kv_s=max(r.kv_s for r in reports),
             rebuild_s=max(r.rebuild_s for r in reports),
+            graphs_s=max(r.graphs_s for r in reports),
+            graphs_captured=max(r.graphs_captured for r in reports),  # groups capture in parallel: the most on one rank
             total_s=max(r.total_s for r in reports),
             weight_bytes_sent=sum(r.weight_bytes_sent for r in reports),
             weight_bytes_local=sum(r.weight_bytes_local for r in reports),

@@ -18,7 +18,7 @@ from pat_engine.outputs import RequestOutput
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 # switch cost components as the engine's SwitchEvent.costs names them
-_COST_PARTS = {"groups": "groups_s", "weights": "weights_s", "kv": "kv_s", "rebuild": "rebuild_s"}
+_COST_PARTS = {"groups": "groups_s", "weights": "weights_s", "kv": "kv_s", "rebuild": "rebuild_s", "graphs": "graphs_s"}
 
 
 class _EngineCollector(Collector):

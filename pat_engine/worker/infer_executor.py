@@ -4,7 +4,8 @@ The coordinator sends the same ``StepCommand`` to every rank of a DP group;
 each rank runs its shard, TP rank 0 gathers the logits and samples. The
 executor keeps each sequence's block table and sampling spec, so decode
 messages stay small. Only the executor writes its own state: a layout switch
-hands it the new group, pool and tables through ``install``.
+hands it the new group, pool and tables through ``install``. A decode step replays a captured
+graph where one holds it (``self.graphs``, worker/graph_capture.py).
 
 ``numerics="invariant"`` (docs/numerics.md) builds the model with the largest TP of the world
 as the row-parallel chunk count (a fixed reduction tree for every layout of this world) and runs
@@ -30,6 +31,7 @@ from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import StepCommand, StepResult
 from pat_engine.protocol import PromptLogprobs
 from pat_engine.sampling.sampler import sample_batch
+from pat_engine.worker.graph_capture import DecodeGraphs, GraphSettings
 from pat_engine.worker.kv_pool import PagedKVPool
 from pat_engine.worker.logprob_outputs import prompt_logprobs
 from pat_engine.worker.step_inputs import SeqState, StepInputBuilder
@@ -38,7 +40,7 @@ from pat_engine.worker.step_inputs import SeqState, StepInputBuilder
 class InferExecutor:
     def __init__(self, arch: ModelArch, layout: Layout, tp: TPGroup, dtype: torch.dtype, device: torch.device,
                  block_size: int, num_blocks: int, lazy_kv: bool = False, numerics: str = "fast",
-                 attention: str = "auto"):
+                 attention: str = "auto", graphs: GraphSettings | None = None):
         self.arch, self.layout, self.tp = arch, layout, tp
         self.lazy_kv = lazy_kv  # KV memory committed as it fills (the default-sized CPU pool; worker/kv_pool.zeroed)
         self.dtype, self.device = dtype, device
@@ -46,11 +48,12 @@ class InferExecutor:
         self.numerics = numerics
         self.model = CausalLM(arch, layout.tp, dtype, device,
                               row_chunks=arch.max_tp(layout.world) if numerics == "invariant" else None)
-        self.kv = self.new_pool(layout, num_blocks)
-        # also keeps each sequence's table; invariant: prefill attention through the decode kernel (bit-equal KV)
-        self.inputs = StepInputBuilder(block_size, device, arch.vocab_size, prefill_as_decode=numerics == "invariant")
         self.attention = attention_backend(attention, numerics, device)
         self.attention.load(device, dtype)  # kernels built now, not in a DP group's first step
+        self.graphs = DecodeGraphs(graphs, device, block_size, attention=self.attention)  # worker/graph_capture.py
+        self.kv = self.new_pool(layout, num_blocks)  # with the graphs' scratch block when they are on
+        # also keeps each sequence's table; invariant: prefill attention through the decode kernel (bit-equal KV)
+        self.inputs = StepInputBuilder(block_size, device, arch.vocab_size, prefill_as_decode=numerics == "invariant")
         self._residency = "resident"  # where this rank's weight bytes are: "resident", "offloaded" or "discarded"
         self.kv_released = False  # the KV pool was given back (sleep); no step may run until it is restored
         self._writers = 0  # open ``writing_weights`` blocks
@@ -71,17 +74,20 @@ class InferExecutor:
             if self._writers == 0 and self._residency == "resident":
                 cpu_gemm.pack(self.model)
                 chunk_weights.pack(self.model)
+            if self._writers == 0:
+                self.graphs.after_weight_write(self.model)  # kept only if no tensor they read moved
 
     def new_pool(self, layout: Layout, num_blocks: int, filled_later: bool = False) -> PagedKVPool:
         """A KV pool sized for ``layout``; ``filled_later``: no layers yet (a switch appends them one by one)."""
         geometry = (num_blocks, self.block_size, self.arch.kv_heads_per_rank(layout.tp), self.arch.head_dim,
-                    self.dtype, self.device, self.lazy_kv)
+                    self.dtype, self.device, self.lazy_kv, self.graphs.enabled)  # + graphs' scratch block
         if filled_later:
             return PagedKVPool.filled_later(*geometry)
         return PagedKVPool(self.arch.num_layers, *geometry)
 
     def allocate_kv(self, num_blocks: int) -> None:
         """A fresh, empty KV pool of ``num_blocks`` blocks under the current layout (start-up on GPU, wake-up)."""
+        self.graphs.drop()
         self.kv.release()
         self.kv = self.new_pool(self.layout, num_blocks)
 
@@ -90,6 +96,12 @@ class InferExecutor:
         sequences this rank now serves (their KV already sits in ``pool``)."""
         self.layout, self.tp, self.kv = layout, tp, pool
         self.inputs.seqs = dict(tables)
+        self.graphs.drop()  # captured over the old group and pool; the switch recaptures (capture_graphs)
+
+    def capture_graphs(self, upto: int | None = None) -> tuple[int, float]:
+        """Capture the decode graphs a batch of at most ``upto`` sequences can use (all for None), over
+        the current group and pool; returns (graphs captured, seconds). Nothing when graphs are off."""
+        return self.graphs.capture(self.model, self.tp, self.kv, upto)
 
     def load_weights(self, model_path: str) -> None:
         with self.writing_weights():
@@ -108,6 +120,7 @@ class InferExecutor:
         """Give memory back; returns the bytes freed. ``kv``: the KV pool (the driver has taken every
         sequence's blocks back first); ``weights``: "offloaded" to host memory or "discarded"."""
         freed = 0
+        self.graphs.drop()  # they read the pool and the weights (the "cuda_graph" tag goes with either)
         if kv:
             freed += self.kv.nbytes
             self.kv.release()
@@ -162,7 +175,9 @@ class InferExecutor:
             step = self.inputs.build(cmd, samples=self.tp.rank == 0)
         ctx = ForwardContext(tp=self.tp, kv_caches=self.kv.layers, attn=step.attn, attn_backend=self.attention)
         with record_function("forward"):
-            hidden = self.model(step.input_ids, step.positions, ctx)
+            hidden = self.graphs.replay(cmd, step, self.model, self.tp, self.kv)  # None: no graph holds the step
+            if hidden is None:
+                hidden = self.model(step.input_ids, step.positions, ctx)
         prompts = self._prompt_logprobs(cmd, hidden)  # every TP rank joins these logits gathers
         head_start = time.perf_counter()
         with record_function("logits"):

@@ -16,24 +16,30 @@ LAZY_ZERO_MIN_BYTES = 1 << 20
 
 class PagedKVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device,
-                 lazy: bool = False):
-        self.num_blocks, self.block_size = num_blocks, block_size
+                 lazy: bool = False, scratch: bool = False):
+        self.num_blocks, self.block_size = num_blocks, block_size  # the blocks the driver hands out
         self.lazy = lazy  # memory committed as blocks are written (see ``zeroed``)
+        self.scratch = scratch  # one more block after them, the decode graphs' padding rows' (graph_capture.py)
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.dtype, self.device = dtype, device
-        # layer l: (2, num_blocks, block_size, kv_heads, head_dim); [0] keys, [1] values
+        # layer l: (2, num_blocks [+ 1 scratch], block_size, kv_heads, head_dim); [0] keys, [1] values
         self.layers: list[torch.Tensor] = [self.new_layer() for _ in range(num_layers)]
 
     @classmethod
     def filled_later(cls, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device,
-                     lazy: bool = False) -> "PagedKVPool":
+                     lazy: bool = False, scratch: bool = False) -> "PagedKVPool":
         """A pool with no layers yet; ``append_layer`` adds them one by one (a switch does, so two
         pools never hold every layer at once)."""
-        return cls(0, num_blocks, block_size, kv_heads, head_dim, dtype, device, lazy)
+        return cls(0, num_blocks, block_size, kv_heads, head_dim, dtype, device, lazy, scratch)
+
+    @property
+    def scratch_block(self) -> int | None:
+        """The block no sequence owns (padding rows write there), or None without one."""
+        return self.num_blocks if self.scratch else None
 
     @property
     def layer_shape(self) -> tuple[int, ...]:
-        return (2, self.num_blocks, self.block_size, self.kv_heads, self.head_dim)
+        return (2, self.num_blocks + int(self.scratch), self.block_size, self.kv_heads, self.head_dim)
 
     def new_layer(self, reuse: torch.Tensor | None = None) -> torch.Tensor:
         """A zeroed layer, or a view of ``reuse``'s memory when it is large enough.
@@ -43,7 +49,7 @@ class PagedKVPool:
         and page faults. Stale values in reused slots are never read unmasked
         (every slot is written before a query reaches it) and are finite.
         """
-        numel = 2 * self.num_blocks * self.block_size * self.kv_heads * self.head_dim
+        numel = math.prod(self.layer_shape)
         if reuse is not None and reuse.is_contiguous() and reuse.numel() >= numel and reuse.dtype == self.dtype:
             return reuse.view(-1)[:numel].view(self.layer_shape)
         return zeroed(self.layer_shape, self.dtype, self.device, self.lazy)
@@ -61,7 +67,7 @@ class PagedKVPool:
     def regeometry(self, kv_heads: int, num_blocks: int) -> "PagedKVPool":
         """The same memory seen with another number of heads per rank and blocks (contents dropped)."""
         pool = PagedKVPool.filled_later(num_blocks, self.block_size, kv_heads, self.head_dim, self.dtype, self.device,
-                                        self.lazy)
+                                        self.lazy, self.scratch)
         for index in range(len(self.layers)):
             layer = self.take_layer(index)  # dropped before the next layer is made, so two pools never coexist
             pool.append_layer(reuse=layer)

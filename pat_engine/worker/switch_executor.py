@@ -6,6 +6,7 @@ Runs while every rank is paused at a step boundary:
   3. KV: migrate the valid tokens of unfinished sequences layer by layer into
      a pool sized for the new layout, or drop the pool for recompute;
   4. hand the executor its new group, pool and block tables (``InferExecutor.install``);
+  5. recapture the decode graphs this rank's new DP group can still use (worker/graph_capture.py);
 and reports (``SwitchReport``) the time of each part, bytes sent and the peak extra memory.
 
 Peak extra memory is counted explicitly: the new shards of one layer while
@@ -81,6 +82,7 @@ class SwitchExecutor:
         t0 = time.perf_counter()
         self.faults.check("switch_start")
         dist.barrier(group=self.cpu_world)  # every rank has paused
+        executor.graphs.drop()  # they hold the old pool's layers, which the KV phase reuses or frees
         t = time.perf_counter()
         tp_group, hit = self.groups.get(plan.new)
         groups_s = time.perf_counter() - t
@@ -103,10 +105,14 @@ class SwitchExecutor:
         tables = {t.seq_id: SeqState(list(t.block_table), t.sampling, None if t.history is None else list(t.history))
                   for t in plan.tables if t.group == group}
         executor.install(plan.new, tp_group, pool, tables)
-        dist.barrier(group=self.cpu_world)  # nobody resumes before everyone is done
         rebuild_s = time.perf_counter() - t
+        graphs, graphs_s = executor.capture_graphs(plan.requests_in(group))  # the sizes this group can still run
+        t = time.perf_counter()
+        dist.barrier(group=self.cpu_world)  # nobody resumes before everyone is done
+        rebuild_s += time.perf_counter() - t
         return SwitchReport.for_rank(
             self.rank, group_cache_hit=hit, groups_s=groups_s, weights_s=weights_s, kv_s=kv_s, rebuild_s=rebuild_s,
+            graphs_s=graphs_s, graphs_captured=graphs,
             total_s=time.perf_counter() - t0, weight_bytes_sent=weight_sent, weight_bytes_local=weight_local,
             weight_bytes_allgather=allgather, kv_bytes_sent=kv_sent, peak_extra_bytes=meter.peak,
             kv_pool_bytes_before=old_pool_bytes, kv_pool_bytes_after=pool.nbytes)

@@ -29,6 +29,7 @@ from pat_engine.protocol import (
     SwitchReport, UpdateWeightsFromDistributed, WorkerArgs, WorkerCall,
 )
 from pat_engine.worker.faults import FaultInjector
+from pat_engine.worker.graph_capture import GraphSettings
 from pat_engine.worker.infer_executor import InferExecutor
 from pat_engine.worker.switch_executor import SwitchExecutor
 
@@ -63,8 +64,11 @@ class Worker:
         arch = load_model_arch(cfg.model)
         self.executor = InferExecutor(arch, args.layout, tp_group, cfg.torch_dtype(), self.device,
                                       cfg.block_size, args.num_blocks, lazy_kv=cfg.kv_cache_bytes is None,
-                                      numerics=cfg.numerics, attention=cfg.attention_backend)
+                                      numerics=cfg.numerics, attention=cfg.attention_backend,
+                                      graphs=GraphSettings.from_config(cfg, arch.max_position))
         self.executor.load_weights(args.weights_path)
+        if args.num_blocks > 0:  # on a GPU sized from free memory the pool comes later (AllocateKV)
+            self.executor.capture_graphs()
         self.faults = FaultInjector(args.rank)
         self.switcher = SwitchExecutor(args.rank, self.cpu_world, self.groups, self.faults)
         self.update_groups: dict[str, dist.ProcessGroup] = {}  # trainer weight-update groups, by name
@@ -83,7 +87,8 @@ class Worker:
     def _stats(self, call: Stats) -> dict:
         s = self.groups.stats
         return {"group_hits": s.hits, "group_misses": s.misses, "group_seconds": s.creation_seconds,
-                "layouts": list(s.created_layouts), "kv_blocks": self.executor.kv.num_blocks}
+                "layouts": list(s.created_layouts), "kv_blocks": self.executor.kv.num_blocks,
+                "graphs": {"captured": list(self.executor.graphs.captured), **self.executor.graphs.stats.to_dict()}}
 
     @handle.register
     def _bandwidth_probe(self, call: BandwidthProbe) -> float:
@@ -161,6 +166,7 @@ class Worker:
     @handle.register
     def _allocate_kv(self, call: AllocateKV) -> None:
         self.executor.allocate_kv(call.num_blocks)
+        self.executor.capture_graphs()
 
     @handle.register
     def _kv_budget(self, call: KVBudget) -> int:
@@ -172,6 +178,7 @@ class Worker:
         # activations of the largest prefill step, plus full-vocab logits of a decode batch (float32)
         reserve = cfg.max_num_batched_tokens * (4 * arch.hidden_size + 2 * arch.intermediate_size // tp) * elt
         reserve += cfg.max_num_seqs * arch.vocab_size * 4
+        reserve += self.executor.graphs.reserve_bytes(arch.hidden_size, arch.intermediate_size // tp, elt)
         return max(0, int(free - total * (1 - call.utilization) - reserve))
 
     # ---- loop ----------------------------------------------------------------------------

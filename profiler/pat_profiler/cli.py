@@ -98,7 +98,8 @@ def summary(table, seconds: float, path: str) -> str:
         lines.append(f"reshard bandwidth {table.bandwidth_bytes_per_s / 1e9:.3f} GB/s per rank")
     for c in table.switch_costs:
         lines.append(f"switch TP{c.from_tp}->TP{c.to_tp}: fixed {c.fixed_s * 1e3:.1f} ms, "
-                     f"weights {c.weight_bytes / 1e6:.2f} MB on the busiest sender")
+                     f"weights {c.weight_bytes / 1e6:.2f} MB on the busiest sender"
+                     + (f", {c.graphs_s_per_size * 1e3:.1f} ms per decode graph" if c.graphs_s_per_size else ""))
     return "\n".join(lines)
 
 

@@ -100,13 +100,17 @@ def measure_point(engine: Engine, pt: GridPoint, window: int, rng: random.Random
 
 
 def measure_switch_costs(engine: Engine, tps: list[int], repeats: int) -> list[SwitchCost]:
-    """Idle switches between every ordered pair; fixed = total - weights - KV (groups are cached by now).
+    """Idle switches between every ordered pair; fixed = total - weights - KV - graphs (groups are cached
+    by now). An idle switch captures no decode graph (no request can run), so one graph's capture time
+    is the mean of every capture the run made (start-up, and the first step of each batch size per TP),
+    as the workers report it; 0 where graphs are off.
 
     Weights keep the mean of the repeats, not the best: a merge allocates the larger shards afresh and
     the first touch of that memory varies run to run (on the CPU bench model TP2->TP1 took 2.9-7 s),
     and the controller should weigh the cost it will typically pay."""
     dtype = engine.config.torch_dtype()
     world = engine.config.world
+    per_graph = max((s.get("graphs", {}).get("capture_s_per_size", 0.0) for s in engine.worker_stats()), default=0.0)
     out = []
     for a in tps:
         for b in tps:
@@ -116,11 +120,12 @@ def measure_switch_costs(engine: Engine, tps: list[int], repeats: int) -> list[S
             for _ in range(repeats):
                 engine.reconfigure(a)
                 ev = engine.reconfigure(b)
-                fixed.append(max(ev.seconds - ev.costs["weights_s"] - ev.costs["kv_s"], 0.0))
+                fixed.append(max(ev.seconds - ev.costs["weights_s"] - ev.costs["kv_s"]
+                                 - ev.costs.get("graphs_s", 0.0), 0.0))
                 weights.append(ev.costs["weights_s"])
             out.append(SwitchCost(a, b, min(fixed), reshard_bytes(engine.arch, dtype, Layout.for_world(world, a),
                                                                   Layout.for_world(world, b)),
-                                  statistics.fmean(weights)))
+                                  statistics.fmean(weights), graphs_s_per_size=per_graph))
     return out
 
 

@@ -6,7 +6,8 @@ OpenRLHF's placement. The engine starts each stage at ``pat_base_tp``
 ``tensor_parallel_size / pat_base_tp`` DP groups, and may switch on
 ``pat_switch_schedule`` or its controller (``pat_engine_kwargs.profile_table``).
 ``pat_placement=True``: cost-aware DP admission with per-prompt learned lengths (docs/rollout.md).
-``enable_prefix_caching`` goes to the engine as it is (False: every prompt is prefilled in full).
+``enable_prefix_caching`` goes to the engine as it is (False: every prompt is prefilled in full), and
+so does ``enforce_eager`` (True: no CUDA graphs; on the CPU there are none either way).
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ class PatActorSettings:
         if devices % base_tp:
             raise ValueError(f"pat_base_tp={base_tp} must divide tensor_parallel_size={devices}")
         engine_kwargs: dict[str, Any] = {}
-        for name in ("seed", "max_model_len", "dtype", "gpu_memory_utilization", "enable_prefix_caching"):
+        for name in ("seed", "max_model_len", "dtype", "gpu_memory_utilization", "enable_prefix_caching",
+                     "enforce_eager"):  # enforce_eager: no CUDA graphs, as in vLLM
             if kw.get(name) is not None:
                 engine_kwargs[name] = kw[name]
             kw.pop(name, None)
-        kw.pop("enforce_eager", None)  # pat-engine captures no CUDA graphs yet: it always runs eagerly
         kw.pop("full_determinism", None)  # pat sampling is always reproducible (per-request seed and position)
         mode = kw.pop("logprobs_mode", None) or "raw_logprobs"
         if mode not in ("raw_logprobs", "processed_logprobs"):

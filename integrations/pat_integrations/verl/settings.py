@@ -8,8 +8,9 @@ any ``pat_engine.config.EngineConfig`` field, plus ``switch_schedule``
 (``[[decode_step, tp], ...]``, applied afresh in every stage) and
 ``sleep_level`` (what ``sleep()`` releases in hybrid mode; default 2 like vLLM) and ``placement``
 (true: cost-aware DP admission with per-prompt learned lengths, see docs/rollout.md).
-``enable_prefix_caching`` goes to the engine; the config's ``repetition_penalty`` and
-``ignore_eos`` are defaults for requests that leave them out, as veRL's vLLM server has them.
+``enable_prefix_caching`` and ``enforce_eager`` (True: no CUDA graphs) go to the engine; the config's
+``repetition_penalty`` and ``ignore_eos`` are defaults for requests that leave them out, as veRL's
+vLLM server has them.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ class PatRolloutSettings:
             "max_model_len": max_len,
             "seed": config.seed,
             "enable_prefix_caching": bool(getattr(config, "enable_prefix_caching", True)),
-        }  # enforce_eager needs no mapping: pat-engine captures no CUDA graphs yet, it always runs eagerly
+            "enforce_eager": bool(getattr(config, "enforce_eager", False)),  # True: no CUDA graphs
+        }
         engine_kwargs.update({k: v for k, v in extra.items() if k in _ENGINE_FIELDS})
         return cls(
             model=model_path(model_config), tp=tp, dp=dp, engine_kwargs=engine_kwargs,

@@ -1,0 +1,253 @@
+"""Decode graphs: the decode forward of each padded batch size captured once, then replayed.
+
+A decode step launches a few hundred small kernels; on a GPU at small batches their launches, not
+the math, bound the step. A CUDA graph records them once for one batch size over fixed addresses
+and replays them with one launch. ``DecodeGraphs`` owns all of it for one rank:
+
+- **The ladder** (``config.graph_ladder``): 1, 2, 4, 8, 16, 24, ... up to ``max_graph_batch``
+  (capped at ``max_num_seqs``). A decode batch of n rows replays the graph of the smallest ladder
+  size >= n.
+- **Persistent inputs** (``_GraphBuffers``), sized for the largest ladder size and shared by every
+  size: a size-B graph reads their first B rows, so one set of addresses serves the whole ladder.
+  Token ids, positions, KV slots, block tables (as wide as ``max_model_len`` allows) and context
+  lengths; the attention mask is computed inside the graph from the lengths. Each graph owns its
+  output, the final hidden states (B, hidden). The LM head's vocab gather, sampling, logit
+  processors and log-probs run eagerly on its first n rows, so none of them forces the eager path.
+- **Padding rows** run token 0 at position 0 with context length 1 over the pool's scratch block
+  (``PagedKVPool.scratch``: one block past the driver's, owned by no sequence). They write their K/V
+  there and read only it; rows never mix in the forward, so padding cannot change a real row.
+- **Eager fallbacks**: prefill (and the invariant mode's decode-shaped prefill), a batch past the
+  ladder, a step with several tokens per sequence, a table wider than ``max_model_len`` allows.
+
+What a graph holds, and so when it must go:
+- the TP group's communicator and the KV pool's layer tensors. A layout switch brings a new group
+  and a new pool (other heads per rank, another block count), and releasing the KV (sleep) frees
+  the pool: both drop every graph. A switch recaptures, inside its timed ``graphs_s`` phase, only the
+  sizes its unfinished requests can still reach (``SwitchPlan.group_requests`` for this rank's DP
+  group rounded up to a ladder size, and every smaller size: a batch only shrinks until new
+  requests arrive). Any other size is captured the first time a step needs it (requests arriving
+  after the switch, the first steps after a wake-up).
+- the weights' storage. An RL weight update copies into the same tensors and keeps the graphs; a
+  write that moves any parameter, or that rebuilds derived copies (CPU GEMM packs, the invariant
+  mode's chunk pieces), drops them (``after_weight_write``).
+What survives a layout change: the input buffers (their sizes depend on ``max_graph_batch`` and
+``max_model_len`` only) and the ladder. Nothing here depends on heads per rank.
+
+Every rank of a TP group captures the same sizes in the same order, as the collectives recorded
+inside must pair up: every decision above follows calls and steps the whole group receives.
+
+How a forward becomes replayable is a ``GraphBackend`` (worker/graph_backends.py): CUDA graphs, or
+the CPU stand-in that replays the recorded forward eagerly over the same persistent buffers, so the
+ladder, the padding and the copies in and out run exactly as on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pat_engine.config import EngineConfig, graph_sizes_upto
+from pat_engine.model import chunk_weights, cpu_gemm
+from pat_engine.model.layers.attention import DEFAULT_BACKEND, AttentionBackend, AttentionMetadata
+from pat_engine.model.llama import ForwardContext
+from pat_engine.parallel.comm import TPGroup
+from pat_engine.protocol import StepCommand
+from pat_engine.worker.graph_backends import CapturedGraph, GraphBackend, make_backend
+from pat_engine.worker.kv_pool import PagedKVPool
+from pat_engine.worker.step_inputs import StepInputs
+
+
+@dataclass(frozen=True)
+class GraphSettings:
+    """What a rank needs to capture decode graphs; ``from_config`` gives None when graphs are off."""
+
+    backend: str  # "cuda" or "standin"
+    ladder: tuple[int, ...]  # batch sizes, ascending
+    max_context: int  # tokens a sequence can reach: the block tables' width
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, max_position: int) -> GraphSettings | None:
+        backend = cfg.graphs()
+        if backend is None:
+            return None
+        return cls(backend, cfg.decode_graph_ladder(), min(cfg.max_model_len or max_position, max_position))
+
+
+class _GraphBuffers:
+    """The persistent inputs; a size-B graph reads their first B rows. R = the largest ladder size,
+    W = blocks of a sequence at ``max_model_len``."""
+
+    def __init__(self, rows: int, max_blocks: int, block_size: int, device: torch.device):
+        long = dict(dtype=torch.long, device=device)
+        self.ids = torch.zeros(rows, **long)  # (R,) each row's token
+        self.pos = torch.zeros(rows, **long)  # (R,) its position
+        self.slots = torch.zeros(rows, **long)  # (R,) the KV slot its token writes
+        self.tables = torch.zeros(rows, max_blocks, **long)  # (R, W) its sequence's blocks
+        self.lens = torch.ones(rows, **long)  # (R,) context length, the new token included
+        self.cols = torch.arange(max_blocks * block_size, **long)  # (W * bs,) context index, for the mask
+        self.block_size = block_size
+
+    def load(self, step: StepInputs, n: int, b: int, scratch_block: int) -> None:
+        """Rows [0, n) from the eager step's tensors, rows [n, b) padding."""
+        attn = step.attn
+        self.ids[:n].copy_(step.input_ids[:n])
+        self.pos[:n].copy_(step.positions[:n])
+        self.slots[:n].copy_(attn.slot_mapping[:n])
+        self.lens[:n].copy_(attn.context_lens[:n])
+        self.tables[:n].fill_(scratch_block)  # entries past a row's own blocks: never read unmasked
+        self.tables[:n, : attn.block_tables.shape[1]].copy_(attn.block_tables[:n])
+        self.pad(n, b, scratch_block)
+
+    def pad(self, start: int, stop: int, scratch_block: int) -> None:
+        """Rows [start, stop): token 0 at position 0, context 1, all in the scratch block."""
+        self.ids[start:stop].zero_()
+        self.pos[start:stop].zero_()
+        self.slots[start:stop].fill_(scratch_block * self.block_size)
+        self.lens[start:stop].fill_(1)
+        self.tables[start:stop].fill_(scratch_block)
+
+
+@dataclass
+class GraphStats:
+    captures: int = 0
+    capture_s: float = 0.0
+    lazy_captures: int = 0  # captured by a step that needed the size
+    replays: int = 0
+    eager_decodes: int = 0  # decode steps no graph could hold
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "capture_s_per_size": self.capture_s / self.captures if self.captures else 0.0}
+
+
+def _weights_key(model: torch.nn.Module) -> tuple[int, ...] | None:
+    """Where every tensor the forward reads lives; None where derived copies exist (they are rebuilt
+    on every write, so graphs never survive one)."""
+    params = list(model.parameters())
+    if any(hasattr(p, cpu_gemm.PACKED_ATTR) or hasattr(p, chunk_weights.PIECES_ATTR) for p in params):
+        return None
+    return tuple(t.data_ptr() for t in [*params, *model.buffers()])
+
+
+class DecodeGraphs:
+    """One rank's decode graphs (see the module docstring). Disabled (every step eager, no scratch
+    block) when ``settings`` is None."""
+
+    def __init__(self, settings: GraphSettings | None, device: torch.device, block_size: int,
+                 backend: GraphBackend | None = None, attention: AttentionBackend = DEFAULT_BACKEND):
+        self.attention = attention  # the executor's: a graph runs the kernels an eager step would
+        self.ladder: tuple[int, ...] = settings.ladder if settings else ()
+        self.device, self.block_size = device, block_size
+        self.max_blocks = math.ceil(settings.max_context / block_size) if settings else 0
+        self.backend = backend or (make_backend(settings.backend, device) if settings else None)
+        self.graphs: dict[int, CapturedGraph] = {}  # batch size -> its graph
+        self.stats = GraphStats()
+        self._bufs: _GraphBuffers | None = None
+        self._model: torch.nn.Module | None = None  # what the graphs were captured over
+        self._tp: TPGroup | None = None
+        self._pool: PagedKVPool | None = None
+        self._layer0: torch.Tensor | None = None  # the pool's first layer then (a released pool has none)
+        self._weights: tuple[int, ...] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether graphs are on (the KV pool then needs its scratch block)."""
+        return bool(self.ladder)
+
+    @property
+    def captured(self) -> tuple[int, ...]:
+        return tuple(sorted(self.graphs))
+
+    def reserve_bytes(self, hidden: int, intermediate_per_rank: int, elt: int) -> int:
+        """GPU memory the graphs' pool keeps beyond the KV budget (an estimate, not measured): the largest
+        size's activations, which every smaller size reuses, and each size's own output."""
+        if not self.enabled:
+            return 0
+        return (self.ladder[-1] * (4 * hidden + 2 * intermediate_per_rank) + sum(self.ladder) * hidden) * elt
+
+    def drop(self) -> None:
+        """Forget every graph and what they were captured over (their pool's layers among it)."""
+        if self.graphs and self.backend is not None:
+            self.backend.new_epoch()
+        self.graphs.clear()
+        self._model = self._tp = self._pool = self._layer0 = self._weights = None
+
+    def after_weight_write(self, model: torch.nn.Module) -> None:
+        """A weight write ended: keep the graphs only if every tensor they read stayed where it was."""
+        if self.graphs and (self._weights is None or _weights_key(model) != self._weights):
+            self.drop()
+
+    def capture(self, model: torch.nn.Module, tp: TPGroup, pool: PagedKVPool, upto: int | None = None) -> tuple[int, float]:
+        """Capture the sizes a batch of at most ``upto`` rows can run as (every size for None) that are
+        not captured yet; returns (how many were captured, seconds)."""
+        if not self.enabled or pool.scratch_block is None or not pool.layers:  # off, or the KV is released
+            return 0, 0.0
+        sizes = self.ladder if upto is None else graph_sizes_upto(self.ladder, upto)
+        start = time.perf_counter()
+        self._bind(model, tp, pool)
+        todo = [b for b in sorted(sizes, reverse=True) if b not in self.graphs]  # largest first (shared pool)
+        for b in todo:
+            self._capture_one(b)
+        return len(todo), time.perf_counter() - start
+
+    def replay(self, cmd: StepCommand, step: StepInputs, model: torch.nn.Module, tp: TPGroup,
+               pool: PagedKVPool) -> torch.Tensor | None:
+        """The decode forward of ``step`` through a graph: hidden states (B, hidden) whose first
+        ``len(cmd.seqs)`` rows are the real ones; None when no graph can hold the step (run it eagerly)."""
+        if not self.enabled or cmd.is_prefill:
+            return None
+        n = len(cmd.seqs)
+        attn = step.attn
+        if (n > self.ladder[-1] or pool.scratch_block is None or attn.context_lens is None or attn.query_len != 1
+                or attn.block_tables.shape[1] > self.max_blocks or any(len(s.token_ids) != 1 for s in cmd.seqs)):
+            self.stats.eager_decodes += 1
+            return None
+        self._bind(model, tp, pool)  # a guard: the executor drops the graphs whenever these change
+        b = next(s for s in self.ladder if s >= n)
+        graph = self.graphs.get(b)
+        if graph is None:
+            graph = self._capture_one(b)
+            self.stats.lazy_captures += 1
+        self._bufs.load(step, n, b, pool.scratch_block)
+        graph.replay()
+        self.stats.replays += 1
+        return graph.output
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    def _bind(self, model: torch.nn.Module, tp: TPGroup, pool: PagedKVPool) -> None:
+        """Graphs are captured over one (model, TP group, pool); anything else drops them first."""
+        same = (self._model is model and self._tp is tp and self._pool is pool
+                and bool(pool.layers) and self._layer0 is pool.layers[0])
+        if same:
+            return
+        self.drop()
+        self._model, self._tp, self._pool = model, tp, pool
+        self._layer0 = pool.layers[0] if pool.layers else None
+        self._weights = _weights_key(model)
+        if self._bufs is None:  # they survive every drop: their sizes depend on no layout
+            with torch.inference_mode():
+                self._bufs = _GraphBuffers(self.ladder[-1], self.max_blocks, self.block_size, self.device)
+
+    @torch.inference_mode()
+    def _capture_one(self, b: int) -> CapturedGraph:
+        start = time.perf_counter()
+        bufs, scratch = self._bufs, self._pool.scratch_block
+        bufs.pad(0, b, scratch)  # every row padding: warm-up and capture write only the scratch block
+        model, tp, layers = self._model, self._tp, list(self._pool.layers)
+        ids, pos, slots, tables, lens, cols = bufs.ids[:b], bufs.pos[:b], bufs.slots[:b], bufs.tables[:b], \
+            bufs.lens[:b], bufs.cols
+
+        def forward() -> torch.Tensor:
+            mask = (cols[None, :] < lens[:, None]).view(b, 1, 1, -1)  # (b, 1, 1, W*bs): row i sees lens[i] tokens
+            attn = AttentionMetadata(is_prefill=False, slot_mapping=slots, query_len=1, block_tables=tables,
+                                     mask=mask, context_lens=lens)
+            return model(ids, pos, ForwardContext(tp=tp, kv_caches=layers, attn=attn,
+                                                  attn_backend=self.attention))  # (b, hidden)
+
+        graph = self.graphs[b] = self.backend.capture(forward)
+        self.stats.captures += 1
+        self.stats.capture_s += time.perf_counter() - start
+        return graph

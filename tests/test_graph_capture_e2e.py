@@ -1,0 +1,90 @@
+"""Decode graphs in a running engine (stand-in backend, worker processes, float64): captured at
+start-up, recaptured inside a live switch for the batch sizes that can still occur, dropped with
+the KV on sleep, never captured under ``enforce_eager``; the tokens stay those of transformers.
+
+The real ``torch.cuda.CUDAGraph`` backend is exercised by the ``gpu`` tests at the end (skipped
+without CUDA).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import MAX_NEW, PROMPTS, hf_greedy_batch
+from pat_engine import Engine, SamplingParams
+from pat_engine.config import graph_ladder, graph_sizes_upto
+
+GREEDY = [SamplingParams(max_new_tokens=m) for m in MAX_NEW]  # 48, 20, 56, 30, 12, 40
+LADDER = graph_ladder(16)  # 1, 2, 4, 8, 16
+
+
+def _graphs(engine: Engine) -> list[dict]:
+    return [s["graphs"] for s in engine.worker_stats()]
+
+
+@pytest.mark.slow
+def test_graphs_across_a_live_switch_and_sleep(model_dir):
+    with Engine(model_dir("llama"), tp=1, dp=2, dtype="float64", graph_backend="standin", max_num_seqs=16) as engine:
+        assert all(g["captured"] == list(LADDER) and g["lazy_captures"] == 0 for g in _graphs(engine))  # start-up
+
+        # TP1xDP2 -> TP2xDP1 while all six requests run, then back to TP1xDP2 once two have finished
+        outs = engine.generate(PROMPTS, GREEDY, switch_schedule=[(3, 2), (25, 1)], kv_transfer="migrate",
+                               use_tqdm=False)
+        assert [o.token_ids for o in outs] == hf_greedy_batch(model_dir("llama"))
+        merge, split = engine.switches[-2:]
+        assert merge.to_layout == "TP2xDP1" and split.to_layout == "TP1xDP2"
+        assert merge.costs["requests"] == 6 and merge.costs["graphs_captured"] == 4  # 6 rows run as 8: 1, 2, 4, 8
+        assert merge.costs["graphs_s"] > 0
+        assert split.costs["requests"] == 4  # 48, 56, 30 and 40 new tokens: over two groups, at most 3 each
+        assert len(graph_sizes_upto(LADDER, 2)) <= split.costs["graphs_captured"] <= len(graph_sizes_upto(LADDER, 3))
+        stats = _graphs(engine)
+        assert all(max(g["captured"]) <= 4 and g["lazy_captures"] == 0 and g["replays"] > 0 for g in stats)
+
+        engine.sleep(level=1)
+        assert all(g["captured"] == [] for g in _graphs(engine))
+        engine.wake_up()
+        again = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in again] == hf_greedy_batch(model_dir("llama"))
+        assert all(g["captured"] and set(g["captured"]) <= set(LADDER) for g in _graphs(engine))  # lazily
+
+
+@pytest.mark.slow
+def test_enforce_eager_captures_nothing(model_dir):
+    with Engine(model_dir("llama"), tp=1, dp=2, dtype="float64", graph_backend="standin", enforce_eager=True,
+                max_num_seqs=16) as engine:
+        outs = engine.generate(PROMPTS[:2], GREEDY[:2], switch_schedule=[(3, 2)], use_tqdm=False)
+        assert [o.token_ids for o in outs] == hf_greedy_batch(model_dir("llama"))[:2]
+        assert engine.switches[-1].costs["graphs_s"] == 0 and engine.switches[-1].costs["graphs_captured"] == 0
+        assert all(g["captures"] == 0 and g["replays"] == 0 for g in _graphs(engine))
+
+
+# ---- real CUDA graphs (a GPU machine) ------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_give_the_eager_tokens(model_dir):
+    """Float32 on one GPU: the same greedy tokens with CUDA graphs as with enforce_eager."""
+    def run(**kw):
+        with Engine(model_dir("llama"), device="cuda", dtype="float32", max_num_seqs=16, **kw) as engine:
+            tokens = [o.token_ids for o in engine.generate(PROMPTS, GREEDY, use_tqdm=False)]
+            return tokens, _graphs(engine)
+
+    eager, eager_stats = run(enforce_eager=True)
+    graphed, stats = run()
+    assert eager_stats[0]["captures"] == 0
+    assert stats[0]["captured"] == list(LADDER) and stats[0]["replays"] > 0
+    assert graphed == eager
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_backend_replays_what_it_captured():
+    from pat_engine.worker.graph_backends import CudaGraphBackend
+
+    x = torch.zeros(4, device="cuda")
+    graph = CudaGraphBackend(torch.device("cuda")).capture(lambda: x * 2 + 1)
+    x.fill_(3.0)
+    graph.replay()
+    assert graph.output.tolist() == [7.0] * 4
