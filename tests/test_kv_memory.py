@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pat_engine.core import memory
@@ -85,3 +86,30 @@ def test_pool_layers_are_zero_in_every_dtype():
             pool.layers[0][0, 3] = 2
             assert not pool.layers[1].any()
             assert pool.regeometry(1, 600).lazy is lazy  # a switch's pool keeps the policy
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_invariant_mode_plans_the_chunk_pieces_it_builds(tmp_path, dtype):
+    """The bytes footprint.py plans for the invariant mode's chunk pieces are the bytes the executor builds,
+    and a GPU plan's KV budget moves with them across layouts."""
+    from pat_engine.model import chunk_weights
+    from pat_engine.model.footprint import derived_bytes_per_rank, weight_bytes_per_rank
+    from pat_engine.parallel.comm import TPGroup
+    from pat_engine.worker.infer_executor import InferExecutor
+
+    path = write_tiny_model(tmp_path / "m", TinyModelSpec(num_kv_heads=2))
+    arch = load_model_arch(path)
+    ex = InferExecutor(arch, Layout(1, 2), TPGroup(rank=0, size=1, ranks=(0,)), dtype, torch.device("cpu"),
+                       block_size=4, num_blocks=8, numerics="invariant")  # world 2: two chunks per row-parallel weight
+    ex.load_weights(str(path))
+    built = sum(piece.numel() * piece.element_size() for p in ex.model.parameters()
+                for piece in getattr(p, chunk_weights.PIECES_ATTR, (None, []))[1])
+    assert built > 0 and derived_bytes_per_rank(arch, 1, dtype, "invariant", 2) == built
+    assert derived_bytes_per_rank(arch, 1, dtype, "fast", 2) == 0
+
+    fast = MemoryPlan(arch, dtype, 16, 1 << 30, Layout(1, 2), device_budget=True)
+    inv = MemoryPlan(arch, dtype, 16, 1 << 30, Layout(1, 2), device_budget=True, numerics="invariant")
+    freed = weight_bytes_per_rank(arch, 1, dtype) - weight_bytes_per_rank(arch, 2, dtype)
+    assert fast.kv_budget(Layout(2, 1)) - (1 << 30) == freed
+    derived_freed = derived_bytes_per_rank(arch, 1, dtype, "invariant", 2) - derived_bytes_per_rank(arch, 2, dtype, "invariant", 2)
+    assert derived_freed > 0 and inv.kv_budget(Layout(2, 1)) - (1 << 30) == freed + derived_freed
