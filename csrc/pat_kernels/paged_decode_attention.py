@@ -20,6 +20,29 @@ import triton.language as tl
 
 
 @triton.jit
+def attend_block(q, k_ptr, v_ptr, tables_ptr, seq, i, length, m, l, acc,
+                 scale, stride_kb, stride_kt, stride_kh, stride_tb, kv_head,
+                 BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One KV block (the ``i``-th of sequence ``seq``) folded into a running online softmax
+    ``(m, l, acc)``; shared by the one-program and the split-KV kernels, so both sum in one order."""
+    dims = tl.arange(0, HEAD_DIM)
+    toks = tl.arange(0, BLOCK_SIZE)
+    block = tl.load(tables_ptr + seq * stride_tb + i)
+    offs = block * stride_kb + toks[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
+    valid = (i * BLOCK_SIZE + toks) < length
+    k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)  # (BLOCK_SIZE, D)
+    scores = tl.sum(k * q[None, :], axis=1) * scale
+    scores = tl.where(valid, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=0))
+    p = tl.exp(scores - m_new)
+    correction = tl.exp(m - m_new)
+    v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+    acc = acc * correction + tl.sum(p[:, None] * v, axis=0)
+    l = l * correction + tl.sum(p, axis=0)
+    return m_new, l, acc
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
     scale,
@@ -33,26 +56,14 @@ def _paged_decode_kernel(
     head = tl.program_id(1)
     kv_head = head // GROUP
     dims = tl.arange(0, HEAD_DIM)
-    toks = tl.arange(0, BLOCK_SIZE)
     q = tl.load(q_ptr + seq * stride_qb + head * stride_qh + dims).to(tl.float32)
     length = tl.load(lens_ptr + seq)
     m = tl.full((), float("-inf"), tl.float32)
     l = tl.zeros((), tl.float32)
     acc = tl.zeros((HEAD_DIM,), tl.float32)
     for i in range(0, tl.cdiv(length, BLOCK_SIZE)):
-        block = tl.load(tables_ptr + seq * stride_tb + i)
-        offs = block * stride_kb + toks[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
-        valid = (i * BLOCK_SIZE + toks) < length
-        k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)  # (BLOCK_SIZE, D)
-        scores = tl.sum(k * q[None, :], axis=1) * scale
-        scores = tl.where(valid, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
-        p = tl.exp(scores - m_new)
-        correction = tl.exp(m - m_new)
-        v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-        acc = acc * correction + tl.sum(p[:, None] * v, axis=0)
-        l = l * correction + tl.sum(p, axis=0)
-        m = m_new
+        m, l, acc = attend_block(q, k_ptr, v_ptr, tables_ptr, seq, i, length, m, l, acc, scale,
+                                 stride_kb, stride_kt, stride_kh, stride_tb, kv_head, BLOCK_SIZE, HEAD_DIM)
     out = acc / l
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 

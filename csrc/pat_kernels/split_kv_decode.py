@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pat_kernels.paged_decode_attention import attend_block
+
 
 @triton.jit
 def _split_partial_kernel(
@@ -47,7 +49,6 @@ def _split_partial_kernel(
     split = tl.program_id(2)
     kv_head = head // GROUP
     dims = tl.arange(0, HEAD_DIM)
-    toks = tl.arange(0, BLOCK_SIZE)
     q = tl.load(q_ptr + seq * stride_qb + head * stride_qh + dims).to(tl.float32)
     length = tl.load(lens_ptr + seq)
     first = split * blocks_per_split
@@ -56,19 +57,8 @@ def _split_partial_kernel(
     l = tl.zeros((), tl.float32)
     acc = tl.zeros((HEAD_DIM,), tl.float32)
     for i in range(first, last):  # the same per-block step as the one-program kernel
-        block = tl.load(tables_ptr + seq * stride_tb + i)
-        offs = block * stride_kb + toks[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
-        valid = (i * BLOCK_SIZE + toks) < length
-        k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)  # (BLOCK_SIZE, D)
-        scores = tl.sum(k * q[None, :], axis=1) * scale
-        scores = tl.where(valid, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
-        p = tl.exp(scores - m_new)
-        correction = tl.exp(m - m_new)
-        v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-        acc = acc * correction + tl.sum(p[:, None] * v, axis=0)
-        l = l * correction + tl.sum(p, axis=0)
-        m = m_new
+        m, l, acc = attend_block(q, k_ptr, v_ptr, tables_ptr, seq, i, length, m, l, acc, scale,
+                                 stride_kb, stride_kt, stride_kh, stride_tb, kv_head, BLOCK_SIZE, HEAD_DIM)
     # partials are laid out (B, H, S, ...) contiguous; the grid gives H and S
     item = (seq * tl.num_programs(1) + head) * tl.num_programs(2) + split
     tl.store(acc_ptr + item * HEAD_DIM + dims, acc)
