@@ -8,7 +8,7 @@ ever materialised. GQA: q head ``h`` reads KV head ``h // group``.
 Shapes:
   q            (B, H, D)
   k_cache/v_cache (num_blocks, block_size, KVH, D)   (one layer, keys or values)
-  block_tables (B, max_blocks) int32, context_lens (B,) int32
+  block_tables (B, max_blocks) int64 (offsets pass 2**31 elements in large pools), context_lens (B,) int32
   out          (B, H, D)
 """
 
@@ -75,7 +75,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert h % kvh == 0 and d & (d - 1) == 0 and block_size & (block_size - 1) == 0
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
     out = torch.empty_like(q)
-    tables = block_tables.to(torch.int32).contiguous()
+    tables = block_tables.to(torch.int64).contiguous()  # int64: block * stride passes 2**31 on big pools
     lens = context_lens.to(torch.int32).contiguous()
     _paged_decode_kernel[(b, h)](
         q, k_cache, v_cache, tables, lens, out, scale,
