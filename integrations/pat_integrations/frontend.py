@@ -139,6 +139,18 @@ class AsyncEngineFrontend:
     async def drain(self, timeout: float | None = None) -> None:
         await asyncio.wait_for(self._idle.wait(), timeout)
 
+    async def exclusive(self, fn, *args: Any) -> Any:
+        """Run ``fn(*args)`` (a tail-batched round, ``rounds.EngineRounds.step``) in a thread, alone: it
+        starts once nothing is in flight, requests arriving meanwhile wait, and ``drain`` waits for it.
+        ``abort_all`` does not cut it (its requests are not the frontend's; the round ends by itself)."""
+        async with self._admit:
+            await self._idle.wait()
+            self._idle.clear()
+            try:
+                return await asyncio.to_thread(fn, *args)
+            finally:
+                self._idle.set()
+
     # ---- blocking engine calls, off the event loop ----------------------------------------
 
     async def call(self, fn, *args: Any, **kwargs: Any) -> Any:
