@@ -21,7 +21,6 @@ import torch
 
 from pat_engine import Engine
 from pat_integrations.frontend import AsyncEngineFrontend
-from pat_integrations.learned_placement import LearnedPlacement
 from pat_integrations.openrlhf.outputs import GenerationOutput, to_vllm_shape
 from pat_integrations.openrlhf.settings import PatActorSettings
 from pat_integrations.openrlhf.weight_sync import LocalRanks
@@ -60,7 +59,7 @@ class PatRolloutActor:
         self.settings = PatActorSettings.from_vllm_kwargs(kwargs)
         s = self.settings
         self.engine = Engine(s.model, tp=s.tp, dp=s.dp, **s.engine_kwargs)
-        self.frontend = AsyncEngineFrontend(self.engine, s.plan, LearnedPlacement() if s.placement else None)
+        self.frontend = AsyncEngineFrontend(self.engine, s.plan)
         self.rounds = EngineRounds(self.engine, s.rollout, s.plan, seed=int(s.engine_kwargs.get("seed") or 0),
                                    name="openrlhf") if s.rollout is not None else None
         self._executor = _load_agent_executor(agent_func_path) if agent_func_path else None

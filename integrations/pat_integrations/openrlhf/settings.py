@@ -5,7 +5,6 @@ OpenRLHF's placement. The engine starts each stage at ``pat_base_tp``
 (default: ``tensor_parallel_size``, i.e. vLLM's layout) with
 ``tensor_parallel_size / pat_base_tp`` DP groups, and may switch on
 ``pat_switch_schedule`` or its controller (``pat_engine_kwargs.profile_table``).
-``pat_placement=True``: cost-aware DP admission with per-prompt learned lengths (docs/rollout.md).
 ``pat_rollout``: the rollout policies (``pat_integrations.rollout_options``: ``responses_per_step``,
 ``group_size`` = OpenRLHF's ``n_samples_per_prompt``, ``tail_batching``, ``group_sizing``) that the
 actor's ``rollout_step`` runs.
@@ -36,7 +35,6 @@ class PatActorSettings:
     plan: StagePlan = StagePlan()
     max_model_len: int | None = None
     logprobs_mode: str = "raw"  # "raw" (vLLM's raw_logprobs) or "processed" (processed_logprobs)
-    placement: bool = False  # cost-aware DP admission (pat_integrations.learned_placement)
     rollout: RolloutConfig | None = None  # tail batching / group sizing for rollout_step; None: off
 
     @classmethod
@@ -63,7 +61,6 @@ class PatActorSettings:
         for name in IGNORED:
             kw.pop(name, None)
         plan = StagePlan.from_options(kw.pop("pat_switch_schedule", None))
-        placement = bool(kw.pop("pat_placement", False))
         rollout = kw.pop("pat_rollout", None) or {}
         if not isinstance(rollout, dict) or set(rollout) - ROLLOUT_KEYS:
             raise ValueError(f"pat_rollout must be a dict with keys among {sorted(ROLLOUT_KEYS)}, got {rollout!r}")
@@ -76,4 +73,4 @@ class PatActorSettings:
 
         engine_kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
         return cls(str(model), base_tp, devices // base_tp, engine_kwargs, plan, engine_kwargs.get("max_model_len"),
-                   mode.removesuffix("_logprobs"), placement, rollout_config(rollout, None, "pat_rollout"))
+                   mode.removesuffix("_logprobs"), rollout_config(rollout, None, "pat_rollout"))

@@ -23,7 +23,6 @@ from verl.workers.rollout.replica import RolloutMode, TokenOutput
 
 from pat_engine import Engine
 from pat_integrations.frontend import AsyncEngineFrontend, LayoutViews
-from pat_integrations.learned_placement import LearnedPlacement
 from pat_integrations.partials import PartialLedger
 from pat_integrations.rounds import EngineRounds, RoundResult
 from pat_integrations.sampling import from_verl
@@ -44,7 +43,7 @@ class PatServer(LayoutViews):
         self.replica_rank = replica_rank
         s = self.settings
         self.engine = Engine(s.model, tp=s.tp, dp=s.dp, **s.engine_kwargs)
-        self.frontend = AsyncEngineFrontend(self.engine, s.plan, LearnedPlacement() if s.placement else None)
+        self.frontend = AsyncEngineFrontend(self.engine, s.plan)
         self.global_steps: int | None = None
         self.partials = PartialLedger(int(s.engine_kwargs.get("seed") or 0))
         self.rounds = EngineRounds(self.engine, s.rollout, s.plan, seed=int(s.engine_kwargs.get("seed") or 0),
