@@ -55,7 +55,7 @@ def run_in_turn(args, make_arms) -> list[Arm]:
 def reward_stage(args) -> None:
     """Streamed against sequential rewards, the same verifier, arms stepping in turn."""
     pool = PromptPool(args.seed)
-    cfg = rollout_config(True, False, False, args.seed)
+    cfg = rollout_config(True, False, args.seed)
     arms = run_in_turn(args, lambda model_dir: [
         Arm(f"{mode} rewards", cfg, pool, model_dir, args.seed, args.lr, reward_mode=mode,
             reward_work=args.reward_work, reward_workers=args.reward_workers) for mode in ("streamed", "sequential")])
@@ -95,9 +95,9 @@ def main() -> None:
         return
     pool = PromptPool(args.seed)
     arms_cfg = [
-        ("A: PAT alone (plain rounds, 8 x 4)", rollout_config(False, False, False, args.seed)),
-        ("B: tail batching + PAT", rollout_config(True, False, False, args.seed)),
-        ("C: tail batching + PAT + SAGC", rollout_config(True, True, False, args.seed)),
+        ("A: PAT alone (plain rounds, 8 x 4)", rollout_config(False, False, args.seed)),
+        ("B: tail batching + PAT", rollout_config(True, False, args.seed)),
+        ("C: tail batching + PAT + SAGC", rollout_config(True, True, args.seed)),
     ]
     arms = run_in_turn(args, lambda model_dir: [Arm(label, cfg, pool, model_dir, args.seed, args.lr)
                                                 for label, cfg in arms_cfg])

@@ -1,4 +1,4 @@
-"""Simulated multi-step rollouts: best static layout vs PAT vs tail batching (+PAT, +SAGC, +placement).
+"""Simulated multi-step rollouts: best static layout vs PAT vs tail batching (+PAT, +SAGC).
 
     PYTHONPATH=.:profiler python bench/simulate_rollout_steps.py [--tables a40 h100] [--steps 50]
         [--responses 256] [--check-interval 512]
@@ -12,7 +12,6 @@ table; bench/longtail/tables.py states every constant); none is a measurement. P
   - tail batching + PAT: short rounds start at the throughput layout, long rounds at the
     predictor's pick, the controller switching inside both;
   - + SAGC (group size from {4, 8, 16}, responses per step fixed);
-  - + cost-aware DP placement (LPT on predicted cost under a 1.1x token cap).
 Writes bench/results/simulate_rollout_steps.md.
 """
 
@@ -28,7 +27,6 @@ from longtail.tables import a40_table, h100_table
 from longtail.workload import LongTail
 from pat_engine.predictor.predictor import LatencyPredictor
 from pat_engine.rollout import GroupSizingConfig, RolloutConfig, TailBatchingConfig
-from pat_engine.rollout.config import PlacementConfig
 
 TABLES = {
     "a40": (a40_table, 16384, "8xA40 paper-calibrated (Llama-3.1-8B, TP 2/4/8), cap 16K"),
@@ -76,8 +74,6 @@ def run_table(name: str, args) -> tuple[str, dict]:
     tb = RolloutConfig(n, 8, tail_batching=TailBatchingConfig(eta=args.eta))
     sagc = RolloutConfig(n, 8, tail_batching=TailBatchingConfig(eta=args.eta),
                          group_sizing=GroupSizingConfig(sizes=(4, 8, 16), seed=args.seed))
-    placed = RolloutConfig(n, 8, tail_batching=TailBatchingConfig(eta=args.eta),
-                           group_sizing=GroupSizingConfig(sizes=(4, 8, 16), seed=args.seed), placement=PlacementConfig())
 
     def go(v: Variant) -> RunResult:
         t = time.perf_counter()
@@ -100,7 +96,6 @@ def run_table(name: str, args) -> tuple[str, dict]:
         runs[-1].variant = Variant(f"tail batching, static TP{short_tp} short / TP{long_tp} long (RollPacker)", tb)
     runs.append(go(Variant("tail batching + PAT", tb, pat=True)))
     runs.append(go(Variant("tail batching + PAT + SAGC", sagc, pat=True)))
-    runs.append(go(Variant("tail batching + PAT + SAGC + cost-aware placement", placed, pat=True)))
     base = runs[0].total
     headers = ["policy (simulated)", f"rollout s, {args.steps} steps", "speed-up vs best static", "mean s/step",
                "short round s", "long round s", "long rounds", "prompts deferred", "responses discarded",
@@ -142,8 +137,7 @@ def main() -> None:
         print(f"{name}: {TABLES[name][2]}", flush=True)
         text, _ = run_table(name, args)
         sections.append(text)
-    write_result("simulate_rollout_steps", "Multi-step rollout scheduling (SIMULATED): tail batching, PAT, SAGC, "
-                 "cost-aware placement",
+    write_result("simulate_rollout_steps", "Multi-step rollout scheduling (SIMULATED): tail batching, PAT, SAGC",
                  "All times are simulated rollout seconds from latency tables, not measurements. Speed-up = best "
                  "static total / policy total. Staleness = the largest number of weight updates between the "
                  "weights a returned response was generated under and the step's weights (deferred partials are "

@@ -14,9 +14,9 @@ tokens in the set; a random policy scores about 0.25. Each iteration:
 
     python examples/grpo_tiny.py                      # under a minute on 2 cores
     python examples/grpo_tiny.py --out bench/results/grpo_tiny.md
-    python examples/grpo_tiny.py --tail-batching [--sagc] [--placement]   # rollouts via pat_engine.rollout
+    python examples/grpo_tiny.py --tail-batching [--sagc]   # rollouts via pat_engine.rollout
 
-With ``--tail-batching`` / ``--sagc`` / ``--placement`` the prompts come from a fixed pool whose
+With ``--tail-batching`` / ``--sagc`` the prompts come from a fixed pool whose
 prompts keep their length scale across steps and every rollout goes through the rollout
 layer (docs/rollout.md); bench/grpo_tail_batching.py compares the policies side by side.
 """
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from pat_engine import Engine, RequestOutput, SamplingParams, reference_logprobs  # noqa: E402
 from pat_engine.platform_info import machine_summary  # noqa: E402
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model  # noqa: E402
-from pat_engine.rollout import GroupSizingConfig, PlacementConfig, PromptEntry, RolloutConfig  # noqa: E402
+from pat_engine.rollout import GroupSizingConfig, PromptEntry, RolloutConfig  # noqa: E402
 from pat_engine.rollout import RolloutScheduler, TailBatchingConfig, straggler_ratio  # noqa: E402
 from pat_engine.rollout.rewards import RewardConfig, RewardStage, SubprocessReward  # noqa: E402
 from pat_engine.rollout.runner import RolloutRunner, derived_seed  # noqa: E402
@@ -170,20 +170,19 @@ def run(cfg: GRPOConfig, workdir: Path) -> list[dict]:
     return rows
 
 
-# ---- rollouts through the rollout layer (tail batching, SAGC, placement; docs/rollout.md) -------------------
+# ---- rollouts through the rollout layer (tail batching, SAGC; docs/rollout.md) -------------------
 
 POOL = 48  # prompts in the pool the rollout-layer runs draw from
 RESPONSES = 32  # returned per step
 MIN_LEN, MAX_LEN = 6, 96
 
 
-def rollout_config(tail_batching: bool, sagc: bool, placement: bool, seed: int) -> RolloutConfig:
+def rollout_config(tail_batching: bool, sagc: bool, seed: int) -> RolloutConfig:
     """RESPONSES per step, 4 per prompt; SAGC picks from {2, 4, 8} with kappa 2.0 (1.25 flags nearly every
     group of this heavy-tailed toy)."""
     return RolloutConfig(RESPONSES, 4, tail_batching=TailBatchingConfig(0.25) if tail_batching else None,
                          group_sizing=GroupSizingConfig(sizes=(2, 4, 8), seed=seed, straggler_threshold=2.0)
-                         if sagc else None,
-                         placement=PlacementConfig() if placement else None)
+                         if sagc else None)
 
 
 @dataclass
@@ -341,10 +340,9 @@ def main() -> None:
     ap.add_argument("--out", help="also write the table, command and machine to this markdown file")
     ap.add_argument("--tail-batching", action="store_true", help="rollouts through pat_engine.rollout: tail batching")
     ap.add_argument("--sagc", action="store_true", help="rollouts through pat_engine.rollout: SAGC group sizing")
-    ap.add_argument("--placement", action="store_true", help="rollouts through pat_engine.rollout: cost-aware placement")
     args = ap.parse_args()
-    if args.tail_batching or args.sagc or args.placement:  # a prompt pool with persistent lengths, rollout layer
-        run_rollout_layer(rollout_config(args.tail_batching, args.sagc, args.placement, args.seed), args)
+    if args.tail_batching or args.sagc:  # a prompt pool with persistent lengths, rollout layer
+        run_rollout_layer(rollout_config(args.tail_batching, args.sagc, args.seed), args)
         return
     cfg = GRPOConfig(iterations=args.iterations, seed=args.seed, sync=not args.no_sync, numerics=args.numerics)
     rows = table(cfg)

@@ -67,6 +67,7 @@ class VllmLikeSamplingParams:
         self.repetition_penalty, self.presence_penalty, self.frequency_penalty, self.min_p = 1.0, 0.0, 0.0, 0.0
         self.best_of, self.logit_bias, self.prompt_logprobs, self.bad_words = None, None, None, None
         self.include_stop_str_in_output, self.truncate_prompt_tokens, self.structured_outputs = False, None, None
+        self.stop_token_ids = None
         for name, value in extra.items():
             if not hasattr(self, name):
                 raise TypeError(f"not a vllm.SamplingParams attribute this stand-in knows: {name}")

@@ -139,21 +139,25 @@ def test_lookahead_waits_when_switching_later_pays_more():
 
 
 def test_the_switch_target_is_priced_with_the_placement_the_switch_uses():
-    """With the cost-aware admission placement installed, the target the controller prices is where
+    """With a placement rule that rebalances installed, the target the controller prices is where
     the switch then puts every request (not the longest-context-first default)."""
     from driver_fixtures import make_driver
 
     from pat_engine.parallel.dp_placement import balance_by_context
     from pat_engine.predictor.policy import SwitchDecision
-    from pat_engine.rollout.placement import AdmissionPlacement
+
+    class Lopsided:  # the first request (by seq_id) alone on group 0, the rest on the last
+        def __call__(self, seq, schedulers):
+            return seq.seq_id % len(schedulers)
+
+        def rebalance(self, requests, groups):
+            return [[0]] + [[] for _ in range(groups - 2)] + [list(range(1, len(requests)))]
 
     d = make_driver(tp=1, dp=4)
-    hook = AdmissionPlacement()
+    hook = Lopsided()
     d.coord.placement = hook
-    predicted = [200, 10, 190, 20, 180, 30, 170, 40]  # same prompts, very different predicted lengths
-    for i, n in enumerate(predicted):
-        seq = d.add([7 + i] * 4, 256)
-        hook.expect(seq.request_id, n)
+    for i in range(8):  # same prompt lengths: by context the default alternates them
+        d.add([7 + i] * 4, 256)
     d.ticks(4)
     d.coord.drain()
     st = d.coord.status()

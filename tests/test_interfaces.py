@@ -17,7 +17,6 @@ from pat_engine.predictor.measured_rates import MeasuredRates
 from pat_engine.predictor.policy import RequestSnapshot
 from pat_engine.predictor.predictor import LatencyPredictor
 from pat_engine.predictor.table import ModelShape
-from pat_engine.rollout.placement import AdmissionPlacement
 
 
 def test_both_cost_sources_are_cost_sources():
@@ -30,8 +29,19 @@ def test_both_cost_sources_are_cost_sources():
         assert source.bandwidth() == pytest.approx(1e8)
 
 
-def test_admission_placement_rebalances_a_switch():
-    rule = AdmissionPlacement()
+class Halves:
+    """A placement rule with a rebalance: the first half of the requests (by seq_id) on group 0."""
+
+    def __call__(self, seq, schedulers) -> int:
+        return seq.seq_id % len(schedulers)
+
+    def rebalance(self, requests, groups):
+        half = len(requests) // 2
+        return [list(range(half))] + [[] for _ in range(groups - 2)] + [list(range(half, len(requests)))]
+
+
+def test_a_placement_with_rebalance_decides_a_switch():
+    rule = Halves()
     assert isinstance(rule, RebalancingPlacement)
     reqs = [RequestSnapshot(10 * (i + 1), 0, 8, True, f"r{i}", seq_id=i) for i in range(4)]
     placed = switch_placement(rule, reqs, 2)

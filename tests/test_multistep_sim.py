@@ -11,7 +11,6 @@ from longtail.tables import a40_table
 from longtail.workload import Batch, LongTail
 from pat_engine.predictor.predictor import LatencyPredictor
 from pat_engine.rollout import RolloutConfig, TailBatchingConfig
-from pat_engine.rollout.config import PlacementConfig
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +44,9 @@ def test_short_round_ends_before_the_whole_batch_would(pred):
     assert sum(s.seconds for s in tb.steps) < sum(s.seconds for s in plain.steps)
 
 
-def test_placement_variant_runs_and_round_simulation_honours_a_given_placement(pred):
-    cfg = RolloutConfig(32, 4, placement=PlacementConfig())
-    run = run_variant(Variant("placed", cfg, short_tp=2), data(), pred, 8, 2, 256, 64)
-    assert all(s.returned == 32 for s in run.steps)
+def test_a_round_simulation_without_a_stop_rule_runs_to_the_end(pred):
     from longtail.multistep import RoundSimulation
 
     batch = Batch(np.full(8, 10), np.arange(1, 9) * 10, 1024)
-    sim = RoundSimulation(pred, batch, 2, 8, 256, 64, None, placement=[0] * 8)
-    assert len(sim.groups[0].waiting) == 8 and all(not g.waiting for g in sim.groups[1:])
+    sim = RoundSimulation(pred, batch, 2, 8, 256, 64, None)
     assert isinstance(sim, Simulation) and sim.run_round() == sim.finished_at

@@ -7,6 +7,8 @@ RPC on every engine, then a broadcast from trainer rank 0) and
 ``SamplesGenerator`` (wake_up, load balance on unfinished counts,
 ``generate_responses``, sleep). Two engines of 2 devices each (TP1xDP2 at
 the start of every stage, switching to TP2xDP1 on a schedule), float64.
+Tail batching (``pat_rollout``) runs through the actor's ``rollout_step``, with the weight sync
+above making deferred partials stale.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def engines(model_dir, tmp_path_factory):
             num_engines=2, tensor_parallel_size=TP, pretrain=model_dir("llama"), seed=0, full_determinism=False,
             enable_prefix_caching=False, enforce_eager=True, max_model_len=512, vllm_enable_sleep=True,
             agent_func_path=str(agent), pat_base_tp=1, pat_switch_schedule=[(4, 2)],
-            pat_engine_kwargs={"dtype": "float64"})
+            pat_engine_kwargs={"dtype": "float64"},
+            pat_rollout={"responses_per_step": 4, "group_size": 2, "tail_batching": {"eta": 0.5}})
         yield handles
         ray.get([e.shutdown.remote() for e in handles])
     finally:
@@ -226,3 +229,58 @@ def test_logprobs_mode_maps_onto_sampling_params():
     assert params.logprobs and params.logprobs_mode == "processed"
     with pytest.raises(ValueError, match="raw_logits"):
         PatActorSettings.from_vllm_kwargs({"model": "m", "logprobs_mode": "raw_logits"})
+
+
+def test_tail_batched_steps_through_the_actor(engines, model_dir):
+    """Short, short, long (the deferred prompts resumed exactly), then short, short, a weight sync and
+    the long round regenerating the now stale partials: every returned response equals the same
+    request run alone through ``generate``, with the seed the round gave it."""
+    from pat_engine.rollout.runner import derived_seed
+
+    engine = engines[0]
+    ray.get(engine.wake_up.remote())
+    stop = list(range(0, 390, 5))  # a fifth of the vocabulary ends a response: lengths vary per seed
+
+    def params(seed=None):
+        return VllmLikeSamplingParams(temperature=1.0, max_tokens=40, logprobs=1, seed=seed, stop_token_ids=stop)
+
+    def check(result, prompts):
+        for uid, outs in result.groups:
+            assert len(outs) == 2
+            for o in outs:
+                c = o.outputs[0]  # c.index: the response's index within its prompt (its seed)
+                ref = ray.get(engine.generate.remote(prompts[uid], params(derived_seed(9, uid, c.index)))).outputs[0]
+                assert c.token_ids == ref.token_ids and c.finish_reason in ("stop", "length")
+                assert [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)] == pytest.approx(
+                    [d[t].logprob for t, d in zip(ref.token_ids, ref.logprobs)], abs=1e-9)
+
+    for tag, sync in (("a", False), ("b", True)):
+        prompts = {f"{tag}{i}": p for i, p in enumerate(PROMPTS)}
+        uids = list(prompts)
+        s0 = ray.get(engine.rollout_step.remote([(u, prompts[u]) for u in uids[:3]], params(9)))
+        check(s0, prompts)  # before any weight sync: the references run under the same weights
+        s1 = ray.get(engine.rollout_step.remote([(u, prompts[u]) for u in uids[3:]], params(9)))
+        assert (s0.kind, s1.kind, s0.prompts_deferred, s1.queued) == ("short", "short", 1, 2)
+        if sync:  # OpenRLHF's broadcast of the base weights (earlier tests synced others): a new version
+            broadcast_to_engines(engines, init_update_group(engines), _hf_model(model_dir("llama")))
+        s2 = ray.get(engine.rollout_step.remote([], params(9)))
+        assert s2.kind == "long" and len(s2.groups) == 2
+        assert (s2.resumed >= 1, s2.stale_regenerated >= 1) == (not sync, sync)
+        check(s2, prompts)
+    ray.get(engine.sleep.remote())
+
+
+def test_rollout_options_are_checked_by_the_actor_settings():
+    from pat_integrations.openrlhf.settings import PatActorSettings
+
+    base = {"model": "m", "tensor_parallel_size": 2}
+    s = PatActorSettings.from_vllm_kwargs({**base, "pat_rollout": {"responses_per_step": 8, "group_size": 4,
+                                                                   "group_sizing": {"sizes": [2, 4, 8]}}})
+    assert s.rollout.group_sizing.sizes == (2, 4, 8) and s.rollout.tail_batching is None
+    for bad, match in [({"responses_per_step": 8, "tail_batching": True}, "group_size is required"),
+                       ({"group_size": 2, "tail_batching": {"eta": 0.2}}, "responses_per_step is required"),
+                       ({"responses_per_step": 8, "group_size": 2, "tail_batching": {"eta": -1}}, "eta must be"),
+                       ({"responses_per_step": 0, "group_size": 2, "tail_batching": True}, "positive integer"),
+                       ({"tailbatching": True}, "keys among")]:
+        with pytest.raises(ValueError, match=match):
+            PatActorSettings.from_vllm_kwargs({**base, "pat_rollout": bad})

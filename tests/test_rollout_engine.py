@@ -9,7 +9,6 @@ import pytest
 
 from pat_engine import Engine, SamplingParams
 from pat_engine.rollout import PromptEntry, RolloutConfig, RolloutScheduler, TailBatchingConfig
-from pat_engine.rollout.config import PlacementConfig
 from pat_engine.rollout.resume import join_outputs, resume_request
 from pat_engine.rollout.runner import RolloutRunner
 
@@ -56,11 +55,10 @@ def lengths_of(uid: int, r: int) -> int:
     return 24 if uid % 3 == 2 else 3 + 2 * r  # every third prompt is long-tail
 
 
-def make_runner(engine, eta=0.5, placement=None, seed=0):
+def make_runner(engine, eta=0.5, seed=0):
     counter = itertools.count()
     draw = lambda n: [PromptEntry(u, PROMPTS[u % len(PROMPTS)]) for u in (next(counter) for _ in range(n))]
-    cfg = RolloutConfig(responses_per_step=4, group_size=2, tail_batching=TailBatchingConfig(eta=eta),
-                        placement=placement)
+    cfg = RolloutConfig(responses_per_step=4, group_size=2, tail_batching=TailBatchingConfig(eta=eta))
     sched = RolloutScheduler(cfg, draw, default_length=10)
 
     def params_for(entry, r):
@@ -74,9 +72,8 @@ def reference(engine, entry, params):
     return engine.generate([entry.prompt], params, use_tqdm=False)[0].token_ids
 
 
-@pytest.mark.parametrize("placement", [None, PlacementConfig(keep_prompt_together=True)], ids=["plain", "placed"])
-def test_tail_batched_rounds_return_exact_outputs_and_resume_deferred(engine, placement):
-    runner, params_for = make_runner(engine, placement=placement)
+def test_tail_batched_rounds_return_exact_outputs_and_resume_deferred(engine):
+    runner, params_for = make_runner(engine)
     # step 0: 3 prompts (uids 0,1,2) x 3 responses; uid 2 is long -> deferred
     s0 = runner.step()
     assert s0.summary.kind == "short" and s0.summary.responses_launched == 9
@@ -126,26 +123,6 @@ def test_engine_uses_the_placement_hook_and_outputs_do_not_change(engine):
             h.wait(60)
         assert calls == [2] * len(PROMPTS) and {h.dp_group for h in handles} == {1}
         assert [h.output().token_ids for h in handles] == ref
-    finally:
-        engine.set_placement(None)
-
-
-def test_adapter_frontend_learned_placement_is_token_exact(engine):
-    import asyncio
-
-    from pat_integrations.frontend import AsyncEngineFrontend
-    from pat_integrations.learned_placement import LearnedPlacement, prompt_key
-
-    params = [SamplingParams(max_new_tokens=4 + 6 * (i % 3), ignore_eos=True) for i in range(len(PROMPTS))]
-    ref = [o.token_ids for o in engine.generate(PROMPTS, params, use_tqdm=False)]
-    learned = LearnedPlacement()
-    fe = AsyncEngineFrontend(engine, placement=learned)
-    try:
-        for _ in range(2):  # the second batch places with the lengths learned from the first
-            outs = asyncio.run(fe.generate_batch(PROMPTS, params))
-            assert [o.token_ids for o in outs] == ref
-        assert learned.hook.expected == {}
-        assert learned.history.predict(prompt_key(PROMPTS[2])) == 16  # learned: 4 + 6 * 2
     finally:
         engine.set_placement(None)
 

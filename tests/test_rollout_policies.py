@@ -1,19 +1,15 @@
-"""Pure-logic tests of the rollout layer: tail batching rounds and queue, SAGC, placement, resume."""
+"""Pure-logic tests of the rollout layer: tail batching rounds and queue, SAGC, resume, the adapters' options."""
 
 from __future__ import annotations
 
 import itertools
-import random
 from dataclasses import replace
 
 import pytest
 
-from pat_engine.predictor.policy import RequestSnapshot
 from pat_engine.errors import InvalidRequestError
-from pat_engine.rollout import (GroupSizeController, GroupSizingConfig, PlacementItem, PromptEntry, RolloutConfig,
-                                RolloutScheduler, RoundTracker, TailBatcher, TailBatchingConfig, max_group_cost,
-                                place_lpt, straggler_ratio)
-from pat_engine.rollout.placement import AdmissionPlacement, default_token_cap
+from pat_engine.rollout import (GroupSizeController, GroupSizingConfig, PromptEntry, RolloutConfig, RolloutScheduler,
+                                RoundTracker, TailBatcher, TailBatchingConfig, straggler_ratio)
 from pat_engine.rollout.resume import exactly_resumable, resume_request
 from pat_engine.rollout.tail_batching import overprovision
 from pat_engine.sampling_params import SamplingParams
@@ -212,116 +208,6 @@ def test_neighbor_moves_and_convergence():
     assert seen[-10:].count(4) >= 8 and stormy.dual > 0
 
 
-# ---- placement ----------------------------------------------------------------------------------------
-
-def brute_force(items, groups, cap=None, keep_units=False):
-    best = None
-    for assign in itertools.product(range(groups), repeat=len(items)):
-        if keep_units:
-            unit_group = {}
-            if any(unit_group.setdefault(it.unit, g) != g for it, g in zip(items, assign) if it.unit is not None):
-                continue
-        if cap is not None:
-            tok = [0] * groups
-            for it, g in zip(items, assign):
-                tok[g] += it.tokens
-            if max(tok) > cap:
-                continue
-        cost = max_group_cost(assign, items, groups)
-        best = cost if best is None else min(best, cost)
-    return best
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_lpt_within_graham_bound_of_brute_force(seed):
-    rng = random.Random(seed)
-    n, groups = rng.randint(2, 7), rng.randint(2, 3)
-    items = [PlacementItem(cost=rng.choice([1, 2, 3, 5, 8, 13]) * rng.random() + 0.1, tokens=rng.randint(1, 9))
-             for _ in range(n)]
-    got = max_group_cost(place_lpt(items, groups), items, groups)
-    opt = brute_force(items, groups)
-    assert opt - 1e-9 <= got <= (4 / 3 - 1 / (3 * groups)) * opt + 1e-9
-
-
-def test_lpt_optimal_on_a_classic_case_and_beats_round_robin():
-    items = [PlacementItem(c, 1) for c in (7, 6, 5, 4, 3, 2, 1)]
-    a = place_lpt(items, 2)
-    assert max_group_cost(a, items, 2) == 14 == brute_force(items, 2)
-
-
-def test_token_cap_respected_when_feasible():
-    # cost says put the two heavy ones apart, tokens force the two big-KV ones apart
-    items = [PlacementItem(10, 1), PlacementItem(9, 1), PlacementItem(1, 50), PlacementItem(1, 50)]
-    cap = 52
-    a = place_lpt(items, 2, token_cap=cap)
-    tok = [sum(it.tokens for it, g in zip(items, a) if g == k) for k in range(2)]
-    assert max(tok) <= cap
-    assert max_group_cost(a, items, 2) == brute_force(items, 2, cap=cap)
-    assert default_token_cap(items, 2) == 57  # ceil(1.1 * 102 / 2)
-
-
-def test_keep_units_keeps_a_prompts_responses_together():
-    items = [PlacementItem(3, 1, unit="a"), PlacementItem(3, 1, unit="a"), PlacementItem(4, 1, unit="b"),
-             PlacementItem(1, 1, unit="c"), PlacementItem(1, 1, unit="c")]
-    a = place_lpt(items, 2, keep_units=True)
-    assert a[0] == a[1] and a[3] == a[4]
-    assert max_group_cost(a, items, 2) == brute_force(items, 2, keep_units=True) == 6
-
-
-class FakeSeq:
-    def __init__(self, rid, prompt_len, max_new, generated=0, seq_id=0):
-        self.request_id, self.prompt_ids, self.output_ids = rid, [0] * prompt_len, [0] * generated
-        self.seq_id = seq_id
-        self.params = SamplingParams(max_new_tokens=max_new)
-        self.num_cached = 0
-
-
-class FakeGroup:
-    def __init__(self):
-        self.seqs = []
-
-    def unfinished(self):
-        return self.seqs
-
-
-def test_admission_placement_in_descending_order_is_lpt():
-    rng = random.Random(1)
-    lens = [rng.randint(1, 200) for _ in range(12)]
-    hook = AdmissionPlacement()
-    seqs = [FakeSeq(f"r{i}", 10, 256) for i in range(len(lens))]
-    for s, n in zip(seqs, lens):
-        hook.expect(s.request_id, n)
-    groups = [FakeGroup() for _ in range(3)]
-    got = {}
-    for i in sorted(range(len(lens)), key=lambda i: -(10 + lens[i])):
-        g = hook(seqs[i], groups)
-        groups[g].seqs.append(seqs[i])
-        got[i] = g
-    items = [PlacementItem(10 + n, 10 + n) for n in lens]
-    assert [got[i] for i in range(len(lens))] == place_lpt(items, 3)
-
-
-def test_admission_placement_unit_affinity_and_cap():
-    hook = AdmissionPlacement(token_cap=100, keep_units=True)
-    groups = [FakeGroup(), FakeGroup()]
-    a, b = FakeSeq("a", 10, 50), FakeSeq("b", 10, 50)
-    hook.expect("a", 40, unit="u")
-    hook.expect("b", 40, unit="u")
-    groups[1].seqs.append(FakeSeq("other", 1, 1))  # group 1 is now the cheaper one
-    groups[0].seqs.append(a)
-    assert hook(b, groups) == 0  # joins its prompt's group anyway
-    def decode_heavy(prompt_len, response_len):
-        return 10.0 * response_len
-
-    capped = AdmissionPlacement(cost=decode_heavy, token_cap=60)
-    two = [FakeGroup(), FakeGroup()]
-    two[0].seqs.append(FakeSeq("k", 45, 5))  # cost 50, 50 tokens: the cheaper group...
-    two[1].seqs += [FakeSeq(f"x{i}", 1, 9) for i in range(3)]  # cost 270, 30 tokens
-    assert capped(FakeSeq("h", 10, 10), two) == 1  # ...but 50 + 20 tokens would pass the cap
-    assert AdmissionPlacement(cost=decode_heavy)(FakeSeq("h", 10, 10), two) == 0  # without a cap: least cost
-    assert AdmissionPlacement(cost=decode_heavy, token_cap=10)(FakeSeq("h", 10, 10), two) == 1  # none fits: least over
-
-
 # ---- resume convention --------------------------------------------------------------------------------
 
 def test_resume_request_reduces_budgets():
@@ -344,40 +230,50 @@ def test_what_reads_the_response_itself_is_not_resumed_from_a_partial():
         assert not exactly_resumable(replace(base, **change)), change
 
 
-# ---- adapters -----------------------------------------------------------------------------------------
+# ---- adapters: the options they map, veRL's partial rollout made exact -------------------------------
 
-def test_learned_placement_predicts_from_a_prompts_past_lengths():
+def test_rollout_options_map_onto_the_rollout_config_with_named_errors():
+    from pat_integrations.rollout_options import rollout_config
+
+    assert rollout_config({}, 8, "x") is None and rollout_config({"tail_batching": False}, 8, "x") is None
+    cfg = rollout_config({"responses_per_step": 64, "tail_batching": True}, 8, "x")
+    assert cfg.group_size == 8 and cfg.tail_batching == TailBatchingConfig() and cfg.group_sizing is None
+    cfg = rollout_config({"responses_per_step": 64, "group_sizing": {"sizes": [8, 4], "target_rate": 0.2}}, 8, "x")
+    assert cfg.group_sizing.sizes == (4, 8) and cfg.group_sizing.target_rate == 0.2
+    for options, match in [({"tail_batching": True}, "x.responses_per_step is required"),
+                           ({"responses_per_step": 64, "tail_batching": "yes"}, "x.tail_batching must be true"),
+                           ({"responses_per_step": 64, "tail_batching": {"eta": 5}}, "x.tail_batching: .*eta"),
+                           ({"responses_per_step": 64, "group_sizing": {"size": [4]}}, r"unknown x.group_sizing .*size"),
+                           ({"responses_per_step": 60, "tail_batching": True}, "multiple of every group size"),
+                           ({"responses_per_step": True, "tail_batching": True}, "positive integer")]:
+        with pytest.raises(ValueError, match=match):
+            rollout_config(options, 8, "x")
+
+
+def test_partial_ledger_continues_an_aborted_request_with_its_seed():
     from pat_engine.outputs import RequestOutput
-    from pat_integrations.learned_placement import LearnedPlacement
+    from pat_integrations.partials import PartialLedger
 
-    lp = LearnedPlacement()
-    params = SamplingParams(max_new_tokens=100)
-    lp.expect("a", [1, 2], params)
-    assert lp.hook.expected["a"].response_len == 100  # nothing learned yet: the max_tokens bound
-    lp.record([1, 2], RequestOutput("a", [1, 2], [0] * 30, None, "length"))
-    lp.record([3], RequestOutput("b", [3], [0] * 7, None, "abort"))  # aborted: not a length
-    assert "a" not in lp.hook.expected
-    lp.expect("c", [1, 2], params)
-    lp.expect("d", [9, 9], params)
-    assert lp.hook.expected["c"].response_len == 30 and lp.hook.expected["d"].response_len == 30  # mean so far
-
-
-def test_adapter_settings_take_the_placement_switch():
-    from pat_integrations.openrlhf.settings import PatActorSettings
-
-    assert PatActorSettings.from_vllm_kwargs({"model": "m", "pat_placement": True}).placement is True
-    assert PatActorSettings.from_vllm_kwargs({"model": "m"}).placement is False
-
-
-def test_rebalance_for_a_switch_is_lpt_on_remaining_predicted_cost():
-    hook = AdmissionPlacement()
-    lens = [50, 40, 30, 20, 10, 10]
-    seqs = [FakeSeq(f"r{i}", 5, 64, generated=3, seq_id=100 + i) for i in range(len(lens))]
-    for s, n in zip(seqs, lens):
-        hook.expect(s.request_id, n)
-    target = hook.rebalance([RequestSnapshot.of(s) for s in seqs], 2)
-    group = {i: g for g, members in enumerate(target) for i in members}
-    items = [PlacementItem(5 + 3 + n - 3, 5 + 3 + n - 3) for n in lens]
-    assert [group[i] for i in range(len(seqs))] == place_lpt(items, 2, default_token_cap(items, 2))
-    loads = [sum(n for i, n in enumerate(lens) if group[i] == g) for g in range(2)]
-    assert max(loads) == 80  # 50+30 / 40+20+10+10: the optimum
+    ledger = PartialLedger(seed=3, capacity=2)
+    asked = SamplingParams(max_new_tokens=20, min_new_tokens=8, temperature=1.0)
+    params, origin = ledger.prepare([1, 2], asked, "req-a")
+    assert params.seed is not None and params == replace(asked, seed=params.seed)  # pinned, nothing else changed
+    assert ledger.prepare([1, 2], asked, "req-a")[0].seed == params.seed  # derived from the server seed and id
+    ledger.settle(origin, RequestOutput("req-a", [1, 2], [7, 8, 9], None, "abort"))
+    # veRL's client sends prompt + tokens so far with max_tokens lowered, the rest as it was
+    again, origin2 = ledger.prepare([1, 2, 7, 8, 9], replace(asked, max_new_tokens=17), "req-b")
+    assert again == replace(params, max_new_tokens=17, min_new_tokens=5) and len(ledger) == 0
+    ledger.settle(origin2, RequestOutput("req-b", [1, 2, 7, 8, 9], [4], None, "abort"))  # aborted twice
+    third, _ = ledger.prepare([1, 2, 7, 8, 9, 4], replace(asked, max_new_tokens=16), "req-c")
+    assert third == replace(params, max_new_tokens=16, min_new_tokens=4)
+    # finished answers are not kept; stop strings read the response itself: continued as asked, not exactly
+    ledger.settle(origin, RequestOutput("req-a", [1, 2], [5], None, "stop"))
+    assert len(ledger) == 0
+    stop = replace(asked, stop=("x",))
+    params, origin = ledger.prepare([3], stop, "req-d")
+    ledger.settle(origin, RequestOutput("req-d", [3], [6], None, "abort"))
+    assert ledger.prepare([3, 6], replace(stop, max_new_tokens=19), "req-e")[0].max_new_tokens == 19
+    for k in range(3):  # bounded: the oldest open partials go first
+        _, o = ledger.prepare([k], asked, f"cap-{k}")
+        ledger.settle(o, RequestOutput(f"cap-{k}", [k], [1], None, "abort"))
+    assert len(ledger) == 2

@@ -7,6 +7,13 @@ through veRL's ``CheckpointEngineManager`` (naive backend) and
 ``ActorRolloutRefWorker.update_weights`` on two stand-in trainer ranks (see
 ``verl_trainer_standin.py``). The engine is TP1xDP2 and switches to TP2xDP1
 mid-stage on a schedule; every stage starts again from TP1xDP2.
+
+Tail batching (``engine_kwargs.pat.tail_batching`` / ``responses_per_step`` / ``group_size``) runs
+through the replica's server actor (``PatServer.rollout_step``) and veRL's checkpoint manager for
+the weight sync that makes deferred partials stale; veRL's own partial rollout (abort, then
+``FullyAsyncLLMServerClient`` resubmitting prompt + tokens so far) runs through the real client.
+Neither needs a stand-in; veRL's trainer loop itself (FSDP workers on GPUs, TransferQueue for the
+v1 trainer) does not run here, so no test drives ``rollout_step`` from a trainer.
 """
 
 from __future__ import annotations
@@ -59,7 +66,8 @@ def ppo_config(model: str):
         rollout.n_gpus_per_node = 2
         rollout.prompt_length = 32
         rollout.response_length = 480
-        rollout.engine_kwargs["pat"] = {"dtype": "float64", "switch_schedule": [[4, 2]]}
+        rollout.engine_kwargs["pat"] = {"dtype": "float64", "switch_schedule": [[4, 2]],
+                                         "tail_batching": {"eta": 0.5}, "responses_per_step": 4, "group_size": 2}
         config.actor_rollout_ref.model.path = model
     return config
 
@@ -271,3 +279,119 @@ def test_prefix_caching_switch_reaches_the_engine(model_dir):
         with open_dict(config):
             rollout_config.enforce_eager = flag
         assert PatRolloutSettings.from_verl(rollout_config, model_config, 2).engine_kwargs["enforce_eager"] is flag
+
+
+# ---- tail batching and partial rollout (issue 25 item 2) ------------------------------------------
+
+STOP_SOME = list(range(0, 390, 5))  # a fifth of the vocabulary ends a response: lengths vary per seed
+TB_PARAMS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True, "max_tokens": 40, "seed": 77,
+             "stop_token_ids": STOP_SOME}
+
+
+def reference(client, prompt, uid, r, params=TB_PARAMS):
+    """The response r of prompt uid, uninterrupted: the same request with the seed the round gave it."""
+    from pat_engine.rollout.runner import derived_seed
+
+    seeded = {**params, "seed": derived_seed(params["seed"], uid, r)}
+    return asyncio.run(client.generate(f"ref-{uid}-{r}-{next(_ids)}", prompt_ids=prompt, sampling_params=seeded))
+
+
+def check_exact(client, result, prompts):
+    for uid, outs in result.groups:
+        assert len(outs) == 2
+        for out in outs:  # in finish order; the index within the prompt picks the seed
+            ref = reference(client, prompts[uid], uid, out.extra_fields["sample_index"])
+            assert out.token_ids == ref.token_ids and out.stop_reason == "completed"
+            assert out.log_probs == pytest.approx(ref.log_probs, abs=1e-9)
+
+
+def test_tail_batched_steps_defer_and_resume_exactly(rollout):
+    """Two short rounds (3 prompts x 3 responses, the first 2 prompts with 2 finished responses
+    return), then the long round of the 2 deferred prompts: each returned response equals the same
+    request run alone, the resumed ones included."""
+    server = rollout.manager.get_replicas()[0].servers[0]
+    client = rollout.manager.get_client()
+    prompts = {f"p{i}": p for i, p in enumerate(PROMPTS)}
+    uids = list(prompts)
+    s0 = ray.get(server.rollout_step.remote([(u, prompts[u]) for u in uids[:3]], TB_PARAMS))
+    assert s0.kind == "short" and len(s0.groups) == 2 and s0.prompts_deferred == 1 and s0.queued == 1
+    check_exact(client, s0, prompts)
+    s1 = ray.get(server.rollout_step.remote([(u, prompts[u]) for u in uids[3:6]], TB_PARAMS))
+    assert s1.kind == "short" and s1.queued == 2 and s1.wants == 3
+    s2 = ray.get(server.rollout_step.remote([], TB_PARAMS))  # the queue holds P0 prompts: a long round
+    assert s2.kind == "long" and s2.queued == 0 and s2.stale_regenerated == 0 and s2.resumed >= 1
+    assert {u for u, _ in s2.groups} == set(uids) - {u for s in (s0, s1) for u, _ in s.groups}
+    check_exact(client, s2, prompts)
+
+
+def test_a_weight_sync_makes_deferred_partials_stale(rollout):
+    server = rollout.manager.get_replicas()[0].servers[0]
+    client = rollout.manager.get_client()
+    prompts = {f"q{i}": p for i, p in enumerate(PROMPTS)}
+    uids = list(prompts)
+    ray.get(server.rollout_step.remote([(u, prompts[u]) for u in uids[:3]], TB_PARAMS))
+    ray.get(server.rollout_step.remote([(u, prompts[u]) for u in uids[3:6]], TB_PARAMS))
+    rollout.checkpoints.update_weights(global_steps=4)  # veRL's weight sync (the same weights, a new version)
+    s2 = ray.get(server.rollout_step.remote([], TB_PARAMS))
+    assert s2.kind == "long" and s2.resumed == 0 and s2.stale_regenerated >= 1
+    check_exact(client, s2, prompts)
+
+
+def test_verl_partial_rollout_resumes_exactly(rollout):
+    """veRL's partial rollout: abort_all_requests mid-generation, the FullyAsyncLLMServerClient waits
+    and sends prompt + tokens so far after resume_generation; the server continues the request with
+    the seed it pinned, so the whole response equals an uninterrupted run of the same request."""
+    from omegaconf import OmegaConf
+    from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServerClient
+
+    config = OmegaConf.create(OmegaConf.to_container(rollout.config))
+    config.actor_rollout_ref.rollout.full_determinism = True  # request ids pass through: the reference can reuse one
+    lb = rollout.manager.global_load_balancer
+    replica = rollout.manager.get_replicas()[0]
+    server = replica.servers[0]
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True, "max_tokens": 300,
+              "ignore_eos": True}  # no seed, as veRL's agent loop sends it
+
+    async def interrupted():
+        client = FullyAsyncLLMServerClient(config=config, load_balancer_handle=lb)
+        task = asyncio.ensure_future(client.generate("partial-0", prompt_ids=PROMPTS[0], sampling_params=params))
+        deadline = time.monotonic() + 60
+        while await server.num_unfinished_requests.remote() < 1:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        aborted = await server.abort_all_requests.remote()
+        await asyncio.sleep(1.5)  # the client retries after 1 s: its resubmission waits at the closed gate
+        await replica.resume_generation()
+        return aborted, await task
+
+    aborted, out = asyncio.run(interrupted())
+    assert aborted["aborted_count"] == 1
+    plain = LLMServerClient(config=config, load_balancer_handle=lb)
+    ref = asyncio.run(plain.generate("partial-0", prompt_ids=PROMPTS[0], sampling_params=params))
+    assert len(ref.token_ids) == 300 and out.token_ids == ref.token_ids
+    assert out.log_probs == pytest.approx(ref.log_probs, abs=1e-9)
+
+
+def test_rollout_options_are_checked(model_dir):
+    from pat_integrations.verl.settings import PatRolloutSettings
+
+    config = ppo_config(model_dir("llama"))
+    rollout_config, model_config = config.actor_rollout_ref.rollout, config.actor_rollout_ref.model
+    settings = PatRolloutSettings.from_verl(rollout_config, model_config, 2)
+    assert settings.rollout.tail_batching.eta == 0.5 and settings.rollout.group_size == 2
+    pat = rollout_config.engine_kwargs["pat"]
+    for bad, match in [({"eta": 9}, "tail_batching: tail batching eta"), ({"etta": 0.2}, r"unknown .*\['etta'\]")]:
+        with open_dict(config):
+            pat["tail_batching"] = bad
+        with pytest.raises(ValueError, match=match):
+            PatRolloutSettings.from_verl(rollout_config, model_config, 2)
+    with open_dict(config):
+        pat["tail_batching"] = True
+        pat["group_sizing"] = {"sizes": [2, 4, 3]}
+    with pytest.raises(ValueError, match="multiple of every group size, got 3"):
+        PatRolloutSettings.from_verl(rollout_config, model_config, 2)
+    with open_dict(config):
+        del pat["responses_per_step"]
+    with pytest.raises(ValueError, match="responses_per_step is required"):
+        PatRolloutSettings.from_verl(rollout_config, model_config, 2)

@@ -2,8 +2,8 @@
 
 A prompt dataset whose per-prompt response-length distribution persists across steps
 (a latent difficulty per prompt: long-tail prompts stay long-tail, as RollPacker and SAGC
-observe) feeds ``pat_engine.rollout.RolloutScheduler`` -- the same tail batching, SAGC and
-placement code the engine-facing runner uses -- and each round is replayed by the
+observe) feeds ``pat_engine.rollout.RolloutScheduler`` -- the same tail batching and SAGC
+code the engine-facing runner uses -- and each round is replayed by the
 discrete-event simulator (``longtail.simulator.Simulation``), stopped the moment the
 round's ``RoundTracker`` says it is over (the rest is aborted). Weights change after
 every step, so every deferred partial is stale and its long round regenerates it from
@@ -25,8 +25,7 @@ from longtail.policies import distribution_policy
 from longtail.simulator import Simulation
 from longtail.workload import Batch, LongTail
 from pat_engine.predictor.predictor import LatencyPredictor
-from pat_engine.rollout import PlacementItem, PromptEntry, RolloutConfig, RolloutScheduler, RoundTracker, place_lpt
-from pat_engine.rollout.placement import PredictorCost, default_token_cap
+from pat_engine.rollout import PromptEntry, RolloutConfig, RolloutScheduler, RoundTracker
 from pat_engine.rollout.round_layout import best_round_tp
 
 
@@ -72,18 +71,12 @@ class PromptDataset:
 
 
 class RoundSimulation(Simulation):
-    """A Simulation that can start from a given placement and stops when ``on_finish`` says so."""
+    """A Simulation that stops when ``on_finish`` says so."""
 
-    def __init__(self, *args, on_finish: Callable[[int], bool] | None = None,
-                 placement: list[int] | None = None, order: list[int] | None = None, **kwargs):
+    def __init__(self, *args, on_finish: Callable[[int], bool] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.on_finish = on_finish
         self.stopped_at: float | None = None
-        if placement is not None:
-            for g in self.groups:
-                g.waiting.clear()
-            for i in (order if order is not None else range(len(placement))):
-                self.groups[placement[i]].waiting.append(i)
 
     def _finish(self, i: int) -> None:
         super()._finish(i)
@@ -170,20 +163,10 @@ def run_variant(variant: Variant, data: PromptDataset, pred: LatencyPredictor, w
         else:
             tp = variant.short_tp or base
         tracker = RoundTracker(plan)
-        placement = order = None
-        if cfg.placement is not None:
-            dp = world // tp
-            cost = PredictorCost(pred, tp, max(len(keys) // dp, 1))
-            pred_len = np.minimum(predicted, data.cap)
-            items = [PlacementItem(cost(int(pl), float(pr)), int(pl + pr), unit=p)
-                     for (p, _), pl, pr in zip(keys, plens, pred_len)]
-            placement = place_lpt(items, dp, default_token_cap(items, dp, cfg.placement.token_cap_factor),
-                                  cfg.placement.keep_prompt_together)
-            order = sorted(range(len(items)), key=lambda i: -items[i].cost)
         policy = distribution_policy(pred, check_interval, history[-4:], data.cap, draws=draws, seed=step) \
             if variant.pat else None
         sim = RoundSimulation(pred, Batch(plens, lens, data.cap), tp, world, max_num_seqs, check_interval, policy,
-                              on_finish=lambda i: tracker.on_finished(*keys[i]), placement=placement, order=order)
+                              on_finish=lambda i: tracker.on_finished(*keys[i]))
         seconds = sim.run_round()
         tokens = sim.generated.copy()
         for g in sim.groups:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from dataclasses import asdict
 from typing import Any, Iterable, Sequence
 
@@ -29,19 +28,15 @@ import torch
 
 from pat_engine import Engine, RequestHandle, RequestOutput, SamplingParams, WorkerFailure
 from pat_integrations.async_bridge import await_samples
-from pat_integrations.learned_placement import LearnedPlacement
 from pat_integrations.stage import StageCounter, StagePlan, begin_stage
 
 log = logging.getLogger(__name__)
 
 
 class AsyncEngineFrontend:
-    def __init__(self, engine: Engine, plan: StagePlan | None = None, placement: LearnedPlacement | None = None):
+    def __init__(self, engine: Engine, plan: StagePlan | None = None):
         self.engine = engine
         self.plan = plan or StagePlan()
-        self.placement = placement  # cost-aware admission (pat_integrations.learned_placement), None: engine default
-        if placement is not None:
-            engine.set_placement(placement.hook)
         self.stages = StageCounter()
         self._handles: dict[tuple[str, int], RequestHandle] = {}  # by (request id, sample index)
         self._admit = asyncio.Lock()
@@ -84,9 +79,6 @@ class AsyncEngineFrontend:
             try:
                 for i, (prompt, sp) in enumerate(zip(prompts, params)):
                     rid = request_ids[i] if request_ids else None
-                    if self.placement is not None:
-                        rid = rid or f"pat-{uuid.uuid4().hex}"
-                        self.placement.expect(rid, prompt, sp)
                     samples = self.engine.submit_samples(prompt, sp, rid)
                     for handle in samples:
                         self._handles[(handle.request_id, handle.sample_index)] = handle
@@ -101,9 +93,6 @@ class AsyncEngineFrontend:
             outs = list(await asyncio.gather(*[await_samples(f) for f in families]))
         finally:
             self._forget([h for f in families for h in f])
-        if self.placement is not None:
-            for prompt, out in zip(prompts, outs):
-                self.placement.record(prompt, out)
         every = [s for o in outs for s in (o.samples or [o])]
         failed = [s for s in every if s.finish_reason == "error"]
         if failed:  # as Engine.generate: a request lost to a worker failure is an error, not a result
@@ -138,6 +127,18 @@ class AsyncEngineFrontend:
 
     async def drain(self, timeout: float | None = None) -> None:
         await asyncio.wait_for(self._idle.wait(), timeout)
+
+    async def exclusive(self, fn, *args: Any) -> Any:
+        """Run ``fn(*args)`` (a tail-batched round, ``rounds.EngineRounds.step``) in a thread, alone: it
+        starts once nothing is in flight, requests arriving meanwhile wait, and ``drain`` waits for it.
+        ``abort_all`` does not cut it (its requests are not the frontend's; the round ends by itself)."""
+        async with self._admit:
+            await self._idle.wait()
+            self._idle.clear()
+            try:
+                return await asyncio.to_thread(fn, *args)
+            finally:
+                self._idle.set()
 
     # ---- blocking engine calls, off the event loop ----------------------------------------
 

@@ -82,7 +82,7 @@ class GlobalCoordinator:
         self.timeline = Timeline(config.timeline_max_events)
         self.cost_source: CostSource = MeasuredRates()  # replaced by the predictor when a profile table is loaded
         self.policy: SwitchPolicy | None = None
-        # optional admission rule: placement(seq, schedulers) -> group (pat_engine.rollout.placement)
+        # optional admission rule: placement(seq, schedulers) -> group (Engine.set_placement)
         self.placement: PlacementRule | None = None
         self.pending_switch: SwitchDecision | None = None
         self.paused = False

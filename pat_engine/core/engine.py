@@ -354,7 +354,7 @@ class Engine:
     def set_placement(self, placement: PlacementRule | None) -> None:
         """Install the DP-group rule used at admission (None: fewest outstanding tokens).
 
-        ``placement(seq, group_schedulers) -> group index``, e.g. ``pat_engine.rollout.placement.AdmissionPlacement``.
+        ``placement(seq, group_schedulers) -> group index`` (a ``parallel.dp_placement.PlacementRule``).
         """
         self._on_loop(self.coordinator.set_placement, placement)
 

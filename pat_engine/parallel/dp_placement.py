@@ -2,8 +2,8 @@
 
 ``switch_placement`` is the one entry point, called by the switch itself and by the
 controller that prices it (so a predicted placement is the placement the switch makes).
-With an admission placement installed that can ``rebalance`` (a ``RebalancingPlacement``:
-the cost-aware one, ``pat_engine/rollout/placement.py``), it decides; otherwise
+With an admission placement installed that can ``rebalance`` (a ``RebalancingPlacement``),
+it decides; otherwise
 ``balance_by_context``: longest context first onto the group with the fewest context tokens
 (ties: fewest requests, then the lowest group), requests of equal length in the order given.
 

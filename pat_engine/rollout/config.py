@@ -54,24 +54,11 @@ class GroupSizingConfig:
 
 
 @dataclass(frozen=True)
-class PlacementConfig:
-    """Cost-aware DP placement: minimise the largest predicted cost of a DP group."""
-
-    token_cap_factor: float = 1.1  # per-group token cap = factor x mean tokens per group (FlexRL's alpha)
-    keep_prompt_together: bool = False  # place all responses of a prompt on one group (shared prompt KV)
-
-    def __post_init__(self) -> None:
-        if self.token_cap_factor < 1:
-            raise InvalidRequestError(f"token_cap_factor must be >= 1, got {self.token_cap_factor!r}")
-
-
-@dataclass(frozen=True)
 class RolloutConfig:
     responses_per_step: int  # N = prompts x responses per prompt; fixed across steps (also under SAGC)
     group_size: int = 8  # responses per prompt when group sizing is off
     tail_batching: TailBatchingConfig | None = None
     group_sizing: GroupSizingConfig | None = None
-    placement: PlacementConfig | None = None
     predictor_long_round_layout: bool = True  # long rounds start at the layout the predictor picks
 
     def __post_init__(self) -> None:

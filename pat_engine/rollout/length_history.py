@@ -1,4 +1,4 @@
-"""Per-prompt response-length history: the prediction placement and the long-round layout use.
+"""Per-prompt response-length history: the prediction the long-round layout uses.
 
 Prompts that produced long responses keep doing so across steps (RollPacker, SAGC), so a
 prompt's own past lengths predict its next ones; a partial output that was cut short is a

@@ -2,8 +2,7 @@
 
 Per step: ``begin_stage`` (back to the base, throughput layout), for a long round
 ``reconfigure`` to the layout the predictor picks, ``submit`` every request with an
-explicit seed (in decreasing predicted cost, so the cost-aware admission hook places
-them as LPT would), follow finishes through handle listeners into the ``RoundTracker``,
+explicit seed, follow finishes through handle listeners into the ``RoundTracker``,
 ``abort`` the rest once the round is over (aborted requests keep their tokens), and
 hand back the accepted groups; a failed or interrupted round aborts all its requests.
 Partial outputs of deferred prompts are kept with the weights version they were
@@ -27,9 +26,6 @@ from typing import Callable
 
 from pat_engine.errors import PatEngineError, WorkerFailure
 from pat_engine.outputs import RequestOutput
-from pat_engine.rollout.config import PlacementConfig
-from pat_engine.rollout.placement import AdmissionPlacement, PredictorCost, default_token_cap, token_cost
-from pat_engine.rollout.placement import PlacementItem
 from pat_engine.rollout.resume import exactly_resumable, join_outputs, resume_request
 from pat_engine.rollout.rewards import RewardResult, RewardStage
 from pat_engine.rollout.round_layout import best_round_tp
@@ -73,7 +69,7 @@ class _Job:
 class RolloutRunner:
     def __init__(self, engine, scheduler: RolloutScheduler,
                  params_for: Callable[[PromptEntry, int], SamplingParams], predictor=None,
-                 placement: PlacementConfig | None = None, seed: int = 0, name: str = "rollout",
+                 seed: int = 0, name: str = "rollout",
                  stage_options: dict | None = None, rewards: RewardStage | None = None):
         self.engine = engine
         self.rewards = rewards  # scores responses while the round generates (None: the caller scores)
@@ -81,7 +77,6 @@ class RolloutRunner:
         self.scheduler = scheduler
         self.params_for = params_for
         self.predictor = predictor
-        self.placement = placement if placement is not None else scheduler.config.placement
         self.seed = seed
         self.name = name
         self.weights_version = 0
@@ -109,9 +104,6 @@ class RolloutRunner:
             self._long_round_layout(jobs)
         start_tp = engine.layout.tp
         t0 = time.perf_counter()
-        if self.placement is not None:
-            jobs.sort(key=lambda j: -self._cost(j))
-            engine.set_placement(self._admission_hook(jobs))
         handles: dict = {}
         for key, out in instant.items():
             self._score(plan, step, key, out)
@@ -121,9 +113,6 @@ class RolloutRunner:
             with contextlib.suppress(PatEngineError):  # nothing of a failed (or interrupted) round runs on
                 engine.abort([h.request_id for h in handles.values() if not h.done()])
             raise
-        finally:
-            if self.placement is not None:
-                engine.set_placement(None)
         seconds = time.perf_counter() - t0
         outputs = dict(instant)
         for job in jobs:
@@ -248,7 +237,7 @@ class RolloutRunner:
         tok = getattr(self.engine, "tokenizer", None)
         if isinstance(prompt, str) and tok is not None:
             return len(tok.encode(prompt))
-        return max(len(str(prompt)) // 4, 1)  # chat messages or no tokenizer: a rough size is enough for costing
+        return max(len(str(prompt)) // 4, 1)  # chat messages or no tokenizer: a rough size is enough for the layout's pricing
 
     def _joined(self, prefix: Partial, rest: RequestOutput, entry: PromptEntry) -> RequestOutput:
         """A resumed response as one output: the partial's tokens, then the continuation's; its text
@@ -259,27 +248,6 @@ class RolloutRunner:
     def _decoded(self, out: RequestOutput) -> RequestOutput:
         """A joined output's text, by the engine's own detokenizing rule."""
         return replace(out, text=self.engine.request_factory.decode(out.token_ids))
-
-    def _cost(self, job: _Job) -> float:
-        return self._cost_fn()(self._prompt_len(job.prompt), min(job.predicted, job.params.max_new_tokens))
-
-    def _cost_fn(self):
-        if self.predictor is None:
-            return token_cost
-        per_group = max(self.scheduler.config.responses_per_step // max(self.engine.layout.dp, 1), 1)
-        return PredictorCost(self.predictor, self.engine.layout.tp, per_group)
-
-    def _admission_hook(self, jobs: list[_Job]) -> AdmissionPlacement:
-        cfg = self.placement
-        items = []
-        for j in jobs:
-            plen = self._prompt_len(j.prompt)
-            items.append(PlacementItem(0.0, int(plen + min(j.predicted, j.params.max_new_tokens))))
-        cap = default_token_cap(items, self.engine.layout.dp, cfg.token_cap_factor)
-        hook = AdmissionPlacement(self._cost_fn(), cap, cfg.keep_prompt_together)
-        for j in jobs:
-            hook.expect(j.request_id, min(j.predicted, j.params.max_new_tokens), unit=j.key[0])
-        return hook
 
     def _long_round_layout(self, jobs: list[_Job]) -> None:
         if self.predictor is None or not self.scheduler.config.predictor_long_round_layout or not jobs:

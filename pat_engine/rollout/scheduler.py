@@ -2,7 +2,7 @@
 
 Ties the policies together: SAGC picks the group size G (responses per step N fixed, so
 P0 = N / G prompts), tail batching picks a short or a long round, and the length history
-learns per-prompt lengths for placement and for the long round's layout. The engine-facing
+learns per-prompt lengths for the long round's layout. The engine-facing
 ``RolloutRunner`` and the multi-step simulator both drive it the same way:
 ``plan = next_round()``, run it feeding a ``RoundTracker``, ``finish_round(...)``.
 """

@@ -31,7 +31,7 @@ from typing import Callable, Protocol
 from pat_engine.core.engine import Engine
 from pat_engine.errors import InvalidRequestError, WorkerFailure
 from pat_engine.predictor.policy import ScheduledSwitches
-from pat_engine.rollout.config import PlacementConfig, RolloutConfig, TailBatchingConfig
+from pat_engine.rollout.config import RolloutConfig, TailBatchingConfig
 from pat_engine.rollout.runner import RolloutRunner, derived_seed
 from pat_engine.rollout.scheduler import RolloutScheduler
 from pat_engine.rollout.tail_batching import PromptEntry
@@ -49,7 +49,6 @@ class RecordSink(Protocol):
 class TailBatchPolicy:
     prompts_per_round: int  # P0: lines each round returns
     eta: float = TailBatchingConfig.eta
-    cost_placement: bool = False  # place requests on DP groups by predicted cost (rollout/placement.py)
 
     def __post_init__(self) -> None:
         if self.prompts_per_round < 1:
@@ -58,10 +57,8 @@ class TailBatchPolicy:
 
     def rollout_config(self) -> RolloutConfig:
         # group_size 1 makes the step's P0 = responses_per_step; each line brings its own R0 (PromptEntry.responses)
-        # a line's responses share a group: they share its prompt's KV blocks
-        placement = PlacementConfig(keep_prompt_together=True) if self.cost_placement else None
         return RolloutConfig(responses_per_step=self.prompts_per_round, group_size=1,
-                             tail_batching=TailBatchingConfig(eta=self.eta), placement=placement)
+                             tail_batching=TailBatchingConfig(eta=self.eta))
 
 
 def run_rounds(engine: Engine, items: list[BatchItem], policy: TailBatchPolicy, out: RecordSink, model: str,
@@ -82,8 +79,8 @@ def run_rounds(engine: Engine, items: list[BatchItem], policy: TailBatchPolicy, 
         return replace(p, n=1, seed=sample_seed(base, r))
 
     # A file's lines come once, so no length history exists: a line's own max_new_tokens is its
-    # predicted length (the runner takes the smaller of the two) for cost-aware placement and for
-    # the long rounds' layout, which the profile table's predictor picks when one is loaded.
+    # predicted length for the long rounds' layout, which the profile table's predictor picks when
+    # one is loaded.
     longest = max((it.input.params.max_new_tokens for it in items), default=1)
     sched = RolloutScheduler(policy.rollout_config(), draw, default_length=float(longest))
     runner = RolloutRunner(engine, sched, params_for, predictor=getattr(engine.policy, "predictor", None),

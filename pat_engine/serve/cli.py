@@ -63,10 +63,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lines each round returns (required with --tail-batching)")
     t.add_argument("--tail-eta", type=float, default=None, metavar="ETA",
                    help="short rounds launch ceil(P0*(1+ETA)) lines x ceil(n*(1+ETA)) responses (default 0.25)")
-    t.add_argument("--cost-placement", action="store_true",
-                   help="place each round's requests on DP groups by predicted cost (prompt + max_new_tokens, "
-                        "priced by the --profile table when given) instead of least outstanding tokens; "
-                        "a line's responses share a group")
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(s)
@@ -129,13 +125,13 @@ def _tail_policy(ns: argparse.Namespace):
     from pat_engine.serve.batch_rounds import TailBatchPolicy
 
     if not ns.tail_batching:
-        if ns.prompts_per_round is not None or ns.tail_eta is not None or ns.cost_placement:
-            raise PatEngineError("--prompts-per-round, --tail-eta and --cost-placement need --tail-batching")
+        if ns.prompts_per_round is not None or ns.tail_eta is not None:
+            raise PatEngineError("--prompts-per-round and --tail-eta need --tail-batching")
         return None
     if ns.prompts_per_round is None:
         raise PatEngineError("--tail-batching needs --prompts-per-round P0")
     eta = TailBatchPolicy.eta if ns.tail_eta is None else ns.tail_eta
-    return TailBatchPolicy(ns.prompts_per_round, eta, cost_placement=ns.cost_placement)
+    return TailBatchPolicy(ns.prompts_per_round, eta)
 
 
 def _serve(ns: argparse.Namespace) -> int:

@@ -4,7 +4,9 @@ OpenRLHF's driver calls, on every engine actor: ``init_process_group`` once,
 then per step ``wake_up`` / ``generate_responses`` (or ``generate`` from an
 agent executor) / ``sleep``, ``get_num_unfinished_requests`` for load
 balancing, and for weight sync ``update_weight(name, dtype, shape)`` followed
-by a broadcast from the trainer. Signatures follow OpenRLHF 0.11.2.
+by a broadcast from the trainer. Signatures follow OpenRLHF 0.11.2. With ``pat_rollout``
+(tail batching, group sizing), ``rollout_step`` runs a step's prompts as one tail-batched round
+(``pat_integrations.rounds``): a drop-in for the sample generation of a step.
 Wrapped with ``ray.remote`` by ``create_pat_engines``.
 """
 
@@ -13,16 +15,16 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 
 from pat_engine import Engine
 from pat_integrations.frontend import AsyncEngineFrontend
-from pat_integrations.learned_placement import LearnedPlacement
 from pat_integrations.openrlhf.outputs import GenerationOutput, to_vllm_shape
 from pat_integrations.openrlhf.settings import PatActorSettings
 from pat_integrations.openrlhf.weight_sync import LocalRanks
+from pat_integrations.rounds import EngineRounds, RoundResult
 from pat_integrations.sampling import from_vllm_like
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,9 @@ class PatRolloutActor:
         self.settings = PatActorSettings.from_vllm_kwargs(kwargs)
         s = self.settings
         self.engine = Engine(s.model, tp=s.tp, dp=s.dp, **s.engine_kwargs)
-        self.frontend = AsyncEngineFrontend(self.engine, s.plan, LearnedPlacement() if s.placement else None)
+        self.frontend = AsyncEngineFrontend(self.engine, s.plan)
+        self.rounds = EngineRounds(self.engine, s.rollout, s.plan, seed=int(s.engine_kwargs.get("seed") or 0),
+                                   name="openrlhf") if s.rollout is not None else None
         self._executor = _load_agent_executor(agent_func_path) if agent_func_path else None
         self._remote_rm_url = remote_rm_url
         self._update_group: LocalRanks | None = None
@@ -81,6 +85,21 @@ class PatRolloutActor:
             return to_vllm_shape(out)
         skip = getattr(sampling_params, "skip_special_tokens", True)
         return to_vllm_shape(out, lambda ids: tokenizer.decode(ids, skip_special_tokens=skip))
+
+    async def rollout_step(self, prompts: list[tuple[Hashable, list[int]]], sampling_params: Any) -> RoundResult:
+        """One RL step as a tail-batched round over this step's fresh (uid, prompt token ids); the
+        result's groups hold ``vllm.RequestOutput``-shaped outputs (one sample each), ``wants`` how
+        many fresh prompts to send next time. ``sampling_params``: the step's ``vllm.SamplingParams``
+        with ``n=1`` (responses per prompt come from ``pat_rollout``)."""
+        if self.rounds is None:
+            raise RuntimeError("rollout_step needs pat_rollout with tail_batching or group_sizing")
+        await self._apply_pending()
+        prompts = [(uid, [int(t) for t in ids]) for uid, ids in prompts]
+        longest = max((len(ids) for _, ids in prompts), default=0)
+        params = from_vllm_like(sampling_params, default_max_tokens=self.engine.max_model_len - longest,
+                                logprobs_mode=self.settings.logprobs_mode)
+        res = await self.frontend.exclusive(self.rounds.step, prompts, params)
+        return res.with_outputs(to_vllm_shape)
 
     def get_num_unfinished_requests(self) -> int:
         return self.frontend.num_in_flight
@@ -155,6 +174,8 @@ class PatRolloutActor:
         if self._pending:
             bucket, self._pending, self._pending_bytes = self._pending, [], 0
             await self.frontend.call(self.engine.update_weights, bucket)
+            if self.rounds is not None:
+                self.rounds.weights_updated()  # deferred partials are now stale: regenerated, not resumed
 
     # ---- introspection (not part of OpenRLHF's contract) ---------------------------------------
 

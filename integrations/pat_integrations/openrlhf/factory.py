@@ -3,7 +3,7 @@
 Swap it in where OpenRLHF calls ``create_vllm_engines`` (``openrlhf/cli/train_ppo_ray.py``);
 the returned handles take every call OpenRLHF's driver makes on its engines.
 Extra keyword arguments (``pat_base_tp``, ``pat_switch_schedule``,
-``pat_engine_kwargs``, ``pat_placement``, ``num_cpus_per_engine``) set what vLLM has no name for.
+``pat_engine_kwargs``, ``pat_rollout``, ``num_cpus_per_engine``) set what vLLM has no name for.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def create_pat_engines(
     pat_base_tp: Optional[int] = None,
     pat_switch_schedule: Optional[list[tuple[int, int]]] = None,
     pat_engine_kwargs: Optional[dict[str, Any]] = None,
-    pat_placement: bool = False,
+    pat_rollout: Optional[dict[str, Any]] = None,
     num_cpus_per_engine: float = 0,
 ) -> list:
     """One pat-engine of ``tensor_parallel_size`` devices per OpenRLHF engine; returns Ray actor handles."""
@@ -67,7 +67,7 @@ def create_pat_engines(
             "pat_base_tp": pat_base_tp,
             "pat_switch_schedule": pat_switch_schedule,
             "pat_engine_kwargs": pat_engine_kwargs,
-            "pat_placement": pat_placement,
+            "pat_rollout": pat_rollout,
         }
         engines.append(remote_cls.options(num_cpus=num_cpus_per_engine, num_gpus=num_gpus).remote(
             agent_func_path=agent_func_path, remote_rm_url=remote_rm_url, **kwargs))

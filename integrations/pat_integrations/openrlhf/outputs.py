@@ -78,6 +78,6 @@ def _prompt_logprobs(out: RequestOutput) -> list[dict[int, Logprob] | None] | No
 def to_vllm_shape(out: RequestOutput, decode: Callable[[list[int]], str] | None = None) -> GenerationOutput:
     """``decode`` re-renders each sample's text (e.g. honouring ``skip_special_tokens``); default: the
     engine's text (which stop strings cut)."""
-    completions = [_completion(i, s, decode) for i, s in enumerate(out.samples or [out])]
+    completions = [_completion(s.sample_index, s, decode) for s in (out.samples or [out])]
     return GenerationOutput(out.request_id, out.prompt, list(out.prompt_token_ids), completions,
                             prompt_logprobs=_prompt_logprobs(out), metrics=dict(out.metrics))

@@ -5,7 +5,9 @@ OpenRLHF's placement. The engine starts each stage at ``pat_base_tp``
 (default: ``tensor_parallel_size``, i.e. vLLM's layout) with
 ``tensor_parallel_size / pat_base_tp`` DP groups, and may switch on
 ``pat_switch_schedule`` or its controller (``pat_engine_kwargs.profile_table``).
-``pat_placement=True``: cost-aware DP admission with per-prompt learned lengths (docs/rollout.md).
+``pat_rollout``: the rollout policies (``pat_integrations.rollout_options``: ``responses_per_step``,
+``group_size`` = OpenRLHF's ``n_samples_per_prompt``, ``tail_batching``, ``group_sizing``) that the
+actor's ``rollout_step`` runs.
 ``enable_prefix_caching`` goes to the engine as it is (False: every prompt is prefilled in full), and
 so does ``enforce_eager`` (True: no CUDA graphs; on the CPU there are none either way).
 """
@@ -15,6 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pat_engine.rollout.config import RolloutConfig
+from pat_integrations.rollout_options import KEYS as ROLLOUT_KEYS
+from pat_integrations.rollout_options import rollout_config
 from pat_integrations.stage import StagePlan
 
 # vLLM arguments about placement and vLLM internals: handled by Ray or meaningless for pat-engine.
@@ -31,7 +36,7 @@ class PatActorSettings:
     plan: StagePlan = StagePlan()
     max_model_len: int | None = None
     logprobs_mode: str = "raw"  # "raw" (vLLM's raw_logprobs) or "processed" (processed_logprobs)
-    placement: bool = False  # cost-aware DP admission (pat_integrations.learned_placement)
+    rollout: RolloutConfig | None = None  # tail batching / group sizing for rollout_step; None: off
 
     @classmethod
     def from_vllm_kwargs(cls, kwargs: dict[str, Any]) -> "PatActorSettings":
@@ -57,7 +62,11 @@ class PatActorSettings:
         for name in IGNORED:
             kw.pop(name, None)
         plan = StagePlan.from_options(kw.pop("pat_switch_schedule", None))
-        placement = bool(kw.pop("pat_placement", False))
+        rollout = kw.pop("pat_rollout", None) or {}
+        if not isinstance(rollout, dict) or set(rollout) - ROLLOUT_KEYS:
+            raise ValueError(f"pat_rollout must be a dict with keys among {sorted(ROLLOUT_KEYS)}, got {rollout!r}")
+        if rollout and "group_size" not in rollout and not rollout.get("group_sizing"):
+            raise ValueError("pat_rollout.group_size is required: OpenRLHF's n_samples_per_prompt")
         engine_kwargs.update(kw.pop("pat_engine_kwargs", None) or {})
         if kw:
             raise TypeError(f"unsupported engine argument(s) for pat-engine: {sorted(kw)}")
@@ -65,4 +74,4 @@ class PatActorSettings:
 
         engine_kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
         return cls(str(model), base_tp, devices // base_tp, engine_kwargs, plan, engine_kwargs.get("max_model_len"),
-                   mode.removesuffix("_logprobs"), placement)
+                   mode.removesuffix("_logprobs"), rollout_config(rollout, None, "pat_rollout"))

@@ -39,9 +39,13 @@ def _stop_reason(out: RequestOutput) -> str:
     return "aborted" if out.finish_reason == "abort" else "completed"
 
 
-def token_output(out: RequestOutput | None, prompt_logprobs: int | None, global_steps: int | None) -> TokenOutput:
-    """``out``: None when the admission gate rejected the request (the client re-routes aborted ones)."""
+def token_output(out: RequestOutput | None, prompt_logprobs: int | None, global_steps: int | None,
+                 sample_index: int | None = None) -> TokenOutput:
+    """``out``: None when the admission gate rejected the request (the client re-routes aborted ones);
+    ``sample_index``: a tail-batched round's response index within its prompt, kept in ``extra_fields``."""
     extra: dict[str, Any] = {"global_steps": global_steps}
+    if sample_index is not None:
+        extra["sample_index"] = sample_index
     if out is None:
         return TokenOutput(token_ids=[], stop_reason="aborted", extra_fields=extra)
     extra["num_cached_tokens"] = out.metrics.get("cached_tokens", 0)

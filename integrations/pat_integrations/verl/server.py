@@ -5,20 +5,26 @@ its replica and checkpoint manager call the memory and gate methods below;
 ``PatServerAdapter`` (trainer side) streams weight buckets into
 ``update_weights_bucket``. A request that finds the engine idle starts a new
 generation stage from the base layout (see ``pat_integrations.stage``).
+
+Partial rollout: an aborted request's answer is recorded so that veRL's resubmission
+(prompt + tokens so far, ``FullyAsyncLLMServerClient``) continues it exactly
+(``pat_integrations.partials``). With ``engine_kwargs.pat.tail_batching`` / ``group_sizing``,
+``rollout_step`` runs one RL step's prompts as a tail-batched round (``pat_integrations.rounds``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 from verl.workers.rollout.replica import RolloutMode, TokenOutput
 
 from pat_engine import Engine
 from pat_integrations.frontend import AsyncEngineFrontend, LayoutViews
-from pat_integrations.learned_placement import LearnedPlacement
+from pat_integrations.partials import PartialLedger
+from pat_integrations.rounds import EngineRounds, RoundResult
 from pat_integrations.sampling import from_verl
 from pat_integrations.verl.outputs import token_output
 from pat_integrations.verl.settings import PatRolloutSettings
@@ -37,8 +43,11 @@ class PatServer(LayoutViews):
         self.replica_rank = replica_rank
         s = self.settings
         self.engine = Engine(s.model, tp=s.tp, dp=s.dp, **s.engine_kwargs)
-        self.frontend = AsyncEngineFrontend(self.engine, s.plan, LearnedPlacement() if s.placement else None)
+        self.frontend = AsyncEngineFrontend(self.engine, s.plan)
         self.global_steps: int | None = None
+        self.partials = PartialLedger(int(s.engine_kwargs.get("seed") or 0))
+        self.rounds = EngineRounds(self.engine, s.rollout, s.plan, seed=int(s.engine_kwargs.get("seed") or 0),
+                                   name=f"verl{replica_rank}") if s.rollout is not None else None
 
     def get_server_address(self) -> str:
         """The load balancer's key for this replica (pat serves over Ray, not HTTP)."""
@@ -55,8 +64,25 @@ class PatServer(LayoutViews):
         prompt_ids = [int(t) for t in prompt_ids]
         s = self.settings
         params = from_verl(sampling_params, s.default_max_tokens(len(prompt_ids)), defaults=s.sampling_defaults)
+        params, origin = self.partials.prepare(prompt_ids, params, request_id)
         out = await self.frontend.generate(prompt_ids, params, request_id)
+        self.partials.settle(origin, out)
         return token_output(out, params.prompt_logprobs, self.global_steps)
+
+    async def rollout_step(self, prompts: list[tuple[Hashable, list[int]]],
+                           sampling_params: dict[str, Any]) -> RoundResult:
+        """One RL step as a tail-batched round: ``prompts`` are this step's fresh (uid, prompt ids);
+        the result's groups hold ``TokenOutput``s (in finish order; ``extra_fields["sample_index"]`` is the
+        response's index within its prompt, which its seed depends on); ``wants``: how many to send next time."""
+        if self.rounds is None:
+            raise RuntimeError("rollout_step needs rollout.engine_kwargs.pat.tail_batching or .group_sizing")
+        s = self.settings
+        prompts = [(uid, [int(t) for t in ids]) for uid, ids in prompts]
+        longest = max((len(ids) for _, ids in prompts), default=0)
+        params = from_verl(sampling_params, s.default_max_tokens(longest), defaults=s.sampling_defaults)
+        res = await self.frontend.exclusive(self.rounds.step, prompts, params)
+        return res.with_outputs(lambda out: token_output(out, params.prompt_logprobs, self.global_steps,
+                                                         sample_index=out.sample_index))
 
     # ---- gate --------------------------------------------------------------------------
 
@@ -99,6 +125,8 @@ class PatServer(LayoutViews):
 
     async def finish_weight_update(self, global_steps: int | None = None) -> None:
         self.engine.flush_cache()
+        if self.rounds is not None:
+            self.rounds.weights_updated()  # deferred partials are now stale: regenerated, not resumed
         if global_steps is not None:
             self.global_steps = global_steps
 

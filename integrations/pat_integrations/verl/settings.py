@@ -6,8 +6,9 @@ veRL's ``tensor_model_parallel_size`` is the base TP of the engine and
 ``actor_rollout_ref.rollout.engine_kwargs.pat`` (Hydra: ``+...engine_kwargs.pat.KEY=VALUE``):
 any ``pat_engine.config.EngineConfig`` field, plus ``switch_schedule``
 (``[[decode_step, tp], ...]``, applied afresh in every stage) and
-``sleep_level`` (what ``sleep()`` releases in hybrid mode; default 2 like vLLM) and ``placement``
-(true: cost-aware DP admission with per-prompt learned lengths, see docs/rollout.md).
+``sleep_level`` (what ``sleep()`` releases in hybrid mode; default 2 like vLLM) and the
+rollout policies of ``pat_integrations.rollout_options`` (``tail_batching``, ``group_sizing``,
+``responses_per_step``, ``group_size``; R0 defaults to ``rollout.n``), which ``PatServer.rollout_step`` runs.
 ``enable_prefix_caching`` and ``enforce_eager`` (True: no CUDA graphs) go to the engine; the config's
 ``repetition_penalty`` and ``ignore_eos`` are defaults for requests that leave them out, as veRL's
 vLLM server has them.
@@ -20,10 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pat_engine.config import EngineConfig
+from pat_engine.rollout.config import RolloutConfig
+from pat_integrations.rollout_options import KEYS as ROLLOUT_KEYS
+from pat_integrations.rollout_options import rollout_config
 from pat_integrations.stage import StagePlan
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "tp", "dp"}
-_OWN_KEYS = {"switch_schedule", "sleep_level", "placement"}
+_OWN_KEYS = {"switch_schedule", "sleep_level"} | ROLLOUT_KEYS
 
 
 def _plain(value: Any) -> Any:
@@ -56,7 +60,7 @@ class PatRolloutSettings:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     plan: StagePlan = StagePlan()
     sleep_level: int = 2
-    placement: bool = False  # cost-aware DP admission (pat_integrations.learned_placement)
+    rollout: RolloutConfig | None = None  # tail batching / group sizing for rollout_step; None: off
     prompt_length: int = 512
     response_length: int = 512
     max_model_len: int = 1024
@@ -100,7 +104,8 @@ class PatRolloutSettings:
         return cls(
             model=model_path(model_config), tp=tp, dp=dp, engine_kwargs=engine_kwargs,
             plan=StagePlan.from_options(extra.get("switch_schedule")),
-            sleep_level=int(extra.get("sleep_level", 2)), placement=bool(extra.get("placement", False)),
+            sleep_level=int(extra.get("sleep_level", 2)),
+            rollout=rollout_config(extra, int(getattr(config, "n", 1) or 1), "rollout.engine_kwargs.pat"),
             prompt_length=config.prompt_length, response_length=config.response_length, max_model_len=max_len,
             sampling_defaults={name: getattr(config, name) for name in ("repetition_penalty", "ignore_eos")
                                if getattr(config, name, None) is not None},
