@@ -260,17 +260,18 @@ void prefix_row(const T* row, int64_t n, float it, float fl, double u, int64_t t
                 std::vector<uint64_t>& cand, std::vector<uint64_t>& scratch) {
   const float m = row_max(row, n);
   const float no_floor = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) e[i] = weight(row, i, m, it, no_floor);
   const int64_t k_cap = top_k > 0 && top_k < n ? top_k : n;
   const bool nucleus = top_p < 1.0;
-  const double target = nucleus ? top_p * lane_sum(row, n, m, it, no_floor) : 0.0;
+  // top_p reads every weight (one exp pass, kept in ``e``: Z and the prefix mass from the same floats);
+  // top_k alone needs none but the kept tokens' in the draw
+  const double target = nucleus ? top_p * lane_sum(row, n, m, it, no_floor, e.data()) : 0.0;
   // the highest buckets that hold the count and (with a margin against rounding) the mass
   constexpr int kBuckets = 4096;
   std::vector<double> mass(kBuckets, 0.0);
   std::vector<int64_t> count(kBuckets, 0);
   for (int64_t i = 0; i < n; ++i) {
     const int b = static_cast<int>(ordered_bits(to_float(row[i])) >> 20);
-    mass[b] += e[i];
+    if (nucleus) mass[b] += e[i];
     count[b] += 1;
   }
   int low = 0;
