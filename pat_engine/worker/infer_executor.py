@@ -30,6 +30,7 @@ from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import StepCommand, StepResult
 from pat_engine.protocol import PromptLogprobs
 from pat_engine.sampling.sampler import sample_batch
+from pat_engine.spec.verify import accept
 from pat_engine.worker.kv_pool import PagedKVPool
 from pat_engine.worker.logprob_outputs import prompt_logprobs
 from pat_engine.worker.step_inputs import SeqState, StepInputBuilder
@@ -168,8 +169,11 @@ class InferExecutor:
             return None
         with record_function("sample"):
             out = sample_batch(logits, step.sampling)
+        counts = None
+        if cmd.verify:  # speculative decoding: keep each row's accepted drafts and one more token
+            out, counts = accept([s.token_ids[1:] for s in cmd.seqs], out)
         return StepResult(cmd.step_id, self.layout.group_of(self.tp.ranks[0]), out.tokens, out.logprobs,
-                          time.perf_counter() - start, out.top, prompts or None)
+                          time.perf_counter() - start, out.top, prompts or None, counts)
 
     def _prompt_logprobs(self, cmd: StepCommand, hidden: torch.Tensor) -> dict[int, PromptLogprobs]:
         """Prompt log-probs of the sequences that asked (a prefill packs each one's tokens in order)."""

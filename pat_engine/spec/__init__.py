@@ -1,0 +1,1 @@
+"""Speculative decoding without a draft model (docs/speculative.md)."""
