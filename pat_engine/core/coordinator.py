@@ -68,6 +68,7 @@ class InFlight:
     batch: list[Sequence]
     sent_at: float
     busy_groups: int
+    speculative: bool = False  # a decode step dispatched while speculation was on (drafts or not)
 
 
 class GlobalCoordinator:
@@ -383,26 +384,30 @@ class GlobalCoordinator:
         for g, sched in enumerate(self.schedulers):
             if g in self.inflight:
                 continue
-            item = sched.schedule(self._draft_fn())
+            drafts = self._draft_fn()
+            item = sched.schedule(drafts)
             if item is None:
                 continue
             cmd, batch = item
             self.pool.send(self.layout.group_ranks(g), cmd)
-            self.inflight[g] = InFlight(cmd, batch, time.monotonic(), len(self.inflight) + 1)
+            self.inflight[g] = InFlight(cmd, batch, time.monotonic(), len(self.inflight) + 1,
+                                        drafts is not None and not cmd.is_prefill)
 
     def _draft_fn(self):
         """The speculation's draft proposer while it is on for this many unfinished requests, else None."""
         spec = self.speculation
         return spec.drafts if spec is not None and spec.active(len(self.seqs)) else None
 
-    def _observe_verify(self, flight: InFlight, msg: StepResult) -> None:
+    def _observe_speculation(self, flight: InFlight, msg: StepResult) -> None:
+        """Acceptance per drafted request, and the step's speed, for the speculation and the policy."""
         spec = self.speculation
-        if spec is None or msg.counts is None:
+        if spec is None or not flight.speculative:
             return
-        for seq, step, n in zip(flight.batch, flight.cmd.seqs, msg.counts):
+        counts = msg.counts or [1] * len(flight.batch)
+        for seq, step, n in zip(flight.batch, flight.cmd.seqs, counts):
             spec.observe(seq, len(step.token_ids) - 1, n)
         spec.observe_step(self.layout.tp, len(flight.batch), sum(s.start_pos + 1 for s in flight.cmd.seqs),
-                          time.monotonic() - flight.sent_at)
+                          time.monotonic() - flight.sent_at, sum(counts), flight.cmd.verify)
 
     def _handle(self, msg: StepResult | Reply) -> None:
         if isinstance(msg, Reply):
@@ -429,7 +434,7 @@ class GlobalCoordinator:
                 sum(s.start_pos + len(s.token_ids) for s in flight.cmd.seqs), sum(len(s.token_ids) for s in flight.cmd.seqs),
                 time.monotonic() - flight.sent_at, msg.forward_seconds, flight.busy_groups))
         finished = sched.on_result(flight.batch, is_prefill, msg)
-        self._observe_verify(flight, msg)
+        self._observe_speculation(flight, msg)
         counts = msg.counts or [1] * len(flight.batch)
         for seq, n in zip(flight.batch, counts):
             if seq.seq_id in self.seqs:

@@ -108,13 +108,15 @@ class Speculation:
         self.stats.drafted_tokens += drafted
         self.stats.accepted_tokens += accepted
         self.stats.produced_tokens += produced
-        self._tokens_per_step = _ema(self._tokens_per_step, produced)
         k = self._draft_len.get(seq.seq_id, self.config.initial_draft)
         self._draft_len[seq.seq_id] = min(2 * k, self.config.max_draft) if accepted == drafted else accepted + 1
 
-    def observe_step(self, tp: int, batch: int, context_tokens: int, seconds: float) -> None:
-        """A verify step's driver-side time, for the policy's remaining-time estimate."""
-        self.stats.verify_steps += 1
+    def observe_step(self, tp: int, batch: int, context_tokens: int, seconds: float, produced: int,
+                     verify: bool) -> None:
+        """A decode step run while speculation was on (``verify``: some row had a draft): its driver-side
+        seconds and the tokens its ``batch`` requests gained, for the policy's remaining-time estimate."""
+        self.stats.verify_steps += int(verify)
+        self._tokens_per_step = _ema(self._tokens_per_step, produced / batch)
         self._step_s = _ema(self._step_s, seconds)
         self._batch = _ema(self._batch, batch)
         self._context = _ema(self._context, context_tokens)
