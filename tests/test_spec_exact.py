@@ -12,34 +12,15 @@ GEMMs round its last bits differently, as any two float64 batch shapes do).
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from local_workers import local_driver
+from spec_helpers import ReplayProposer
 from pat_engine.sampling_params import SamplingParams
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
 
 PROMPTS = [[5, 6, 7, 8] * 3, [100, 20, 30], [9, 9, 9, 9, 9, 9, 9], [5, 6, 7, 8] * 3 + [11]]  # the last shares blocks
 MAX_NEW = [20, 12, 22, 10]
-
-
-class ReplayProposer:
-    """Drafts what a reference run generated for the same (prompt, sample), a share of tokens wrong."""
-
-    def __init__(self, reference: dict, wrong: float, seed: int = 0):
-        self.reference, self.wrong, self.rng = reference, wrong, random.Random(seed)
-        self.drafted = 0
-
-    def track(self, seq) -> None: ...
-
-    def release(self, seq) -> None: ...
-
-    def propose(self, seq, k: int) -> list[int]:
-        ref = self.reference[(tuple(seq.prompt_ids), seq.sample_index)]
-        draft = ref[len(seq.output_ids) : len(seq.output_ids) + k]
-        self.drafted += len(draft)
-        return [(t + 1) % 300 if self.rng.random() < self.wrong else t for t in draft]
 
 
 @pytest.fixture(scope="module")
