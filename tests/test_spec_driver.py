@@ -213,3 +213,11 @@ def test_speculation_is_refused_where_it_would_not_be_exact():
     assert EngineConfig.from_kwargs("m", dtype="float64", speculative={"max_draft": 5}).speculative.max_draft == 5
     with pytest.raises(InvalidRequestError, match="unknown speculative option"):
         EngineConfig.from_kwargs("m", dtype="float64", speculative={"draft": 5})
+
+
+def test_drafts_stay_within_the_step_token_budget():
+    d = spec_driver(OracleProposer(), dp=1, initial_draft=8, max_draft=8, max_num_batched_tokens=24)
+    seqs = add_all(d)
+    run_checked(d)
+    assert all(s.output_ids == expected_tokens(s) for s in seqs)
+    assert verify_steps(d) and all(sum(len(s.token_ids) for s in cmd.seqs) <= 24 for cmd in verify_steps(d))

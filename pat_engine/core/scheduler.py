@@ -161,10 +161,12 @@ class GroupScheduler:
 
     def _reserve_drafts(self, batch: list[Sequence], drafts: dict[int, list[int]]) -> dict[int, list[int]]:
         """Blocks for the draft tokens' KV (positions length .. length + k - 1), from free blocks only;
-        a draft that does not fit is shortened to what the sequence's blocks already hold."""
+        a draft that does not fit is shortened to what the sequence's blocks already hold. The step's
+        tokens stay within ``max_batched_tokens``."""
         out = {}
+        budget = self.max_batched_tokens - len(batch)
         for seq in batch:
-            draft = drafts.get(seq.seq_id)
+            draft = drafts.get(seq.seq_id, [])[: max(budget, 0)]
             if not draft:
                 continue
             need = blocks_needed(seq.length + len(draft), self.block_size) - len(seq.block_table)
@@ -173,6 +175,7 @@ class GroupScheduler:
             draft = draft[: len(seq.block_table) * self.block_size - seq.length]
             if draft:
                 out[seq.seq_id] = draft
+                budget -= len(draft)
         return out
 
     def _trim_table(self, seq: Sequence) -> None:
