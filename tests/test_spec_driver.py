@@ -221,3 +221,15 @@ def test_drafts_stay_within_the_step_token_budget():
     run_checked(d)
     assert all(s.output_ids == expected_tokens(s) for s in seqs)
     assert verify_steps(d) and all(sum(len(s.token_ids) for s in cmd.seqs) <= 24 for cmd in verify_steps(d))
+
+
+def test_pat_serve_flags_turn_speculation_on():
+    import argparse
+
+    from pat_engine.serve.engine_args import EngineArgs, add_engine_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = EngineArgs.from_namespace(p.parse_args(["--model", "m", "--speculative", "--speculative-history"]))
+    assert args.speculative and args.speculative_history
+    assert not EngineArgs.from_namespace(p.parse_args(["--model", "m"])).speculative
