@@ -140,7 +140,7 @@ class StepInputBuilder:
                 end = s.start_pos + 1 + j
                 specs.append(state.sampling)
                 positions.append(end)
-                suppressed.append(s.suppressed)  # the driver drafts only rows that suppress nothing
+                suppressed.append(s.suppressed)  # a row with a draft suppresses nothing (Speculation.drafts)
                 histories.append(state.history[:end] if state.history is not None else None)
         return SamplingBatch.build(specs, positions, suppressed if any(suppressed) else None, self.device,
                                    histories, self.vocab_size)
