@@ -45,7 +45,7 @@ def test_speculation_on_equals_off_across_layouts_and_switches(model_dir, dtype,
     with Engine(path, tp=1, dp=2, dtype=dtype, numerics=numerics) as engine:
         reference = {sampled: _run(engine, 1, sampled) for sampled in (False, True)}
     with Engine(path, tp=1, dp=2, dtype=dtype, numerics=numerics,
-                speculative={"max_active": 64, "initial_draft": 4}) as engine:
+                speculative={"max_active": 64, "adaptive": False}) as engine:
         for sampled in (False, True):
             ref = reference[sampled]
             engine.set_draft_proposer(ReplayProposer({k: v[0] for k, v in ref.items()}, wrong=0.25, seed=int(sampled)))
@@ -70,7 +70,8 @@ def test_the_ngram_proposer_with_history_in_the_engine(model_dir):
     path = model_dir("llama")
     with Engine(path, tp=1, dp=2, dtype="float64") as engine:
         ref = _run(engine, 1, True)
-    with Engine(path, tp=1, dp=2, dtype="float64", speculative={"history": True, "max_active": 64}) as engine:
+    with Engine(path, tp=1, dp=2, dtype="float64", speculative={"history": True, "max_active": 64,
+                                                                "adaptive": False}) as engine:
         first = _run(engine, 1, True)
         second = _run(engine, 2, True, [(2, 1)], "migrate")
         stats = engine.speculation_stats()

@@ -34,7 +34,7 @@ def _params(sampled: bool, **extra) -> list[SamplingParams]:
 
 
 def _run(path: str, params, proposer=None, speculate: bool = True, **config) -> dict:
-    spec = {"max_active": 64, "initial_draft": 4} if speculate else None
+    spec = {"max_active": 64, "adaptive": False} if speculate else None  # every proposal verified whole
     d = local_driver(path, dp=2, speculative=spec, **config)
     if proposer is not None:
         d.coord.set_draft_proposer(proposer)
@@ -81,7 +81,7 @@ def test_the_ngram_proposer_changes_nothing(tiny):
     iteration) drafts from the first batch's responses; both batches equal speculation off."""
     params = _params(True)
     ref = _run(tiny, params, speculate=False, dtype="float32", numerics="invariant")
-    d = local_driver(tiny, dp=2, speculative={"max_active": 64, "history": True}, dtype="float32",
+    d = local_driver(tiny, dp=2, speculative={"max_active": 64, "history": True, "adaptive": False}, dtype="float32",
                      numerics="invariant")
     for _ in range(2):
         families = d.generate(PROMPTS, params)

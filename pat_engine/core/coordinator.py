@@ -399,15 +399,20 @@ class GlobalCoordinator:
         return spec.drafts if spec is not None and spec.active(len(self.seqs)) else None
 
     def _observe_speculation(self, flight: InFlight, msg: StepResult) -> None:
-        """Acceptance per drafted request, and the step's speed, for the speculation and the policy."""
+        """Every decode step's cost; for speculating steps the acceptance per drafted request and the
+        step's speed, for the speculation and the policy."""
         spec = self.speculation
-        if spec is None or not flight.speculative:
+        if spec is None or flight.cmd.is_prefill:
+            return
+        seconds = time.monotonic() - flight.sent_at
+        spec.observe_cost(self.layout.tp, sum(len(s.token_ids) for s in flight.cmd.seqs), seconds)
+        if not flight.speculative:
             return
         counts = msg.counts or [1] * len(flight.batch)
         for seq, step, n in zip(flight.batch, flight.cmd.seqs, counts):
             spec.observe(seq, len(step.token_ids) - 1, n)
-        spec.observe_step(self.layout.tp, len(flight.batch), sum(s.start_pos + 1 for s in flight.cmd.seqs),
-                          time.monotonic() - flight.sent_at, sum(counts), flight.cmd.verify)
+        spec.observe_step(self.layout.tp, len(flight.batch), sum(s.start_pos + 1 for s in flight.cmd.seqs), seconds,
+                          sum(counts), flight.cmd.verify)
 
     def _handle(self, msg: StepResult | Reply) -> None:
         if isinstance(msg, Reply):

@@ -28,7 +28,9 @@ class SpeculativeConfig:
     min_ngram: int = 2
     max_ngram: int = 4
     max_draft: int = 8  # tokens per row and step, at most
-    initial_draft: int = 4  # a request's first draft length; then adapted from its own acceptance
+    # each step's draft lengths maximise expected tokens per second, from each request's measured acceptance
+    # and the measured cost of a step per token run (spec/budget.py); False: every proposal runs whole
+    adaptive: bool = True
     siblings: bool = True  # also match in the other responses to the same prompt (n > 1, or separate requests)
     # earlier responses to the same prompt, kept after their requests end (across RL steps): LRU by prompt
     history: bool = False
@@ -38,9 +40,8 @@ class SpeculativeConfig:
     allow_inexact: bool = False  # fast numerics in float32/bfloat16: outputs valid, not speculation-off's bits
 
     def __post_init__(self) -> None:
-        if self.max_active < 1 or self.max_draft < 1 or not 1 <= self.initial_draft <= self.max_draft:
-            raise InvalidRequestError("speculative: max_active and max_draft must be >= 1 and "
-                                      f"1 <= initial_draft <= max_draft, got {self}")
+        if self.max_active < 1 or self.max_draft < 1:
+            raise InvalidRequestError(f"speculative: max_active and max_draft must be >= 1, got {self}")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise InvalidRequestError(f"speculative: need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, "
                                       f"{self.max_ngram}")

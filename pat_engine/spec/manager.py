@@ -1,16 +1,18 @@
 """``Speculation``: the driver's side of speculative decoding, for every DP group.
 
 It decides which requests of a decode step get a draft and how long (``drafts``), learns
-from each verify result (``observe``) and reports what it measured to the switch policy
-(``status``). Speculation runs while the engine has at most ``max_active`` unfinished
-requests: the same count the layout controller sees, so the tail that makes the
-controller move to a higher TP is also where speculation turns on, and the controller
-prices the remaining steps with the measured tokens per step (predictor.set_speculation).
+from each verify result (``observe``) and from every decode step's cost (``observe_cost``),
+and reports what it measured to the switch policy (``status``). Speculation runs while the
+engine has at most ``max_active`` unfinished requests: the same count the layout controller
+sees, so the tail that makes the controller move to a higher TP is also where speculation
+turns on, and the controller prices the remaining steps with the measured tokens per step
+(``LatencyPredictor.set_speculation``).
 
-Per request the draft length adapts to its own acceptance: all accepted doubles it (up
-to ``max_draft``), a rejection sets it to the accepted count plus one. A request is not
-drafted for while tokens are suppressed (before ``min_new_tokens``; the verify step
-samples each position with the step's one suppression set), nor past its length caps.
+Draft lengths (``adaptive``, spec/budget.py): each request's proposal is cut where one more
+token would lower the step's expected tokens per second, given the request's measured
+acceptance and the measured cost per token of a step. A request is not drafted for while
+tokens are suppressed (before ``min_new_tokens``: the verify step samples a row's positions
+with one suppression set), nor past its length caps (``k + 1`` tokens can come back).
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from dataclasses import dataclass
 
 from pat_engine.core.request import Sequence
 from pat_engine.predictor.policy import SpeculationStatus
+from pat_engine.spec.budget import AcceptanceEstimate, StepCostFit, allocate
 from pat_engine.spec.config import SpeculativeConfig
 from pat_engine.spec.proposer import DraftProposer, NgramProposer
 
-_ALPHA = 0.2  # EMA weight of the newest verify step
+_ALPHA = 0.2  # EMA weight of the newest step in the status figures
 
 
 def _ema(old: float | None, new: float) -> float:
@@ -53,7 +56,9 @@ class Speculation:
         self.config = config
         self.proposer: DraftProposer = proposer or NgramProposer(config)
         self.stats = SpeculationStats()
-        self._draft_len: dict[int, int] = {}  # seq_id -> its next draft length
+        self.acceptance = AcceptanceEstimate()
+        self.cost = StepCostFit()
+        self._cost_tp: int | None = None  # the TP the cost fit was measured at
         self._tokens_per_step: float | None = None
         self._step_s: float | None = None
         self._batch: float | None = None
@@ -72,7 +77,7 @@ class Speculation:
             self.proposer.track(seq)
 
     def release(self, seq: Sequence) -> None:
-        self._draft_len.pop(seq.seq_id, None)
+        self.acceptance.forget(seq.seq_id)
         self.proposer.release(seq)
 
     def remember(self, prompt: list[int], response: list[int]) -> None:
@@ -88,16 +93,14 @@ class Speculation:
 
     def drafts(self, batch: list[Sequence]) -> dict[int, list[int]]:
         """seq_id -> draft, for the requests of a decode step that get one."""
-        out = {}
+        proposals: list[list[int]] = []
         for seq in batch:
             room = min(seq.params.max_new_tokens - len(seq.output_ids), seq.max_len - seq.length) - 1
-            k = min(self._draft_len.get(seq.seq_id, self.config.initial_draft), room)
-            if k < 1 or seq.suppressed_now():
-                continue
-            draft = self.proposer.propose(seq, k)
-            if draft:
-                out[seq.seq_id] = draft
-        return out
+            k = min(self.config.max_draft, room)
+            proposals.append(self.proposer.propose(seq, k) if k >= 1 and not seq.suppressed_now() else [])
+        cost = self.cost.params() if self.config.adaptive else None
+        lengths = allocate([len(d) for d in proposals], [self.acceptance.p(s.seq_id) for s in batch], cost, len(batch))
+        return {s.seq_id: d[:n] for s, d, n in zip(batch, proposals, lengths) if n > 0}
 
     def observe(self, seq: Sequence, drafted: int, produced: int) -> None:
         """A verify result: ``seq`` had ``drafted`` tokens drafted and gained ``produced`` (accepted + 1)."""
@@ -108,14 +111,21 @@ class Speculation:
         self.stats.drafted_tokens += drafted
         self.stats.accepted_tokens += accepted
         self.stats.produced_tokens += produced
-        k = self._draft_len.get(seq.seq_id, self.config.initial_draft)
-        self._draft_len[seq.seq_id] = min(2 * k, self.config.max_draft) if accepted == drafted else accepted + 1
+        self.acceptance.add(seq.seq_id, drafted, accepted)
+
+    def observe_cost(self, tp: int, tokens: int, seconds: float) -> None:
+        """Any decode step (speculating or not): ``tokens`` run in ``seconds``, for the draft budget."""
+        if tp != self._cost_tp:  # another layout: other costs
+            self.cost.reset()
+            self._cost_tp = tp
+        self.cost.add(tokens, seconds)
 
     def observe_step(self, tp: int, batch: int, context_tokens: int, seconds: float, produced: int,
                      verify: bool) -> None:
         """A decode step run while speculation was on (``verify``: some row had a draft): its driver-side
         seconds and the tokens its ``batch`` requests gained, for the policy's remaining-time estimate."""
         self.stats.verify_steps += int(verify)
+        self.acceptance.step()
         self._tokens_per_step = _ema(self._tokens_per_step, produced / batch)
         self._step_s = _ema(self._step_s, seconds)
         self._batch = _ema(self._batch, batch)
