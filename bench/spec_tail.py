@@ -4,19 +4,22 @@
    6-16 distinct random token ids, concatenated in random order (within a phrase the next token
    is determined, at a boundary any phrase may follow: a toy of text that repeats spans).
    ``--train-steps`` AdamW steps on CPU, seconds to a minute.
-2. Workload: GRPO-like rollouts with transformers-free token-id prompts (3 phrases each),
-   ``--prompts`` prompts x ``--group`` samples at temperature 1 (seeded), and a greedy one (n=1);
-   long-tailed response lengths (most short, a few long; EOS ignored). Each round runs
+2. Workload: GRPO-like rollouts with token-id prompts (30 tokens of the language),
+   ``--prompts`` prompts x ``--group`` samples at temperature 1 (seeded), and a greedy one (n=1,
+   as many requests); long-tailed response lengths: most short (lognormal, scale ``--short``),
+   ``--long`` requests (for the sampled workload: ``--long / --group`` prompts) run to ``--cap``
+   tokens; EOS ignored. Each round runs
    ``--rl-steps`` RL steps over the same prompts with fresh seeds (a new prompt set every round),
    so from the second step on the response store (``history``) holds earlier responses.
 3. Two engines side by side, world 2 at TP1xDP2, float32, ``numerics="invariant"`` (speculation
    is exact there): speculation off, and on (``max_active`` 8, history on, the n-gram proposer).
    Rounds interleave the arms A, B, B, A, ...; speed-ups are medians over rounds of per-step ratios.
 
-Reported per workload and RL step: the tail phase (from the moment at most ``max_active``
-requests are left until the last one finishes, from the requests' finish times), the whole
-rollout (wall clock of ``generate``), the acceptance rate and tokens gained per drafted request
-and verify step, and whether every token and log-prob equals speculation off.
+Reported per workload and RL step: the batch phase (from the start until at most ``max_active``
+requests are left: speculation is off there, so it must not be slower), the tail phase (from
+then until the last request finishes; from the requests' finish times), the whole rollout (wall
+clock of ``generate``), the acceptance rate, tokens gained per drafted request, and whether every
+token and log-prob equals speculation off.
 
     PYTHONPATH=.:csrc python bench/spec_tail.py            # a few minutes on 2 quiet cores
     PYTHONPATH=.:csrc python bench/spec_tail.py --quick    # smoke run, results not written
@@ -92,9 +95,11 @@ def train(path: Path, phrases: list[list[int]], steps: int) -> tuple[float, floa
 # ---- 2. the workload ------------------------------------------------------------------------------
 
 
-def long_tail(n: int, rng: random.Random, short: int, cap: int) -> list[int]:
-    """Response lengths: most short, a few near ``cap``."""
-    return [min(cap, int(short * rng.lognormvariate(0.0, 1.0)) + 4) for _ in range(n)]
+def long_tail(n: int, rng: random.Random, short: int, cap: int, long: int) -> list[int]:
+    """Response lengths: ``long`` of them ``cap``, the rest short (lognormal), in random order."""
+    lengths = [cap] * long + [min(cap // 2, int(short * rng.lognormvariate(0.0, 0.8)) + 4) for _ in range(n - long)]
+    rng.shuffle(lengths)
+    return lengths
 
 
 def workload(name: str, phrases, rnd: int, args) -> tuple[list[list[int]], list[int], int, float]:
@@ -102,9 +107,9 @@ def workload(name: str, phrases, rnd: int, args) -> tuple[list[list[int]], list[
     rng = random.Random(1000 + rnd)
     if name == "sampled":
         prompts = [text(phrases, rng, 30) for _ in range(args.prompts)]
-        return prompts, long_tail(args.prompts, rng, args.short, args.cap), args.group, 1.0
+        return prompts, long_tail(args.prompts, rng, args.short, args.cap, args.long // args.group), args.group, 1.0
     prompts = [text(phrases, rng, 30) for _ in range(args.prompts * args.group)]
-    return prompts, long_tail(len(prompts), rng, args.short, args.cap), 1, 0.0
+    return prompts, long_tail(len(prompts), rng, args.short, args.cap, args.long), 1, 0.0
 
 
 def rollout(engine: Engine, prompts, lengths, n: int, temperature: float, seed: int) -> dict:
@@ -117,7 +122,7 @@ def rollout(engine: Engine, prompts, lengths, n: int, temperature: float, seed: 
     samples = [s for o in outs for s in (o.samples or [o])]
     finish = sorted(s.metrics["finish_time"] for s in samples)
     tail_start = finish[-MAX_ACTIVE - 1] if len(finish) > MAX_ACTIVE else start
-    return {"seconds": end - start, "tail_s": finish[-1] - tail_start,
+    return {"seconds": end - start, "tail_s": finish[-1] - tail_start, "head_s": tail_start - start,
             "outputs": [(s.token_ids, s.logprobs) for s in samples],
             "tokens": sum(len(s.token_ids) for s in samples), "stats": _delta(before, engine.speculation_stats())}
 
@@ -164,7 +169,8 @@ def _row(name: str, step: int, pairs: list[tuple[dict, dict]]) -> list:
     stats = {k: sum(on["stats"][k] for _, on in pairs) for k in pairs[0][1]["stats"]}
     accept = stats["accepted_tokens"] / stats["drafted_tokens"] if stats["drafted_tokens"] else 0.0
     per_row = (stats["accepted_tokens"] + stats["drafted_rows"]) / stats["drafted_rows"] if stats["drafted_rows"] else 1.0
-    return [name, step + 1, med(off["tail_s"] for off, _ in pairs), med(on["tail_s"] for _, on in pairs),
+    return [name, step + 1, f"{med(off['head_s'] / max(on['head_s'], 1e-9) for off, on in pairs):.2f}x",
+            med(off["tail_s"] for off, _ in pairs), med(on["tail_s"] for _, on in pairs),
             f"{med(off['tail_s'] / on['tail_s'] for off, on in pairs):.2f}x",
             med(off["seconds"] for off, _ in pairs), med(on["seconds"] for _, on in pairs),
             f"{med(off['seconds'] / on['seconds'] for off, on in pairs):.2f}x",
@@ -177,14 +183,15 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=150)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=4)
-    ap.add_argument("--short", type=int, default=24, help="typical response length (lognormal scale)")
-    ap.add_argument("--cap", type=int, default=384, help="longest response")
+    ap.add_argument("--short", type=int, default=32, help="typical short response length (lognormal scale)")
+    ap.add_argument("--cap", type=int, default=384, help="the long responses' length")
+    ap.add_argument("--long", type=int, default=8, help="requests of the tail (run to --cap)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rl-steps", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, nothing written")
     args = ap.parse_args()
     if args.quick:
-        args.train_steps, args.rounds, args.rl_steps, args.prompts, args.cap = 30, 1, 2, 4, 64
+        args.train_steps, args.rounds, args.rl_steps, args.prompts, args.cap, args.long = 60, 1, 2, 4, 96, 4
     started = time.perf_counter()
     phrases = make_phrases(args.phrases, 0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -196,14 +203,16 @@ def main() -> None:
         f"{args.train_steps} steps on a language of {args.phrases} phrases (final loss {loss:.3f}, {train_s:.0f} s).\n"
         f"Rollouts: world 2 (CPU worker processes), TP1xDP2, float32, numerics=invariant; sampled: {args.prompts} "
         f"prompts x {args.group} samples, temperature 1, seeded; greedy: {args.prompts * args.group} prompts, n=1; "
-        f"lengths long-tailed (lognormal scale {args.short}, cap {args.cap}), EOS ignored. Speculation: max_active "
+        f"lengths: {args.long} requests of {args.cap} tokens, the rest short (lognormal scale {args.short}), EOS ignored. Speculation: max_active "
         f"{MAX_ACTIVE}, history on, n-gram proposer. {args.rounds} rounds, arms interleaved A,B,B,A; "
         f"RL step k reuses the round's prompts with fresh seeds (step 1: no history for them yet).\n\n"
-        + markdown_table(["workload", "RL step", "tail off s", "tail on s", "tail speed-up", "rollout off s",
+        + markdown_table(["workload", "RL step", "batch phase speed-up", "tail off s", "tail on s", "tail speed-up",
+                          "rollout off s",
                           "rollout on s", "rollout speed-up", "acceptance", "tokens per drafted row", "verify steps",
                           "tokens + logprobs identical"], rows)
-        + "\n\nTail phase: from the finish that leaves at most max_active requests to the last finish (medians over "
-        "rounds; speed-ups: median of per-round ratios). Acceptance: accepted / drafted tokens; tokens per drafted "
+        + "\n\nBatch phase: from the start to the finish that leaves max_active requests (speculation off in both "
+        "arms: the ratio shows its overhead); tail phase: from there to the last finish (medians over rounds; "
+        "speed-ups: median of per-round ratios off / on). Acceptance: accepted / drafted tokens; tokens per drafted "
         "row: accepted + 1 per request that had a draft in a verify step.\n\n"
         f"Total time {time.perf_counter() - started:.0f} s. The host is shared by other jobs: rerun on a quiet "
         "machine before quoting the figures.\n"

@@ -1,7 +1,7 @@
 """Real model steps in the test process: a ``WorkerPool`` stand-in whose DP groups are TP1
 ``InferExecutor``s (no processes, no collectives), for fast-tier tests that need real logits.
 
-Steps run when sent and answer at the next poll, like fake_workers.FakeWorkerPool; control calls
+Steps run at the next poll, after the driver has dispatched every group's step; control calls
 (switches, memory release) are not served: tests that need them start real workers (slow tier).
 """
 
@@ -35,16 +35,17 @@ class LocalPool:
                                config.block_size, num_blocks, numerics=config.numerics)
             ex.load_weights(config.model)
             self.executors.append(ex)
-        self.pending: list[StepResult] = []
+        self.pending: list[tuple[int, StepCommand]] = []
         self.steps: list[StepCommand] = []
 
     def send(self, ranks: list[int], msg: StepCommand) -> None:
         self.steps.append(msg)
-        self.pending.append(self.executors[self.layout.group_of(ranks[0])].execute(msg))
+        self.pending.append((self.layout.group_of(ranks[0]), msg))
 
     def poll(self, timeout: float | None, extra: list | None = None) -> list[StepResult]:
-        out, self.pending = self.pending, []
-        return out
+        """Run the steps sent since the last poll (so the driver's dispatch-to-result time is the step's)."""
+        todo, self.pending = self.pending, []
+        return [self.executors[g].execute(msg) for g, msg in todo]
 
     def call(self, body, ranks=None, timeout=None):
         raise NotImplementedError(f"LocalPool serves steps only, not {type(body).__name__}")

@@ -229,3 +229,17 @@ def test_pat_serve_flags_turn_speculation_on():
     args = EngineArgs.from_namespace(p.parse_args(["--model", "m", "--speculative", "--speculative-history"]))
     assert args.speculative and args.speculative_history
     assert not EngineArgs.from_namespace(p.parse_args(["--model", "m"])).speculative
+
+
+def test_remembered_responses_become_drafts():
+    config = SpeculativeConfig(enabled=True, history=True, adaptive=False)
+    d = make_driver(dp=1, numerics="invariant", speculative=config)
+    prompt = [3, 1, 4, 1, 5]
+    s = d.add(prompt, 6)
+    d.ticks(1)  # prefilled: its first token is known
+    first = s.output_ids[0]
+    d.coord.remember_responses(prompt, [[first, 42, 43, 44, 45]])  # "5 first" is followed by 42 43 44 there
+    run_checked(d)
+    drafts = [step.token_ids[1:] for cmd in verify_steps(d) for step in cmd.seqs]
+    assert drafts and drafts[0] == [42, 43, 44, 45]
+    assert s.output_ids == expected_tokens(s)
