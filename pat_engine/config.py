@@ -16,6 +16,7 @@ import torch
 
 from pat_engine.errors import InvalidRequestError
 from pat_engine.model.layers.attention import BACKEND_NAMES
+from pat_engine.spec.config import SpeculativeConfig
 
 KV_PATHS = ("migrate", "recompute")  # how a switch carries unfinished requests' KV
 NUMERICS = ("invariant", "fast")  # docs/numerics.md
@@ -102,6 +103,10 @@ class EngineConfig:
     graph_backend: str = "auto"
     max_graph_batch: int = DEFAULT_MAX_GRAPH_BATCH
 
+    # speculative decoding of small batches without a draft model (docs/speculative.md); off by default.
+    # Engine(speculative=True) or a dict of SpeculativeConfig fields turns it on
+    speculative: SpeculativeConfig = SpeculativeConfig()
+
     # processes and failures
     threads_per_worker: int | None = None  # default: cores // world (at least 1)
     worker_start_timeout_s: float = 300.0
@@ -139,6 +144,10 @@ class EngineConfig:
             raise InvalidRequestError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")
         if self.timeline_max_events < 1:
             raise InvalidRequestError(f"timeline_max_events must be >= 1, got {self.timeline_max_events}")
+        if not isinstance(self.speculative, SpeculativeConfig):
+            raise InvalidRequestError("speculative must be a SpeculativeConfig (from_kwargs also takes a dict or a bool)")
+        if self.speculative.enabled:
+            self.speculative.check_exact(self.numerics, self.torch_dtype())
 
     @property
     def world(self) -> int:
@@ -150,6 +159,8 @@ class EngineConfig:
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        if "speculative" in kwargs:
+            kwargs["speculative"] = SpeculativeConfig.of(kwargs["speculative"])
         return cls(model=str(model), **kwargs)
 
     def graphs(self) -> str | None:

@@ -6,7 +6,9 @@ driver keeps its side of the contract: a prefill brings a block table, a decode
 only appends blocks, every slot a step writes lies inside the rank's pool, and
 no two sequences of a group hold the same block. The next token is a pure
 function of (sequence, position), as real sampling is, so a switch, a
-preemption or a restart never changes what a request generates.
+preemption or a restart never changes what a request generates. A verify step
+(speculative decoding) samples every position of a row and keeps what
+``pat_engine.spec.verify.accept`` keeps, as the real leader does.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import (
     ReleaseMemory, Reply, RestoreMemory, StepCommand, StepResult, Switch, SwitchPlan, SwitchReport, WorkerCall,
 )
+from pat_engine.sampling.sampler import Sampled
+from pat_engine.spec.verify import accept
 
 
 def fake_token(seq_id: int, position: int, vocab: int) -> int:
@@ -92,6 +96,9 @@ class FakeWorkerPool:
     def _execute(self, group: int, cmd: StepCommand) -> StepResult:
         assert not self.kv_released, "a step was dispatched while the KV cache is released"
         tables = self.tables[group]
+        for sid, n in cmd.truncated:
+            assert sid in tables and n <= len(tables[sid]), f"truncation of sequence {sid} to {n} blocks"
+            del tables[sid][n:]
         for sid in cmd.released:
             tables.pop(sid, None)
         tokens = []
@@ -100,15 +107,22 @@ class FakeWorkerPool:
                 assert s.block_table is not None and s.sampling is not None, "a prefill brings its table and sampling"
                 tables[s.seq_id] = list(s.block_table)
             else:
-                assert s.block_table is None and len(s.token_ids) == 1, "a decode sends one token and new blocks only"
+                assert s.block_table is None and (len(s.token_ids) == 1 or cmd.verify), \
+                    "a decode sends one token (more only in a verify step) and new blocks only"
                 assert s.seq_id in tables, f"decode of sequence {s.seq_id} this group never prefilled"
                 tables[s.seq_id].extend(s.new_blocks)
             table = tables[s.seq_id]
             end = s.start_pos + len(s.token_ids)
             assert len(table) * self.block_size >= end, f"sequence {s.seq_id}: {end} tokens do not fit its table"
             assert all(0 <= b < self.num_blocks for b in table), f"sequence {s.seq_id}: block outside the pool"
-            tokens.append(fake_token(s.seq_id, end, self.vocab))
+            if cmd.verify:  # every position of the row is sampled
+                tokens += [fake_token(s.seq_id, s.start_pos + 1 + j, self.vocab) for j in range(len(s.token_ids))]
+            else:
+                tokens.append(fake_token(s.seq_id, end, self.vocab))
         self._check_writes(group, cmd)
+        if cmd.verify:
+            kept, counts = accept([s.token_ids[1:] for s in cmd.seqs], Sampled(tokens))
+            return StepResult(cmd.step_id, group, kept.tokens, None, 0.001, counts=counts)
         return StepResult(cmd.step_id, group, tokens, None, 0.001)
 
     def _check_writes(self, group: int, cmd: StepCommand) -> None:

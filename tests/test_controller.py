@@ -172,3 +172,42 @@ def test_the_switch_target_is_priced_with_the_placement_the_switch_uses():
     d.coord.switch(SwitchDecision(2, "test", kv_path="migrate"))
     placed = {s.seq_id: s.group for s in d.coord.unfinished()}
     assert placed == priced
+
+
+# ---- speculative decoding: the tail's steps at the measured speed ---------------------------------
+
+
+def _with_speculation(st: ClusterStatus, tokens_per_step: float, step_s: float, batch: float, max_active: int = 8):
+    from dataclasses import replace
+
+    from pat_engine.predictor.policy import SpeculationStatus
+
+    spec = SpeculationStatus(max_active, tokens_per_step, step_s, batch, 100.0 * batch, st.layout.tp)
+    return replace(st, speculation=spec)
+
+
+def test_measured_speculation_divides_the_tails_remaining_time():
+    plain = controller()
+    plain.decide(status(1, spread(4, 4, 500)))
+    # verify steps as slow as plain ones but 2.5 tokens each: the tail drains 2.5x faster
+    ctrl = controller()
+    ctrl.decide(_with_speculation(status(1, spread(4, 4, 500)), 2.5, step(1, 1, 100.0), 1.0))
+    for tp in (1, 2, 4):
+        assert ctrl.history[-1].remaining_s[tp] == pytest.approx(plain.history[-1].remaining_s[tp] / 2.5, rel=0.02)
+    # above max_active the batch is priced as before (speculation is off there)
+    big = controller()
+    big.decide(_with_speculation(status(1, spread(64, 4, 100)), 2.5, step(1, 1, 100.0), 1.0))
+    plain.decide(status(1, spread(64, 4, 100)))
+    assert big.history[-1].remaining_s[1] == pytest.approx(plain.history[-1].remaining_s[1], rel=1e-9)
+
+
+def test_unmeasured_speculation_changes_nothing():
+    from dataclasses import replace
+
+    from pat_engine.predictor.policy import SpeculationStatus
+
+    a, b = controller(), controller()
+    st = status(1, spread(6, 4, 500))
+    a.decide(st)
+    b.decide(replace(st, speculation=SpeculationStatus(8)))
+    assert a.history[-1].remaining_s == b.history[-1].remaining_s

@@ -40,6 +40,7 @@ from pat_engine.errors import LayoutError, WorkerFailure, last_traceback_line
 from pat_engine.parallel.dp_placement import PlacementRule
 from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import Reply, StepCommand, StepResult, SwitchReport
+from pat_engine.spec.manager import Speculation
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class InFlight:
     batch: list[Sequence]
     sent_at: float
     busy_groups: int
+    speculative: bool = False  # a decode step dispatched while speculation was on (drafts or not)
 
 
 class GlobalCoordinator:
@@ -94,6 +96,8 @@ class GlobalCoordinator:
         self.install_layout(layout, self.new_schedulers(layout))
         self.seqs: dict[int, Sequence] = {}  # unfinished, by seq id
         self.step_log: list[StepRecord] | None = None  # set to a list to record every step
+        # speculative decoding (docs/speculative.md): drafts for small decode batches; None when off
+        self.speculation = Speculation(config.speculative) if config.speculative.enabled else None
         self.last_step_at: float | None = None  # monotonic time of the last step result (for /health)
 
     @property
@@ -173,6 +177,8 @@ class GlobalCoordinator:
         for seq in seqs:
             self.schedulers[group].add(seq)
             self.seqs[seq.seq_id] = seq
+        if self.speculation is not None:
+            self.speculation.track(seqs)
 
     def _take(self, seq_ids: list[int]) -> list[Sequence]:
         """The unfinished sequences among ``seq_ids``, out of the coordinator and their queues (KV freed)."""
@@ -181,8 +187,14 @@ class GlobalCoordinator:
             seq = self.seqs.pop(sid, None)
             if seq is not None:
                 self.schedulers[seq.group].remove(seq)
+                self._left(seq)
                 out.append(seq)
         return out
+
+    def _left(self, seq: Sequence) -> None:
+        """``seq`` left the engine's queues (finished, aborted or withdrawn)."""
+        if self.speculation is not None:
+            self.speculation.release(seq)
 
     def abort(self, seq_ids: list[int], reason: str = "abort", error: str | None = None) -> list[Sequence]:
         out = self._take(seq_ids)
@@ -223,6 +235,28 @@ class GlobalCoordinator:
 
     def set_placement(self, placement: PlacementRule | None) -> None:
         self.placement = placement
+
+    def speculation_stats(self) -> dict | None:
+        """Speculative decoding totals (None: off): verify steps, drafted and accepted tokens."""
+        spec = self.speculation
+        if spec is None:
+            return None
+        st = spec.stats
+        return {"verify_steps": st.verify_steps, "drafted_rows": st.drafted_rows, "drafted_tokens": st.drafted_tokens,
+                "accepted_tokens": st.accepted_tokens, "acceptance_rate": st.acceptance_rate,
+                "tokens_per_step": st.tokens_per_step}
+
+    def set_draft_proposer(self, proposer) -> None:
+        """Draft with ``proposer`` (a ``pat_engine.spec.DraftProposer``); speculation must be on."""
+        if self.speculation is None:
+            raise RuntimeError("speculative decoding is off (EngineConfig.speculative)")
+        self.speculation.use(proposer, self.unfinished())
+
+    def remember_responses(self, prompt: list[int], responses: list[list[int]]) -> None:
+        """Earlier responses to ``prompt`` as draft sources (kept with ``speculative.history`` on)."""
+        if self.speculation is not None:
+            for response in responses:
+                self.speculation.remember(prompt, response)
 
     def set_step_log(self, step_log: list[StepRecord] | None) -> None:
         """Append a ``StepRecord`` per step to ``step_log`` (None: stop recording)."""
@@ -352,12 +386,35 @@ class GlobalCoordinator:
         for g, sched in enumerate(self.schedulers):
             if g in self.inflight:
                 continue
-            item = sched.schedule()
+            drafts = self._draft_fn()
+            item = sched.schedule(drafts)
             if item is None:
                 continue
             cmd, batch = item
             self.pool.send(self.layout.group_ranks(g), cmd)
-            self.inflight[g] = InFlight(cmd, batch, time.monotonic(), len(self.inflight) + 1)
+            self.inflight[g] = InFlight(cmd, batch, time.monotonic(), len(self.inflight) + 1,
+                                        drafts is not None and not cmd.is_prefill)
+
+    def _draft_fn(self):
+        """The speculation's draft proposer while it is on for this many unfinished requests, else None."""
+        spec = self.speculation
+        return spec.drafts if spec is not None and spec.active(len(self.seqs)) else None
+
+    def _observe_speculation(self, flight: InFlight, msg: StepResult) -> None:
+        """Every decode step's cost; for speculating steps the acceptance per drafted request and the
+        step's speed, for the speculation and the policy."""
+        spec = self.speculation
+        if spec is None or flight.cmd.is_prefill:
+            return
+        seconds = time.monotonic() - flight.sent_at
+        spec.observe_cost(self.layout.tp, sum(len(s.token_ids) for s in flight.cmd.seqs), seconds)
+        if not flight.speculative:
+            return
+        counts = msg.counts or [1] * len(flight.batch)
+        for seq, step, n in zip(flight.batch, flight.cmd.seqs, counts):
+            spec.observe(seq, len(step.token_ids) - 1, n)
+        spec.observe_step(self.layout.tp, len(flight.batch), sum(s.start_pos + 1 for s in flight.cmd.seqs), seconds,
+                          sum(counts), flight.cmd.verify)
 
     def _handle(self, msg: StepResult | Reply) -> None:
         if isinstance(msg, Reply):
@@ -385,12 +442,15 @@ class GlobalCoordinator:
                 time.monotonic() - flight.sent_at, msg.forward_seconds, flight.busy_groups, msg.head_seconds,
                 msg.sample_seconds))
         finished = sched.on_result(flight.batch, is_prefill, msg)
-        for seq in flight.batch:
+        self._observe_speculation(flight, msg)
+        counts = msg.counts or [1] * len(flight.batch)
+        for seq, n in zip(flight.batch, counts):
             if seq.seq_id in self.seqs:
-                self._notify(seq, 1)
+                self._notify(seq, n)
         for seq in finished:
             self.seqs.pop(seq.seq_id, None)
-        self._tokens_since_point += len(flight.batch)
+            self._left(seq)
+        self._tokens_since_point += sum(counts)
         if not is_prefill:
             self._after_decode(sched)
 
@@ -423,7 +483,7 @@ class GlobalCoordinator:
             reqs = tuple(RequestSnapshot.of(s) for s in sched.unfinished())
             groups.append(GroupSnapshot(g, reqs, sched.blocks.num_free, sched.blocks.num_blocks, self._decode_ema.get(g)))
         return ClusterStatus(time.time(), self.layout, tuple(groups), self.stage_decode_steps, self.config.block_size,
-                             self.placement)
+                             self.placement, self.speculation.status() if self.speculation is not None else None)
 
     def reset(self, pool: WorkerPool, layout: Layout) -> list[Sequence]:
         """Adopt a fresh worker world: every unfinished request is queued again for recompute."""

@@ -191,6 +191,22 @@ class Engine:
     def worker_stats(self) -> list[dict]:
         return self._on_loop(self.coordinator.worker_stats)
 
+    # ---- speculative decoding (docs/speculative.md) -----------------------------------------------
+
+    def speculation_stats(self) -> dict | None:
+        """Verify steps, drafted and accepted tokens, acceptance rate and tokens per step (None: off)."""
+        return self._on_loop(self.coordinator.speculation_stats)
+
+    def remember_responses(self, prompt: Any, responses: Seq[Seq[int]]) -> None:
+        """Earlier responses to ``prompt`` (text or token ids) as draft sources for later requests with
+        the same prompt; kept across batches with ``speculative={"history": True}``."""
+        ids, _ = self.request_factory.tokenize(prompt, "")
+        self._on_loop(self.coordinator.remember_responses, ids, [list(r) for r in responses])
+
+    def set_draft_proposer(self, proposer: Any) -> None:
+        """Draft with ``proposer`` (``pat_engine.spec.proposer.DraftProposer``) instead of the n-gram one."""
+        self._on_loop(self.coordinator.set_draft_proposer, proposer)
+
     # ---- requests --------------------------------------------------------------------------------
 
     def _make(self, prompts: Seq[Any], params: SamplingParams | Seq[SamplingParams] | None,

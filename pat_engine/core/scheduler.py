@@ -9,15 +9,24 @@ preempted: its blocks are released and it is prefilled again later from its
 tokens (recompute), which yields the same tokens because sampling depends only
 on (seed, position). The n samples of one prompt wait for the first sample's
 prefill, then share its full prompt blocks.
+
+Speculative decoding (docs/speculative.md): a decode step may carry drafts for some of
+its sequences (a verify step). Their draft tokens' blocks are taken only from free
+blocks (nobody is preempted for a guess); after the result, blocks beyond the accepted
+tokens go back to the pool and the workers cut their tables to match
+(``StepCommand.truncated``), so a sequence's table always covers its length and no more.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 from pat_engine.core.block_pool import BlockPool, blocks_needed
 from pat_engine.core.request import Sequence, SeqStatus
 from pat_engine.protocol import SeqStep, StepCommand, StepResult
+
+DraftFn = Callable[[list[Sequence]], dict[int, list[int]]]  # a decode batch -> seq_id -> drafted tokens
 
 
 class GroupScheduler:
@@ -31,6 +40,7 @@ class GroupScheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._released: list[int] = []
+        self._truncated: list[tuple[int, int]] = []  # (seq_id, blocks kept) since the last command
         self._step_id = 0
         self.decode_steps = 0
 
@@ -92,14 +102,16 @@ class GroupScheduler:
 
     # ---- scheduling ---------------------------------------------------------------------
 
-    def schedule(self) -> tuple[StepCommand, list[Sequence]] | None:
+    def schedule(self, drafts: DraftFn | None = None) -> tuple[StepCommand, list[Sequence]] | None:
+        """The next step; ``drafts`` (speculative decoding) proposes tokens for a decode batch."""
         batch = self._schedule_prefill()
         if batch:
             return self._command(True, batch), batch
         batch = self._schedule_decode()
         if batch:
             self.decode_steps += 1
-            return self._command(False, batch), batch
+            proposed = self._reserve_drafts(batch, drafts(batch)) if drafts is not None else {}
+            return self._command(False, batch, proposed), batch
         return None
 
     def _schedule_prefill(self) -> list[Sequence]:
@@ -147,6 +159,34 @@ class GroupScheduler:
                 batch.append(seq)
         return batch
 
+    def _reserve_drafts(self, batch: list[Sequence], drafts: dict[int, list[int]]) -> dict[int, list[int]]:
+        """Blocks for the draft tokens' KV (positions length .. length + k - 1), from free blocks only;
+        a draft that does not fit is shortened to what the sequence's blocks already hold. The step's
+        tokens stay within ``max_batched_tokens``."""
+        out = {}
+        budget = self.max_batched_tokens - len(batch)
+        for seq in batch:
+            draft = drafts.get(seq.seq_id, [])[: max(budget, 0)]
+            if not draft:
+                continue
+            need = blocks_needed(seq.length + len(draft), self.block_size) - len(seq.block_table)
+            if need > 0 and self.blocks.can_allocate(need):
+                seq.block_table += self.blocks.allocate(need)
+            draft = draft[: len(seq.block_table) * self.block_size - seq.length]
+            if draft:
+                out[seq.seq_id] = draft
+                budget -= len(draft)
+        return out
+
+    def _trim_table(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's length (held for drafts that were rejected)."""
+        keep = blocks_needed(seq.length, self.block_size)
+        if len(seq.block_table) > keep:
+            self.blocks.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
+            seq.blocks_sent = min(seq.blocks_sent, keep)
+            self._truncated.append((seq.seq_id, keep))
+
     def retract_running(self) -> int:
         """Free the KV of every running sequence and queue it again at the front, in its order
         (preemption by recompute, for all of them: a pause in SGLang's "retract" mode)."""
@@ -161,7 +201,8 @@ class GroupScheduler:
         seq.preemptions += 1
         self.add(seq, front=True)
 
-    def _command(self, is_prefill: bool, batch: list[Sequence]) -> StepCommand:
+    def _command(self, is_prefill: bool, batch: list[Sequence], drafts: dict[int, list[int]] | None = None) -> StepCommand:
+        drafts = drafts or {}
         steps = []
         for seq in batch:
             if is_prefill:
@@ -172,31 +213,44 @@ class GroupScheduler:
                                      context=tokens[:seq.num_cached] if seq.spec.has_penalties else None,
                                      prompt_logprobs=seq.params.prompt_logprobs if seq.wants_prompt_logprobs() else None))
             else:
-                steps.append(SeqStep(seq.seq_id, [seq.last_token], seq.length - 1,
+                steps.append(SeqStep(seq.seq_id, [seq.last_token] + drafts.get(seq.seq_id, []), seq.length - 1,
                                      new_blocks=seq.block_table[seq.blocks_sent:], suppressed=seq.suppressed_now()))
             seq.blocks_sent = len(seq.block_table)
         self._step_id += 1
         released, self._released = self._released, []
-        return StepCommand(self._step_id, is_prefill, steps, released)
+        truncated, self._truncated = self._truncated, []
+        return StepCommand(self._step_id, is_prefill, steps, released, verify=bool(drafts), truncated=truncated)
 
     def on_result(self, batch: list[Sequence], is_prefill: bool, result: StepResult) -> list[Sequence]:
-        """Apply one step's sampled tokens; returns the sequences that finished."""
+        """Apply one step's sampled tokens; returns the sequences that finished.
+
+        A verify result brings ``counts[i]`` tokens for sequence ``i``: each one's KV was written by
+        the step with the draft token that equals it, except the last's (run next step), so they are
+        appended one by one exactly as decode steps would have, and the table is trimmed after."""
         finished = []
+        row = 0
         for i, seq in enumerate(batch):
+            n = result.counts[i] if result.counts is not None else 1
+            rows, row = range(row, row + n), row + n
             if seq.finished:  # aborted while the step ran
                 continue
-            seq.num_cached = seq.length
-            self._register_full_blocks(seq)
             if is_prefill:
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
                 if result.prompt_logprobs and seq.seq_id in result.prompt_logprobs and seq.prompt_logprobs is None:
                     seq.prompt_logprobs = result.prompt_logprobs[seq.seq_id]
-            seq.append_token(result.tokens[i], result.logprobs[i] if result.logprobs else None,
-                             result.top_logprobs[i] if result.top_logprobs else None)
+            for r in rows:
+                seq.num_cached = seq.length
+                seq.append_token(result.tokens[r], result.logprobs[r] if result.logprobs else None,
+                                 result.top_logprobs[r] if result.top_logprobs else None)
+                if seq.finished:
+                    break
+            self._register_full_blocks(seq)
             if seq.finished:
                 self.remove(seq)
                 finished.append(seq)
+            elif result.counts is not None:
+                self._trim_table(seq)
         return finished
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:

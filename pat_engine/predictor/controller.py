@@ -87,6 +87,7 @@ class SwitchController:
         if not reqs:
             return None
         cur = status.layout
+        self.predictor.set_speculation(status.speculation)  # the tail's steps at speculation's measured speed
         # (draws, n), shared by every candidate; the same seed at every check, so consecutive checks
         # see mostly the same futures and do not flip on sampling noise alone
         rem = self.estimator.draws(reqs, np.random.default_rng(self.config.seed))

@@ -78,7 +78,7 @@ def drain_groups(pred, layout: Layout, groups: np.ndarray, ctx: np.ndarray, rem:
     pi = pos[li, gi, ni]
     lane_ctx[li, gi, pi] = c[li, ni]
     lane_rem[li, gi, pi] = r[li, ni]
-    secs = drain_seconds(lambda b, c: pred.decode(layout.tp, b, c), lane_ctx.reshape(-1, width),
+    secs = drain_seconds(pred.step_fn(layout), lane_ctx.reshape(-1, width),
                          lane_rem.reshape(-1, width), pred.max_num_seqs)
     return secs.reshape(lanes, layout.dp).max(axis=1).reshape(lead)
 

@@ -45,6 +45,24 @@ class GroupSnapshot:
 
 
 @dataclass(frozen=True)
+class SpeculationStatus:
+    """Speculative decoding as measured so far this engine (docs/speculative.md): it runs while the
+    engine has at most ``max_active`` unfinished requests. The step figures are means over recent
+    verify steps (None before the first)."""
+
+    max_active: int
+    tokens_per_step: float | None = None  # tokens a speculating request gains per verify step (accepted + 1)
+    step_s: float | None = None  # a verify step's seconds, dispatch to result
+    batch: float | None = None  # requests per verify step
+    context_tokens: float | None = None  # total context of a verify step's requests
+    tp: int = 1  # the TP degree they were measured at
+
+    @property
+    def measured(self) -> bool:
+        return self.tokens_per_step is not None and self.step_s is not None
+
+
+@dataclass(frozen=True)
 class ClusterStatus:
     time: float
     layout: Layout
@@ -54,6 +72,7 @@ class ClusterStatus:
     # the coordinator's admission placement: a switch re-places requests with its ``rebalance`` when it
     # has one, so a policy pricing a switch must place with it too (``parallel.dp_placement.switch_placement``)
     placement: PlacementRule | None = None
+    speculation: SpeculationStatus | None = None  # None: speculative decoding is off
 
     @property
     def requests(self) -> list[RequestSnapshot]:

@@ -17,6 +17,13 @@ requests rounded up to a ladder size, and every smaller size; worker/graph_captu
 
 Also the engine's ``CostSource`` (``cost_source.py``). Measured KV transfers
 refine the bandwidth (EMA); the table's prefill fit stays authoritative.
+
+Speculative decoding (docs/speculative.md): once the engine has measured verify steps,
+``set_speculation`` turns them into a factor on the fitted step latency, applied to the
+steps of batches small enough for speculation to run (``step_fn``): the measured seconds
+per token gained, over the fitted seconds of a plain decode step of the same batch and
+context. Remaining-time estimates of every candidate layout then count the tail's steps
+at that speed, so a switch to a higher TP and speculation compose.
 """
 
 from __future__ import annotations
@@ -30,11 +37,11 @@ from pat_engine.config import DEFAULT_MAX_GRAPH_BATCH, graph_ladder
 from pat_engine.parallel.dp_placement import Placement
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.cost_source import CostSource
-from pat_engine.predictor.drain import drain_seconds
+from pat_engine.predictor.drain import StepFn, drain_seconds
 from pat_engine.predictor.fit import fit_decode, fit_prefill
 from pat_engine.predictor.kv_path_cost import rms_context
 from pat_engine.predictor.measured_rates import MeasuredRates
-from pat_engine.predictor.policy import RequestSnapshot
+from pat_engine.predictor.policy import RequestSnapshot, SpeculationStatus
 from pat_engine.predictor.table import ProfileTable
 
 
@@ -77,6 +84,7 @@ class LatencyPredictor(CostSource):
         ladder = graph_ladder(min(DEFAULT_MAX_GRAPH_BATCH, max_num_seqs)) if graph_ladder_sizes is None \
             else graph_ladder_sizes
         self.graph_ladder = np.asarray(sorted(ladder), dtype=np.int64)
+        self.speculation: tuple[int, float] | None = None  # (max active requests, step latency factor)
 
     @property
     def tps(self) -> list[int]:
@@ -110,6 +118,29 @@ class LatencyPredictor(CostSource):
     def step_seconds(self, tp: int, batch, total_tokens) -> np.ndarray:
         return self.decode(tp, batch, total_tokens)
 
+    def set_speculation(self, status: SpeculationStatus | None) -> None:
+        """Price small batches' steps with speculative decoding's measured speed (None or unmeasured: plain).
+
+        factor = (verify step seconds / tokens a request gains per step) / fitted plain step seconds, at
+        the measured batch, context and TP; the same relative gain is assumed at every TP (clipped to
+        [0.05, 4]: a factor above 1 says speculation costs more than it gains, and is priced as such)."""
+        self.speculation = None
+        if status is None or not status.measured or status.tp not in self.decode.tps:
+            return
+        plain = self.decode.scalar(status.tp, max(status.batch or 1.0, 1.0), status.context_tokens or 0.0)
+        if plain > 0:
+            factor = (status.step_s / status.tokens_per_step) / plain
+            self.speculation = (status.max_active, float(np.clip(factor, 0.05, 4.0)))
+
+    def step_fn(self, layout: Layout) -> StepFn:
+        """Seconds per decode step of one group of ``layout``, f(batch, total context), with speculation's
+        factor where the engine-wide batch (``batch * dp``) is small enough for it to run."""
+        tp, dp = layout.tp, layout.dp
+        if self.speculation is None:
+            return lambda b, c: self.decode(tp, b, c)
+        limit, factor = self.speculation
+        return lambda b, c: self.decode(tp, b, c) * np.where(np.asarray(b) * dp <= limit, factor, 1.0)
+
     # ---- remaining time -----------------------------------------------------------------------------
 
     def remaining_seconds(self, layout: Layout, reqs: Sequence[RequestSnapshot], placement: Placement,
@@ -132,7 +163,7 @@ class LatencyPredictor(CostSource):
             start[g] = self.prefill_seconds(layout.tp, len(cold), rms_context([reqs[i].context_len for i in cold]))
             for k, i in enumerate(idx[self.max_num_seqs:], start=self.max_num_seqs):
                 admit[g, k] = self.prefill_seconds(layout.tp, 1, reqs[i].context_len)
-        lanes = drain_seconds(lambda b, c: self.decode(layout.tp, b, c),
+        lanes = drain_seconds(self.step_fn(layout),
                               np.broadcast_to(ctx, rr.shape).reshape(-1, width), rr.reshape(-1, width),
                               self.max_num_seqs, np.broadcast_to(admit, rr.shape).reshape(-1, width))
         return (lanes.reshape(draws, groups) + start[None, :]).max(axis=1)

@@ -3,6 +3,10 @@
 A prefill sends a sequence's whole block table; a decode step sends only the
 last token and any block appended since, because workers keep each
 sequence's table (nano-vllm sends the same minimum).
+
+A verify step (speculative decoding, docs/speculative.md) is a decode step whose rows
+may carry drafted tokens after the last one: every position of a row is sampled, and
+TP rank 0 answers with the accepted tokens plus one more (``StepResult.counts``).
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from pat_engine.sampling.sampler import SamplingSpec
 @dataclass
 class SeqStep:
     seq_id: int
-    token_ids: list[int]  # tokens to run now: the uncached suffix (prefill) or the last token (decode)
+    token_ids: list[int]  # tokens to run now: the uncached suffix (prefill), the last token (decode), the last
+    # token and its draft (verify)
     start_pos: int  # tokens of this sequence already in the KV cache
     block_table: list[int] | None = None  # prefill: the full table (replaces any old one)
     new_blocks: list[int] = field(default_factory=list)  # decode: blocks appended since last step
@@ -31,6 +36,9 @@ class StepCommand:
     is_prefill: bool
     seqs: list[SeqStep]
     released: list[int] = field(default_factory=list)  # sequences whose tables can be dropped
+    verify: bool = False  # a decode step sampled at every position of every row (rows with drafts)
+    # (seq_id, n): cut the sequence's table to its first n blocks before this step (rejected drafts' blocks)
+    truncated: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -50,3 +58,6 @@ class StepResult:
     prompt_logprobs: dict[int, PromptLogprobs] | None = None  # by seq_id
     head_seconds: float = 0.0  # of forward_seconds: the LM head (logits of the sampled rows)
     sample_seconds: float = 0.0  # of forward_seconds: log-probs and the draw
+    # verify steps: tokens per sequence (accepted drafts + 1); tokens, logprobs and top_logprobs then hold
+    # counts[i] consecutive entries for sequence i. None: one each
+    counts: list[int] | None = None

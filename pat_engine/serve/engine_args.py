@@ -57,13 +57,15 @@ class EngineArgs:
     max_worker_restarts: int = 4
     restart_window_s: float = 300.0
     numerics: str = DEFAULT_NUMERICS
+    speculative: bool = False  # n-gram speculative decoding of the tail (docs/speculative.md)
+    speculative_history: bool = False  # also draft from earlier responses to the same prompt
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":
         sched = tuple(ns.switch_schedule) if ns.switch_schedule else None
         return cls(ns.model, ns.tp, ns.dp, ns.world, ns.dtype, ns.max_model_len, ns.kv_cache_bytes, ns.seed,
                    ns.profile, sched, ns.kv_transfer, ns.threads_per_worker, ns.step_timeout, ns.start_timeout,
-                   ns.max_worker_restarts, ns.restart_window, ns.numerics)
+                   ns.max_worker_restarts, ns.restart_window, ns.numerics, ns.speculative, ns.speculative_history)
 
     def layout(self) -> Layout:
         """The base layout; ``--world`` and ``--dp`` must agree when both are given."""
@@ -87,6 +89,8 @@ class EngineArgs:
                       step_timeout_s=self.step_timeout_s, worker_start_timeout_s=self.start_timeout_s,
                       max_worker_restarts=self.max_worker_restarts, restart_window_s=self.restart_window_s,
                       numerics=self.numerics)
+        if self.speculative or self.speculative_history:
+            kwargs["speculative"] = {"history": self.speculative_history}
         if self.profile:
             kwargs["profile_table"] = self.profile
         engine = Engine(self.model, tp=layout.tp, dp=layout.dp, **kwargs)
@@ -123,6 +127,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     g.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
                    help="invariant: the same bits at every layout and across live switches; fast: the layout "
                         "decides the rounding (docs/numerics.md)")
+    g.add_argument("--speculative", action="store_true",
+                   help="speculative decoding of small batches without a draft model; exact with --numerics "
+                        "invariant or float64 (docs/speculative.md)")
+    g.add_argument("--speculative-history", action="store_true",
+                   help="with --speculative: also draft from earlier responses to the same prompt")
     g.add_argument("--threads-per-worker", type=int, default=None, help="torch threads per worker (CPU)")
     f = p.add_argument_group("failures")
     f.add_argument("--step-timeout", type=float, default=600.0, metavar="S",

@@ -32,6 +32,7 @@ from pat_engine.protocol import StepCommand, StepResult
 from pat_engine.protocol import PromptLogprobs
 from pat_engine.sampling.sampler import sample_batch
 from pat_engine.worker.graph_capture import DecodeGraphs, GraphSettings
+from pat_engine.spec.verify import accept
 from pat_engine.worker.kv_pool import PagedKVPool
 from pat_engine.worker.logprob_outputs import prompt_logprobs
 from pat_engine.worker.step_inputs import SeqState, StepInputBuilder
@@ -187,10 +188,13 @@ class InferExecutor:
         sample_start = time.perf_counter()
         with record_function("sample"):
             out = sample_batch(logits, step.sampling)
+        counts = None
+        if cmd.verify:  # speculative decoding: keep each row's accepted drafts and one more token
+            out, counts = accept([s.token_ids[1:] for s in cmd.seqs], out)
         end = time.perf_counter()
         return StepResult(cmd.step_id, self.layout.group_of(self.tp.ranks[0]), out.tokens, out.logprobs,
                           end - start, out.top, prompts or None, head_seconds=sample_start - head_start,
-                          sample_seconds=end - sample_start)
+                          sample_seconds=end - sample_start, counts=counts)
 
     def _prompt_logprobs(self, cmd: StepCommand, hidden: torch.Tensor) -> dict[int, PromptLogprobs]:
         """Prompt log-probs of the sequences that asked (a prefill packs each one's tokens in order)."""

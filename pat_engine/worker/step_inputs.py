@@ -16,6 +16,10 @@ block table. Attention then runs through the decode kernel for prefill too, so a
 hidden states, and the KV computed from them, have the same bits whether the token was
 prefilled or decoded (a recompute switch re-prefills decoded tokens).
 
+A verify step (speculative decoding) runs each row's last token and draft with the prefill
+geometry over the cached context, and samples every position: its sampling rows are the
+sequence's spec at each position, with the token history up to that position.
+
 Ids, positions, block tables and lengths live in buffers allocated once and grown on
 demand; a step fills a prefix of them (on GPU from host tensors with non-blocking copies)
 and the forward reads views, so it never waits on the host.
@@ -113,6 +117,9 @@ class StepInputBuilder:
         self._bufs = _Buffers(device)
 
     def build(self, cmd: StepCommand, samples: bool) -> StepInputs:
+        for seq_id, n in cmd.truncated:  # blocks of rejected drafts went back to the driver's pool
+            if seq_id in self.seqs:
+                del self.seqs[seq_id].block_table[n:]
         for seq_id in cmd.released:
             self.seqs.pop(seq_id, None)
         tables: list[list[int]] = []
@@ -128,16 +135,35 @@ class StepInputBuilder:
             if s.sampling is not None:
                 state.sampling = s.sampling
             tables.append(state.block_table)
-        return self._prefill(cmd, tables, samples) if cmd.is_prefill else self._decode(cmd, tables, samples)
+        if cmd.is_prefill or cmd.verify:
+            return self._prefill(cmd, tables, samples)
+        return self._decode(cmd, tables, samples)
 
     def _sampling(self, cmd: StepCommand, samples: bool) -> SamplingBatch | None:
         if not samples:
             return None
+        if cmd.verify:
+            return self._verify_sampling(cmd)
         states = [self.seqs[s.seq_id] for s in cmd.seqs]
         positions = [s.start_pos + len(s.token_ids) for s in cmd.seqs]
         suppressed = [s.suppressed for s in cmd.seqs] if any(s.suppressed for s in cmd.seqs) else None
         return SamplingBatch.build([st.sampling for st in states], positions, suppressed, self.device,
                                    [st.history for st in states], self.vocab_size)
+
+    def _verify_sampling(self, cmd: StepCommand) -> SamplingBatch:
+        """One sampling row per token run: row j of a sequence draws position ``start_pos + 1 + j`` from
+        the same spec and the history up to there, exactly what a decode step there would draw with."""
+        specs, positions, suppressed, histories = [], [], [], []
+        for s in cmd.seqs:
+            state = self.seqs[s.seq_id]
+            for j in range(len(s.token_ids)):
+                end = s.start_pos + 1 + j
+                specs.append(state.sampling)
+                positions.append(end)
+                suppressed.append(s.suppressed)  # a row with a draft suppresses nothing (Speculation.drafts)
+                histories.append(state.history[:end] if state.history is not None else None)
+        return SamplingBatch.build(specs, positions, suppressed if any(suppressed) else None, self.device,
+                                   histories, self.vocab_size)
 
     def _decode(self, cmd: StepCommand, tables: list[list[int]], samples: bool) -> StepInputs:
         n = len(cmd.seqs)
@@ -171,7 +197,8 @@ class StepInputBuilder:
             attn = self._decode_attention(slots, table[row], pos, width)
         else:
             attn = self._grouped_prefill_attention(slots, table, starts, lens, row, offset)
-        logits_rows = self._bufs.fill("logits_rows", torch.cumsum(lens, 0) - 1)
+        last = torch.cumsum(lens, 0) - 1  # verify: every token's logits are sampled
+        logits_rows = self._bufs.fill("logits_rows", torch.arange(row.numel()) if cmd.verify else last)
         ids = torch.tensor([t for s in cmd.seqs for t in s.token_ids], dtype=torch.long)
         return StepInputs(self._bufs.fill("ids", ids), self._bufs.fill("pos", pos), attn, logits_rows,
                           self._sampling(cmd, samples))

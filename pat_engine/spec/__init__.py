@@ -1,0 +1,9 @@
+"""Speculative decoding without a draft model (docs/speculative.md).
+
+The worker imports ``spec.verify``; the driver ``spec.manager`` and ``spec.proposer``
+(which import ``pat_engine.core``): this package's own import stays light for workers.
+"""
+
+from pat_engine.spec.config import SpeculativeConfig
+
+__all__ = ["SpeculativeConfig"]
