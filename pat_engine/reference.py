@@ -30,7 +30,8 @@ from pat_engine.worker.infer_executor import InferExecutor
 
 
 def reference_logprobs(model: str, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], dtype: str = "auto",
-                       world: int = 1, block_size: int = 16, threads: int | None = None) -> list[list[float]]:
+                       world: int = 1, block_size: int = 16, threads: int | None = None, device: str = "cpu",
+                       attention_backend: str = "auto") -> list[list[float]]:
     """The log-prob of every response token given the tokens before it, for each (prompt, response).
 
     Args:
@@ -40,10 +41,13 @@ def reference_logprobs(model: str, sequences: Sequence[tuple[Sequence[int], Sequ
         world: the engine's world size (tp * dp): it fixes the row-parallel reduction tree.
         block_size: KV block size (the engine's ``block_size``; it does not change the bits).
         threads: torch threads; default the engine workers' (``EngineConfig.worker_threads``).
+        device, attention_backend: as the engine's (``EngineConfig``): the same kernels give the same bits,
+            so a trainer next to a GPU engine passes "cuda" (its "auto" backend is then the Triton one).
     Returns:
         one list per pair, ``len(response)`` log-probs.
     """
-    cfg = EngineConfig(model=str(model), tp=1, dp=world, dtype=dtype, block_size=block_size, numerics="invariant")
+    cfg = EngineConfig(model=str(model), tp=1, dp=world, dtype=dtype, block_size=block_size, numerics="invariant",
+                       device=device, attention_backend=attention_backend)
     if any(len(prompt) == 0 for prompt, _ in sequences):
         raise InvalidRequestError("reference_logprobs: every prompt needs at least one token")
     arch = load_model_arch(cfg.model)
@@ -53,7 +57,8 @@ def reference_logprobs(model: str, sequences: Sequence[tuple[Sequence[int], Sequ
     torch.set_num_threads(threads or cfg.worker_threads())
     try:
         ex = InferExecutor(arch, Layout(1, world), TPGroup(rank=0, size=1, ranks=(0,)), cfg.torch_dtype(),
-                           torch.device("cpu"), block_size, blocks + 1, numerics="invariant")
+                           torch.device(cfg.device), block_size, blocks + 1, numerics="invariant",
+                           attention=cfg.attention_backend)
         ex.load_weights(cfg.model)
         out = []
         for i, (prompt, response) in enumerate(sequences):
