@@ -71,3 +71,13 @@ def expected_tokens(seq: Sequence) -> list[int]:
     """What the fake workers generate for ``seq``, whatever the layout and schedule."""
     n = len(seq.prompt_ids)
     return [fake_token(seq.seq_id, n + i, VOCAB) for i in range(seq.params.max_new_tokens)]
+
+
+def run_checked(d, max_ticks: int = 10_000) -> None:
+    """Tick the driver until it has no work, checking the block invariants after every tick."""
+    for _ in range(max_ticks):
+        if not d.coord.has_work() and d.coord.pending_switch is None:
+            return
+        d.coord.tick(0)
+        d.coord.check_block_invariants()
+    raise AssertionError("did not finish")

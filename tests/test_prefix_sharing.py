@@ -8,20 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from driver_fixtures import BLOCK, expected_tokens, make_driver
+from driver_fixtures import BLOCK, expected_tokens, make_driver, run_checked
 from pat_engine.core.block_pool import BlockPool
 from pat_engine.predictor.policy import ScheduledSwitches, SwitchDecision
 
 PROMPT = list(range(100, 122))  # 22 tokens: 5 full blocks of 4 shareable (the last token always runs)
-
-
-def run_checked(d, max_ticks=10_000):
-    for _ in range(max_ticks):
-        if not d.coord.has_work() and d.coord.pending_switch is None:
-            return
-        d.coord.tick(0)
-        d.coord.check_block_invariants()
-    raise AssertionError("did not finish")
 
 
 @pytest.mark.parametrize("caching", [True, False])

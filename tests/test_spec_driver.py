@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from driver_fixtures import BLOCK, VOCAB, expected_tokens, make_driver
+from driver_fixtures import BLOCK, VOCAB, expected_tokens, make_driver, run_checked
 from fake_workers import fake_token
 from pat_engine.predictor.policy import ScheduledSwitches
 from pat_engine.spec.config import SpeculativeConfig
@@ -51,15 +51,6 @@ def spec_driver(proposer=None, max_active: int = 64, **kw):
     if proposer is not None:
         d.coord.set_draft_proposer(proposer)
     return d
-
-
-def run_checked(d, max_ticks: int = 10_000) -> None:
-    for _ in range(max_ticks):
-        if not d.coord.has_work() and d.coord.pending_switch is None:
-            return
-        d.coord.tick(0)
-        d.coord.check_block_invariants()
-    raise AssertionError("did not finish")
 
 
 def assert_all_free(d) -> None:
