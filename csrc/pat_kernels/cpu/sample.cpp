@@ -17,7 +17,9 @@
 // Each row is one thread's sequential work: the result depends on the row alone, never on the batch,
 // the thread count or the row's alignment.
 
-#pragma GCC optimize("fp-contract=off")
+// no-trapping-math lets the weight loop run in SIMD lanes (GCC keeps it scalar otherwise, for the
+// floor's inexact flag); it changes no result: every operation still rounds on its own, in order.
+#pragma GCC optimize("fp-contract=off", "no-trapping-math")
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -58,9 +60,7 @@ inline float pexp(float z) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   const float y = p * r2 + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
+  const float scale = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);  // 2^n
   return z >= kExpMin ? y * scale : 0.0f;
 }
 
@@ -80,22 +80,24 @@ inline float weight(const T* x, int64_t i, float m, float it, float floor) {
   return z >= floor ? pexp(z) : 0.0f;
 }
 
+constexpr int64_t kBlock = 256;  // weights computed a block at a time, in SIMD lanes (a multiple of kLanes)
+
 template <typename T>
 inline double lane_sum(const T* x, int64_t n, float m, float it, float floor, float* e = nullptr) {
-  // ``e``, when given, keeps every weight for the scan that follows (computed once)
+  // ``e``, when given, keeps every weight for the scan that follows (computed once). Each weight is
+  // computed on its own (vector lanes round exactly as the scalar code: no contraction, no
+  // reassociation); lane j of ``acc`` sums the weights of i = j (mod kLanes) in increasing i.
   double acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    float w[kLanes];
-    for (int j = 0; j < kLanes; ++j) w[j] = weight(x, i + j, m, it, floor);
-    for (int j = 0; j < kLanes; ++j) acc[j] += static_cast<double>(w[j]);
-    if (e != nullptr)
-      for (int j = 0; j < kLanes; ++j) e[i + j] = w[j];
-  }
-  for (int j = 0; i + j < n; ++j) {
-    const float w = weight(x, i + j, m, it, floor);
-    acc[j] += static_cast<double>(w);
-    if (e != nullptr) e[i + j] = w;
+  float block[kBlock];
+  for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
+    const int64_t len = std::min<int64_t>(kBlock, n - i0);
+    float* w = e != nullptr ? e + i0 : block;
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) w[j] = weight(x, i0 + j, m, it, floor);
+    int64_t j = 0;
+    for (; j + kLanes <= len; j += kLanes)
+      for (int k = 0; k < kLanes; ++k) acc[k] += static_cast<double>(w[j + k]);
+    for (int k = 0; j + k < len; ++k) acc[k] += static_cast<double>(w[j + k]);
   }
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
