@@ -260,7 +260,10 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
     ``min_new_tokens`` excluded); processed ones from the distribution the token was drawn from."""
     raw_logits = batch.suppress(logits)
     logits = batch.penalize(raw_logits)
-    tokens = logits.argmax(dim=-1)
+    if batch.sampled.numel() < logits.shape[0]:  # greedy rows: the first maximum
+        tokens = logits.argmax(dim=-1)
+    else:  # every row is drawn below: no pass over the vocabulary for an argmax nobody reads
+        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     processed = None
     if batch.sampled.numel():
         drawn, processed = _draw(logits.index_select(0, batch.sampled), batch)
