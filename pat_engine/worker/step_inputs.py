@@ -32,13 +32,14 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from pat_engine.config import graph_ladder
 from pat_engine.model.layers.attention import AttentionMetadata
 from pat_engine.protocol import StepCommand
 from pat_engine.sampling.sampler import SamplingBatch, SamplingSpec
 
 _PREFILL_GROUP_RATIO = 1.5  # a prefill row joins a padded group if its length is within this factor of the longest
 _CPU_ALIGN, _CPU_PAD_BELOW = 4, 256  # same rule as the CPU GEMM row padding in model/layers/linear.py
-_GPU_SIZES = (1, 2, 4, 8) + tuple(range(16, 513, 8))  # decode batch sizes a GPU would capture graphs for
+_GPU_SIZES = graph_ladder(512)  # decode batch sizes on a GPU: the graph ladder's rule (one home, config.py)
 
 
 def padded_batch_size(n: int, device: torch.device) -> int:
