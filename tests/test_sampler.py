@@ -130,6 +130,35 @@ def test_the_kernel_and_its_torch_twin_agree_bit_for_bit(dtype):
         assert all(torch.equal(a[0], b[3]) for a, b in zip(alone, batch))
 
 
+def test_the_kernel_keeps_the_first_maximum_and_the_scan_ends_of_interleaved_rows():
+    """The kernel finds the max in sixteen lanes and scans up to eight rows together: ties across
+    lanes still go to the lowest id, a row whose draw lands in the last chunk or past the whole sum
+    (u * Z rounding above it) takes the last token with mass, and rows ending early leave the others'
+    sums alone (37 rows: groups of eight and a remainder, each row equal to the twin and to itself alone)."""
+    from pat_engine.sampling import inverse_cdf as icdf
+
+    if icdf.cpu_sample is None or not icdf.cpu_sample.usable(torch.zeros(1)):
+        pytest.skip("the CPU kernels are not built here")
+    g = torch.Generator().manual_seed(3)
+    rows, vocab = 37, 4099
+    x = torch.randn(rows, vocab, generator=g)
+    x[1, [5, 20, 4000]] = 9.0  # the same maximum in three lanes: the first is id 5
+    x[2, :-3] = float("-inf")  # mass only at the very end
+    inv_temp, floor = torch.ones(rows), torch.full((rows,), float("-inf"))
+    u = torch.rand(rows, generator=g, dtype=torch.float64)
+    u[2], u[3] = 1.0 - 2.0**-53, 0.0
+    for draw in (True, False):
+        kernel = icdf.cpu_sample.inverse_cdf(x, inv_temp, floor, u, draw)
+        twin = icdf._torch_inverse_cdf(x, inv_temp, floor, u, draw)
+        assert all(torch.equal(a, b) for a, b in zip(kernel, twin)), draw
+    assert icdf.cpu_sample.inverse_cdf(x, inv_temp, floor, u, False)[0][1] == 5
+    drawn = icdf.cpu_sample.inverse_cdf(x, inv_temp, floor, u, True)[0]
+    assert drawn[2] >= vocab - 3
+    for r in (0, 7, 8, 36):
+        alone = icdf.cpu_sample.inverse_cdf(x[r:r + 1], inv_temp[:1], floor[:1], u[r:r + 1], True)[0]
+        assert alone[0] == drawn[r]
+
+
 def test_the_polynomial_exp_is_within_two_ulp():
     from pat_engine.sampling.inverse_cdf import pexp
 
@@ -163,3 +192,18 @@ def test_the_prefix_kernel_equals_masking_the_row(dtype, monkeypatch):
         want = sample(logits, specs, positions)
         monkeypatch.delenv("PAT_CPU_SAMPLER")
         assert got == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_greedy_batch_takes_its_tokens_and_logprobs_from_one_pass(dtype):
+    """A greedy batch asking for log-probs gets argmax and ``token_logprobs`` at it, to the bit."""
+    from pat_engine.sampling.logprobs import greedy_logprobs, token_logprobs
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(19, 3001, generator=g) * 3).to(dtype)
+    x[4, [7, 2000]] = 50.0  # a tie: the first maximum
+    tokens, logprobs = greedy_logprobs(x)
+    assert torch.equal(tokens, x.argmax(dim=-1)) and tokens[4] == 7
+    assert torch.equal(logprobs, token_logprobs(x, tokens))
+    specs = [SamplingSpec(0.0, 0, 1.0, 0, True)] * 19
+    assert sample(x, specs, list(range(19))) == (tokens.tolist(), logprobs.tolist())

@@ -106,8 +106,9 @@ def log_norm(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = x.shape[0]
     ones = torch.ones(rows, dtype=torch.float32, device=x.device)
     floor = torch.full((rows,), float("-inf"), dtype=torch.float32, device=x.device)
-    _, _, z_sum = inverse_cdf(x, ones, floor, None, draw=False)
-    return x.max(dim=-1).values.float(), z_sum  # the max is exact in any dtype: no float copy of the rows
+    first, _, z_sum = inverse_cdf(x, ones, floor, None, draw=False)
+    # the logit at the first maximum is the max, exact in any dtype: no second pass over the rows
+    return x.gather(1, first.unsqueeze(1)).squeeze(1).float(), z_sum
 
 
 def inverse_cdf_in_prefix(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor, u: torch.Tensor,

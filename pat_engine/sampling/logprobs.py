@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from pat_engine.sampling.inverse_cdf import log_norm
+from pat_engine.sampling.inverse_cdf import inverse_cdf, log_norm
 
 
 def log_z(z_sum: torch.Tensor) -> torch.Tensor:
@@ -28,6 +28,19 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     m, z_sum = log_norm(logits)
     z = logits.gather(-1, tokens.unsqueeze(1)).squeeze(1).float() - m
     return z.double() - log_z(z_sum)
+
+
+def greedy_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's first maximum and its log-prob, ``token_logprobs(logits, argmax)`` to the bit; outside
+    float64 one kernel pass finds both (the token's ``float32(x_t) - max`` is 0)."""
+    if logits.dtype == torch.float64:
+        tokens = logits.argmax(dim=-1)
+        return tokens, token_logprobs(logits, tokens)
+    rows = logits.shape[0]
+    ones = torch.ones(rows, dtype=torch.float32, device=logits.device)
+    floor = torch.full((rows,), float("-inf"), dtype=torch.float32, device=logits.device)
+    tokens, z_token, z_sum = inverse_cdf(logits, ones, floor, None, draw=False)
+    return tokens, z_token.double() - log_z(z_sum)
 
 
 def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

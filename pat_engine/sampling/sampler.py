@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from pat_engine.sampling.inverse_cdf import inverse_cdf, inverse_cdf_in_prefix, weights
-from pat_engine.sampling.logprobs import log_z, token_logprobs, top_logprobs
+from pat_engine.sampling.logprobs import greedy_logprobs, log_z, token_logprobs, top_logprobs
 from pat_engine.sampling.prefix import masked, prefixes
 from pat_engine.sampling.processors import ProcessorRows
 
@@ -260,6 +260,9 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
     ``min_new_tokens`` excluded); processed ones from the distribution the token was drawn from."""
     raw_logits = batch.suppress(logits)
     logits = batch.penalize(raw_logits)
+    if not batch.sampled.numel() and batch.logprobs and logits is raw_logits:  # a greedy batch: one pass
+        tokens, chosen = greedy_logprobs(logits)
+        return Sampled(tokens.tolist(), chosen.tolist(), _top(raw_logits, batch))
     if batch.sampled.numel() < logits.shape[0]:  # greedy rows: the first maximum
         tokens = logits.argmax(dim=-1)
     else:  # every row is drawn below: no pass over the vocabulary for an argmax nobody reads
@@ -277,11 +280,15 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
     if batch.greedy_processed is not None:  # greedy rows after penalties
         rows = batch.greedy_processed
         chosen = chosen.index_copy(0, rows, token_logprobs(logits.index_select(0, rows), tokens.index_select(0, rows)))
-    top = None
-    if batch.top_logprobs:
-        values, ids = top_logprobs(raw_logits, batch.top_logprobs)
-        top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-    return Sampled(tokens.tolist(), chosen.tolist(), top)
+    return Sampled(tokens.tolist(), chosen.tolist(), _top(raw_logits, batch))
+
+
+def _top(raw_logits: torch.Tensor, batch: SamplingBatch) -> list[list[tuple[int, float]]] | None:
+    """Each row's most likely tokens with their log-probs, when a row asked for them."""
+    if not batch.top_logprobs:
+        return None
+    values, ids = top_logprobs(raw_logits, batch.top_logprobs)
+    return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
 
 def sample(

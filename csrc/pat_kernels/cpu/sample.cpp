@@ -14,8 +14,9 @@
 // The token's log-probability under the sampled distribution is z_token - log(Z), the log taken by the
 // caller (a library log rounds differently in its vector and scalar paths). pexp is a fixed
 // polynomial (Cephes' expf: 1-2 ulp) rather than a library exp, so torch can reproduce it exactly.
-// Each row is one thread's sequential work: the result depends on the row alone, never on the batch,
-// the thread count or the row's alignment.
+// The max runs in sixteen lanes (exact: the same value, ties to the lowest id) and a thread scans up to
+// eight of its rows together (each row's running sum still its own sequence of roundings): the result
+// depends on the row alone, never on the batch, the thread count or the row's alignment.
 
 // no-trapping-math lets the weight loop run in SIMD lanes (GCC keeps it scalar otherwise, for the
 // floor's inexact flag); it changes no result: every operation still rounds on its own, in order.
@@ -64,14 +65,38 @@ inline float pexp(float z) {
   return z >= kExpMin ? y * scale : 0.0f;
 }
 
+// The row's maximum and the first index holding it. Sixteen lanes (lane k takes i = k mod 16) keep
+// their own maximum and its first index, so the pass runs in SIMD instead of one compare chain; max
+// is exact, so the value is the sequential one, and ties across lanes go to the lowest index.
+constexpr int kMaxLanes = 16;
+
+template <typename T>
+inline std::pair<float, int64_t> row_argmax(const T* x, int64_t n) {
+  float m[kMaxLanes];
+  int64_t at[kMaxLanes];
+  for (int k = 0; k < kMaxLanes; ++k) m[k] = -std::numeric_limits<float>::infinity(), at[k] = 0;
+  int64_t i = 0;
+  for (; i + kMaxLanes <= n; i += kMaxLanes)
+    for (int k = 0; k < kMaxLanes; ++k) {
+      const float v = to_float(x[i + k]);
+      const bool more = v > m[k];
+      m[k] = more ? v : m[k];
+      at[k] = more ? i + k : at[k];
+    }
+  for (int k = 0; i + k < n; ++k) {
+    const float v = to_float(x[i + k]);
+    if (v > m[k]) m[k] = v, at[k] = i + k;
+  }
+  float best = m[0];
+  int64_t first = at[0];
+  for (int k = 1; k < kMaxLanes; ++k)
+    if (m[k] > best || (m[k] == best && at[k] < first)) best = m[k], first = at[k];
+  return {best, first};
+}
+
 template <typename T>
 inline float row_max(const T* x, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = to_float(x[i]);
-    m = v > m ? v : m;
-  }
-  return m;
+  return row_argmax(x, n).first;
 }
 
 template <typename T>
@@ -102,23 +127,50 @@ inline double lane_sum(const T* x, int64_t n, float m, float it, float floor, fl
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-inline int64_t scan(const float* e, int64_t n, double target) {
-  // the weights added one by one in id order until their running sum passes the target
-  double s = 0.0;
-  int64_t last = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    if (e[i] > 0.0f) last = i;
-    s += static_cast<double>(e[i]);
-    if (s > target) return i;
-  }
-  return last;  // rounding left u * Z at or above the whole sum: the last token that has mass
-}
+// The scan of up to kGroup rows at once: token r = the first i whose running double sum of e_r
+// (added one by one in id order) exceeds target[r]. One row's sum is a chain of dependent adds;
+// several rows' chains interleaved keep the adder busy. Each row's sum is still its own sequence
+// of roundings: a chunk is summed ahead from the row's running sum, and only a chunk that passes
+// the target is walked again, from the same starting sum, to find the token.
+constexpr int kGroup = 8;
+constexpr int64_t kChunk = 64;
 
-template <typename T>
-inline int64_t first_max(const T* x, int64_t n, float m) {
-  for (int64_t i = 0; i < n; ++i)
-    if (to_float(x[i]) == m) return i;
-  return 0;
+inline void scan_group(const float* const* e, int g, int64_t n, const double* target, int64_t* token) {
+  double s[kGroup];
+  int active[kGroup];
+  int live = g;
+  for (int k = 0; k < g; ++k) s[k] = 0.0, active[k] = k, token[k] = -1;
+  for (int64_t i0 = 0; i0 < n && live > 0; i0 += kChunk) {
+    const int64_t len = std::min<int64_t>(kChunk, n - i0);
+    double ahead[kGroup];
+    for (int a = 0; a < live; ++a) ahead[a] = s[active[a]];
+    for (int64_t j = 0; j < len; ++j)
+      for (int a = 0; a < live; ++a) ahead[a] += static_cast<double>(e[active[a]][i0 + j]);
+    for (int a = 0; a < live;) {
+      const int r = active[a];
+      if (!(ahead[a] > target[r])) {
+        s[r] = ahead[a++];
+        continue;
+      }
+      double run = s[r];
+      for (int64_t j = 0; j < len; ++j) {
+        run += static_cast<double>(e[r][i0 + j]);
+        if (run > target[r]) {
+          token[r] = i0 + j;
+          break;
+        }
+      }
+      active[a] = active[--live];  // done: its slot takes the last live row
+      ahead[a] = ahead[live];
+    }
+  }
+  for (int k = 0; k < g; ++k) {
+    if (token[k] >= 0) continue;
+    // rounding left u * Z at or above the whole sum: the last token that has mass
+    int64_t last = n - 1;
+    while (last > 0 && !(e[k][last] > 0.0f)) --last;
+    token[k] = last;
+  }
 }
 
 // ---- the entry points' shared checks and outputs ---------------------------------------------------------
@@ -166,15 +218,29 @@ struct RowArgs {
 template <typename T>
 void rows(const RowArgs<T>& a, int64_t b, bool draw) {
   at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> e(draw ? a.n : 0);
-    for (int64_t r = begin; r < end; ++r) {
-      const T* row = a.row(r);
-      const float m = row_max(row, a.n), it = a.inv_temp[r], fl = a.floor[r];
-      const double z = lane_sum(row, a.n, m, it, fl, draw ? e.data() : nullptr);
-      const int64_t t = draw ? scan(e.data(), a.n, a.u[r] * z) : first_max(row, a.n, m);
-      a.token[r] = t;
-      a.z_token[r] = (to_float(row[t]) - m) * it;
-      a.z_sum[r] = z;
+    std::vector<float> e(draw ? kGroup * a.n : 0);
+    const float* weights[kGroup];
+    double target[kGroup];
+    int64_t token[kGroup];
+    for (int64_t r0 = begin; r0 < end; r0 += kGroup) {
+      const int g = static_cast<int>(std::min<int64_t>(kGroup, end - r0));
+      for (int k = 0; k < g; ++k) {
+        const int64_t r = r0 + k;
+        const auto [m, first] = row_argmax(a.row(r), a.n);
+        float* ek = draw ? e.data() + k * a.n : nullptr;
+        const double z = lane_sum(a.row(r), a.n, m, a.inv_temp[r], a.floor[r], ek);
+        weights[k] = ek;
+        target[k] = a.u[r] * z;
+        token[k] = first;
+        a.z_sum[r] = z;
+        a.z_token[r] = m;  // the max until the token is known
+      }
+      if (draw) scan_group(weights, g, a.n, target, token);
+      for (int k = 0; k < g; ++k) {
+        const int64_t r = r0 + k;
+        a.token[r] = token[k];
+        a.z_token[r] = (to_float(a.row(r)[token[k]]) - a.z_token[r]) * a.inv_temp[r];
+      }
     }
   });
 }
