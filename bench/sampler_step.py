@@ -1,4 +1,4 @@
-"""The sampling part of an RL decode step: the new sampler against the one it replaced, and against greedy.
+"""The sampling part of an RL decode step: this tree's sampler against a base commit's, and against greedy.
 
 At batch ``--batch`` and two vocabularies (16,384 and Qwen's 151,936), float32 logits, every row
 asking for its log-prob (as RL rollouts do), the time of ``sample_batch`` for:
@@ -6,12 +6,13 @@ asking for its log-prob (as RL rollouts do), the time of ``sample_batch`` for:
 - greedy (argmax + log-prob),
 - temperature 1 with no filter, with top_p 0.95, with top_k 50, with min_p 0.05,
 
-on LM-like (Zipf-shaped) logits and on flat ones (the worst case for top_p),
+on LM-like (Zipf-shaped) logits and on flat ones (the worst case for top_p).
 
-for the current sampler (``new``: inverse CDF in token-id order, C++ kernel) and for the sampler of
-commit ``--old`` (float64 softmax, full sort, cumulative sum), loaded from git. Runs alternate
-(old, new, old, new, ...) on this noisy shared host; the table gives the median of ``--rounds``.
-The LM head's GEMM at hidden 768 is timed beside them, as the scale of a decode step's own work.
+``base`` is the sampler of commit ``--base``, its Python and its C++ kernel (the tree is taken with
+``git archive`` and the kernel built into its own extensions folder); ``new`` is this tree's. Each
+round runs one process per tree, alternating (base, new, base, new, ...) on this noisy shared host;
+the table gives the median of ``--rounds`` and checks that both trees drew the same tokens and
+log-probs. The LM head's GEMM at hidden 768 is timed beside them, as the scale of a step's own work.
 
     python bench/sampler_step.py            # writes bench/results/sampler_step.md
 """
@@ -19,7 +20,9 @@ The LM head's GEMM at hidden 768 is timed beside them, as the scale of a decode 
 from __future__ import annotations
 
 import argparse
-import importlib
+import hashlib
+import json
+import os
 import statistics
 import subprocess
 import sys
@@ -30,7 +33,6 @@ from pathlib import Path
 import torch
 
 from common import markdown_table, write_result
-from pat_engine.sampling import sampler as new_sampler
 
 REPO = Path(__file__).resolve().parent.parent
 VOCABS = (16384, 151936)
@@ -57,20 +59,13 @@ def make_logits(shape: str, rows: int, vocab: int, g: torch.Generator) -> torch.
     return -1.5 * torch.log(ranks) + 0.5 * torch.randn(rows, vocab, generator=g)
 
 
-def load_old(commit: str):
-    """The sampler module as it was at ``commit``, with the processors module of that commit
-    (temporary files, imported under their own names)."""
-    folder = Path(tempfile.mkdtemp())
-
-    def show(path: str) -> str:
-        return subprocess.run(["git", "show", f"{commit}:{path}"], cwd=REPO, check=True, capture_output=True,
-                              text=True).stdout
-
-    (folder / "old_processors.py").write_text(show("pat_engine/sampling/processors.py"))
-    (folder / "old_sampler.py").write_text(show("pat_engine/sampling/sampler.py").replace(
-        "from pat_engine.sampling.processors import", "from old_processors import"))
-    sys.path.insert(0, str(folder))
-    return importlib.import_module("old_sampler")
+def base_tree(commit: str) -> Path:
+    """The engine and kernels of ``commit`` in a temporary folder."""
+    folder = Path(tempfile.mkdtemp(prefix="sampler-base-"))
+    archive = subprocess.run(["git", "archive", commit, "pat_engine", "csrc"], cwd=REPO, check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder
 
 
 def batch_for(module, case: dict, rows: int, vocab: int):
@@ -89,40 +84,74 @@ def seconds(fn, repeats: int) -> float:
     return best
 
 
+def measure(batch: int, repeats: int) -> dict:
+    """One round in this process, with whichever ``pat_engine`` its path gives: every case's best time
+    and a digest of its draws, and the LM head GEMM's time."""
+    from pat_engine.sampling import sampler
+
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for vocab, shape in [(v, sh) for v in VOCABS for sh in SHAPES]:
+        logits = make_logits(shape, batch, vocab, g)
+        hidden = torch.randn(batch, HIDDEN, generator=g)
+        head = torch.randn(vocab, HIDDEN, generator=g) / HIDDEN**0.5
+        out[f"{vocab}|{shape}|LM head"] = [seconds(lambda: hidden @ head.T, repeats), ""]
+        for name, case in CASES.items():
+            b = batch_for(sampler, case, batch, vocab)
+            drawn = sampler.sample_batch(logits, b)
+            digest = hashlib.sha1(json.dumps([drawn.tokens, drawn.logprobs]).encode()).hexdigest()
+            out[f"{vocab}|{shape}|{name}"] = [seconds(lambda: sampler.sample_batch(logits, b), repeats), digest]
+    return out
+
+
+def run_round(tree: Path, extensions: Path, batch: int, repeats: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "csrc"), str(Path(__file__).parent)]),
+           "TORCH_EXTENSIONS_DIR": str(extensions)}
+    done = subprocess.run([sys.executable, __file__, "--measure", "--batch", str(batch), "--repeats", str(repeats)],
+                          env=env, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=96)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3, help="timed calls per round (the best counts)")
-    p.add_argument("--old", default="2187ceb", help="the commit whose sampler is the baseline")
+    p.add_argument("--base", default="e6d86e4", help="the commit whose sampler is the baseline")
+    p.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one round, JSON on stdout
     ns = p.parse_args()
-    old = load_old(ns.old)
-    g = torch.Generator().manual_seed(0)
+    if ns.measure:
+        print(json.dumps(measure(ns.batch, ns.repeats)))
+        return
+    trees = {"base": base_tree(ns.base), "new": REPO}
+    scratch = Path(tempfile.mkdtemp(prefix="sampler-ext-"))
+    runs: dict[str, list[dict]] = {"base": [], "new": []}
+    for _ in range(ns.rounds):
+        for label, tree in trees.items():
+            runs[label].append(run_round(tree, scratch / label, ns.batch, ns.repeats))
+
+    def ms(label: str, key: str) -> float:
+        return statistics.median(r[key][0] for r in runs[label]) * 1e3
+
     rows = []
     for vocab, shape in [(v, sh) for v in VOCABS for sh in SHAPES]:
-        logits = make_logits(shape, ns.batch, vocab, g)
-        hidden = torch.randn(ns.batch, HIDDEN, generator=g)
-        head = torch.randn(vocab, HIDDEN, generator=g) / HIDDEN**0.5
-        gemm = statistics.median(seconds(lambda: hidden @ head.T, ns.repeats) for _ in range(ns.rounds))
-        times: dict[tuple[str, str], list[float]] = {}
-        for _ in range(ns.rounds):
-            for name, case in CASES.items():
-                for label, module in (("old", old), ("new", new_sampler)):
-                    b = batch_for(module, case, ns.batch, vocab)
-                    times.setdefault((name, label), []).append(seconds(lambda: module.sample_batch(logits, b),
-                                                                       ns.repeats))
-        greedy_new = statistics.median(times[("greedy", "new")])
+        gemm = ms("new", f"{vocab}|{shape}|LM head")
+        greedy = ms("new", f"{vocab}|{shape}|greedy")
         for name in CASES:
-            o, n = statistics.median(times[(name, "old")]), statistics.median(times[(name, "new")])
-            rows.append([vocab, shape, name, f"{o * 1e3:.1f}", f"{n * 1e3:.1f}", f"{o / n:.2f}x",
-                         f"{(n - greedy_new) * 1e3:+.1f}", f"{gemm * 1e3:.1f}"])
+            key = f"{vocab}|{shape}|{name}"
+            b, n = ms("base", key), ms("new", key)
+            same = len({r[key][1] for label in runs for r in runs[label]}) == 1
+            rows.append([vocab, shape, name, f"{b:.1f}", f"{n:.1f}", f"{b / n:.2f}x", f"{n - greedy:+.1f}",
+                         f"{gemm:.1f}", "yes" if same else "NO"])
     body = (f"Batch {ns.batch}, float32 logits, every row asking for its log-prob; median of {ns.rounds} "
-            f"interleaved rounds, each the best of {ns.repeats} calls. `old`: the sampler at commit {ns.old}; "
-            "`new`: this tree's. `new - greedy`: what sampling adds to a greedy step's sampling. "
-            f"`LM head`: the (batch x {HIDDEN}) @ ({HIDDEN} x vocab) GEMM, the scale of a step's own work.\n\n"
-            + markdown_table(["vocab", "logits", "case", "old ms", "new ms", "speed-up", "new - greedy ms", "LM head ms"],
-                             rows))
-    write_result("sampler_step", "Sampling an RL decode step: inverse CDF in id order vs sort", body)
+            f"interleaved rounds (one process per tree and round), each the best of {ns.repeats} calls. `base`: "
+            f"the sampler (Python and C++ kernel) at commit {ns.base}; `new`: this tree's. `new - greedy`: what "
+            "sampling adds to a greedy step's sampling. `LM head`: the (batch x "
+            f"{HIDDEN}) @ ({HIDDEN} x vocab) GEMM, the scale of a step's own work. `same draws`: every round "
+            "of both trees drew the same tokens and log-probs.\n\n"
+            + markdown_table(["vocab", "logits", "case", "base ms", "new ms", "speed-up", "new - greedy ms",
+                              "LM head ms", "same draws"], rows))
+    write_result("sampler_step", "Sampling an RL decode step: this tree's sampler against a base commit's", body)
 
 
 if __name__ == "__main__":
