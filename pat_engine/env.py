@@ -40,13 +40,10 @@ CPU_COLLECTIVES = EnvSwitch("PAT_CPU_COLLECTIVES", "shm",
                             "shared memory (parallel/shm_collectives.py)")
 API_KEY = EnvSwitch("PAT_API_KEY", "",
                     "pat-serve's API key when --api-key is not given; empty: no key asked (serve/cli.py)")
-HOST_HEAP = EnvSwitch("PAT_HOST_HEAP", "keep",
-                      "trim: CPU workers keep glibc's allocator defaults (large buffers mapped and unmapped "
-                      "every step) instead of reusing freed heap pages (worker/host_memory.py)")
 ENGINE_CACHE = EnvSwitch("PAT_ENGINE_CACHE", "~/.cache/pat-engine",
                          "where `pat-serve demo` writes its tiny model (serve/demo.py)")
 
-SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, HOST_HEAP, API_KEY, ENGINE_CACHE)
+SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, API_KEY, ENGINE_CACHE)
 
 
 def cpu_gemm_packing() -> bool:
@@ -57,11 +54,6 @@ def cpu_gemm_packing() -> bool:
 def shm_collectives() -> bool:
     """False when ``PAT_CPU_COLLECTIVES=gloo``."""
     return not CPU_COLLECTIVES.says("gloo")
-
-
-def keep_host_heap() -> bool:
-    """False when ``PAT_HOST_HEAP=trim``."""
-    return not HOST_HEAP.says("trim")
 
 
 def api_key() -> str | None:

@@ -28,7 +28,6 @@ from pat_engine.protocol import (
     LoadWeights, ReleaseMemory, ReloadWeights, Reply, RestoreMemory, Shutdown, Stats, StepCommand, Switch,
     SwitchReport, UpdateWeightsFromDistributed, WorkerArgs, WorkerCall,
 )
-from pat_engine.worker import host_memory
 from pat_engine.worker.faults import FaultInjector
 from pat_engine.worker.graph_capture import GraphSettings
 from pat_engine.worker.infer_executor import InferExecutor
@@ -50,8 +49,6 @@ class Worker:
         torch.set_num_threads(cfg.worker_threads())
         self.device = torch.device("cpu")
         backend = "gloo"
-        if cfg.device == "cpu":
-            host_memory.keep_freed_memory()  # a step's large buffers reuse the last step's pages
         if cfg.device == "cuda":
             local = args.rank % torch.cuda.device_count()
             torch.cuda.set_device(local)
@@ -84,9 +81,7 @@ class Worker:
 
     @handle.register
     def _switch(self, call: Switch) -> SwitchReport:
-        report = self.switcher.run(call.plan, self.executor)
-        host_memory.give_back()  # the old layout's shards and pool
-        return report
+        return self.switcher.run(call.plan, self.executor)
 
     @handle.register
     def _stats(self, call: Stats) -> dict:
@@ -162,9 +157,7 @@ class Worker:
 
     @handle.register
     def _release_memory(self, call: ReleaseMemory) -> int:
-        freed = self.executor.release_memory(call.kv, call.weights)
-        host_memory.give_back()
-        return freed
+        return self.executor.release_memory(call.kv, call.weights)
 
     @handle.register
     def _restore_memory(self, call: RestoreMemory) -> None:

@@ -1,0 +1,84 @@
+"""CPU workers whose large buffers get transparent huge pages, against 4 KiB pages, on RL rollouts.
+
+glibc maps every buffer above 32 MiB afresh and unmaps it on free, so a decode step's logits (58 MB
+at batch 96 and Qwen's 151,936-token vocabulary) are faulted in page by page every step. The
+engine starts its CPU workers with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (EngineConfig.worker_env)
+unless the environment sets ``GLIBC_TUNABLES``: ``huge`` runs with the engine's setting,
+``4k`` with ``glibc.malloc.hugetlb=0``. Each run starts its own engine (workers read it when they
+start), warms it up, then times one whole rollout; runs alternate (huge, 4k, huge, 4k, ...). The
+workloads are bench/peer_rollout.py's, at TP1 float32; the workers' minor page faults per run are
+reported too.
+
+    python bench/host_hugepages.py          # writes bench/results/host_hugepages.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import markdown_table, write_result  # noqa: E402
+from peer_rollout import SHAPES, PatRollout, Workload, model_path, workloads  # noqa: E402
+
+
+def minor_faults(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+
+
+SETTINGS = {"huge": None, "4k": "glibc.malloc.hugetlb=0"}  # None: the engine's own choice
+
+
+def one_run(path: str, pages: str, w: Workload) -> tuple[float, int, list[list[int]]]:
+    os.environ.pop("GLIBC_TUNABLES", None)
+    if SETTINGS[pages] is not None:
+        os.environ["GLIBC_TUNABLES"] = SETTINGS[pages]
+    pat = PatRollout(path)
+    pat.start()
+    try:
+        pat.run(Workload("warm-up", w.prompts[:4], [8] * 4))
+        pids = pat.engine.worker_pids()
+        before = sum(minor_faults(p) for p in pids)
+        seconds, tokens = pat.run(w)
+        return seconds, sum(minor_faults(p) for p in pids) - before, tokens
+    finally:
+        pat.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    args = ap.parse_args()
+    rows = []
+    for shape in args.shapes:
+        path = model_path(shape)
+        for w in workloads(SHAPES[shape].vocab_size, seed=7)[:2]:  # greedy tail, GRPO top_p 1.0
+            runs: dict[str, list[tuple[float, int]]] = {name: [] for name in SETTINGS}
+            tokens = {}
+            for _ in range(args.rounds):
+                for pages in runs:
+                    t = time.perf_counter()
+                    seconds, faults, tokens[pages] = one_run(path, pages, w)
+                    runs[pages].append((seconds, faults))
+                    print(f"{shape} {w.name} {pages}: {seconds:.2f} s, {faults} faults "
+                          f"({time.perf_counter() - t:.0f} s with start)", flush=True)
+            huge = statistics.median(s for s, _ in runs["huge"])
+            small = statistics.median(s for s, _ in runs["4k"])
+            rows.append([shape, w.name, f"{small:.2f}", f"{huge:.2f}", f"{small / huge:.2f}x",
+                         statistics.median(f for _, f in runs["4k"]), statistics.median(f for _, f in runs["huge"]),
+                         "yes" if tokens["huge"] == tokens["4k"] else "NO"])
+    body = (f"Median of {args.rounds} alternating runs per setting, each on a freshly started engine (TP1, float32), "
+            "seconds from submitting the rollout to its last token; faults: the worker's minor page faults "
+            "during the run.\n\n"
+            + markdown_table(["model", "workload", "4 KiB pages s", "huge pages s", "speed-up",
+                              "faults 4 KiB", "faults huge", "same tokens"], rows))
+    write_result("host_hugepages", "Huge pages for the CPU workers' large buffers (glibc.malloc.hugetlb)", body)
+
+
+if __name__ == "__main__":
+    main()
