@@ -104,10 +104,11 @@ class HfEngine:
 
 
 class VllmEngine:
-    def __init__(self, path: str, tp: int, python: str, start_timeout_s: float, max_model_len: int = 512):
+    def __init__(self, path: str, tp: int, python: str, start_timeout_s: float, max_model_len: int = 512,
+                 dtype: str = "float32"):
         self.name = f"vLLM CPU 0.32, TP{tp}"
         self.path, self.tp, self.python, self.start_timeout_s = path, tp, python, start_timeout_s
-        self.max_model_len = max_model_len
+        self.max_model_len, self.dtype = max_model_len, dtype
 
     def start(self) -> float:
         all_cores = sorted(os.sched_getaffinity(0))
@@ -115,7 +116,7 @@ class VllmEngine:
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONPATH": ""}
         t = time.perf_counter()
-        self.proc = subprocess.Popen([self.python, str(RUNNER), self.path, str(self.tp), str(self.max_model_len)], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([self.python, str(RUNNER), self.path, str(self.tp), str(self.max_model_len), self.dtype], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
                                      start_new_session=True)
         try:

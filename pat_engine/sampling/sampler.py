@@ -181,6 +181,12 @@ def _processor_rows(specs: list[SamplingSpec], histories: list[list[int] | None]
                                [s.prompt_len for s in chosen], [s.logit_bias for s in chosen], vocab, device)
 
 
+def _rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x``'s rows ``rows`` (increasing, distinct); ``x`` itself when they are all of them: a copy of a
+    batch's logits costs more than its draw."""
+    return x if rows.numel() == x.shape[0] else x.index_select(0, rows)
+
+
 def _draw_by_kernel(logits: torch.Tensor, batch: SamplingBatch, inv_temp: torch.Tensor, floor: torch.Tensor,
                     u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The draw with top_k / top_p rows in the C++ prefix kernel; None where it does not serve (float64
@@ -190,8 +196,7 @@ def _draw_by_kernel(logits: torch.Tensor, batch: SamplingBatch, inv_temp: torch.
     if logits.dtype == torch.float64 or not bool(limited.any()):
         return None
     rows, free = limited.nonzero().squeeze(1), (~limited).nonzero().squeeze(1)
-    part = inverse_cdf_in_prefix(logits.index_select(0, rows), inv_temp[rows], floor[rows], u[rows], top_k[rows],
-                                 top_p[rows])
+    part = inverse_cdf_in_prefix(_rows(logits, rows), inv_temp[rows], floor[rows], u[rows], top_k[rows], top_p[rows])
     if part is None:
         return None
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
@@ -269,8 +274,8 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
         tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     processed = None
     if batch.sampled.numel():
-        drawn, processed = _draw(logits.index_select(0, batch.sampled), batch)
-        tokens = tokens.index_copy(0, batch.sampled, drawn)
+        drawn, processed = _draw(_rows(logits, batch.sampled), batch)
+        tokens = drawn if drawn.shape[0] == tokens.shape[0] else tokens.index_copy(0, batch.sampled, drawn)
     if not batch.logprobs:
         return Sampled(tokens.tolist())
     chosen = _raw_logprobs(raw_logits, logits, tokens, batch, processed)
