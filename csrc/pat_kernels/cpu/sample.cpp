@@ -334,11 +334,14 @@ void prefix_row(const T* row, int64_t n, float it, float fl, double u, int64_t t
   // top_k alone needs none but the kept tokens' in the draw
   const double target = nucleus ? top_p * lane_sum(row, n, m, it, no_floor, e.data()) : 0.0;
   // the highest buckets that hold the count and (with a margin against rounding) the mass
-  constexpr int kBuckets = 4096;
-  std::vector<double> mass(kBuckets, 0.0);
-  std::vector<int64_t> count(kBuckets, 0);
+  // Four histograms, token i in copy i % 4: LM logits crowd a few buckets, and one copy would make
+  // every update wait on the last one to the same bucket. Their sums only choose the buckets to
+  // sort (with a margin, and a retry over every token): the bits of the draw never depend on them.
+  constexpr int kBuckets = 4096, kCopies = 4;
+  std::vector<double> mass(nucleus ? kCopies * kBuckets : 0, 0.0);
+  std::vector<int64_t> count(kCopies * kBuckets, 0);
   for (int64_t i = 0; i < n; ++i) {
-    const int b = static_cast<int>(ordered_bits(to_float(row[i])) >> 20);
+    const int b = static_cast<int>(ordered_bits(to_float(row[i])) >> 20) + static_cast<int>(i % kCopies) * kBuckets;
     if (nucleus) mass[b] += e[i];
     count[b] += 1;
   }
@@ -346,9 +349,12 @@ void prefix_row(const T* row, int64_t n, float it, float fl, double u, int64_t t
   double acc_mass = 0.0;
   int64_t acc_count = 0;
   for (int b = kBuckets - 1; b >= 0; --b) {
-    acc_mass += mass[b];
-    acc_count += count[b];
-    if (acc_count >= k_cap && (!nucleus || acc_mass >= target * (1.0 + 1e-9))) {
+    for (int c = 0; c < kCopies; ++c) {
+      if (nucleus) acc_mass += mass[c * kBuckets + b];
+      acc_count += count[c * kBuckets + b];
+    }
+    // (top_p alone asks no count: k_cap is then the whole vocabulary, and every token would be sorted)
+    if ((k_cap == n || acc_count >= k_cap) && (!nucleus || acc_mass >= target * (1.0 + 1e-9))) {
       low = b;
       break;
     }
