@@ -385,22 +385,34 @@ void prefix_row(const T* row, int64_t n, float it, float fl, double u, int64_t t
     }
     keep = cut;
   }
-  std::fill(kept.begin(), kept.end(), 0);
-  for (int64_t j = 0; j < keep; ++j) kept[static_cast<int64_t>(cand[j] & 0xffffffffu)] = 1;
+  // the kept ids in increasing order: a few are sorted, many are swept from a mask in one pass
+  std::vector<uint64_t>& ids = scratch;
+  ids.clear();
+  if (keep * 8 <= n) {
+    for (int64_t j = 0; j < keep; ++j) ids.push_back(cand[j] & 0xffffffffu);
+    std::sort(ids.begin(), ids.end());
+  } else {
+    std::fill(kept.begin(), kept.end(), 0);
+    for (int64_t j = 0; j < keep; ++j) kept[static_cast<int64_t>(cand[j] & 0xffffffffu)] = 1;
+    for (int64_t i = 0; i < n; ++i)
+      if (kept[i]) ids.push_back(static_cast<uint64_t>(i));
+  }
   // the draw over the kept tokens, in id order, with the floor: as the masked row in rows() would
   double acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int64_t i = 0; i < n; ++i)
-    if (kept[i]) acc[i % kLanes] += static_cast<double>(weight(row, i, m, it, fl));
+  for (const uint64_t i : ids) acc[i % kLanes] += static_cast<double>(weight(row, static_cast<int64_t>(i), m, it, fl));
   const double z = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
   const double goal = u * z;
   double s = 0.0;
   int64_t t = -1, last = 0;
-  for (int64_t i = 0; i < n && t < 0; ++i) {
-    if (!kept[i]) continue;
+  for (const uint64_t id : ids) {
+    const int64_t i = static_cast<int64_t>(id);
     const float w = weight(row, i, m, it, fl);
     if (w > 0.0f) last = i;
     s += static_cast<double>(w);
-    if (s > goal) t = i;
+    if (s > goal) {
+      t = i;
+      break;
+    }
   }
   if (t < 0) t = last;
   *token = t;
