@@ -207,3 +207,16 @@ def test_a_greedy_batch_takes_its_tokens_and_logprobs_from_one_pass(dtype):
     assert torch.equal(logprobs, token_logprobs(x, tokens))
     specs = [SamplingSpec(0.0, 0, 1.0, 0, True)] * 19
     assert sample(x, specs, list(range(19))) == (tokens.tolist(), logprobs.tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_greedy_rows_take_the_first_maximum_as_torch_argmax_does(dtype):
+    from pat_engine.sampling.inverse_cdf import first_max
+
+    g = torch.Generator().manual_seed(9)
+    wide = (torch.randn(23, 5003, generator=g) * 2).to(dtype)
+    x = wide[:, :4999]  # rows with a stride longer than the row
+    x[3, [17, 4000, 4998]] = 40.0  # ties in three lanes
+    x[5, :] = float("-inf")
+    x[5, 4998] = 0.0  # the maximum in the tail past the last full group of lanes
+    assert torch.equal(first_max(x), x.argmax(dim=-1)) and first_max(x)[3] == 17

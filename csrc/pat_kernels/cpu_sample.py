@@ -24,6 +24,11 @@ def inverse_cdf(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor, u:
     return torch.ops.pat_kernels.inverse_cdf_cpu(x, inv_temp, floor, u, draw)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum (int64); see cpu/sample.cpp. Call only where ``usable(x)``."""
+    return torch.ops.pat_kernels.argmax_cpu(x)
+
+
 def weights(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
     """Every token's weight (float32, like x's shape); see cpu/sample.cpp. Call only where ``usable(x)``."""
     return torch.ops.pat_kernels.weights_cpu(x, inv_temp, floor)

@@ -101,6 +101,13 @@ def inverse_cdf(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor, u:
     return _torch_inverse_cdf(x, inv_temp, floor, u, draw)
 
 
+def first_max(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum (``argmax``), by the kernel's sixteen-lane pass where it serves ``x``."""
+    if cpu_sample is not None and cpu_sample.usable(x) and x.stride(-1) == 1:
+        return cpu_sample.argmax(x)
+    return x.argmax(dim=-1)
+
+
 def log_norm(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(m, Z) of plain logits (temperature 1, no floor): log_softmax(x)_i = (float32(x_i) - m) - log(Z)."""
     rows = x.shape[0]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pat_engine.sampling.inverse_cdf import inverse_cdf, inverse_cdf_in_prefix, weights
+from pat_engine.sampling.inverse_cdf import first_max, inverse_cdf, inverse_cdf_in_prefix, weights
 from pat_engine.sampling.logprobs import greedy_logprobs, log_z, token_logprobs, top_logprobs
 from pat_engine.sampling.prefix import masked, prefixes
 from pat_engine.sampling.processors import ProcessorRows
@@ -269,7 +269,7 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
         tokens, chosen = greedy_logprobs(logits)
         return Sampled(tokens.tolist(), chosen.tolist(), _top(raw_logits, batch))
     if batch.sampled.numel() < logits.shape[0]:  # greedy rows: the first maximum
-        tokens = logits.argmax(dim=-1)
+        tokens = first_max(logits)
     else:  # every row is drawn below: no pass over the vocabulary for an argmax nobody reads
         tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     processed = None

@@ -257,6 +257,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> inverse_cdf_cpu(const at::Tensor&
   return d.out();
 }
 
+// The first maximum of every row (torch.argmax's answer for rows without NaN), int64 (B,).
+at::Tensor argmax_cpu(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
+              "x must be CPU (rows, vocab), unit stride, a non-empty vocabulary");
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  int64_t* op = out.mutable_data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "argmax_cpu", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const int64_t n = x.size(1), xs = x.stride(0);
+    at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) op[r] = row_argmax(xp + r * xs, n).second;
+    });
+  });
+  return out;
+}
+
 template <typename T>
 void weight_rows(const at::Tensor& x, const at::Tensor& inv_temp, const at::Tensor& floor, at::Tensor& e) {
   const int64_t b = x.size(0), n = x.size(1), xs = x.stride(0);
@@ -452,6 +468,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> inverse_cdf_prefix_cpu(const at::
 
 TORCH_LIBRARY_FRAGMENT(pat_kernels, m) {
   m.def("weights_cpu(Tensor x, Tensor inv_temp, Tensor floor) -> Tensor", &weights_cpu);
+  m.def("argmax_cpu(Tensor x) -> Tensor", &argmax_cpu);
   m.def("inverse_cdf_prefix_cpu(Tensor x, Tensor inv_temp, Tensor floor, Tensor u, Tensor top_k, Tensor top_p) -> "
         "(Tensor, Tensor, Tensor)", &inverse_cdf_prefix_cpu);
   m.def("inverse_cdf_cpu(Tensor x, Tensor inv_temp, Tensor floor, Tensor u, bool draw) -> (Tensor, Tensor, Tensor)",
