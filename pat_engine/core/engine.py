@@ -32,7 +32,7 @@ from pat_engine.core.restart_budget import RestartBudget
 from pat_engine.core.served_weights import ServedWeights
 from pat_engine.core.sleep_state import DISCARDED, check_tags, tags_for_level
 from pat_engine.core.timeline import SwitchEvent
-from pat_engine.core.weight_sync import DEFAULT_BUCKET_BYTES, WeightSync
+from pat_engine.core.weight_sync import DEFAULT_BUCKET_BYTES, HandleBucket, WeightSync
 from pat_engine.core.worker_client import WorkerClient
 from pat_engine.core.worker_pool import WorkerPool
 from pat_engine.errors import EngineClosedError, EngineDeadError, InvalidRequestError, ModelLoadError, WorkerFailure
@@ -391,6 +391,24 @@ class Engine:
         """
         self._ensure_open()
         return self._weight_sync.from_tensors(named_tensors, bucket_bytes, weight_version)
+
+    def update_weights_from_handles(self, buckets: HandleBucket | Iterable[HandleBucket],
+                                    weight_version: str | None = None, final: bool = True) -> int:
+        """Load weights a colocated trainer shares by handle (CUDA IPC on GPUs, shared memory on CPU).
+
+        Each bucket is a payload from ``pat_engine.parallel.tensor_handles.serialize_named_tensors`` (or
+        ``serialize_buckets``), or a list with one payload per worker rank (SGLang's
+        ``serialized_named_tensors``: worker ``r`` takes entry ``r % len``). Every worker rebuilds the
+        handles and copies only its own shard under the current layout; one bucket is in flight at a
+        time, and the trainer must keep a bucket's tensors alive until the next one is asked for (or
+        this call returns). Names and shapes are checked on the workers before a bucket is applied.
+        ``final=False``: more buckets follow in a later call; the weight version is counted (and the
+        prefix cache dropped) by the call with ``final=True``. Returns how many tensors were applied.
+        """
+        self._ensure_open()
+        if isinstance(buckets, (bytes, bytearray, memoryview)):
+            buckets = [buckets]
+        return self._weight_sync.from_handles(buckets, weight_version, final)
 
     def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> None:
         """Reload every rank's shard from a checkpoint of the same architecture and shapes."""

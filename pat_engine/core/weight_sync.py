@@ -10,37 +10,41 @@ full model is never held twice. ``Engine``'s weight methods delegate here.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence, Union
 
 import torch
 
 from pat_engine.config import EngineConfig
 from pat_engine.core.coordinator import GlobalCoordinator
 from pat_engine.core.served_weights import ServedWeights
-from pat_engine.errors import InvalidRequestError, ModelLoadError
+from pat_engine.errors import InvalidRequestError, ModelLoadError, WorkerFailure
 from pat_engine.model.arch import ModelArch, load_model_arch
 from pat_engine.model.llama import CausalLM
-from pat_engine.model.weights import WeightNameCheck, safetensors_files
+from pat_engine.model.weights import WeightNameCheck, byte_buckets, safetensors_files
 from pat_engine.parallel.update_group import BACKENDS, parse_dtype
 
 DEFAULT_BUCKET_BYTES = 256 << 20
+HandleBucket = Union[bytes, Sequence[bytes]]  # one payload for every worker, or one per worker rank
 
 
 def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], limit: int, check: WeightNameCheck) -> Iterator[list]:
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        check.check(name, tuple(tensor.shape))
-        tensor = tensor.detach()
-        if tensor.device.type == "cpu":
-            tensor = tensor.contiguous()
-        bucket.append((name, tensor))
-        size += tensor.numel() * tensor.element_size()
-        if size >= limit:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
+    def checked() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in named_tensors:
+            check.check(name, tuple(tensor.shape))
+            tensor = tensor.detach()
+            yield name, tensor.contiguous() if tensor.device.type == "cpu" else tensor
+
+    return byte_buckets(checked(), limit)
+
+
+def _refused(exc: WorkerFailure) -> Exception:
+    """A worker's refusal of a bucket (bad handle, unknown name, wrong shape) as the driver-side error
+    the other update paths raise; any other failure unchanged."""
+    kind = {"InvalidRequestError": InvalidRequestError, "ModelLoadError": ModelLoadError}.get(exc.error_type or "")
+    if kind is None:
+        return exc
+    reason = str(exc).splitlines()[0].split(": ", 1)[-1]  # "<call> failed on rank r: <module.Error>: <why>"
+    return kind(reason.split(": ", 1)[-1])
 
 
 class WeightSync:
@@ -89,6 +93,23 @@ class WeightSync:
             applied += self._on_loop(self.coordinator.load_weights, bucket)
             self.weights.updated_in_memory()
         self._on_loop(self.coordinator.new_weight_version, version)
+        return applied
+
+    def from_handles(self, buckets: Iterable[HandleBucket], version: str | None, final: bool) -> int:
+        """Buckets of tensors shared by handle, one in flight; ``final``: the update is whole, count a version."""
+        self.check_resident()
+        applied = 0
+        for i, bucket in enumerate(buckets):
+            payloads = [bytes(bucket)] if isinstance(bucket, (bytes, bytearray, memoryview)) else [bytes(p) for p in bucket]
+            try:
+                applied += self._on_loop(self.coordinator.load_weights_from_handles, payloads)
+            except WorkerFailure as exc:
+                if i > 0:  # earlier buckets are in: the model is part old, part new
+                    self.weights.update_failed()
+                raise _refused(exc) from None
+            self.weights.updated_in_memory()
+        if final:
+            self._on_loop(self.coordinator.new_weight_version, version)
         return applied
 
     def from_disk(self, path: str, version: str | None) -> None:

@@ -25,7 +25,7 @@ from pat_engine.model.arch import load_model_arch
 from pat_engine.parallel.group_pool import CommGroupPool
 from pat_engine.protocol import (
     AllocateKV, BandwidthProbe, Call, DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, InjectFault, KVBudget,
-    LoadWeights, ReleaseMemory, ReloadWeights, Reply, RestoreMemory, Shutdown, Stats, StepCommand, Switch,
+    LoadWeights, LoadWeightsFromHandles, ReleaseMemory, ReloadWeights, Reply, RestoreMemory, Shutdown, Stats, StepCommand, Switch,
     SwitchReport, UpdateWeightsFromDistributed, WorkerArgs, WorkerCall,
 )
 from pat_engine.worker.faults import FaultInjector
@@ -123,6 +123,20 @@ class Worker:
     @handle.register
     def _load_weights(self, call: LoadWeights) -> int:
         return self.executor.load_tensors(call.tensors)
+
+    @handle.register
+    def _load_weights_from_handles(self, call: LoadWeightsFromHandles) -> int:
+        from pat_engine.model.weights import WeightNameCheck
+        from pat_engine.parallel.tensor_handles import load_named_tensors
+
+        tensors = load_named_tensors(call.payloads, self.rank, self.device)  # views of the trainer's memory
+        check = WeightNameCheck(self.executor.model)
+        for name, tensor in tensors:  # the whole bucket before any of it is applied
+            check.check(name, tuple(tensor.shape))
+        applied = self.executor.load_tensors(tensors)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the trainer may free or overwrite its tensors once we answer
+        return applied
 
     @handle.register
     def _reload_weights(self, call: ReloadWeights) -> None:
