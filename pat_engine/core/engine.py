@@ -420,7 +420,9 @@ class Engine:
                                   timeout_s: float | None = None) -> None:
         """Every worker joins a trainer's group (trainer = rank 0, worker r = ``rank_offset + r``).
 
-        Blocks until the trainer has joined too. ``backend`` defaults to gloo on CPU, NCCL on GPU.
+        Blocks until the trainer has joined too. ``backend`` defaults to gloo on CPU, NCCL on GPU (a torch
+        process group, as SGLang's ``init_custom_process_group`` builds); ``"stateless_nccl"`` joins the
+        vLLM ``StatelessProcessGroup`` + PyNccl group OpenRLHF's trainer builds (CUDA, vLLM installed).
         """
         self._ensure_open()
         self._weight_sync.join_group(master_address, master_port, rank_offset, world_size, group_name, backend,
@@ -428,11 +430,13 @@ class Engine:
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str = "weight_update_group", weight_version: str | None = None,
-                                        timeout_s: float | None = None) -> int:
+                                        timeout_s: float | None = None, final: bool = True) -> int:
         """Receive full tensors the trainer broadcasts (in ``names`` order) and load them under the current
-        layout. The update is checked whole first; a refused one leaves the weights as they were."""
+        layout. The update is checked whole first; a refused one leaves the weights as they were.
+        ``final=False``: more tensors follow in later calls (as ``update_weights_from_handles``)."""
         self._ensure_open()
-        return self._weight_sync.from_distributed(names, dtypes, shapes, group_name, weight_version, timeout_s)
+        return self._weight_sync.from_distributed(names, dtypes, shapes, group_name, weight_version, timeout_s,
+                                                  final)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> bool:
         self._ensure_open()

@@ -21,7 +21,7 @@ from pat_engine.errors import InvalidRequestError, ModelLoadError, WorkerFailure
 from pat_engine.model.arch import ModelArch, load_model_arch
 from pat_engine.model.llama import CausalLM
 from pat_engine.model.weights import WeightNameCheck, byte_buckets, safetensors_files
-from pat_engine.parallel.update_group import BACKENDS, parse_dtype
+from pat_engine.parallel.update_group import BACKENDS, CUDA_ONLY, parse_dtype
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 HandleBucket = Union[bytes, Sequence[bytes]]  # one payload for every worker, or one per worker rank
@@ -128,6 +128,9 @@ class WeightSync:
         backend = backend or ("nccl" if self.config.device == "cuda" else "gloo")
         if backend not in BACKENDS:
             raise InvalidRequestError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend in CUDA_ONLY and self.config.device != "cuda":
+            raise InvalidRequestError(f"backend {backend!r} needs an engine on CUDA devices; this one runs on "
+                                      f"{self.config.device}: use backend='gloo'")
         if rank_offset < 1 or rank_offset + world > world_size:
             raise InvalidRequestError(f"ranks {rank_offset}..{rank_offset + world - 1} of this engine's {world} "
                                       f"workers do not fit a group of {world_size} (rank 0 is the trainer)")
@@ -135,13 +138,14 @@ class WeightSync:
                       world_size, group_name, backend, timeout_s or self.config.collective_timeout_s)
 
     def from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]], group_name: str,
-                         version: str | None, timeout_s: float | None) -> int:
+                         version: str | None, timeout_s: float | None, final: bool = True) -> int:
         self.check_resident()
         self.check_update(names, [tuple(s) for s in shapes], dtypes)
         applied = self._on_loop(self.coordinator.receive_weights, list(names), [str(d) for d in dtypes],
                                 [list(s) for s in shapes], group_name, timeout_s)
         self.weights.updated_in_memory()
-        self._on_loop(self.coordinator.new_weight_version, version)
+        if final:
+            self._on_loop(self.coordinator.new_weight_version, version)
         return applied
 
     def leave_group(self, group_name: str) -> bool:

@@ -144,13 +144,17 @@ class Worker:
 
     @handle.register
     def _init_weights_update_group(self, call: InitWeightsUpdateGroup) -> None:
-        from pat_engine.parallel.update_group import join_update_group
+        from pat_engine.parallel.update_group import STATELESS_NCCL, join_stateless_nccl, join_update_group
 
         if call.group_name in self.update_groups:
             raise ValueError(f"weight-update group {call.group_name!r} already exists; destroy it first")
-        self.update_groups[call.group_name] = join_update_group(
-            call.master_address, call.master_port, call.rank_offset + self.rank, call.world_size, call.group_name,
-            call.backend, call.timeout_s)
+        rank = call.rank_offset + self.rank
+        if call.backend == STATELESS_NCCL:  # each worker receives on its own device
+            group = join_stateless_nccl(call.master_address, call.master_port, rank, call.world_size, self.device)
+        else:
+            group = join_update_group(call.master_address, call.master_port, rank, call.world_size, call.group_name,
+                                      call.backend, call.timeout_s)
+        self.update_groups[call.group_name] = group
 
     @handle.register
     def _update_weights_from_distributed(self, call: UpdateWeightsFromDistributed) -> int:
@@ -163,9 +167,9 @@ class Worker:
     @handle.register
     def _destroy_weights_update_group(self, call: DestroyWeightsUpdateGroup) -> bool:
         pg = self.update_groups.pop(call.group_name, None)
-        if pg is not None:
+        if isinstance(pg, dist.ProcessGroup):
             dist.destroy_process_group(pg)
-        return pg is not None
+        return pg is not None  # a PyNccl communicator is dropped with its last reference
 
     # ---- memory (RL colocation, GPU start-up) ----------------------------------------------------
 
