@@ -3,7 +3,8 @@
 The trainer pickles ``[(hf_name, tensor), ...]`` with torch's multiprocessing
 reductions (``ForkingPickler``, as SGLang's ``MultiprocessingSerializer`` and
 OpenRLHF's ``update_weight_cuda_ipc`` do): a CUDA tensor becomes a CUDA IPC
-handle, a CPU tensor a shared-memory file name. The bytes are small; the
+handle (its GPU named by UUID: the trainer and a worker may number GPUs
+differently), a CPU tensor a shared-memory file name. The bytes are small; the
 driver forwards them untouched and every worker rebuilds the handles itself,
 then copies only its own shard (``load_shard_from_tensors``), so a full tensor
 never passes through the driver. The trainer must keep the tensors alive
@@ -80,11 +81,22 @@ def cpu_file_system_sharing() -> Iterator[None]:
             torch_mp.set_sharing_strategy(old)
 
 
+def _reduce_by_uuid(tensor: torch.Tensor) -> tuple[Callable, tuple]:
+    """``reduce_tensor``, with a CUDA handle's device named by GPU UUID instead of this process's index
+    (as SGLang's patched reductions do): a worker that sees the GPU under another index finds it."""
+    fn, args = reductions.reduce_tensor(tensor)
+    if fn is reductions.rebuild_cuda_tensor:
+        args = (*args[:_DEVICE_ARG], device_key(torch.device("cuda", args[_DEVICE_ARG])), *args[_DEVICE_ARG + 1:])
+    return fn, args
+
+
 def serialize(obj: Any) -> bytes:
     """``obj`` pickled with torch's reductions: tensors inside travel as handles, not values."""
     buf = io.BytesIO()
     with cpu_file_system_sharing():
-        ForkingPickler(buf).dump(obj)
+        pickler = ForkingPickler(buf)
+        pickler.dispatch_table.update({torch.Tensor: _reduce_by_uuid, torch.nn.Parameter: _reduce_by_uuid})
+        pickler.dump(obj)
     return buf.getvalue()
 
 
@@ -132,11 +144,12 @@ _DEVICE_ARG = 6  # where reduce_tensor puts the CUDA device in rebuild_cuda_tens
 
 
 def _cuda_index(device: Any) -> int:
-    """A device index, or a GPU UUID (SGLang's patched reductions send one) -> this process's index."""
+    """A device index, or a GPU UUID (``serialize`` and SGLang's patched reductions send one) -> this
+    process's index of that GPU."""
     if not isinstance(device, str):
         return int(device)
     for i in range(torch.cuda.device_count()):
-        if str(torch.cuda.get_device_properties(i).uuid) == device.removeprefix("GPU-"):
+        if device_key(torch.device("cuda", i)).removeprefix("GPU-") == device.removeprefix("GPU-"):
             return i
     raise InvalidRequestError(f"no visible CUDA device has UUID {device!r}")
 
