@@ -13,6 +13,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -154,8 +155,10 @@ def test_weights_by_handle_equal_a_fresh_engine_in_base_and_switched_layouts(eng
 
 @pytest.mark.slow
 def test_bad_payloads_are_refused_and_the_engine_keeps_serving(engine):
+    """Every worker refuses; the first refusal is the answer, the others' late replies are dropped
+    (taken for a failure of the next step, they once restarted the workers)."""
     before = tokens(engine.generate(PROMPTS[:2], GREEDY[:2], use_tqdm=False))
-    version = engine.weight_version
+    version, pids, failures = engine.weight_version, engine.worker_pids(), len(engine.worker_failures)
     wrong_shape = torch.zeros(3, 3, dtype=torch.float64)
     with pytest.raises(ModelLoadError, match="shape"):
         engine.update_weights_from_handles(serialize_named_tensors([("model.layers.0.mlp.up_proj.weight", wrong_shape)]))
@@ -164,7 +167,9 @@ def test_bad_payloads_are_refused_and_the_engine_keeps_serving(engine):
     with pytest.raises(InvalidRequestError, match="only torch tensor handles"):
         engine.update_weights_from_handles(pickle.dumps([("x", os.system)]))
     assert engine.weight_version == version
+    time.sleep(1.0)  # let the other worker's refusals arrive
     assert tokens(engine.generate(PROMPTS[:2], GREEDY[:2], use_tqdm=False)) == before
+    assert engine.worker_pids() == pids and len(engine.worker_failures) == failures
 
 
 @pytest.mark.slow
