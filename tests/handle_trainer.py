@@ -12,6 +12,7 @@ from __future__ import annotations
 import struct
 import sys
 from pathlib import Path
+from typing import Iterator
 
 
 def main(checkpoint: str, bucket_bytes: int) -> None:
@@ -30,7 +31,7 @@ def main(checkpoint: str, bucket_bytes: int) -> None:
     out.flush()
 
 
-def payloads(proc) -> "Iterator[bytes]":  # noqa: F821  (used by the tests, which start ``proc``)
+def payloads(proc) -> Iterator[bytes]:  # used by the tests, which start ``proc``
     """Read the trainer's payloads; asking for the next one tells the trainer the last one was taken."""
     first = True
     while True:

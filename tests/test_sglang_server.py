@@ -477,6 +477,9 @@ def test_bad_dtype_and_distributed_refusals(client, engine):
     r = client.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": 1,
                                                         "rank_offset": 0, "world_size": 3})
     assert r.status_code == 400 and "do not fit" in r.json()["message"]
+    r = client.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": 1,
+                                                        "rank_offset": 1, "world_size": 3, "backend": "nccl"})
+    assert r.status_code == 400 and "needs an engine on CUDA devices" in r.json()["message"], r.text
     r = client.post("/update_weights_from_disk", json={"model_path": "/nonexistent/ckpt"})
     assert r.status_code == 400 and not r.json()["success"]
     assert client.post("/update_weights_from_disk", json={"path": "x"}).status_code == 400  # unknown field
