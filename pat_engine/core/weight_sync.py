@@ -102,7 +102,8 @@ class WeightSync:
         self.check_resident()
         applied = 0
         for i, bucket in enumerate(buckets):
-            payloads = [bytes(bucket)] if isinstance(bucket, (bytes, bytearray, memoryview)) else [bytes(p) for p in bucket]
+            one = isinstance(bucket, (bytes, bytearray, memoryview))
+            payloads = [bytes(bucket)] if one else [bytes(p) for p in bucket]
             try:
                 applied += self._on_loop(self.coordinator.load_weights_from_handles, payloads)
             except WorkerFailure as exc:

@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 from pat_engine.protocol import (
     AllocateKV, BandwidthProbe, DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, InjectFault, KVBudget,
-    LoadWeights, LoadWeightsFromHandles, ReleaseMemory, ReloadWeights, RestoreMemory, Stats, Switch, SwitchPlan, SwitchReport,
-    UpdateWeightsFromDistributed, WorkerCall,
+    LoadWeights, LoadWeightsFromHandles, ReleaseMemory, ReloadWeights, RestoreMemory, Stats, Switch, SwitchPlan,
+    SwitchReport, UpdateWeightsFromDistributed, WorkerCall,
 )
 
 

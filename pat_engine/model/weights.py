@@ -179,7 +179,8 @@ def load_shard_from_disk(model: nn.Module, model_path: str | Path, rank: int, tp
         raise ModelLoadError(f"checkpoint {str(model_path)!r} lacks tensors for: {', '.join(missing[:8])}")
 
 
-def byte_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def byte_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                 limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive groups of named tensors; a group closes once it holds ``limit`` bytes or more, so
     a weight update holds about one group at a time (every weight-sync path buckets with this)."""
     bucket: list[tuple[str, torch.Tensor]] = []

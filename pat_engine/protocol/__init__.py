@@ -22,7 +22,7 @@ from pat_engine.protocol.switch import SeqTable, SwitchPlan, SwitchReport
 
 __all__ = [
     "AllocateKV", "BandwidthProbe", "DestroyWeightsUpdateGroup", "InitWeightsUpdateGroup", "InjectFault", "KVBudget",
-    "LoadWeights", "LoadWeightsFromHandles", "ReleaseMemory", "ReloadWeights", "RestoreMemory", "Shutdown", "Stats", "Switch",
-    "UpdateWeightsFromDistributed", "WorkerCall",
+    "LoadWeights", "LoadWeightsFromHandles", "ReleaseMemory", "ReloadWeights", "RestoreMemory", "Shutdown", "Stats",
+    "Switch", "UpdateWeightsFromDistributed", "WorkerCall",
     "PromptLogprobs", "Call", "Reply", "SeqStep", "StepCommand", "SeqTable", "StepResult", "SwitchPlan", "SwitchReport", "WorkerArgs",
 ]

@@ -25,8 +25,8 @@ from pat_engine.model.arch import load_model_arch
 from pat_engine.parallel.group_pool import CommGroupPool
 from pat_engine.protocol import (
     AllocateKV, BandwidthProbe, Call, DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, InjectFault, KVBudget,
-    LoadWeights, LoadWeightsFromHandles, ReleaseMemory, ReloadWeights, Reply, RestoreMemory, Shutdown, Stats, StepCommand, Switch,
-    SwitchReport, UpdateWeightsFromDistributed, WorkerArgs, WorkerCall,
+    LoadWeights, LoadWeightsFromHandles, ReleaseMemory, ReloadWeights, Reply, RestoreMemory, Shutdown, Stats,
+    StepCommand, Switch, SwitchReport, UpdateWeightsFromDistributed, WorkerArgs, WorkerCall,
 )
 from pat_engine.worker.faults import FaultInjector
 from pat_engine.worker.graph_capture import GraphSettings
