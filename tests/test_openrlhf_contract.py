@@ -6,7 +6,8 @@ argument names and order are those of ``create_vllm_engines``,
 RPC on every engine, then a broadcast from trainer rank 0) and
 ``SamplesGenerator`` (wake_up, load balance on unfinished counts,
 ``generate_responses``, sleep). Two engines of 2 devices each (TP1xDP2 at
-the start of every stage, switching to TP2xDP1 on a schedule), float64.
+the start of every stage, switching to TP2xDP1 on a schedule), float64. The colocated path
+(``update_weight_cuda_ipc``) runs with CPU shared-memory handles in place of CUDA IPC handles.
 Tail batching (``pat_rollout``) runs through the actor's ``rollout_step``, with the weight sync
 above making deferred partials stale.
 """
@@ -146,10 +147,42 @@ def test_pause_resume_and_unfinished_count(engines):
     ray.get(engine.reset_prefix_cache.remote())
 
 
+def sync_by_handles(engines, model, key: str = "cpu") -> None:
+    """``broadcast_to_vllm`` with ``colocate_all`` (``_handle_cuda_ipc``): per parameter, a clone, its
+    ``reduce_tensor`` keyed by the trainer's device (one trainer rank here), the call on every engine."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    params = list(model.named_parameters())
+    for count, (name, param) in enumerate(params, start=1):
+        weight = param.data.clone()
+        refs = [e.update_weight_cuda_ipc.remote(name, dtype=param.dtype, shape=param.shape,
+                                                ipc_handles={key: reduce_tensor(weight)}, empty_cache=count == len(params))
+                for e in engines]
+        ray.get(refs)
+
+
+def test_colocated_sync_by_handles_then_generation_is_token_exact(engines, model_dir, tmp_path):
+    """``update_weight_cuda_ipc`` with CPU handles: the actor shares each parameter with its workers by
+    shared memory (Ray brings the handle's CPU storage to the actor by value; CUDA IPC handles are bytes)."""
+    greedy = [VllmLikeSamplingParams(temperature=0.0, max_tokens=m) for m in MAX_NEW]
+    ray.get([e.wake_up.remote() for e in engines])
+    before = [o.outputs[0].token_ids for o in ray.get([engines[0].generate.remote(p, g) for p, g in zip(PROMPTS, greedy)])]
+    step = perturbed_checkpoint(model_dir("llama"), tmp_path / "step", seed=22)
+    sync_by_handles(engines, _hf_model(step))
+    for engine in engines:
+        got = [o.outputs[0].token_ids for o in ray.get([engine.generate.remote(p, g) for p, g in zip(PROMPTS, greedy)])]
+        assert got == hf_greedy_batch(step) and got != before
+    ray.get([e.sleep.remote() for e in engines])
+
+
 def test_unsupported_paths_fail_clearly(engines):
-    with pytest.raises(ray.exceptions.RayTaskError, match="CUDA IPC"):
-        ray.get(engines[0].update_weight_cuda_ipc.remote("w", dtype=None, shape=(1,), ipc_handles={}))
-    with pytest.raises(ray.exceptions.RayTaskError, match="gloo"):
+    import torch
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    with pytest.raises(ray.exceptions.RayTaskError, match="no handle for this worker's device 'cpu'"):
+        ray.get(engines[0].update_weight_cuda_ipc.remote("model.norm.weight", dtype=None, shape=(1,),
+                                                         ipc_handles={"GPU-0": reduce_tensor(torch.ones(1))}))
+    with pytest.raises(ray.exceptions.RayTaskError, match="needs a pat engine on CUDA devices.*backend='gloo'"):
         ray.get(engines[0].init_process_group.remote("127.0.0.1", 1, 1, 3, "g", backend="nccl", use_ray=False))
     # the sampling options pat-engine lacks are refused by name (penalties, min_p, n, stop, logit_bias and
     # prompt_logprobs, refused here before, are accepted now: test_sampling_options_take_effect)

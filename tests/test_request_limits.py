@@ -214,12 +214,49 @@ def test_reply_read_together_with_the_close_is_kept():
     other.close()
     time.sleep(0.05)
     pool = WorkerPool.__new__(WorkerPool)
-    pool.conns, pool.procs, pool.pending = [conn], [], []
+    pool.conns, pool.procs, pool.pending, pool._failed_calls = [conn], [], [], set()
     msgs = pool._drain(0)
     assert len(msgs) == 1 and "bad shard" in msgs[0].error
     with pytest.raises(WorkerFailure):  # the closed socket is noticed on the next read
         pool.procs = [type("P", (), {"pid": 1, "wait": lambda self, t: 0, "poll": lambda self: 0})()]
         pool._drain(0)
+
+
+def test_late_replies_to_a_failed_call_are_dropped():
+    """Every rank refuses a call (a bad weight payload); the first refusal is raised, and another rank's,
+    arriving later, must not be taken for a failure of the next call (or of a step: a worker restart)."""
+    import itertools
+    import threading
+    from types import SimpleNamespace
+
+    from pat_engine.protocol import Stats
+
+    pairs = [socket.socketpair() for _ in range(2)]
+    workers = [Connection(theirs.detach()) for _, theirs in pairs]
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.conns = [Connection(ours.detach()) for ours, _ in pairs]
+    alive = type("P", (), {"pid": 1, "poll": lambda self: None})()
+    pool.procs, pool.pending, pool._failed_calls, pool.world = [alive, alive], [], set(), 2
+    pool._call_ids, pool.config = itertools.count(1), SimpleNamespace(step_timeout_s=10)
+
+    def serve() -> None:
+        first = [w.recv() for w in workers]
+        refusal = "Traceback ...\nModelLoadError: shape (3, 3) != expected (256, 128)"
+        workers[0].send(Reply(first[0].call_id, 0, False, error=refusal, error_type="ModelLoadError"))
+        time.sleep(0.3)  # the other rank's refusal arrives after the first has been raised
+        workers[1].send(Reply(first[1].call_id, 1, False, error=refusal, error_type="ModelLoadError"))
+        for r, w in enumerate(workers):
+            w.send(Reply(w.recv().call_id, r, True, value=r))
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    with pytest.raises(WorkerFailure) as refused:
+        pool.call(Stats())
+    assert refused.value.error_type == "ModelLoadError" and refused.value.rank == 0
+    time.sleep(0.5)
+    assert pool.call(Stats()) == [0, 1]
+    thread.join(5)
+    assert pool.poll(0.2) == []
 
 
 # ---- poison isolation, restart budget, timeline --------------------------------------------------

@@ -14,7 +14,7 @@ from pat_engine.core.served_weights import INITIAL_WEIGHT_VERSION, ServedWeights
 from pat_engine.errors import InvalidRequestError
 from pat_engine.serve.sglang.protocol import GenerateRequest
 from pat_engine.serve.sglang.translate import UNSUPPORTED_SAMPLING, generate_items
-from pat_engine.serve.sglang.weight_routes import decode_named_tensors
+from pat_engine.serve.sglang.weight_routes import decode_named_tensors, handle_payloads
 
 
 def items(body: dict):
@@ -98,3 +98,15 @@ def test_tensor_payloads():
         decode_named_tensors([_b64({"w": t})])
     with pytest.raises(InvalidRequestError, match="not a torch.save"):
         decode_named_tensors([base64.b64encode(b"garbage").decode()])
+
+
+def test_handle_payloads_are_told_from_torch_save_files():
+    from pat_engine.parallel.tensor_handles import serialize_named_tensors
+
+    handle = base64.b64encode(serialize_named_tensors([("w", torch.ones(2))])).decode()
+    assert handle_payloads([_b64([("w", torch.ones(2))])], None) is None  # by value: the old path
+    assert handle_payloads([handle, handle], "direct") == [base64.b64decode(handle)] * 2
+    with pytest.raises(InvalidRequestError, match="mixes"):
+        handle_payloads([handle, _b64([("w", torch.ones(2))])], None)
+    with pytest.raises(InvalidRequestError, match="flattened_bucket"):
+        handle_payloads([handle], "flattened_bucket")

@@ -397,6 +397,58 @@ def test_slime_pause_flush_update_continue(server, client, engine, model_dir):
     assert client.post("/generate", json=body).json()["output_ids"] == before
 
 
+def _sglang_handles(named: list, ranks: int) -> list[str]:
+    """What SGLang's ``weight_sync.utils.update_weights`` posts for a TP``ranks`` trainer mesh: per rank,
+    a pickle of ``[(name, LocalSerializedTensor(values=[handle from trainer rank i, ...]))]``. SGLang does
+    not import on CPU, so its dataclass is stood in for under its own module path (the pickle is the same)."""
+    import dataclasses
+    import sys
+    import types
+
+    from pat_engine.parallel.tensor_handles import serialize
+
+    module = "sglang.srt.model_executor.model_runner_components.weight_updater"
+    cls = dataclasses.make_dataclass("LocalSerializedTensor", [("values", list)])
+    cls.__module__ = module
+    parts = module.split(".")
+    names = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    saved = {n: sys.modules.get(n) for n in names}
+    sys.modules.update({n: types.ModuleType(n) for n in names})  # pickle imports the path to check the class
+    sys.modules[module].LocalSerializedTensor = cls
+    try:
+        # each "trainer rank" shares its own copy (on GPUs: the copy on the GPU that rank shares with a worker)
+        entry = serialize([(n, cls([serialize(t.clone()) for _ in range(ranks)])) for n, t in named])
+    finally:
+        for n, old in saved.items():
+            if old is None:
+                del sys.modules[n]
+            else:
+                sys.modules[n] = old
+    return [base64.b64encode(entry).decode()] * ranks
+
+
+def test_update_from_tensor_by_handle_in_sglang_s_form(client, engine, model_dir):
+    weights = _hf_tensors(model_dir("llama"))
+    name = "model.layers.0.mlp.down_proj.weight"
+    body = {"input_ids": [8, 9, 10], "sampling_params": {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}}
+    before = client.post("/generate", json=body).json()["output_ids"]
+    changed = [(name, weights[name] * 1.5)]
+    r = client.post("/update_weights_from_tensor", json={"serialized_named_tensors": _sglang_handles(changed, 2),
+                                                          "weight_version": "by-handle", "load_format": "direct"})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert client.get("/get_weight_version").json() == {"weight_version": "by-handle"}
+    moved = client.post("/generate", json=body).json()["output_ids"]
+    assert moved != before
+    r = client.post("/update_weights_from_tensor",
+                    json={"serialized_named_tensors": [_serialize(changed)]})  # the same weights by value
+    assert r.json()["success"] and client.post("/generate", json=body).json()["output_ids"] == moved
+    bad = _sglang_handles([(name, torch.zeros(3, 3, dtype=torch.float64))], 2)
+    r = client.post("/update_weights_from_tensor", json={"serialized_named_tensors": bad})
+    assert r.status_code == 400 and "shape" in r.json()["message"], r.text
+    r = client.post("/update_weights_from_tensor", json={"serialized_named_tensors": _sglang_handles([(name, weights[name])], 2)})
+    assert r.json()["success"] and client.post("/generate", json=body).json()["output_ids"] == before
+
+
 @pytest.mark.parametrize("named, match", [
     ([("model.layers.0.mlp.nonexistent.weight", torch.zeros(2))], "unknown weight"),
     ([("model.layers.0.mlp.down_proj.weight", torch.zeros(3, 3))], "shape"),
@@ -425,6 +477,9 @@ def test_bad_dtype_and_distributed_refusals(client, engine):
     r = client.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": 1,
                                                         "rank_offset": 0, "world_size": 3})
     assert r.status_code == 400 and "do not fit" in r.json()["message"]
+    r = client.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": 1,
+                                                        "rank_offset": 1, "world_size": 3, "backend": "nccl"})
+    assert r.status_code == 400 and "needs an engine on CUDA devices" in r.json()["message"], r.text
     r = client.post("/update_weights_from_disk", json={"model_path": "/nonexistent/ckpt"})
     assert r.status_code == 400 and not r.json()["success"]
     assert client.post("/update_weights_from_disk", json={"path": "x"}).status_code == 400  # unknown field

@@ -135,21 +135,44 @@ def test_plugin_registers_when_verl_imports_it():
     assert out.stdout.split()[-2:] == ["PatReplica", "pat_integrations.verl.adapter.PatServerAdapter"]
 
 
+def _set_weight_transfer(worker, how: str, mesh: bool) -> None:
+    """Run in each stand-in trainer rank (both at once: building the mesh is collective)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    worker.rollout.weight_transfer = how
+    if not mesh:
+        worker.rollout.device_mesh = None
+    elif worker.rollout.device_mesh is None:  # veRL's rollout mesh: (dp, infer_tp, infer_pp) = (1, 2, 1)
+        worker.rollout.device_mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp"))
+
+
+# (weights, weight_transfer, infer_tp mesh): by handle from the talking rank alone (CPU tensors, no mesh),
+# by value through Ray's object store, then by handle from both ranks, one payload per engine worker
+SYNCS = ((0, "auto", False), (1, "object_store", False), (0, "auto", True), (1, "handles", True))
+
+
 def test_training_steps_sync_weights_and_generate_token_exact(rollout):
     server = rollout.manager.get_replicas()[0].servers[0]
     client = rollout.manager.get_client()
-    for step, path in enumerate(rollout.steps, start=1):
+    for step, (which, how, mesh) in enumerate(SYNCS, start=1):
+        path = rollout.steps[which]
+        ray.get([w.__ray_call__.remote(_set_weight_transfer, how, mesh) for w in rollout.group.workers])
+        counts = ray.get(server.weight_bucket_counts.remote())
         # the trainer's loop: rollout asleep during training, then the weight sync wakes it
         rollout.checkpoints.sleep_replicas()
         rollout.group.set_weights(path)
         rollout.checkpoints.update_weights(global_steps=step)
+        now = ray.get(server.weight_bucket_counts.remote())
+        moved = "values" if how == "object_store" else "handles"
+        assert now[moved] > counts[moved] and all(now[k] == counts[k] for k in now if k != moved)
         outs = generate_all(client)
         assert [o.token_ids for o in outs] == hf_greedy_batch(path)
         assert all(o.stop_reason == "completed" and len(o.log_probs) == len(o.token_ids) for o in outs)
         assert all(o.extra_fields["global_steps"] == step for o in outs)
         switches = ray.get(server.switches.remote())
         assert switches[-1]["to_layout"] == "TP2xDP1" and switches[-1]["ok"]
-    # step 2's weights arrived while the engine sat in TP2xDP1; its stage still began at the base layout
+    ray.get([w.__ray_call__.remote(_set_weight_transfer, "auto", False) for w in rollout.group.workers])
+    # the last weights arrived while the engine sat in TP2xDP1; its stage still began at the base layout
     assert ray.get(server.stage_layouts.remote())[-2:] == ["TP1xDP2", "TP1xDP2"]
 
 

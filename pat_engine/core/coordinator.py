@@ -321,6 +321,11 @@ class GlobalCoordinator:
         self.drain()
         return self.workers.load_weights(tensors)
 
+    def load_weights_from_handles(self, payloads: list[bytes]) -> int:
+        """One bucket of tensors a colocated trainer shares by handle; every rank rebuilds and slices."""
+        self.drain()
+        return self.workers.load_weights_from_handles(payloads)
+
     def reload_weights(self, path: str) -> None:
         self.drain()
         self.workers.reload_weights(path)

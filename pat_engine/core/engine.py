@@ -32,7 +32,7 @@ from pat_engine.core.restart_budget import RestartBudget
 from pat_engine.core.served_weights import ServedWeights
 from pat_engine.core.sleep_state import DISCARDED, check_tags, tags_for_level
 from pat_engine.core.timeline import SwitchEvent
-from pat_engine.core.weight_sync import DEFAULT_BUCKET_BYTES, WeightSync
+from pat_engine.core.weight_sync import DEFAULT_BUCKET_BYTES, HandleBucket, WeightSync
 from pat_engine.core.worker_client import WorkerClient
 from pat_engine.core.worker_pool import WorkerPool
 from pat_engine.errors import EngineClosedError, EngineDeadError, InvalidRequestError, ModelLoadError, WorkerFailure
@@ -392,6 +392,24 @@ class Engine:
         self._ensure_open()
         return self._weight_sync.from_tensors(named_tensors, bucket_bytes, weight_version)
 
+    def update_weights_from_handles(self, buckets: HandleBucket | Iterable[HandleBucket],
+                                    weight_version: str | None = None, final: bool = True) -> int:
+        """Load weights a colocated trainer shares by handle (CUDA IPC on GPUs, shared memory on CPU).
+
+        Each bucket is a payload from ``pat_engine.parallel.tensor_handles.serialize_named_tensors`` (or
+        ``serialize_buckets``), or a list with one payload per worker rank (SGLang's
+        ``serialized_named_tensors``: worker ``r`` takes entry ``r % len``). Every worker rebuilds the
+        handles and copies only its own shard under the current layout; one bucket is in flight at a
+        time, and the trainer must keep a bucket's tensors alive until the next one is asked for (or
+        this call returns). Names and shapes are checked on the workers before a bucket is applied.
+        ``final=False``: more buckets follow in a later call; the weight version is counted (and the
+        prefix cache dropped) by the call with ``final=True``. Returns how many tensors were applied.
+        """
+        self._ensure_open()
+        if isinstance(buckets, (bytes, bytearray, memoryview)):
+            buckets = [buckets]
+        return self._weight_sync.from_handles(buckets, weight_version, final)
+
     def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> None:
         """Reload every rank's shard from a checkpoint of the same architecture and shapes."""
         self._ensure_open()
@@ -402,7 +420,9 @@ class Engine:
                                   timeout_s: float | None = None) -> None:
         """Every worker joins a trainer's group (trainer = rank 0, worker r = ``rank_offset + r``).
 
-        Blocks until the trainer has joined too. ``backend`` defaults to gloo on CPU, NCCL on GPU.
+        Blocks until the trainer has joined too. ``backend`` defaults to gloo on CPU, NCCL on GPU (a torch
+        process group, as SGLang's ``init_custom_process_group`` builds); ``"stateless_nccl"`` joins the
+        vLLM ``StatelessProcessGroup`` + PyNccl group OpenRLHF's trainer builds (CUDA, vLLM installed).
         """
         self._ensure_open()
         self._weight_sync.join_group(master_address, master_port, rank_offset, world_size, group_name, backend,
@@ -410,11 +430,13 @@ class Engine:
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str = "weight_update_group", weight_version: str | None = None,
-                                        timeout_s: float | None = None) -> int:
+                                        timeout_s: float | None = None, final: bool = True) -> int:
         """Receive full tensors the trainer broadcasts (in ``names`` order) and load them under the current
-        layout. The update is checked whole first; a refused one leaves the weights as they were."""
+        layout. The update is checked whole first; a refused one leaves the weights as they were.
+        ``final=False``: more tensors follow in later calls (as ``update_weights_from_handles``)."""
         self._ensure_open()
-        return self._weight_sync.from_distributed(names, dtypes, shapes, group_name, weight_version, timeout_s)
+        return self._weight_sync.from_distributed(names, dtypes, shapes, group_name, weight_version, timeout_s,
+                                                  final)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> bool:
         self._ensure_open()

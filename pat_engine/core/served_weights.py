@@ -30,6 +30,10 @@ class ServedWeights:
     def updated_in_memory(self) -> None:
         self.on_disk, self.stale = False, False
 
+    def update_failed(self) -> None:
+        """An update stopped part-way (some ranks or buckets applied): no layout serves a whole model."""
+        self.on_disk, self.stale = False, True
+
     def updated_from_disk(self, path: str) -> None:
         self.path, self.on_disk, self.stale = path, True, False
 

@@ -5,42 +5,48 @@ every rank slices its own shard under whatever layout is current, so an
 update after a live switch lands correctly. The caller's thread walks the
 tensor iterator (a trainer's generator may run collectives) and hands the
 engine loop one bucket at a time (``GlobalCoordinator.load_weights``), so the
-full model is never held twice. ``Engine``'s weight methods delegate here.
+full model is never held twice. A colocated trainer's buckets may come by
+handle instead (``from_handles``: the workers rebuild them, see
+``parallel/tensor_handles.py``). ``Engine``'s weight methods delegate here.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence, Union
 
 import torch
 
 from pat_engine.config import EngineConfig
 from pat_engine.core.coordinator import GlobalCoordinator
 from pat_engine.core.served_weights import ServedWeights
-from pat_engine.errors import InvalidRequestError, ModelLoadError
+from pat_engine.errors import InvalidRequestError, ModelLoadError, WorkerFailure
 from pat_engine.model.arch import ModelArch, load_model_arch
 from pat_engine.model.llama import CausalLM
-from pat_engine.model.weights import WeightNameCheck, safetensors_files
-from pat_engine.parallel.update_group import BACKENDS, parse_dtype
+from pat_engine.model.weights import WeightNameCheck, byte_buckets, safetensors_files
+from pat_engine.parallel.update_group import BACKENDS, CUDA_ONLY, parse_dtype
 
 DEFAULT_BUCKET_BYTES = 256 << 20
+HandleBucket = Union[bytes, Sequence[bytes]]  # one payload for every worker, or one per worker rank
 
 
 def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], limit: int, check: WeightNameCheck) -> Iterator[list]:
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        check.check(name, tuple(tensor.shape))
-        tensor = tensor.detach()
-        if tensor.device.type == "cpu":
-            tensor = tensor.contiguous()
-        bucket.append((name, tensor))
-        size += tensor.numel() * tensor.element_size()
-        if size >= limit:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
+    def checked() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in named_tensors:
+            check.check(name, tuple(tensor.shape))
+            tensor = tensor.detach()
+            yield name, tensor.contiguous() if tensor.device.type == "cpu" else tensor
+
+    return byte_buckets(checked(), limit)
+
+
+def _refused(exc: WorkerFailure) -> Exception:
+    """A worker's refusal of a bucket (bad handle, unknown name, wrong shape) as the driver-side error
+    the other update paths raise; any other failure unchanged."""
+    kind = {"InvalidRequestError": InvalidRequestError, "ModelLoadError": ModelLoadError}.get(exc.error_type or "")
+    if kind is None:
+        return exc
+    reason = str(exc).splitlines()[0].split(": ", 1)[-1]  # "<call> failed on rank r: <module.Error>: <why>"
+    return kind(reason.split(": ", 1)[-1])
 
 
 class WeightSync:
@@ -91,6 +97,24 @@ class WeightSync:
         self._on_loop(self.coordinator.new_weight_version, version)
         return applied
 
+    def from_handles(self, buckets: Iterable[HandleBucket], version: str | None, final: bool) -> int:
+        """Buckets of tensors shared by handle, one in flight; ``final``: the update is whole, count a version."""
+        self.check_resident()
+        applied = 0
+        for i, bucket in enumerate(buckets):
+            one = isinstance(bucket, (bytes, bytearray, memoryview))
+            payloads = [bytes(bucket)] if one else [bytes(p) for p in bucket]
+            try:
+                applied += self._on_loop(self.coordinator.load_weights_from_handles, payloads)
+            except WorkerFailure as exc:
+                if i > 0:  # earlier buckets are in: the model is part old, part new
+                    self.weights.update_failed()
+                raise _refused(exc) from None
+            self.weights.updated_in_memory()
+        if final:
+            self._on_loop(self.coordinator.new_weight_version, version)
+        return applied
+
     def from_disk(self, path: str, version: str | None) -> None:
         self.check_resident()
         arch = load_model_arch(path)
@@ -107,6 +131,9 @@ class WeightSync:
         backend = backend or ("nccl" if self.config.device == "cuda" else "gloo")
         if backend not in BACKENDS:
             raise InvalidRequestError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend in CUDA_ONLY and self.config.device != "cuda":
+            raise InvalidRequestError(f"backend {backend!r} needs an engine on CUDA devices; this one runs on "
+                                      f"{self.config.device}: use backend='gloo'")
         if rank_offset < 1 or rank_offset + world > world_size:
             raise InvalidRequestError(f"ranks {rank_offset}..{rank_offset + world - 1} of this engine's {world} "
                                       f"workers do not fit a group of {world_size} (rank 0 is the trainer)")
@@ -114,13 +141,14 @@ class WeightSync:
                       world_size, group_name, backend, timeout_s or self.config.collective_timeout_s)
 
     def from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]], group_name: str,
-                         version: str | None, timeout_s: float | None) -> int:
+                         version: str | None, timeout_s: float | None, final: bool = True) -> int:
         self.check_resident()
         self.check_update(names, [tuple(s) for s in shapes], dtypes)
         applied = self._on_loop(self.coordinator.receive_weights, list(names), [str(d) for d in dtypes],
                                 [list(s) for s in shapes], group_name, timeout_s)
         self.weights.updated_in_memory()
-        self._on_loop(self.coordinator.new_weight_version, version)
+        if final:
+            self._on_loop(self.coordinator.new_weight_version, version)
         return applied
 
     def leave_group(self, group_name: str) -> bool:

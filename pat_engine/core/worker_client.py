@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 from pat_engine.protocol import (
     AllocateKV, BandwidthProbe, DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, InjectFault, KVBudget,
-    LoadWeights, ReleaseMemory, ReloadWeights, RestoreMemory, Stats, Switch, SwitchPlan, SwitchReport,
-    UpdateWeightsFromDistributed, WorkerCall,
+    LoadWeights, LoadWeightsFromHandles, ReleaseMemory, ReloadWeights, RestoreMemory, Stats, Switch, SwitchPlan,
+    SwitchReport, UpdateWeightsFromDistributed, WorkerCall,
 )
 
 
@@ -48,6 +48,10 @@ class WorkerClient:
     def load_weights(self, tensors: list[tuple[str, Any]]) -> int:
         """Tensors applied (the count rank 0 reports; every rank applies the same names)."""
         return self._pool.call(LoadWeights(tensors))[0]
+
+    def load_weights_from_handles(self, payloads: list[bytes]) -> int:
+        """One bucket by handle; tensors applied (rank 0's count)."""
+        return self._pool.call(LoadWeightsFromHandles(payloads))[0]
 
     def reload_weights(self, path: str) -> None:
         self._pool.call(ReloadWeights(path))

@@ -43,6 +43,9 @@ class WorkerPool:
         self._store: dist.TCPStore | None = None
         self._call_ids = itertools.count(1)
         self.pending: list[StepResult | Reply] = []  # messages read while waiting for something else
+        # calls already reported failed: the other ranks' late replies to them are dropped, not taken
+        # for a failure of whatever runs when they arrive (a refusal on every rank is not a crash)
+        self._failed_calls: set[int] = set()
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -152,7 +155,9 @@ class WorkerPool:
         conn = self.conns[rank]
         try:
             while conn.poll():
-                msgs.append(conn.recv())
+                msg = conn.recv()
+                if not (isinstance(msg, Reply) and msg.call_id in self._failed_calls):
+                    msgs.append(msg)
         except (EOFError, OSError):
             # its end of the socket closed: the process is gone or going
             if msgs:
@@ -177,6 +182,7 @@ class WorkerPool:
             for msg in self._read(min(left, 1.0)):
                 if isinstance(msg, Reply) and msg.call_id == call_id:
                     if not msg.ok:
+                        self._failed_calls.add(call_id)
                         raise WorkerFailure(f"{what} failed on rank {msg.rank}: {last_traceback_line(msg.error)}\n{msg.error}",
                                             rank=msg.rank, error_type=msg.error_type)
                     got[msg.rank] = msg

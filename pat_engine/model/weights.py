@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 from safetensors import safe_open
@@ -177,6 +177,22 @@ def load_shard_from_disk(model: nn.Module, model_path: str | Path, rank: int, tp
     missing = loader.missing()
     if missing:
         raise ModelLoadError(f"checkpoint {str(model_path)!r} lacks tensors for: {', '.join(missing[:8])}")
+
+
+def byte_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                 limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of named tensors; a group closes once it holds ``limit`` bytes or more, so
+    a weight update holds about one group at a time (every weight-sync path buckets with this)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= limit:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
 
 
 @torch.no_grad()

@@ -10,17 +10,27 @@ It is a second group next to the engine's own world, which it never touches.
 ``_new_process_group_helper`` is private torch API, the same one those
 frameworks rely on: it is the only way to build a named group without making
 it the process's default group.
+
+``STATELESS_NCCL`` is the other kind a trainer builds: OpenRLHF's
+``stateless_init_process_group`` is vLLM's ``StatelessProcessGroup`` (a
+TCPStore, rank 0 hosting) plus a ``PyNcclCommunicator`` whose NCCL unique id
+travels through that store. Torch's NCCL group cannot meet it (it exchanges
+its id under other keys), so workers join it with vLLM's own classes; that
+needs vLLM installed where the engine runs, and CUDA.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-BACKENDS = ("gloo", "nccl")
+STATELESS_NCCL = "stateless_nccl"
+BACKENDS = ("gloo", "nccl", STATELESS_NCCL)
+CUDA_ONLY = ("nccl", STATELESS_NCCL)
 
 
 def join_update_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
@@ -39,6 +49,22 @@ def join_update_group(master_address: str, master_port: int, rank: int, world_si
     return pg
 
 
+def join_stateless_nccl(master_address: str, master_port: int, rank: int, world_size: int,
+                        device: torch.device) -> Any:
+    """Join an OpenRLHF-style group (vLLM's ``StatelessProcessGroup`` + ``PyNcclCommunicator``) on ``device``;
+    returns the communicator (its ``broadcast(tensor, src, stream)`` is what ``receive_broadcast`` calls)."""
+    if device.type != "cuda":
+        raise ValueError(f"{STATELESS_NCCL!r} needs a CUDA device, not {device}")
+    try:
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+    except ImportError as exc:
+        raise ImportError(f"backend {STATELESS_NCCL!r} joins the trainer's group with vLLM's StatelessProcessGroup "
+                          f"and PyNcclCommunicator (as OpenRLHF's trainer builds it): install vllm ({exc})") from None
+    pg = StatelessProcessGroup.create(host=master_address, port=master_port, rank=rank, world_size=world_size)
+    return PyNcclCommunicator(pg, device=device)
+
+
 def parse_dtype(name: str) -> torch.dtype:
     """``"bfloat16"`` or ``"torch.bfloat16"`` -> the floating-point torch dtype; ValueError otherwise."""
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
@@ -47,12 +73,18 @@ def parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def receive_broadcast(pg: dist.ProcessGroup, names: list[str], dtypes: list[str], shapes: list[list[int]],
+def receive_broadcast(pg: Any, names: list[str], dtypes: list[str], shapes: list[list[int]],
                       device: torch.device) -> list[tuple[str, torch.Tensor]]:
-    """Take part in one broadcast from rank 0 per tensor, in order; returns the full tensors."""
+    """Take part in one broadcast from rank 0 per tensor, in order; returns the full tensors.
+    ``pg``: a torch ``ProcessGroup`` or a ``PyNcclCommunicator`` (``join_stateless_nccl``)."""
     out = []
     for name, dtype, shape in zip(names, dtypes, shapes):
         tensor = torch.empty(tuple(shape), dtype=parse_dtype(dtype), device=device)
-        dist.broadcast(tensor, src=0, group=pg)
+        if isinstance(pg, dist.ProcessGroup):
+            dist.broadcast(tensor, src=0, group=pg)
+        else:
+            pg.broadcast(tensor, src=0, stream=torch.cuda.current_stream(device))
         out.append((name, tensor))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # PyNccl returns once the broadcast is queued on the stream
     return out

@@ -13,7 +13,7 @@ imports: core -> protocol <- worker.
 
 from pat_engine.protocol.calls import (
     AllocateKV, BandwidthProbe, Call, DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, InjectFault, KVBudget,
-    LoadWeights, ReleaseMemory, ReloadWeights, Reply, RestoreMemory, Shutdown, Stats, Switch,
+    LoadWeights, LoadWeightsFromHandles, ReleaseMemory, ReloadWeights, Reply, RestoreMemory, Shutdown, Stats, Switch,
     UpdateWeightsFromDistributed, WorkerCall,
 )
 from pat_engine.protocol.startup import WorkerArgs
@@ -22,7 +22,7 @@ from pat_engine.protocol.switch import SeqTable, SwitchPlan, SwitchReport
 
 __all__ = [
     "AllocateKV", "BandwidthProbe", "DestroyWeightsUpdateGroup", "InitWeightsUpdateGroup", "InjectFault", "KVBudget",
-    "LoadWeights", "ReleaseMemory", "ReloadWeights", "RestoreMemory", "Shutdown", "Stats", "Switch",
-    "UpdateWeightsFromDistributed", "WorkerCall",
+    "LoadWeights", "LoadWeightsFromHandles", "ReleaseMemory", "ReloadWeights", "RestoreMemory", "Shutdown", "Stats",
+    "Switch", "UpdateWeightsFromDistributed", "WorkerCall",
     "PromptLogprobs", "Call", "Reply", "SeqStep", "StepCommand", "SeqTable", "StepResult", "SwitchPlan", "SwitchReport", "WorkerArgs",
 ]

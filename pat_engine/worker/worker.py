@@ -25,8 +25,8 @@ from pat_engine.model.arch import load_model_arch
 from pat_engine.parallel.group_pool import CommGroupPool
 from pat_engine.protocol import (
     AllocateKV, BandwidthProbe, Call, DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, InjectFault, KVBudget,
-    LoadWeights, ReleaseMemory, ReloadWeights, Reply, RestoreMemory, Shutdown, Stats, StepCommand, Switch,
-    SwitchReport, UpdateWeightsFromDistributed, WorkerArgs, WorkerCall,
+    LoadWeights, LoadWeightsFromHandles, ReleaseMemory, ReloadWeights, Reply, RestoreMemory, Shutdown, Stats,
+    StepCommand, Switch, SwitchReport, UpdateWeightsFromDistributed, WorkerArgs, WorkerCall,
 )
 from pat_engine.worker.faults import FaultInjector
 from pat_engine.worker.graph_capture import GraphSettings
@@ -125,18 +125,36 @@ class Worker:
         return self.executor.load_tensors(call.tensors)
 
     @handle.register
+    def _load_weights_from_handles(self, call: LoadWeightsFromHandles) -> int:
+        from pat_engine.model.weights import WeightNameCheck
+        from pat_engine.parallel.tensor_handles import load_named_tensors
+
+        tensors = load_named_tensors(call.payloads, self.rank, self.device)  # views of the trainer's memory
+        check = WeightNameCheck(self.executor.model)
+        for name, tensor in tensors:  # the whole bucket before any of it is applied
+            check.check(name, tuple(tensor.shape))
+        applied = self.executor.load_tensors(tensors)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the trainer may free or overwrite its tensors once we answer
+        return applied
+
+    @handle.register
     def _reload_weights(self, call: ReloadWeights) -> None:
         self.executor.load_weights(call.path)
 
     @handle.register
     def _init_weights_update_group(self, call: InitWeightsUpdateGroup) -> None:
-        from pat_engine.parallel.update_group import join_update_group
+        from pat_engine.parallel.update_group import STATELESS_NCCL, join_stateless_nccl, join_update_group
 
         if call.group_name in self.update_groups:
             raise ValueError(f"weight-update group {call.group_name!r} already exists; destroy it first")
-        self.update_groups[call.group_name] = join_update_group(
-            call.master_address, call.master_port, call.rank_offset + self.rank, call.world_size, call.group_name,
-            call.backend, call.timeout_s)
+        rank = call.rank_offset + self.rank
+        if call.backend == STATELESS_NCCL:  # each worker receives on its own device
+            group = join_stateless_nccl(call.master_address, call.master_port, rank, call.world_size, self.device)
+        else:
+            group = join_update_group(call.master_address, call.master_port, rank, call.world_size, call.group_name,
+                                      call.backend, call.timeout_s)
+        self.update_groups[call.group_name] = group
 
     @handle.register
     def _update_weights_from_distributed(self, call: UpdateWeightsFromDistributed) -> int:
@@ -149,9 +167,9 @@ class Worker:
     @handle.register
     def _destroy_weights_update_group(self, call: DestroyWeightsUpdateGroup) -> bool:
         pg = self.update_groups.pop(call.group_name, None)
-        if pg is not None:
+        if isinstance(pg, dist.ProcessGroup):
             dist.destroy_process_group(pg)
-        return pg is not None
+        return pg is not None  # a PyNccl communicator is dropped with its last reference
 
     # ---- memory (RL colocation, GPU start-up) ----------------------------------------------------
 

@@ -4,7 +4,9 @@ OpenRLHF's driver calls, on every engine actor: ``init_process_group`` once,
 then per step ``wake_up`` / ``generate_responses`` (or ``generate`` from an
 agent executor) / ``sleep``, ``get_num_unfinished_requests`` for load
 balancing, and for weight sync ``update_weight(name, dtype, shape)`` followed
-by a broadcast from the trainer. Signatures follow OpenRLHF 0.11.2. With ``pat_rollout``
+by a broadcast from the trainer (gloo: this actor receives; nccl: every worker joins OpenRLHF's
+PyNccl group on its GPU), or, colocated, ``update_weight_cuda_ipc`` with one handle per trainer GPU
+(each worker opens its own GPU's). Signatures follow OpenRLHF 0.11.2. With ``pat_rollout``
 (tail batching, group sizing), ``rollout_step`` runs a step's prompts as one tail-batched round
 (``pat_integrations.rounds``): a drop-in for the sample generation of a step.
 Wrapped with ``ray.remote`` by ``create_pat_engines``.
@@ -23,6 +25,8 @@ from pat_engine import Engine
 from pat_integrations.frontend import AsyncEngineFrontend
 from pat_integrations.openrlhf.outputs import GenerationOutput, to_vllm_shape
 from pat_integrations.openrlhf.settings import PatActorSettings
+from pat_engine.parallel.tensor_handles import DeviceHandles, serialize, serialize_reduced
+from pat_engine.parallel.update_group import STATELESS_NCCL
 from pat_integrations.openrlhf.weight_sync import LocalRanks
 from pat_integrations.rounds import EngineRounds, RoundResult
 from pat_integrations.sampling import from_vllm_like
@@ -64,7 +68,8 @@ class PatRolloutActor:
                                    name="openrlhf") if s.rollout is not None else None
         self._executor = _load_agent_executor(agent_func_path) if agent_func_path else None
         self._remote_rm_url = remote_rm_url
-        self._update_group: LocalRanks | None = None
+        self._update_group: LocalRanks | None = None  # gloo: this actor holds the engine's ranks
+        self._nccl_group: str | None = None  # nccl: the workers joined the group named so
         self._pending: list[tuple[str, torch.Tensor]] = []
         self._pending_bytes = 0
 
@@ -143,19 +148,34 @@ class PatRolloutActor:
 
     async def init_process_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                  group_name: str, backend: str = "nccl", use_ray: bool = False) -> None:
+        """``backend="nccl"``: OpenRLHF's trainer builds vLLM's StatelessProcessGroup + PyNccl, so every
+        worker joins that kind of group on its own GPU (vLLM must be installed; CUDA engines only).
+        ``backend="gloo"``: this actor holds the engine's ranks (the trainer uses ``stateless_gloo_group``)."""
         if use_ray:
             raise NotImplementedError("use_ray=True (ray.util.collective) puts one rank in each process; "
                                       "a pat engine holds all its ranks in one actor: use the default path")
-        if backend != "gloo":
-            raise NotImplementedError(
-                f"backend={backend!r}: this actor joins the update group with gloo (CPU); on the trainer side "
-                "use pat_integrations.openrlhf.weight_sync.stateless_gloo_group (NCCL needs vLLM's "
-                "StatelessProcessGroup on both sides and is not implemented)")
         world = self.engine.config.world
+        if backend == "nccl":
+            if self.engine.config.device != "cuda":
+                raise ValueError(
+                    "backend='nccl' needs a pat engine on CUDA devices (each worker joins OpenRLHF's vLLM "
+                    "StatelessProcessGroup + PyNccl group on its GPU); this engine runs on CPU: use backend='gloo' "
+                    "with pat_integrations.openrlhf.weight_sync.stateless_gloo_group on the trainer side")
+            await self.frontend.call(self.engine.init_weights_update_group, master_address, master_port, rank_offset,
+                                     world_size, group_name, STATELESS_NCCL)
+            self._nccl_group = group_name
+            return
+        if backend != "gloo":
+            raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
         self._update_group = await LocalRanks.join(master_address, master_port, rank_offset, world_size,
                                                    group_name, world)
 
     async def update_weight(self, name: str, dtype: torch.dtype, shape: Any, empty_cache: bool = False) -> None:
+        if self._nccl_group is not None:  # the workers take part in the broadcast on their own GPUs
+            await self.frontend.call(self.engine.update_weights_from_distributed, [name], [str(dtype)],
+                                     [list(shape)], self._nccl_group, final=empty_cache)
+            self._weights_changed(empty_cache)
+            return
         if self._update_group is None:
             raise RuntimeError("update_weight before init_process_group")
         tensor = await self._update_group.receive(dtype, tuple(shape))
@@ -165,17 +185,26 @@ class PatRolloutActor:
         if empty_cache or self._pending_bytes >= WEIGHT_BUCKET_BYTES:
             await self._apply_pending()
 
-    async def update_weight_cuda_ipc(self, name: str, dtype: torch.dtype, shape: Any, ipc_handles: Any,
+    async def update_weight_cuda_ipc(self, name: str, dtype: torch.dtype, shape: Any, ipc_handles: dict,
                                      empty_cache: bool = False) -> None:
-        raise NotImplementedError("CUDA IPC weight handles need GPU engines sharing the trainer's devices; this "
-                                  "adapter receives weights with init_process_group + update_weight")
+        """OpenRLHF's colocated sync: ``ipc_handles`` maps each trainer GPU (``get_physical_gpu_id``, its
+        UUID) to ``reduce_tensor`` of the full parameter there; every worker opens the handle on its own
+        GPU (on CPU: key "cpu", shared memory) and copies its shard. The trainer frees its copy once this
+        returns, so the parameter is applied now; the last one (``empty_cache``) counts the version."""
+        await self._apply_pending()
+        payload = serialize([(name, DeviceHandles({str(k): serialize_reduced(h) for k, h in ipc_handles.items()}))])
+        await self.frontend.call(self.engine.update_weights_from_handles, payload, final=empty_cache)
+        self._weights_changed(empty_cache)
 
     async def _apply_pending(self) -> None:
         if self._pending:
             bucket, self._pending, self._pending_bytes = self._pending, [], 0
             await self.frontend.call(self.engine.update_weights, bucket)
-            if self.rounds is not None:
-                self.rounds.weights_updated()  # deferred partials are now stale: regenerated, not resumed
+            self._weights_changed(True)
+
+    def _weights_changed(self, whole: bool) -> None:
+        if whole and self.rounds is not None:
+            self.rounds.weights_updated()  # deferred partials are now stale: regenerated, not resumed
 
     # ---- introspection (not part of OpenRLHF's contract) ---------------------------------------
 

@@ -3,11 +3,22 @@
 Every trainer rank builds one (``get_rollout_class("pat")``); the first rank
 of each replica talks to the replica's server, found by actor name. Weights
 arrive as veRL's generator of full Hugging Face-named tensors; every rank
-drains it (the generator may run collectives), and the talking rank ships
-buckets of ``checkpoint_engine.update_weights_bucket_megabytes`` to the server
-through Ray's object store, one bucket in flight, so the model is never held
-twice. The server applies each bucket with ``Engine.update_weights`` under its
-current layout.
+drains it (the generator may run collectives) in buckets of
+``checkpoint_engine.update_weights_bucket_megabytes``, one bucket in flight, so
+the model is never held twice.
+
+How a bucket reaches the server (``engine_kwargs.pat.weight_transfer``):
+- ``handles`` (hybrid mode: trainer and replica share the node and its
+  devices): the bucket travels by handle, as veRL's own vLLM and SGLang
+  adapters do it. With veRL's ``infer_tp`` mesh spanning the replica's devices,
+  every trainer rank shares its copy (CUDA IPC on its GPU) and the talking rank
+  gathers them, one per engine worker; worker ``r`` opens rank ``r``'s. Without
+  that mesh, CPU tensors go from the talking rank alone (shared memory is
+  node-wide, a GPU handle is not). The ranks wait for the server before they
+  drop the bucket.
+- ``object_store``: the talking rank ships tensor values through Ray.
+- ``auto`` (default): handles where one of the two cases above holds.
+The server applies each bucket under its current layout.
 """
 
 from __future__ import annotations
@@ -20,7 +31,9 @@ import ray
 import torch
 from verl.workers.rollout.base import BaseRollout
 
+from pat_engine.parallel.tensor_handles import serialize_named_tensors
 from pat_integrations.verl.replica import server_name
+from pat_integrations.verl.settings import weight_transfer
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +64,8 @@ class PatServerAdapter(BaseRollout):
         self.replica_rank = rank // world if replica_rank == -1 else replica_rank
         self.rollout_rank = rank % world
         self.bucket_bytes = int(c.checkpoint_engine.update_weights_bucket_megabytes) << 20
+        self.weight_transfer = weight_transfer(c)
+        self.world = world
         self._server = None
 
     @property
@@ -78,18 +93,53 @@ class PatServerAdapter(BaseRollout):
             raise NotImplementedError("pat-engine has no LoRA adapters; set actor_rollout_ref.model.lora.merge=True")
         bucket: list[tuple[str, torch.Tensor]] = []
         size = sent = 0
+        path: str | None = None  # "handles" or "object_store", decided on the first tensor
         async for name, tensor in _aiter(weights):
-            if not self.has_server:
+            path = path or self._transfer_path(tensor)
+            if not (self.has_server or (path == "handles" and self._handle_group() is not None)):
                 continue  # drained all the same: producing a tensor may be collective across ranks
-            tensor = tensor.detach().to("cpu").contiguous()
-            bucket.append((name, tensor))
+            if path == "object_store":
+                tensor = tensor.detach().to("cpu").contiguous()
+            bucket.append((name, tensor.detach()))
             size += tensor.numel() * tensor.element_size()
             if size >= self.bucket_bytes:
-                sent += await self.server().update_weights_bucket.remote(bucket)
+                sent += await self._send(path, bucket)
                 bucket, size = [], 0
+        if bucket:
+            sent += await self._send(path, bucket)
         if not self.has_server:
             return
-        if bucket:
-            sent += await self.server().update_weights_bucket.remote(bucket)
         await self.server().finish_weight_update.remote(global_steps)
-        log.info("pat rollout: %d tensors sent to %s", sent, server_name(self.replica_rank))
+        log.info("pat rollout: %d tensors sent to %s (%s)", sent, server_name(self.replica_rank), path)
+
+    def _handle_group(self) -> Any:
+        """veRL's ``infer_tp`` mesh when it spans this replica's devices (rank r shares worker r's), else None."""
+        mesh = self.device_mesh
+        if mesh is None or "infer_tp" not in (mesh.mesh_dim_names or ()) or mesh["infer_tp"].size() != self.world:
+            return None
+        return mesh["infer_tp"]
+
+    def _transfer_path(self, tensor: torch.Tensor) -> str:
+        if self.weight_transfer == "object_store":
+            return "object_store"
+        if self._handle_group() is not None or tensor.device.type == "cpu":
+            return "handles"
+        if self.weight_transfer == "handles":
+            raise RuntimeError(f"weight_transfer='handles' with {tensor.device.type} tensors needs veRL's infer_tp "
+                               f"mesh over the replica's {self.world} devices (a GPU handle opens only on its GPU)")
+        return "object_store"
+
+    async def _send(self, path: str, bucket: list[tuple[str, torch.Tensor]]) -> int:
+        """One bucket to the server; returns the tensors it applied (0 on ranks that do not talk)."""
+        if path == "object_store":
+            return await self.server().update_weights_bucket.remote(bucket) if self.has_server else 0
+        payload = serialize_named_tensors(bucket)
+        mesh = self._handle_group()
+        if mesh is None:  # CPU tensors: the talking rank's shared memory serves every worker
+            return await self.server().update_weights_handles.remote([payload]) if self.has_server else 0
+        group = mesh.get_group()
+        gathered = [None] * mesh.size() if self.has_server else None
+        torch.distributed.gather_object(payload, gathered, dst=torch.distributed.get_global_rank(group, 0), group=group)
+        applied = await self.server().update_weights_handles.remote(gathered) if self.has_server else 0
+        torch.distributed.barrier(group=group)  # every rank keeps its copy until the workers have taken it
+        return applied

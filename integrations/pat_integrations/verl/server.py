@@ -46,6 +46,8 @@ class PatServer(LayoutViews):
         self.frontend = AsyncEngineFrontend(self.engine, s.plan)
         self.global_steps: int | None = None
         self.partials = PartialLedger(int(s.engine_kwargs.get("seed") or 0))
+        self._weight_buckets = {"handles": 0, "values": 0}  # how the weight buckets arrived, counted
+        self._handle_update_open = False  # handle buckets in, the version not yet counted
         self.rounds = EngineRounds(self.engine, s.rollout, s.plan, seed=int(s.engine_kwargs.get("seed") or 0),
                                    name=f"verl{replica_rank}") if s.rollout is not None else None
 
@@ -121,9 +123,21 @@ class PatServer(LayoutViews):
 
     async def update_weights_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
         await self.frontend.drain()
+        self._weight_buckets["values"] += 1
         return await self.frontend.update_weights(bucket)
 
+    async def update_weights_handles(self, payloads: list[bytes]) -> int:
+        """One bucket by handle, one payload per engine worker (or one for all); the version is counted
+        by ``finish_weight_update``, once the last bucket is in."""
+        await self.frontend.drain()
+        self._handle_update_open = True
+        self._weight_buckets["handles"] += 1
+        return await self.frontend.call(self.engine.update_weights_from_handles, [payloads], final=False)
+
     async def finish_weight_update(self, global_steps: int | None = None) -> None:
+        if self._handle_update_open:
+            self._handle_update_open = False
+            await self.frontend.call(self.engine.update_weights_from_handles, [], final=True)  # count the version
         self.engine.flush_cache()
         if self.rounds is not None:
             self.rounds.weights_updated()  # deferred partials are now stale: regenerated, not resumed
@@ -140,6 +154,10 @@ class PatServer(LayoutViews):
 
     async def stop_profile(self) -> None:
         return None
+
+    def weight_bucket_counts(self) -> dict:
+        """Weight buckets received so far, by way: ``handles`` or ``values`` (Ray's object store)."""
+        return dict(self._weight_buckets)
 
     def is_sleeping(self) -> bool:
         return self.engine.sleeping

@@ -8,7 +8,8 @@ any ``pat_engine.config.EngineConfig`` field, plus ``switch_schedule``
 (``[[decode_step, tp], ...]``, applied afresh in every stage) and
 ``sleep_level`` (what ``sleep()`` releases in hybrid mode; default 2 like vLLM) and the
 rollout policies of ``pat_integrations.rollout_options`` (``tail_batching``, ``group_sizing``,
-``responses_per_step``, ``group_size``; R0 defaults to ``rollout.n``), which ``PatServer.rollout_step`` runs.
+``responses_per_step``, ``group_size``; R0 defaults to ``rollout.n``), which ``PatServer.rollout_step`` runs;
+``weight_transfer`` (``auto``, ``handles``, ``object_store``: how ``PatServerAdapter`` sends weights).
 ``enable_prefix_caching`` and ``enforce_eager`` (True: no CUDA graphs) go to the engine; the config's
 ``repetition_penalty`` and ``ignore_eos`` are defaults for requests that leave them out, as veRL's
 vLLM server has them.
@@ -27,7 +28,8 @@ from pat_integrations.rollout_options import rollout_config
 from pat_integrations.stage import StagePlan
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "tp", "dp"}
-_OWN_KEYS = {"switch_schedule", "sleep_level"} | ROLLOUT_KEYS
+_OWN_KEYS = {"switch_schedule", "sleep_level", "weight_transfer"} | ROLLOUT_KEYS
+WEIGHT_TRANSFERS = ("auto", "handles", "object_store")  # how PatServerAdapter sends weight buckets
 
 
 def _plain(value: Any) -> Any:
@@ -50,6 +52,14 @@ def model_path(model_config: Any) -> str:
         if value:
             return str(value)
     raise ValueError("actor_rollout_ref.model has neither local_path nor path")
+
+
+def weight_transfer(config: Any) -> str:
+    """``engine_kwargs.pat.weight_transfer`` of a rollout config (see ``PatServerAdapter``)."""
+    value = dict(_plain((_plain(config.engine_kwargs) or {}).get("pat") or {})).get("weight_transfer", "auto")
+    if value not in WEIGHT_TRANSFERS:
+        raise ValueError(f"rollout.engine_kwargs.pat.weight_transfer must be one of {WEIGHT_TRANSFERS}, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,8 @@ class UpdateFromDistributedRequest(_WeightUpdateCommon):
 
 
 class UpdateFromTensorRequest(_WeightUpdateCommon):
-    """Each entry: base64 of ``torch.save([(name, tensor), ...])`` (loaded with ``weights_only=True``)."""
+    """Each entry: base64 of ``torch.save([(name, tensor), ...])`` (by value, loaded with ``weights_only=True``),
+    or SGLang's ``MultiprocessingSerializer`` bytes (by handle: CUDA IPC / shared memory), one per rank."""
 
     serialized_named_tensors: list[StrictStr]
     selector: Literal["target", "draft", "all"] = "all"

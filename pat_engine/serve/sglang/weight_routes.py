@@ -50,19 +50,50 @@ async def _run(fn: Callable, *args, ok: str, **kwargs) -> tuple[bool, str]:
     return True, ok
 
 
-def decode_named_tensors(serialized: list[str]) -> list[tuple[str, torch.Tensor]]:
-    """Each entry: base64 of ``torch.save([(name, tensor), ...])``; loaded with ``weights_only=True``
-    (plain tensors only: no code runs). SGLang's own pickled IPC handles are refused."""
+HANDLE_FORMATS = (None, "direct")  # SGLang's load_format values that mean "load these tensors as they are"
+
+
+def _is_pickle(raw: bytes) -> bool:
+    return len(raw) >= 2 and raw[0] == 0x80  # pickle's PROTO opcode; a torch.save file is a zip ("PK")
+
+
+def decode_entries(serialized: list[str]) -> list[bytes]:
+    """The base64 entries of ``serialized_named_tensors``, decoded."""
     out = []
     for i, entry in enumerate(serialized):
         try:
-            obj = torch.load(io.BytesIO(base64.b64decode(entry, validate=True)), weights_only=True)
+            out.append(base64.b64decode(entry, validate=True))
         except (binascii.Error, ValueError) as exc:
             raise InvalidRequestError(f"serialized_named_tensors[{i}] is not base64: {exc}") from None
+    return out
+
+
+def handle_payloads(serialized: list[str], load_format: str | None) -> list[bytes] | None:
+    """SGLang's by-handle form (``MultiprocessingSerializer`` pickles of CUDA IPC / shared-memory handles,
+    one entry per rank): the payloads for ``Engine.update_weights_from_handles``, which rebuilds them on
+    the workers with an allowlisting unpickler. None: the entries are ``torch.save`` files (by value)."""
+    raw = decode_entries(serialized)
+    kinds = {_is_pickle(r) for r in raw}
+    if kinds != {True}:
+        if True in kinds:
+            raise InvalidRequestError("serialized_named_tensors mixes handle pickles and torch.save files")
+        return None
+    if load_format not in HANDLE_FORMATS:
+        raise InvalidRequestError(f"load_format={load_format!r} is not supported (pat-engine takes named tensors: "
+                                  f"{HANDLE_FORMATS})")
+    return raw
+
+
+def decode_named_tensors(serialized: list[str]) -> list[tuple[str, torch.Tensor]]:
+    """Each entry: base64 of ``torch.save([(name, tensor), ...])``; loaded with ``weights_only=True``
+    (plain tensors only: no code runs). Handle pickles go through ``handle_payloads`` instead."""
+    out = []
+    for i, raw in enumerate(decode_entries(serialized)):
+        try:
+            obj = torch.load(io.BytesIO(raw), weights_only=True)
         except Exception as exc:
             raise InvalidRequestError(
-                f"serialized_named_tensors[{i}] is not a torch.save'd list of (name, tensor) pairs ({exc}); pat-serve "
-                "does not unpickle SGLang's IPC handles") from None
+                f"serialized_named_tensors[{i}] is not a torch.save'd list of (name, tensor) pairs ({exc})") from None
         if not isinstance(obj, (list, tuple)) or not all(
                 isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
                 for p in obj):
@@ -110,6 +141,14 @@ def register_weight_routes(app: FastAPI, pat: PatServer) -> None:
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request) -> JSONResponse:
         req = await pat.parse(request, UpdateFromTensorRequest)
+        try:
+            handles = handle_payloads(req.serialized_named_tensors, req.load_format)
+        except InvalidRequestError as exc:
+            return _answer(False, str(exc))
+        if handles is not None:  # by handle: each worker rebuilds its entry (r % len) and checks it whole
+            await abort_first(req.abort_all_requests)
+            return _answer(*await _run(engine.update_weights_from_handles, [handles],
+                                       weight_version=req.weight_version, ok="Succeeded to update model weights."))
         try:
             named = decode_named_tensors(req.serialized_named_tensors)
             engine.check_weight_update([n for n, _ in named], [tuple(t.shape) for _, t in named],
