@@ -33,11 +33,14 @@ def minor_faults(pid: int) -> int:
 SETTINGS = {"huge": None, "4k": "glibc.malloc.hugetlb=0"}  # None: the engine's own choice
 
 
-def one_run(path: str, pages: str, w: Workload) -> tuple[float, int, list[list[int]]]:
-    os.environ.pop("GLIBC_TUNABLES", None)
-    if SETTINGS[pages] is not None:
-        os.environ["GLIBC_TUNABLES"] = SETTINGS[pages]
-    pat = PatRollout(path)
+def one_run(path: str, env: dict[str, str | None], w: Workload, dtype: str = "float32"
+            ) -> tuple[float, int, list[list[int]]]:
+    """One rollout on an engine started with ``env`` set (None: unset); (seconds, worker faults, tokens)."""
+    for name, value in env.items():
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
+    pat = PatRollout(path, dtype)
     pat.start()
     try:
         pat.run(Workload("warm-up", w.prompts[:4], [8] * 4))
@@ -63,7 +66,7 @@ def main() -> None:
             for _ in range(args.rounds):
                 for pages in runs:
                     t = time.perf_counter()
-                    seconds, faults, tokens[pages] = one_run(path, pages, w)
+                    seconds, faults, tokens[pages] = one_run(path, {"GLIBC_TUNABLES": SETTINGS[pages]}, w)
                     runs[pages].append((seconds, faults))
                     print(f"{shape} {w.name} {pages}: {seconds:.2f} s, {faults} faults "
                           f"({time.perf_counter() - t:.0f} s with start)", flush=True)

@@ -53,6 +53,23 @@ def test_packed_linear_matches_plain(rows: int, bias: bool) -> None:
 
 
 @needs_onednn
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_bfloat16_is_packed_where_the_cpu_has_bfloat16_dot_products(rows: int) -> None:
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert not cpu_gemm.packing_enabled("cpu", torch.bfloat16)
+        pytest.skip("no native bfloat16 on this CPU: bfloat16 weights stay plain")
+    g = torch.Generator().manual_seed(rows)
+    w = torch.nn.Parameter(torch.randn(96, 64, generator=g).bfloat16(), requires_grad=False)
+    module = torch.nn.Module()
+    module.weight, module.is_gemm_weight = w, True
+    assert cpu_gemm.pack(module) == 1
+    x, b = torch.randn(rows, 64).bfloat16(), torch.randn(96).bfloat16()
+    out = cpu_gemm.packed_linear(x, w, b)
+    assert out is not None and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), F.linear(x, w, b).float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_onednn
 def test_replaced_data_is_never_served_from_the_old_pack() -> None:
     w = _packed_param(32, 16, seed=0)
     w.data = torch.randn(32, 16)  # a write behind the executor's back

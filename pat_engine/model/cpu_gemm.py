@@ -1,4 +1,4 @@
-"""oneDNN-packed weights for the CPU GEMMs (float32).
+"""oneDNN-packed weights for the CPU GEMMs (float32, and bfloat16 on CPUs with bfloat16 dot products).
 
 ``F.linear`` on the CPU multiplies against the plain ``(out, in)`` weight every call; oneDNN can
 keep the weight reordered into its own blocked layout once and reuse it. At decode sizes this
@@ -12,8 +12,10 @@ switch, sleep) and packs again after. As a second guard each pack remembers the 
 plain tensor it was made from: a ``.data`` replaced behind the executor's back is never served
 from a stale pack (``linear`` falls back to ``F.linear``).
 
-Only float32: oneDNN has no float64 GEMM (the exactness suite's dtype) and bfloat16 is slow on
-CPUs without AVX512-BF16. The plain weights stay resident (the resharder and the weight loaders
+float32, and bfloat16 where the CPU has native bfloat16 dot products (AVX512-BF16 / AMX, as
+``torch.ops.mkldnn._is_mkldnn_bf16_supported`` reports): there an unpacked bfloat16 ``F.linear``
+reorders the weight on every call (vLLM's CPU build prepacks it too). Not float64: oneDNN has no
+float64 GEMM (the exactness suite's dtype). The plain weights stay resident (the resharder and the weight loaders
 write into them), so packing doubles the weight bytes a CPU worker holds; ``PAT_CPU_GEMM=torch``
 turns it off (also how the benchmark measures the unpacked path).
 """
@@ -31,8 +33,9 @@ GEMM_ATTR = "is_gemm_weight"  # set by the layers whose weight is multiplied thr
 
 def packing_enabled(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether weights on ``device`` in ``dtype`` get packed (see the module docstring)."""
-    return (torch.device(device).type == "cpu" and dtype == torch.float32
-            and torch.backends.mkldnn.is_available() and env.cpu_gemm_packing())
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available() or not env.cpu_gemm_packing():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack(model: nn.Module) -> int:
