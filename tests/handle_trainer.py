@@ -1,4 +1,4 @@
-"""A stand-in trainer process for the by-handle weight sync (``pat_engine.parallel.tensor_handles``).
+"""A stand-in trainer process for the by-handle weight sync (``pat_engine.model.weight_handles``).
 
 Run as a script: ``python handle_trainer.py CHECKPOINT BUCKET_BYTES``. It loads the checkpoint's
 tensors (what an optimiser step leaves in a trainer), then writes one payload per bucket to stdout
@@ -18,7 +18,7 @@ from typing import Iterator
 def main(checkpoint: str, bucket_bytes: int) -> None:
     from safetensors.torch import load_file
 
-    from pat_engine.parallel.tensor_handles import serialize_buckets
+    from pat_engine.model.weight_handles import serialize_buckets
 
     weights = load_file(str(Path(checkpoint) / "model.safetensors"))
     out = sys.stdout.buffer

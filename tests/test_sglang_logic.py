@@ -101,7 +101,7 @@ def test_tensor_payloads():
 
 
 def test_handle_payloads_are_told_from_torch_save_files():
-    from pat_engine.parallel.tensor_handles import serialize_named_tensors
+    from pat_engine.model.weight_handles import serialize_named_tensors
 
     handle = base64.b64encode(serialize_named_tensors([("w", torch.ones(2))])).decode()
     assert handle_payloads([_b64([("w", torch.ones(2))])], None) is None  # by value: the old path

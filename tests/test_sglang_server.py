@@ -405,7 +405,7 @@ def _sglang_handles(named: list, ranks: int) -> list[str]:
     import sys
     import types
 
-    from pat_engine.parallel.tensor_handles import serialize
+    from pat_engine.model.weight_handles import serialize
 
     module = "sglang.srt.model_executor.model_runner_components.weight_updater"
     cls = dataclasses.make_dataclass("LocalSerializedTensor", [("values", list)])

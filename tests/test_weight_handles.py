@@ -24,7 +24,7 @@ from conftest import MAX_NEW, PROMPTS
 from handle_trainer import payloads
 from pat_engine import Engine, InvalidRequestError, ModelLoadError, SamplingParams
 from pat_engine.model.weights import byte_buckets
-from pat_engine.parallel.tensor_handles import (
+from pat_engine.model.weight_handles import (
     DeviceHandles, RankHandles, load_named_tensors, serialize, serialize_named_tensors, serialize_reduced,
 )
 from rl_helpers import CODE_PATHS, perturbed_checkpoint
@@ -32,7 +32,7 @@ from rl_helpers import CODE_PATHS, perturbed_checkpoint
 GREEDY = [SamplingParams(max_new_tokens=m, logprobs=True) for m in MAX_NEW]
 CPU = torch.device("cpu")
 TRAINER = str(Path(__file__).with_name("handle_trainer.py"))
-REBUILD_ELSEWHERE = ("import sys, torch; from pat_engine.parallel.tensor_handles import load_named_tensors as load;"
+REBUILD_ELSEWHERE = ("import sys, torch; from pat_engine.model.weight_handles import load_named_tensors as load;"
                      "p = sys.stdin.buffer.read(); a = load([p], 0, torch.device('cpu')); b = load([p], 1, torch.device('cpu'));"
                      "print(a[0][0], float(a[0][1].sum()), float(b[0][1].sum()))")
 

@@ -396,7 +396,7 @@ class Engine:
                                     weight_version: str | None = None, final: bool = True) -> int:
         """Load weights a colocated trainer shares by handle (CUDA IPC on GPUs, shared memory on CPU).
 
-        Each bucket is a payload from ``pat_engine.parallel.tensor_handles.serialize_named_tensors`` (or
+        Each bucket is a payload from ``pat_engine.model.weight_handles.serialize_named_tensors`` (or
         ``serialize_buckets``), or a list with one payload per worker rank (SGLang's
         ``serialized_named_tensors``: worker ``r`` takes entry ``r % len``). Every worker rebuilds the
         handles and copies only its own shard under the current layout; one bucket is in flight at a

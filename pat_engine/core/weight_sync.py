@@ -7,7 +7,7 @@ tensor iterator (a trainer's generator may run collectives) and hands the
 engine loop one bucket at a time (``GlobalCoordinator.load_weights``), so the
 full model is never held twice. A colocated trainer's buckets may come by
 handle instead (``from_handles``: the workers rebuild them, see
-``parallel/tensor_handles.py``). ``Engine``'s weight methods delegate here.
+``model/weight_handles.py``). ``Engine``'s weight methods delegate here.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class LoadWeights(WorkerCall):
 
 @dataclass(frozen=True)
 class LoadWeightsFromHandles(WorkerCall):
-    """One bucket of full named tensors passed by handle (``parallel.tensor_handles``): worker ``r``
+    """One bucket of full named tensors passed by handle (``parallel.weight_handles``): worker ``r``
     rebuilds ``payloads[r % len(payloads)]`` itself and copies its shards; the memory stays the trainer's."""
 
     payloads: list[bytes]

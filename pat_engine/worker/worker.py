@@ -127,7 +127,7 @@ class Worker:
     @handle.register
     def _load_weights_from_handles(self, call: LoadWeightsFromHandles) -> int:
         from pat_engine.model.weights import WeightNameCheck
-        from pat_engine.parallel.tensor_handles import load_named_tensors
+        from pat_engine.model.weight_handles import load_named_tensors
 
         tensors = load_named_tensors(call.payloads, self.rank, self.device)  # views of the trainer's memory
         check = WeightNameCheck(self.executor.model)

@@ -25,7 +25,7 @@ from pat_engine import Engine
 from pat_integrations.frontend import AsyncEngineFrontend
 from pat_integrations.openrlhf.outputs import GenerationOutput, to_vllm_shape
 from pat_integrations.openrlhf.settings import PatActorSettings
-from pat_engine.parallel.tensor_handles import DeviceHandles, serialize, serialize_reduced
+from pat_engine.model.weight_handles import DeviceHandles, serialize, serialize_reduced
 from pat_engine.parallel.update_group import STATELESS_NCCL
 from pat_integrations.openrlhf.weight_sync import LocalRanks
 from pat_integrations.rounds import EngineRounds, RoundResult

@@ -31,7 +31,7 @@ import ray
 import torch
 from verl.workers.rollout.base import BaseRollout
 
-from pat_engine.parallel.tensor_handles import serialize_named_tensors
+from pat_engine.model.weight_handles import serialize_named_tensors
 from pat_integrations.verl.replica import server_name
 from pat_integrations.verl.settings import weight_transfer
 

@@ -185,7 +185,7 @@ class _HandleUnpickler(pickle.Unpickler):
         if not allowed:
             raise InvalidRequestError(
                 f"a weight payload names {module}.{name}; only torch tensor handles may be sent (CPU tensors "
-                "with the file_system sharing strategy: pat_engine.parallel.tensor_handles.serialize_named_tensors)")
+                "with the file_system sharing strategy: pat_engine.model.weight_handles.serialize_named_tensors)")
         return super().find_class(module, name)
 
     def _rebuild_cuda(self, *args: Any) -> torch.Tensor:
