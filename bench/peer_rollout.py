@@ -17,6 +17,7 @@ only one computes at a time while the other idles. Greedy tokens are compared wi
 models: a near-tie may flip a late token, more often in bfloat16).
 
     python bench/peer_rollout.py            # writes bench/results/peer_rollout.md
+    python bench/peer_rollout.py --dtypes bfloat16   # bench/results/peer_rollout_bfloat16.md
 """
 
 from __future__ import annotations
@@ -184,7 +185,9 @@ def main() -> None:
             + "\n\nModels: " + "; ".join(f"`{k}`: {v.arch}, hidden {v.hidden_size}, {v.num_layers} layers, "
                                         f"{v.num_heads}/{v.num_kv_heads} heads, vocab {v.vocab_size}, tied"
                                         for k, v in SHAPES.items() if k in args.shapes))
-    write_result("peer_rollout", "RL rollouts: pat-engine vs vLLM CPU (long tail, n samples, temperature 1)", body)
+    # a run of one dtype keeps its own file, beside the run of both
+    name = "peer_rollout" if len(args.dtypes) > 1 else f"peer_rollout_{args.dtypes[0]}"
+    write_result(name, "RL rollouts: pat-engine vs vLLM CPU (long tail, n samples, temperature 1)", body)
 
 
 if __name__ == "__main__":
