@@ -11,13 +11,12 @@ alternate (packed, plain, packed, plain, ...).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import markdown_table, write_result  # noqa: E402
-from host_hugepages import one_run  # noqa: E402
+from host_hugepages import alternating  # noqa: E402
 from peer_rollout import SHAPES, model_path, workloads  # noqa: E402
 
 SETTINGS = {"packed": {"PAT_CPU_GEMM": None}, "plain": {"PAT_CPU_GEMM": "torch"}}
@@ -32,16 +31,9 @@ def main() -> None:
     for shape in args.shapes:
         path = model_path(shape)
         for w in workloads(SHAPES[shape].vocab_size, seed=7)[:2]:  # greedy tail, GRPO top_p 1.0
-            seconds: dict[str, list[float]] = {name: [] for name in SETTINGS}
-            tokens = {}
-            for _ in range(args.rounds):
-                for name, env in SETTINGS.items():
-                    s, _, tokens[name] = one_run(path, env, w, "bfloat16")
-                    seconds[name].append(s)
-                    print(f"{shape} {w.name} {name}: {s:.2f} s", flush=True)
-            packed, plain = (statistics.median(seconds[n]) for n in ("packed", "plain"))
-            rows.append([shape, w.name, f"{plain:.2f}", f"{packed:.2f}", f"{plain / packed:.2f}x",
-                         "yes" if tokens["packed"] == tokens["plain"] else "no"])
+            seconds, _, same = alternating(path, SETTINGS, w, args.rounds, "bfloat16")
+            rows.append([shape, w.name, f"{seconds['plain']:.2f}", f"{seconds['packed']:.2f}",
+                         f"{seconds['plain'] / seconds['packed']:.2f}x", "yes" if same else "no"])
     body = (f"Median of {args.rounds} alternating runs per setting, each on a freshly started engine (TP1, "
             "bfloat16), seconds from submitting the rollout to its last token. `same tokens`: in bfloat16 the "
             "packed and the plain GEMM may round differently, so a near-tie can flip a token.\n\n"

@@ -30,7 +30,7 @@ def minor_faults(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
 
 
-SETTINGS = {"huge": None, "4k": "glibc.malloc.hugetlb=0"}  # None: the engine's own choice
+SETTINGS = {"huge": {"GLIBC_TUNABLES": None}, "4k": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}}  # None: unset
 
 
 def one_run(path: str, env: dict[str, str | None], w: Workload, dtype: str = "float32"
@@ -52,6 +52,23 @@ def one_run(path: str, env: dict[str, str | None], w: Workload, dtype: str = "fl
         pat.close()
 
 
+def alternating(path: str, settings: dict[str, dict[str, str | None]], w: Workload, rounds: int,
+                dtype: str = "float32") -> tuple[dict[str, float], dict[str, float], bool]:
+    """``rounds`` runs per setting, alternating; (median seconds, median faults, same tokens) per setting."""
+    runs: dict[str, list[tuple[float, int]]] = {name: [] for name in settings}
+    tokens = {}
+    for _ in range(rounds):
+        for name, env in settings.items():
+            t = time.perf_counter()
+            seconds, faults, tokens[name] = one_run(path, env, w, dtype)
+            runs[name].append((seconds, faults))
+            print(f"{w.name} {name}: {seconds:.2f} s, {faults} faults ({time.perf_counter() - t:.0f} s with start)",
+                  flush=True)
+    seconds = {name: statistics.median(s for s, _ in r) for name, r in runs.items()}
+    faults = {name: statistics.median(f for _, f in r) for name, r in runs.items()}
+    return seconds, faults, len({str(t) for t in tokens.values()}) == 1
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
@@ -61,20 +78,9 @@ def main() -> None:
     for shape in args.shapes:
         path = model_path(shape)
         for w in workloads(SHAPES[shape].vocab_size, seed=7)[:2]:  # greedy tail, GRPO top_p 1.0
-            runs: dict[str, list[tuple[float, int]]] = {name: [] for name in SETTINGS}
-            tokens = {}
-            for _ in range(args.rounds):
-                for pages in runs:
-                    t = time.perf_counter()
-                    seconds, faults, tokens[pages] = one_run(path, {"GLIBC_TUNABLES": SETTINGS[pages]}, w)
-                    runs[pages].append((seconds, faults))
-                    print(f"{shape} {w.name} {pages}: {seconds:.2f} s, {faults} faults "
-                          f"({time.perf_counter() - t:.0f} s with start)", flush=True)
-            huge = statistics.median(s for s, _ in runs["huge"])
-            small = statistics.median(s for s, _ in runs["4k"])
-            rows.append([shape, w.name, f"{small:.2f}", f"{huge:.2f}", f"{small / huge:.2f}x",
-                         statistics.median(f for _, f in runs["4k"]), statistics.median(f for _, f in runs["huge"]),
-                         "yes" if tokens["huge"] == tokens["4k"] else "NO"])
+            seconds, faults, same = alternating(path, SETTINGS, w, args.rounds)
+            rows.append([shape, w.name, f"{seconds['4k']:.2f}", f"{seconds['huge']:.2f}",
+                         f"{seconds['4k'] / seconds['huge']:.2f}x", faults["4k"], faults["huge"], "yes" if same else "NO"])
     body = (f"Median of {args.rounds} alternating runs per setting, each on a freshly started engine (TP1, float32), "
             "seconds from submitting the rollout to its last token; faults: the worker's minor page faults "
             "during the run.\n\n"
