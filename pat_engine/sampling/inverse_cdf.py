@@ -108,12 +108,18 @@ def first_max(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def log_norm(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(m, Z) of plain logits (temperature 1, no floor): log_softmax(x)_i = (float32(x_i) - m) - log(Z)."""
+def first_max_and_z(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first maximum, Z) of plain logits (temperature 1, no floor), in one pass where the kernel serves."""
     rows = x.shape[0]
     ones = torch.ones(rows, dtype=torch.float32, device=x.device)
     floor = torch.full((rows,), float("-inf"), dtype=torch.float32, device=x.device)
     first, _, z_sum = inverse_cdf(x, ones, floor, None, draw=False)
+    return first, z_sum
+
+
+def log_norm(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m, Z) of plain logits (temperature 1, no floor): log_softmax(x)_i = (float32(x_i) - m) - log(Z)."""
+    first, z_sum = first_max_and_z(x)
     # the logit at the first maximum is the max, exact in any dtype: no second pass over the rows
     return x.gather(1, first.unsqueeze(1)).squeeze(1).float(), z_sum
 

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from pat_engine.sampling.inverse_cdf import inverse_cdf, log_norm
+from pat_engine.sampling.inverse_cdf import first_max_and_z, log_norm
 
 
 def log_z(z_sum: torch.Tensor) -> torch.Tensor:
@@ -36,11 +36,9 @@ def greedy_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if logits.dtype == torch.float64:
         tokens = logits.argmax(dim=-1)
         return tokens, token_logprobs(logits, tokens)
-    rows = logits.shape[0]
-    ones = torch.ones(rows, dtype=torch.float32, device=logits.device)
-    floor = torch.full((rows,), float("-inf"), dtype=torch.float32, device=logits.device)
-    tokens, z_token, z_sum = inverse_cdf(logits, ones, floor, None, draw=False)
-    return tokens, z_token.double() - log_z(z_sum)
+    tokens, z_sum = first_max_and_z(logits)
+    zero = torch.zeros(tokens.shape[0], dtype=torch.float64, device=logits.device)  # float32(x_t) - max
+    return tokens, zero - log_z(z_sum)
 
 
 def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
