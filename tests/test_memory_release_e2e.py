@@ -15,6 +15,7 @@ import pytest
 
 from conftest import PROMPTS
 from pat_engine import Engine, InvalidRequestError, SamplingParams
+from waiting import wait_for
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -51,13 +52,6 @@ def same_as_reference(engine, reference) -> None:
         outs = engine.generate(LONG, PARAMS, use_tqdm=False)
         assert [(o.token_ids, o.logprobs) for o in outs] == reference[0]
     assert engine.kv_blocks()["invariants"] == "ok"
-
-
-def wait_for(cond, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def test_waking_an_awake_engine_changes_nothing(engine, reference):

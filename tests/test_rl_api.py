@@ -24,6 +24,7 @@ from pat_engine import Engine, InvalidRequestError, ModelLoadError, SamplingPara
 from pat_integrations.frontend import AsyncEngineFrontend
 from pat_integrations.stage import StagePlan
 from rl_helpers import fresh_tensors, perturbed_checkpoint
+from waiting import generated_counts, wait_for, wait_for_async
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -171,18 +172,11 @@ def test_sleep_frees_worker_memory_and_wake_up_restores_identical_generation(eng
     engine.update_weights_from_disk(model_dir("llama"))
 
 
-def _wait_for(cond, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 def test_abort_returns_partial_output_with_clear_reason(engine):
     full = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=300, ignore_eos=True), use_tqdm=False)[0]
     long = engine.submit(PROMPTS[0], SamplingParams(max_new_tokens=300, ignore_eos=True, logprobs=True), "long")
     short = engine.submit(PROMPTS[1], GREEDY[1], "short")
-    _wait_for(lambda: long.num_generated >= 5)
+    wait_for(lambda: long.num_generated >= 5)
     assert engine.num_unfinished_requests() >= 1
     assert engine.abort(["long", "no-such-request"]) == 1
     assert long.wait(30) and short.wait(60)
@@ -245,11 +239,14 @@ def test_async_frontend_stages_gate_and_bad_batches(engine):
         withdrawn = (fe.num_in_flight, engine.num_unfinished_requests())
 
         running = asyncio.ensure_future(fe.generate(PROMPTS[0], long))
-        while fe.num_in_flight == 0 or not engine.num_unfinished_requests():
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(0.3)
-        await fe.wake_up()  # awake already: must not touch the KV cache of the running request
-        aborted_ids = await fe.abort_all(reject=True)
+        # gate on state, not wall time: the request has produced tokens, then is held where it is
+        await wait_for_async(lambda: fe.num_in_flight and max(generated_counts(engine), default=0) >= 5)
+        await fe.call(engine.pause, "in_place")
+        try:
+            await fe.wake_up()  # awake already: must not touch the KV cache of the running request
+            aborted_ids = await fe.abort_all(reject=True)
+        finally:
+            await fe.call(engine.resume)
         aborted = await running
         rejected = await fe.generate(PROMPTS[1], GREEDY[1])
         fe.reopen()

@@ -27,6 +27,7 @@ from pat_engine.parallel.update_group import join_update_group
 from pat_engine.serve.sglang.protocol import ROUTER_FIELDS, GenerateRequest
 
 from http_fixtures import MAX_LEN, client, engine, server  # noqa: F401 (fixtures, used by name)
+from waiting import wait_tokens
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -68,17 +69,6 @@ def sglang_source_fields(cls_name: str) -> set[str] | None:
         if isinstance(node, ast.ClassDef) and node.name == cls_name:
             return {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
     return None
-
-
-def wait_tokens(engine, rid_count: int, at_least: int, timeout: float = 60) -> None:
-    """Until every running request has ``at_least`` tokens (read through the engine's status)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        reqs = engine.cluster_status().requests
-        if len(reqs) >= rid_count and all(r.generated >= at_least for r in reqs):
-            return
-        time.sleep(0.02)
-    raise AssertionError("requests did not reach the wanted length")
 
 
 # ---- the contract: request fields -------------------------------------------------------------

@@ -23,7 +23,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,6 +38,7 @@ import verl  # noqa: E402
 from conftest import MAX_NEW, PROMPTS, hf_greedy_batch  # noqa: E402
 from rl_helpers import CODE_PATHS, export_code_paths, perturbed_checkpoint, restore_env  # noqa: E402
 from verl_trainer_standin import HybridWorkerStandIn  # noqa: E402
+from waiting import wait_for_async  # noqa: E402
 
 import pat_integrations.verl.plugin  # noqa: E402,F401  (registers "pat" in this process)
 from pat_integrations.verl.adapter import PatServerAdapter  # noqa: E402
@@ -176,6 +176,22 @@ def test_training_steps_sync_weights_and_generate_token_exact(rollout):
     assert ray.get(server.stage_layouts.remote())[-2:] == ["TP1xDP2", "TP1xDP2"]
 
 
+async def _running_with_tokens(server, count: int, at_least: int) -> bool:
+    """Whether ``count`` requests run on the server's engine, each with ``at_least`` tokens."""
+    counts = await server.__ray_call__.remote(
+        lambda actor: [r.generated for r in actor.engine.cluster_status().requests])
+    return len(counts) >= count and all(n >= at_least for n in counts)
+
+
+async def _hold(server) -> None:
+    """Pause the server's engine in place: its running requests keep their KV and stop stepping."""
+    await server.__ray_call__.remote(lambda actor: actor.engine.pause("in_place"))
+
+
+async def _release(server) -> None:
+    await server.__ray_call__.remote(lambda actor: actor.engine.resume())
+
+
 def test_abort_all_requests_and_resume_generation(rollout):
     replica = rollout.manager.get_replicas()[0]
     server = replica.servers[0]
@@ -186,12 +202,10 @@ def test_abort_all_requests_and_resume_generation(rollout):
         running = [asyncio.ensure_future(client.generate(f"long-{i}", prompt_ids=PROMPTS[i],
                                                          sampling_params={**long, "max_tokens": 400}))
                    for i in range(2)]
-        deadline = time.monotonic() + 60
-        while await server.num_unfinished_requests.remote() < 2:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.5)
+        await wait_for_async(lambda: _running_with_tokens(server, 2, 5))
+        await _hold(server)  # running, tokens produced, now held: the abort cannot find them finished
         result = await server.abort_all_requests.remote()
+        await _release(server)
         aborted = await asyncio.gather(*running)
         # while the gate is closed a new request waits; resume_generation lets it through
         late = asyncio.ensure_future(client.generate("late", prompt_ids=PROMPTS[2],
@@ -378,12 +392,10 @@ def test_verl_partial_rollout_resumes_exactly(rollout):
     async def interrupted():
         client = FullyAsyncLLMServerClient(config=config, load_balancer_handle=lb)
         task = asyncio.ensure_future(client.generate("partial-0", prompt_ids=PROMPTS[0], sampling_params=params))
-        deadline = time.monotonic() + 60
-        while await server.num_unfinished_requests.remote() < 1:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.5)
+        await wait_for_async(lambda: _running_with_tokens(server, 1, 5))
+        await _hold(server)
         aborted = await server.abort_all_requests.remote()
+        await _release(server)
         await asyncio.sleep(1.5)  # the client retries after 1 s: its resubmission waits at the closed gate
         await replica.resume_generation()
         return aborted, await task
