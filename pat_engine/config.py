@@ -16,7 +16,7 @@ import torch
 
 from pat_engine.errors import InvalidRequestError
 from pat_engine.model.layers.attention import BACKEND_NAMES
-from pat_engine.spec.config import SpeculativeConfig
+from pat_engine.speculative.config import SpeculativeConfig
 
 KV_PATHS = ("migrate", "recompute")  # how a switch carries unfinished requests' KV
 NUMERICS = ("invariant", "fast")  # docs/numerics.md

@@ -14,7 +14,7 @@ from pat_engine.core.memory import MemoryPlan
 from pat_engine.core.request import Sequence
 from pat_engine.model.arch import ModelArch, RopeSpec
 from pat_engine.parallel.layout import Layout
-from pat_engine.sampling_params import SamplingParams
+from pat_engine.sampling.params import SamplingParams
 
 VOCAB = 1000
 ARCH = ModelArch(architecture="LlamaForCausalLM", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,

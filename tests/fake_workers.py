@@ -8,7 +8,7 @@ no two sequences of a group hold the same block. The next token is a pure
 function of (sequence, position), as real sampling is, so a switch, a
 preemption or a restart never changes what a request generates. A verify step
 (speculative decoding) samples every position of a row and keeps what
-``pat_engine.spec.verify.accept`` keeps, as the real leader does.
+``pat_engine.speculative.verify.accept`` keeps, as the real leader does.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pat_engine.protocol import (
     ReleaseMemory, Reply, RestoreMemory, StepCommand, StepResult, Switch, SwitchPlan, SwitchReport, WorkerCall,
 )
 from pat_engine.sampling.sampler import Sampled
-from pat_engine.spec.verify import accept
+from pat_engine.speculative.verify import accept
 
 
 def fake_token(seq_id: int, position: int, vocab: int) -> int:

@@ -20,7 +20,7 @@ from pat_engine.model.arch import load_model_arch
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import StepCommand, StepResult
-from pat_engine.sampling_params import SamplingParams
+from pat_engine.sampling.params import SamplingParams
 from pat_engine.worker.infer_executor import InferExecutor
 
 

@@ -31,8 +31,8 @@ from pat_engine.errors import InvalidRequestError, ModelLoadError, WorkerFailure
 from pat_engine.model.arch import load_model_arch
 from pat_engine.model.weights import check_safetensors_headers, safetensors_files
 from pat_engine.protocol import Reply
-from pat_engine.sampling.sampler import SamplingSpec
-from pat_engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from pat_engine.sampling.spec import SamplingSpec
+from pat_engine.sampling.params import MAX_STOP_TOKEN_IDS, SamplingParams
 from pat_engine.serve.errors import validation_error
 from pat_engine.serve.guard import RequestGuard
 from pat_engine.serve.openai_protocol import MAX_MESSAGES, ChatCompletionRequest, CompletionRequest

@@ -1,7 +1,7 @@
 """Speculative decoding in the driver, against fake workers (no processes, milliseconds).
 
 The fake workers sample every position of a verify row and accept as the real TP leader
-does (``spec.verify.accept``), and their tokens are a pure function of (sequence,
+does (``speculative.verify.accept``), and their tokens are a pure function of (sequence,
 position): so drafts, right or wrong, must never change a request's tokens. Block
 invariants are checked after every tick: blocks taken for drafts go back when rejected,
 and the workers' tables are cut to match (the fake pool refuses a write into a block
@@ -17,7 +17,7 @@ import pytest
 from driver_fixtures import BLOCK, VOCAB, expected_tokens, make_driver, run_checked
 from fake_workers import fake_token
 from pat_engine.predictor.policy import ScheduledSwitches
-from pat_engine.spec.config import SpeculativeConfig
+from pat_engine.speculative.config import SpeculativeConfig
 
 PROMPTS = [[1, 2, 3], [4] * 9, [5], [6] * 17, [7, 8], [9] * 5, [10] * 12, [11] * 2]
 MAX_NEW = [12, 30, 7, 22, 40, 3, 18, 26]

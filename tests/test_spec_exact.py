@@ -16,7 +16,7 @@ import pytest
 
 from local_workers import local_driver
 from spec_helpers import ReplayProposer
-from pat_engine.sampling_params import SamplingParams
+from pat_engine.sampling.params import SamplingParams
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
 
 PROMPTS = [[5, 6, 7, 8] * 3, [100, 20, 30], [9, 9, 9, 9, 9, 9, 9], [5, 6, 7, 8] * 3 + [11]]  # the last shares blocks

@@ -40,7 +40,7 @@ from pat_engine.errors import LayoutError, WorkerFailure, last_traceback_line
 from pat_engine.parallel.dp_placement import PlacementRule
 from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import Reply, StepCommand, StepResult, SwitchReport
-from pat_engine.spec.manager import Speculation
+from pat_engine.speculative.manager import Speculation
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ class GlobalCoordinator:
                 "tokens_per_step": st.tokens_per_step}
 
     def set_draft_proposer(self, proposer) -> None:
-        """Draft with ``proposer`` (a ``pat_engine.spec.DraftProposer``); speculation must be on."""
+        """Draft with ``proposer`` (a ``pat_engine.speculative.DraftProposer``); speculation must be on."""
         if self.speculation is None:
             raise RuntimeError("speculative decoding is off (EngineConfig.speculative)")
         self.speculation.use(proposer, self.unfinished())

@@ -42,7 +42,7 @@ from pat_engine.outputs import RequestOutput, of_prompt
 from pat_engine.parallel.dp_placement import PlacementRule
 from pat_engine.parallel.layout import Layout
 from pat_engine.core.controller_setup import attach_controller
-from pat_engine.sampling_params import SamplingParams
+from pat_engine.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class Engine:
         self._on_loop(self.coordinator.remember_responses, ids, [list(r) for r in responses])
 
     def set_draft_proposer(self, proposer: Any) -> None:
-        """Draft with ``proposer`` (``pat_engine.spec.proposer.DraftProposer``) instead of the n-gram one."""
+        """Draft with ``proposer`` (``pat_engine.speculative.proposer.DraftProposer``) instead of the n-gram one."""
         self._on_loop(self.coordinator.set_draft_proposer, proposer)
 
     # ---- requests --------------------------------------------------------------------------------

@@ -20,8 +20,9 @@ from pat_engine.core.request import Sequence
 from pat_engine.core.stop_strings import StopStringMatcher
 from pat_engine.errors import InvalidRequestError
 from pat_engine.model.arch import ModelArch
-from pat_engine.sampling.sampler import SamplingSpec, _splitmix64, sample_seed
-from pat_engine.sampling_params import SamplingParams
+from pat_engine.sampling.params import SamplingParams
+from pat_engine.sampling.seeds import request_seed, sample_seed
+from pat_engine.sampling.spec import SamplingSpec
 
 # No tokenizer we serve has tokens this long on average: a text longer than this many characters per
 # context position cannot fit, whatever it tokenizes to, so it is refused without tokenizing.
@@ -95,7 +96,8 @@ class RequestFactory:
         samples = [first]
         for i in range(1, params.n):
             seq_id = next(self._ids)
-            samples.append(replace(first, seq_id=seq_id, spec=replace(first.spec, seed=sample_seed(first.spec.seed, i)),
+            samples.append(replace(first, seq_id=seq_id,
+                                   sampling=replace(first.sampling, seed=sample_seed(first.sampling.seed, i)),
                                    sample_index=i, first_sample=first, prompt_ids=list(first.prompt_ids),
                                    output_ids=[], logprobs=[], top_logprobs=[], weight_versions=[], block_table=[],
                                    arrival_time=first.arrival_time, stop_strings=self._stop_matcher(params)))
@@ -115,18 +117,13 @@ class RequestFactory:
                 f"{at}prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
                 f"the context length {self.max_model_len}")
         seq_id = next(self._ids)
-        # no seed given: derive one from the engine seed and the request number, still layout-invariant
-        seed = params.seed if params.seed is not None else _splitmix64(self.engine_seed * 1_000_003 + seq_id) >> 1
-        spec = SamplingSpec(params.temperature, params.top_k, params.top_p, int(seed), params.logprobs,
-                            params.logprobs_mode == "processed", params.top_logprobs if params.logprobs else 0,
-                            params.repetition_penalty, params.frequency_penalty, params.presence_penalty,
-                            params.min_p, params.logit_bias, len(ids))
+        seed = params.seed if params.seed is not None else request_seed(self.engine_seed, seq_id)
         return Sequence(
             seq_id=seq_id,
             request_id=request_id or f"req-{seq_id}",
             prompt_ids=ids,
             params=params,
-            spec=spec,
+            sampling=SamplingSpec.of(params, seed, len(ids)),
             eos_ids=self.arch.eos_token_ids,
             max_len=self.max_model_len,
             prompt=text,

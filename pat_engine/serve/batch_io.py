@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pat_engine.errors import InvalidRequestError
 from pat_engine.outputs import RequestOutput
-from pat_engine.sampling_options import to_sampling_params
+from pat_engine.sampling.options import to_sampling_params
 from pat_engine.serve.openai_protocol import (
     BatchRequestInput,
     BatchRequestOutput,

@@ -12,8 +12,8 @@ from typing import Any
 from pat_engine.core.inputs import max_prompt_chars
 from pat_engine.errors import InvalidRequestError
 from pat_engine.outputs import RequestOutput
-from pat_engine.sampling_options import OPTION_NAMES, to_sampling_params
-from pat_engine.sampling_params import SamplingParams
+from pat_engine.sampling.options import OPTION_NAMES, to_sampling_params
+from pat_engine.sampling.params import SamplingParams
 from pat_engine.serve.openai_protocol import (
     ChatChoice,
     ChatCompletionRequest,

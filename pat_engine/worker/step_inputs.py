@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from pat_engine.config import graph_ladder
 from pat_engine.model.layers.attention import AttentionMetadata
 from pat_engine.protocol import StepCommand
-from pat_engine.sampling.sampler import SamplingBatch, SamplingSpec
+from pat_engine.sampling.sampler import SamplingBatch
+from pat_engine.sampling.spec import SamplingSpec
 
 _PREFILL_GROUP_RATIO = 1.5  # a prefill row joins a padded group if its length is within this factor of the longest
 _CPU_ALIGN, _CPU_PAD_BELOW = 4, 256  # same rule as the CPU GEMM row padding in model/layers/linear.py

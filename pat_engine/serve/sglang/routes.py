@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pat_engine.errors import EngineClosedError, InvalidRequestError, LayoutError
-from pat_engine.sampling_params import SamplingParams
+from pat_engine.sampling.params import SamplingParams
 from pat_engine.serve.async_engine import ClientDisconnected, RequestGroup
 from pat_engine.serve.errors import APIError
 from pat_engine.serve.sglang.body import parse_optional

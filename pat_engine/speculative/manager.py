@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 from pat_engine.core.request import Sequence
 from pat_engine.predictor.policy import SpeculationStatus
-from pat_engine.spec.budget import AcceptanceEstimate, StepCostFit, allocate
-from pat_engine.spec.config import SpeculativeConfig
-from pat_engine.spec.proposer import DraftProposer, NgramProposer
+from pat_engine.speculative.budget import AcceptanceEstimate, StepCostFit, allocate
+from pat_engine.speculative.config import SpeculativeConfig
+from pat_engine.speculative.proposer import DraftProposer, NgramProposer
 
 _ALPHA = 0.2  # EMA weight of the newest step in the status figures
 
