@@ -47,8 +47,8 @@ class LocalPool:
         todo, self.pending = self.pending, []
         return [self.executors[g].execute(msg) for g, msg in todo]
 
-    def call(self, body, ranks=None, timeout=None):
-        raise NotImplementedError(f"LocalPool serves steps only, not {type(body).__name__}")
+    def ask(self, call, ranks=None):
+        raise NotImplementedError(f"LocalPool serves steps only, not {type(call).__name__}")
 
     def alive(self) -> bool:
         return True
@@ -65,13 +65,13 @@ class LocalDriver:
         families = []
         for prompt, p in zip(prompts, params):
             seqs = self.factory.make_samples(prompt, p)
-            self.coord.add_samples(seqs)
+            self.coord.stepping.add_samples(seqs)
             families.append(seqs)
         for _ in range(100_000):
-            if not self.coord.has_work():
+            if not self.coord.stepping.has_work():
                 return families
             self.coord.tick(0)
-            self.coord.check_block_invariants()
+            self.coord.stepping.check_block_invariants()
         raise AssertionError("the driver did not finish")
 
 

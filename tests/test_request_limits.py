@@ -251,10 +251,10 @@ def test_late_replies_to_a_failed_call_are_dropped():
     thread = threading.Thread(target=serve)
     thread.start()
     with pytest.raises(WorkerFailure) as refused:
-        pool.call(Stats())
+        pool.ask(Stats())
     assert refused.value.error_type == "ModelLoadError" and refused.value.rank == 0
     time.sleep(0.5)
-    assert pool.call(Stats()) == [0, 1]
+    assert pool.ask(Stats()) == [0, 1]
     thread.join(5)
     assert pool.poll(0.2) == []
 

@@ -16,10 +16,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from pat_engine.core.memory import MemoryPlan
 from pat_engine.core.request import Sequence
 from pat_engine.core.stop_strings import StopStringMatcher
 from pat_engine.errors import InvalidRequestError
 from pat_engine.model.arch import ModelArch
+from pat_engine.parallel.layout import Layout
 from pat_engine.sampling.params import SamplingParams
 from pat_engine.sampling.seeds import request_seed, sample_seed
 from pat_engine.sampling.spec import SamplingSpec
@@ -87,6 +89,35 @@ class RequestFactory:
         if bad:
             raise InvalidRequestError(f"{at}token id {bad[0]} is outside the vocabulary [0, {self.arch.vocab_size})")
         return list(prompt), None
+
+    def make_batch(self, prompts: Any, params: SamplingParams | list[SamplingParams] | None,
+                   request_ids: list[str] | None, memory: MemoryPlan, layout: Layout) -> list[list[Sequence]]:
+        """``Engine.generate``'s prompts (one prompt, or a list) and params (one for all, or one each) as
+        validated sequences, one list per prompt (its ``n`` samples, sample 0 first), each of which fits
+        a DP group of ``layout``."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        if request_ids is not None and len(request_ids) != len(prompts):
+            raise InvalidRequestError(f"got {len(prompts)} prompts but {len(request_ids)} request ids")
+        single = len(prompts) == 1  # one prompt: errors need no "prompt i" to say which
+        families = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            where = "" if single else f"prompt {i}"
+            samples = self.make_samples(p, sp, request_ids[i] if request_ids else None, where=where)
+            prompt_len = len(samples[0].prompt_ids)
+            if not memory.fits(layout, prompt_len, sp.max_new_tokens):
+                raise InvalidRequestError(
+                    f"{_place(where)}needs {memory.slots_needed(prompt_len, sp.max_new_tokens)} KV token "
+                    f"slots but a DP group of {layout} holds {memory.tokens_per_group(layout)}; "
+                    "lower max_new_tokens or raise kv_cache_bytes")
+            families.append(samples)
+        return families
 
     def make_samples(self, prompt: Any, params: SamplingParams, request_id: str | None = None,
                      where: str = "") -> list[Sequence]:
