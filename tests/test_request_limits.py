@@ -35,8 +35,8 @@ from pat_engine.sampling.spec import SamplingSpec
 from pat_engine.sampling.params import MAX_STOP_TOKEN_IDS, SamplingParams
 from pat_engine.serve.errors import validation_error
 from pat_engine.serve.guard import RequestGuard
-from pat_engine.serve.openai_protocol import MAX_MESSAGES, ChatCompletionRequest, CompletionRequest
-from pat_engine.serve.translate import chat_input
+from pat_engine.serve.openai.protocol import MAX_MESSAGES, ChatCompletionRequest, CompletionRequest
+from pat_engine.serve.openai.translate import chat_input
 
 VOCAB_TEST_LEN = 64
 

@@ -13,9 +13,9 @@ import pytest
 
 from pat_engine.errors import InvalidRequestError
 from pat_engine.sampling.options import ALIASES, OPTION_NAMES, REFUSED, TEXT_ONLY, to_sampling_params
-from pat_engine.serve.openai_protocol import CompletionRequest
+from pat_engine.serve.openai.protocol import CompletionRequest
 from pat_engine.serve.sglang.protocol import SGLSamplingParams
-from pat_engine.serve.translate import completion_inputs
+from pat_engine.serve.openai.translate import completion_inputs
 from pat_integrations.openrlhf.settings import PatActorSettings
 from pat_integrations.sampling import from_verl, from_vllm_like
 from rl_helpers import VllmLikeSamplingParams

@@ -14,7 +14,7 @@ from pat_engine.core.served_weights import INITIAL_WEIGHT_VERSION, ServedWeights
 from pat_engine.errors import InvalidRequestError
 from pat_engine.serve.sglang.protocol import GenerateRequest
 from pat_engine.serve.sglang.translate import UNSUPPORTED_SAMPLING, generate_items
-from pat_engine.serve.sglang.weight_routes import decode_named_tensors, handle_payloads
+from pat_engine.serve.sglang.named_tensors import decode_named_tensors, handle_payloads
 
 
 def items(body: dict):
