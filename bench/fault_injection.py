@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass
 
 from pat_engine import Engine
-from pat_engine.protocol import SwitchPlan, SwitchReport, WorkerArgs, WorkerCall
+from pat_engine.protocol import SwitchPlan, SwitchReport, WorkerArgs
+from pat_engine.protocol.calls import WorkerCall
 from pat_engine.worker.switch_executor import SwitchExecutor
 from pat_engine.worker.worker import Worker
 

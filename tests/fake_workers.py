@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 
 from pat_engine.errors import WorkerFailure
 from pat_engine.parallel.layout import Layout
-from pat_engine.protocol import (
-    ReleaseMemory, Reply, RestoreMemory, StepCommand, StepResult, Switch, SwitchPlan, SwitchReport, WorkerCall,
-)
+from pat_engine.protocol import StepCommand, StepResult, SwitchPlan, SwitchReport
+from pat_engine.protocol.calls import ReleaseMemory, Reply, RestoreMemory, Switch, WorkerCall
 from pat_engine.sampling.sampler import Sampled
 from pat_engine.speculative.verify import accept
 

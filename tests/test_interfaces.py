@@ -74,7 +74,7 @@ def test_every_control_call_has_one_handler_on_the_worker():
 
 
 def test_a_call_folds_its_ranks_answers_by_its_own_rule():
-    from pat_engine.protocol import (
+    from pat_engine.protocol.calls import (
         BandwidthProbe, DestroyWeightsUpdateGroup, KVBudget, LoadWeights, ReleaseMemory, ReloadWeights,
     )
 

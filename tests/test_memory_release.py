@@ -13,7 +13,7 @@ from driver_fixtures import expected_tokens, make_driver
 from pat_engine.core.sleep_state import DISCARDED, OFFLOADED, SleepState, check_tags, tags_for_level
 from pat_engine.errors import InvalidRequestError, LayoutError
 from pat_engine.predictor.policy import SwitchDecision
-from pat_engine.protocol import ReleaseMemory, ReloadWeights, RestoreMemory, WorkerCall
+from pat_engine.protocol.calls import ReleaseMemory, ReloadWeights, RestoreMemory, WorkerCall
 
 KV = {"kv_cache", "cuda_graph"}
 

@@ -30,7 +30,7 @@ from pat_engine.core.worker_pool import WorkerPool
 from pat_engine.errors import InvalidRequestError, ModelLoadError, WorkerFailure
 from pat_engine.model.arch import load_model_arch
 from pat_engine.model.weights import check_safetensors_headers, safetensors_files
-from pat_engine.protocol import Reply
+from pat_engine.protocol.calls import Reply
 from pat_engine.sampling.spec import SamplingSpec
 from pat_engine.sampling.params import MAX_STOP_TOKEN_IDS, SamplingParams
 from pat_engine.serve.errors import validation_error
@@ -229,7 +229,7 @@ def test_late_replies_to_a_failed_call_are_dropped():
     import threading
     from types import SimpleNamespace
 
-    from pat_engine.protocol import Stats
+    from pat_engine.protocol.calls import Stats
 
     pairs = [socket.socketpair() for _ in range(2)]
     workers = [Connection(theirs.detach()) for _, theirs in pairs]

@@ -44,7 +44,7 @@ from pat_engine.parallel.dp_placement import PlacementRule
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.cost_source import CostSource
 from pat_engine.predictor.policy import ClusterStatus, ScheduledSwitches, SwitchPolicy
-from pat_engine.protocol import AllocateKV, KVBudget
+from pat_engine.protocol.calls import AllocateKV, KVBudget
 from pat_engine.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from pat_engine.core.memory import MemoryPlan
 from pat_engine.core.served_weights import ServedWeights
 from pat_engine.core.sleep_state import DISCARDED, SleepState, check_tags, tags_for_level
 from pat_engine.core.stepping import Stepping
-from pat_engine.protocol import ReleaseMemory, ReloadWeights, RestoreMemory
+from pat_engine.protocol.calls import ReleaseMemory, ReloadWeights, RestoreMemory
 
 
 class MemoryRelease:

@@ -29,7 +29,8 @@ from pat_engine.parallel.dp_placement import PlacementRule
 from pat_engine.parallel.layout import Layout
 from pat_engine.core.timeline import Timeline
 from pat_engine.predictor.policy import ClusterStatus, GroupSnapshot, RequestSnapshot
-from pat_engine.protocol import BandwidthProbe, Reply, StepResult, Stats
+from pat_engine.protocol import StepResult
+from pat_engine.protocol.calls import BandwidthProbe, Reply, Stats
 from pat_engine.speculative.manager import Speculation
 
 PAUSE_MODES = ("in_place", "retract", "abort")

@@ -26,7 +26,8 @@ from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.cost_source import CostSource
 from pat_engine.predictor.measured_rates import MeasuredRates
 from pat_engine.predictor.policy import ScheduledSwitches, SwitchDecision, SwitchPolicy
-from pat_engine.protocol import Switch, SwitchReport
+from pat_engine.protocol import SwitchReport
+from pat_engine.protocol.calls import Switch
 
 log = logging.getLogger(__name__)
 

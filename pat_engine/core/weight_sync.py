@@ -26,7 +26,7 @@ from pat_engine.model.arch import ModelArch, load_model_arch
 from pat_engine.model.llama import CausalLM
 from pat_engine.model.weights import WeightNameCheck, byte_buckets, safetensors_files
 from pat_engine.parallel.update_group import BACKENDS, CUDA_ONLY, parse_dtype
-from pat_engine.protocol import (
+from pat_engine.protocol.calls import (
     DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, LoadWeights, LoadWeightsFromHandles, ReloadWeights,
     UpdateWeightsFromDistributed, WorkerCall,
 )

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from pat_engine.config import EngineConfig
 from pat_engine.errors import WorkerFailure, last_traceback_line
 from pat_engine.parallel.layout import Layout
-from pat_engine.protocol import Call, Reply, Shutdown, StepCommand, StepResult, WorkerArgs, WorkerCall
+from pat_engine.protocol import StepCommand, StepResult, WorkerArgs
+from pat_engine.protocol.calls import Call, Reply, Shutdown, WorkerCall
 import torch.multiprocessing  # noqa: F401  (registers the shared-memory pickling of tensors)
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ import inspect
 import typing
 from typing import Any, Callable
 
-from pat_engine.protocol import WorkerCall
+from pat_engine.protocol.calls import WorkerCall
 
 
 def handled_calls(owner: type) -> dict[type[WorkerCall], str]:

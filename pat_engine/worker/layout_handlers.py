@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from pat_engine.parallel.group_pool import CommGroupPool
-from pat_engine.protocol import BandwidthProbe, Stats, Switch, SwitchReport
+from pat_engine.protocol import SwitchReport
+from pat_engine.protocol.calls import BandwidthProbe, Stats, Switch
 from pat_engine.worker.infer_executor import InferExecutor
 from pat_engine.worker.switch_executor import SwitchExecutor
 

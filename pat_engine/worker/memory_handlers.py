@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pat_engine.config import EngineConfig
-from pat_engine.protocol import AllocateKV, KVBudget, ReleaseMemory, RestoreMemory
+from pat_engine.protocol.calls import AllocateKV, KVBudget, ReleaseMemory, RestoreMemory
 from pat_engine.worker.infer_executor import InferExecutor
 
 

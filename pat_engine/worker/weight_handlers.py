@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pat_engine.protocol import (
+from pat_engine.protocol.calls import (
     DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, LoadWeights, LoadWeightsFromHandles, ReloadWeights,
     UpdateWeightsFromDistributed,
 )

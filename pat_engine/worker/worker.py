@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from pat_engine.model.arch import load_model_arch
 from pat_engine.parallel.group_pool import CommGroupPool
-from pat_engine.protocol import Call, Reply, Shutdown, StepCommand, StepResult, WorkerArgs, WorkerCall
+from pat_engine.protocol import StepCommand, StepResult, WorkerArgs
+from pat_engine.protocol.calls import Call, Reply, Shutdown, WorkerCall
 from pat_engine.worker.graph_capture import GraphSettings
 from pat_engine.worker.handlers import handler_table
 from pat_engine.worker.infer_executor import InferExecutor
