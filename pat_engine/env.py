@@ -42,8 +42,11 @@ API_KEY = EnvSwitch("PAT_API_KEY", "",
                     "pat-serve's API key when --api-key is not given; empty: no key asked (serve/cli.py)")
 ENGINE_CACHE = EnvSwitch("PAT_ENGINE_CACHE", "~/.cache/pat-engine",
                          "where `pat-serve demo` writes its tiny model (serve/demo.py)")
+TRITON_ON_CPU = EnvSwitch("PAT_TRITON_ON_CPU", "0",
+                          "1: models built on the CPU run the Triton layer kernels (norms, rotary + KV write, "
+                          "SiLU-mul) as on a GPU; with TRITON_INTERPRET=1, for tests (model/layers/triton_ops.py)")
 
-SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, API_KEY, ENGINE_CACHE)
+SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, API_KEY, ENGINE_CACHE, TRITON_ON_CPU)
 
 
 def cpu_gemm_packing() -> bool:
@@ -64,3 +67,8 @@ def api_key() -> str | None:
 def engine_cache() -> Path:
     """``PAT_ENGINE_CACHE``, ``~`` expanded."""
     return Path(ENGINE_CACHE.value()).expanduser()
+
+
+def triton_on_cpu() -> bool:
+    """True when ``PAT_TRITON_ON_CPU=1``."""
+    return TRITON_ON_CPU.says("1")
