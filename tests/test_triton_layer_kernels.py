@@ -16,10 +16,12 @@ import importlib.util
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import MAX_NEW, PROMPTS
 from pat_engine.model.arch import load_model_arch
 from pat_engine.model.layers import triton_ops
+from pat_engine.model.llama import ForwardContext
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import SeqStep, StepCommand
@@ -188,6 +190,56 @@ def test_model_with_triton_kernels_gives_the_default_paths_tokens(model_dir, mon
     assert got == want
     graphed = _executor(path, torch.float32, "triton", graphs=True)
     assert _greedy(graphed, new) == got and graphed.graphs.stats.replays > 0
+
+
+class _KernelCount(TorchDispatchMode):
+    """Counts what a GPU would launch: every aten op that computes (views and allocations do not) and every
+    Triton kernel launch (the interpreter's own copies of the launch's arguments are not counted)."""
+
+    FREE = {"empty", "empty_like", "empty_strided", "new_empty", "lift_fresh", "_to_copy"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not func.is_view and name not in self.FREE:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_decode_layer_is_at_most_twelve_kernels(model_dir, monkeypatch, arch):
+    """Issue 30's budget, counted on the CPU stand-in: each decode layer launches at most 12 kernels
+    (today: add+norm, QKV GEMM, rotary+KV write, attention, o GEMM, add+norm, gate/up GEMM, SiLU-mul,
+    down GEMM; with a split, the attention's reduce)."""
+    from triton.runtime.interpreter import GridExecutor
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    monkeypatch.setenv("PAT_TRITON_ON_CPU", "1")
+    ex = _executor(model_dir(arch), torch.float32, "triton")
+    ex.execute(StepCommand(0, True, [SeqStep(0, list(PROMPTS[3]), 0, list(range(BLOCKS_PER_SEQ)), sampling=GREEDY)]))
+    with torch.inference_mode():
+        step = ex.inputs.build(StepCommand(1, False, [SeqStep(0, [5], len(PROMPTS[3]))]), samples=False)
+    counter = _KernelCount()
+    launch = GridExecutor.__call__
+
+    def counted(self, *args, **kwargs):
+        counter.ops.append(self.fn.__name__)
+        with _disable_current_modes():
+            return launch(self, *args, **kwargs)
+
+    monkeypatch.setattr(GridExecutor, "__call__", counted)
+    ctx = ForwardContext(tp=ex.tp, kv_caches=ex.kv.layers, attn=step.attn, attn_backend=ex.attention)
+    with torch.inference_mode(), counter:
+        ex.model(step.input_ids, step.positions, ctx)
+    layers = ex.arch.num_layers
+    per_layer = (len(counter.ops) - 2) / layers  # the embedding lookup and the final norm are once per step
+    assert per_layer <= 12, counter.ops
+    assert counter.ops.count("_rotary_kv_kernel") == layers and counter.ops.count("_silu_mul_kernel") == layers
+    assert counter.ops.count("_rms_norm_kernel") == 2 * layers + 1
 
 
 def test_kernels_serve_gpu_models_and_cpu_models_only_when_asked(monkeypatch):
