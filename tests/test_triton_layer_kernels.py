@@ -153,7 +153,7 @@ GREEDY = SamplingSpec(temperature=0.0, top_k=0, top_p=1.0, seed=0, logprobs=True
 
 def _executor(path: str, dtype: torch.dtype, attention: str, graphs: bool = False) -> InferExecutor:
     arch = load_model_arch(path)
-    settings = GraphSettings("standin", (1, 2, 4, 8), 512) if graphs else None
+    settings = GraphSettings("cuda" if DEV == "cuda" else "standin", (1, 2, 4, 8), 512) if graphs else None
     ex = InferExecutor(arch, Layout(1, 1), TPGroup(rank=0, size=1, ranks=(0,)), dtype, torch.device(DEV),
                        block_size=BLOCK, num_blocks=len(PROMPTS) * BLOCKS_PER_SEQ, attention=attention, graphs=settings)
     ex.load_weights(path)
@@ -183,7 +183,7 @@ def test_model_with_triton_kernels_gives_the_default_paths_tokens(model_dir, mon
     path = model_dir(arch)
     new = min(MAX_NEW) // 2
     want = _greedy(_executor(path, torch.float32, "torch"), new)
-    monkeypatch.setenv("PAT_TRITON_ON_CPU", "1")
+    monkeypatch.setenv("PAT_TRITON_LAYERS", "on")
     eager = _executor(path, torch.float32, "triton")
     assert eager.model.layers[0].mlp.triton is not None and eager.model.norm.triton is not None
     got = _greedy(eager, new)
@@ -218,7 +218,7 @@ def test_a_decode_layer_is_at_most_twelve_kernels(model_dir, monkeypatch, arch):
     from triton.runtime.interpreter import GridExecutor
     from torch.utils._python_dispatch import _disable_current_modes
 
-    monkeypatch.setenv("PAT_TRITON_ON_CPU", "1")
+    monkeypatch.setenv("PAT_TRITON_LAYERS", "on")
     ex = _executor(model_dir(arch), torch.float32, "triton")
     ex.execute(StepCommand(0, True, [SeqStep(0, list(PROMPTS[3]), 0, list(range(BLOCKS_PER_SEQ)), sampling=GREEDY)]))
     with torch.inference_mode():
@@ -243,13 +243,15 @@ def test_a_decode_layer_is_at_most_twelve_kernels(model_dir, monkeypatch, arch):
 
 
 def test_kernels_serve_gpu_models_and_cpu_models_only_when_asked(monkeypatch):
-    monkeypatch.delenv("PAT_TRITON_ON_CPU", raising=False)
+    monkeypatch.delenv("PAT_TRITON_LAYERS", raising=False)
     assert triton_ops.kernels_for("cpu", torch.float32) is None
     assert triton_ops.serves("cuda", torch.bfloat16) and not triton_ops.serves("cuda", torch.float64)
-    monkeypatch.setenv("PAT_TRITON_ON_CPU", "1")
+    monkeypatch.setenv("PAT_TRITON_LAYERS", "on")
     kernels = triton_ops.kernels_for("cpu", torch.bfloat16)
     assert kernels is not None and callable(kernels.rotary_kv_write)
     assert triton_ops.kernels_for("cpu", torch.float64) is None
+    monkeypatch.setenv("PAT_TRITON_LAYERS", "off")
+    assert not triton_ops.serves("cuda", torch.bfloat16)
 
 
 # ---- compiled ---------------------------------------------------------------------------------------------------
@@ -271,3 +273,20 @@ def test_gpu_layer_kernels_keep_the_formulas_bits(dtype):
     gate_up = _randn(64, 2 * 14336, seed=4, dtype=dtype, scale=3)
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.equal(silu_and_mul(gate_up), F.silu(gate) * up)  # libdevice expf and IEEE division, as torch
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_gpu_fused_unfused_graphs_and_eager_give_the_same_greedy_tokens(model_dir, monkeypatch, arch):
+    """Issue 30's bar on the device, float32: the Triton layer kernels with CUDA graphs, the same eagerly,
+    and the torch formulas (``PAT_TRITON_LAYERS=off``) give the same greedy tokens."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = model_dir(arch)
+    new = min(MAX_NEW)
+    fused_graphs = _greedy(_executor(path, torch.float32, "triton", graphs=True), new)
+    assert fused_graphs == _greedy(_executor(path, torch.float32, "triton"), new)
+    monkeypatch.setenv("PAT_TRITON_LAYERS", "off")
+    unfused = _executor(path, torch.float32, "triton")
+    assert unfused.model.norm.triton is None
+    assert _greedy(unfused, new) == fused_graphs
