@@ -179,17 +179,18 @@ def _greedy(ex: InferExecutor, new: int) -> list[list[int]]:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, QKV bias, q/k norm
 def test_model_with_triton_kernels_gives_the_default_paths_tokens(model_dir, monkeypatch, arch):
     """float32, greedy: the Triton layer kernels and attention give the tokens of the CPU kernels / torch
-    formulas; with stand-in decode graphs, the bits of the same kernels run eagerly."""
+    formulas; with stand-in decode graphs (one architecture: the same kernels), the bits of the eager run."""
     path = model_dir(arch)
-    new = min(MAX_NEW) // 2
+    new = 4
     want = _greedy(_executor(path, torch.float32, "torch"), new)
     monkeypatch.setenv("PAT_TRITON_LAYERS", "on")
     eager = _executor(path, torch.float32, "triton")
     assert eager.model.layers[0].mlp.triton is not None and eager.model.norm.triton is not None
     got = _greedy(eager, new)
     assert got == want
-    graphed = _executor(path, torch.float32, "triton", graphs=True)
-    assert _greedy(graphed, new) == got and graphed.graphs.stats.replays > 0
+    if arch == "llama":
+        graphed = _executor(path, torch.float32, "triton", graphs=True)
+        assert _greedy(graphed, new) == got and graphed.graphs.stats.replays > 0
 
 
 class _KernelCount(TorchDispatchMode):
