@@ -618,12 +618,11 @@ def part_graphs(ctx: Ctx) -> str:
 def split_kv_case(batch: int, context: int, *, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
                   block_size: int = 16, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
                   repeats: int = 50, warmup: int = 5, sm_count: int | None = None,
-                  tokens_per_split: int | None = None, seed: int = 0) -> dict:
-    """Time the split-KV kernel (split from ``decode_splits``, or ``tokens_per_split``) against the
-    one-program kernel on ``batch`` sequences of ``context`` tokens; also their largest difference."""
-    from pat_engine.model.layers.triton_attention import decode_splits
+                  num_splits: int | None = None, block_n: int | None = None, seed: int = 0) -> dict:
+    """Time the decode kernel split as ``decode_split`` says (or into ``num_splits``) against the same
+    kernel with one split per (sequence, KV head) on ``batch`` sequences of ``context`` tokens."""
+    from pat_engine.model.layers.triton_attention import DECODE_BLOCK_N, decode_split
     from pat_kernels.paged_decode_attention import paged_decode_attention
-    from pat_kernels.split_kv_decode import split_kv_decode_attention
 
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -635,29 +634,31 @@ def split_kv_case(batch: int, context: int, *, heads: int = 32, kv_heads: int = 
     lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
     q = torch.randn(batch, heads, head_dim, generator=g, device=dev).to(dtype)
     scale = head_dim**-0.5
+    block_n = block_n or DECODE_BLOCK_N
     if sm_count is None:
         sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
-    rule = decode_splits(batch, heads, per_seq * block_size, sm_count, "fast", block_size)
-    tps = tokens_per_split or rule
-    if tps is None:
-        raise ValueError(f"decode_splits gives one program for {batch} x {context} (no split to time)")
+    rule = decode_split(batch, kv_heads, per_seq * block_size, sm_count, "fast", block_n).num_splits
+    splits = num_splits or rule
+    if splits < 2:
+        raise ValueError(f"decode_split gives one program for {batch} x {context} (no split to time)")
     k, v = kv[0], kv[1]
-    fns = {"one-program": lambda: paged_decode_attention(q, k, v, tables, lens, scale),
-           "split-KV": lambda: split_kv_decode_attention(q, k, v, tables, lens, scale, tps)}
+    fns = {"one-program": lambda: paged_decode_attention(q, k, v, tables, lens, scale, block_n=block_n),
+           "split-KV": lambda: paged_decode_attention(q, k, v, tables, lens, scale, num_splits=splits,
+                                                      block_n=block_n)}
     diff = (fns["one-program"]().float() - fns["split-KV"]().float()).abs().max().item()
     times = time_interleaved(fns, repeats, warmup, dev)
     one, split = median(times["one-program"]), median(times["split-KV"])
     kv_bytes = batch * context * kv_heads * head_dim * 2 * kv.element_size()
-    return {"batch": batch, "context": context, "sm_count": sm_count, "rule_tps": rule, "tps": tps,
-            "splits": -(-per_seq * block_size // tps), "one_s": one, "split_s": split, "speedup": one / split,
+    return {"batch": batch, "context": context, "sm_count": sm_count, "rule_splits": rule, "splits": splits,
+            "one_s": one, "split_s": split, "speedup": one / split,
             "kv_bytes": kv_bytes, "one_gbps": kv_bytes / one / 1e9, "split_gbps": kv_bytes / split / 1e9,
             "max_abs_diff": diff, "repeats": repeats}
 
 
 def part_splitkv(ctx: Ctx) -> str:
     if ctx.smoke:
-        cases = [dict(batch=2, context=64, heads=4, kv_heads=2, head_dim=16, tokens_per_split=32),
-                 dict(batch=4, context=32, heads=4, kv_heads=2, head_dim=16, tokens_per_split=16)]
+        cases = [dict(batch=2, context=64, heads=4, kv_heads=2, head_dim=16, num_splits=2, block_n=16),
+                 dict(batch=4, context=32, heads=4, kv_heads=2, head_dim=16, num_splits=2, block_n=16)]
         repeats, warmup = 2, 1
     else:
         cases = [dict(batch=2, context=16384), dict(batch=8, context=4096)]
@@ -666,21 +667,21 @@ def part_splitkv(ctx: Ctx) -> str:
     for case in cases:
         r = split_kv_case(device=ctx.device, repeats=repeats, warmup=warmup, **case)
         results.append(r)
-        rows.append([f"{r['batch']} x {r['context']}", r["tps"], r["splits"], r["one_s"] * 1e6, r["split_s"] * 1e6,
+        rows.append([f"{r['batch']} x {r['context']}", r["rule_splits"], r["splits"], r["one_s"] * 1e6, r["split_s"] * 1e6,
                      r["speedup"], r["one_gbps"], r["split_gbps"], r["max_abs_diff"]])
         log(f"split-KV {r['batch']} x {r['context']}: {r['speedup']:.2f}x")
-    table = markdown_table(["shape (seqs x context)", "tokens per split", "splits", "one-program us", "split-KV us",
+    table = markdown_table(["shape (seqs x context)", "rule's splits", "splits", "one-program us", "split-KV us",
                             "speedup", "one-program KV GB/s", "split-KV KV GB/s", "max |diff|"], rows)
     head = results[0]
     goal = (f"**Goal (split-KV >= {SPLIT_KV_GOAL}x at 2 x 16K): {head['speedup']:.2f}x: "
             f"{'met' if head['speedup'] >= SPLIT_KV_GOAL else 'NOT met'}.**")
     if ctx.smoke:
         setup = ("Smoke: toy shapes (4 q heads / 2 KV heads, head_dim 16) under TRITON_INTERPRET=1 (numpy), the "
-                 "split forced (decode_splits gives none below 2 x 256 tokens); times measure the interpreter.")
+                 "split forced; times measure the interpreter.")
         goal = "Goal: not judged in the smoke run."
     else:
         setup = (f"bf16, head_dim 128, 32 q heads / 8 KV heads, block size 16, pages shuffled; split chosen by "
-                 f"decode_splits(fast) with the device's {head['sm_count']} SMs. GPU time per call from CUDA "
+                 f"decode_split(fast) with the device's {head['sm_count']} SMs. GPU time per call from CUDA "
                  f"events (stream held busy ahead of each call, so launch overhead is excluded), {repeats} calls "
                  f"each after {warmup} warm-ups, interleaved, median. KV GB/s = K+V bytes of the contexts / time, "
                  f"each byte counted once (the 4 q heads of a KV head each read it).")

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is imported
 
 import gpu_check as gc  # noqa: E402  (bench/ is on the test path: pyproject's pythonpath)
-from pat_engine.model.layers.triton_attention import decode_splits  # noqa: E402
+from pat_engine.model.layers.triton_attention import DecodeSplit, decode_split  # noqa: E402
 from pat_engine.tiny_model import TinyModelSpec  # noqa: E402
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
@@ -122,9 +122,9 @@ def test_a_smoke_run_never_writes_the_results_file(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter case; the gpu test below runs compiled")
 def test_split_kv_timing_at_a_toy_shape_under_the_interpreter():
     r = gc.split_kv_case(2, 32, heads=2, kv_heads=1, head_dim=16, device="cpu", repeats=1, warmup=0,
-                         tokens_per_split=16)
-    assert r["rule_tps"] is None  # decode_splits splits nothing this short: the case forces 16
-    assert (r["tps"], r["splits"]) == (16, 2)
+                         num_splits=2, block_n=16)
+    assert r["rule_splits"] == 1  # decode_split splits nothing this short: the case forces 2
+    assert r["splits"] == 2
     assert r["max_abs_diff"] < 2e-2  # both kernels compute the same attention (bf16)
     assert r["kv_bytes"] == 2 * 32 * 1 * 16 * 2 * 2  # seqs x tokens x KV heads x dim x (K, V) x bf16
     assert r["speedup"] == pytest.approx(r["one_s"] / r["split_s"])
@@ -134,16 +134,16 @@ def test_split_kv_timing_at_a_toy_shape_under_the_interpreter():
 
 
 def test_the_tail_shapes_split_on_an_h100():
-    """What part 3 times on an H100 SXM (132 SMs): the rule splits both tail shapes."""
-    assert decode_splits(2, 32, 16384, 132, "fast", 16) == 1824  # 9 splits
-    assert decode_splits(8, 32, 4096, 132, "fast", 16) == 1376  # 3 splits
+    """What part 3 times on an H100 SXM (132 SMs): the rule splits both tail shapes (8 KV heads)."""
+    assert decode_split(2, 8, 16384, 132, "fast") == DecodeSplit(None, 33)  # 16 programs -> 528
+    assert decode_split(8, 8, 4096, 132, "fast") == DecodeSplit(None, 9)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_split_kv_timing_and_copy_bandwidth_on_the_gpu():
     r = gc.split_kv_case(2, 4096, device="cuda", repeats=5, warmup=1)
-    assert r["tps"] == r["rule_tps"] and r["splits"] >= 2
+    assert r["splits"] == r["rule_splits"] and r["splits"] >= 2
     assert r["max_abs_diff"] < 2e-2 and r["one_s"] > 0 and r["split_s"] > 0
     bw = gc.measure_copy_bandwidth("cuda", 256 << 20, repeats=5)
     assert 1e11 < bw < 2e13  # between 100 GB/s and 20 TB/s: a copy was timed, in bytes per second
