@@ -17,17 +17,18 @@ Runs in the loop thread: methods marked ``on_loop`` may be called from any threa
 from __future__ import annotations
 
 import time
+
 from pat_engine.config import EngineConfig
 from pat_engine.core.loop_thread import LoopThread, on_loop
 from pat_engine.core.memory import MemoryPlan
 from pat_engine.core.request import Sequence
 from pat_engine.core.scheduler import GroupScheduler
 from pat_engine.core.step_records import InFlight, StepRecord, StepWatcher
+from pat_engine.core.timeline import Timeline
 from pat_engine.core.worker_pool import WorkerPool
 from pat_engine.errors import WorkerFailure, last_traceback_line
 from pat_engine.parallel.dp_placement import PlacementRule
 from pat_engine.parallel.layout import Layout
-from pat_engine.core.timeline import Timeline
 from pat_engine.predictor.policy import ClusterStatus, GroupSnapshot, RequestSnapshot
 from pat_engine.protocol import StepResult
 from pat_engine.protocol.calls import BandwidthProbe, Reply, Stats
