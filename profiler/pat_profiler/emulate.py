@@ -42,6 +42,7 @@ the ring model's error.
 from __future__ import annotations
 
 import datetime
+import gc
 import random
 import statistics
 import time
@@ -206,6 +207,9 @@ def emulate_profile(model: str, world: int, tps: list[int] | None, dtype: str, d
                 progress(p)
         graphs[str(tp)] = runner.graph_stats()
         del runner
+        if dev.type == "cuda":  # the next shard's weights, pool and graphs need the memory now
+            gc.collect()
+            torch.cuda.empty_cache()
     table.meta["graphs"] = {"backend": cfg.graphs() or "off (eager)", "per_tp": graphs}
     # switches are not run here: weights go over the modelled link, fixed costs are unknown (0); a switch's
     # graphs phase recaptures on the target shard, at the per-size seconds measured there
