@@ -42,11 +42,12 @@ API_KEY = EnvSwitch("PAT_API_KEY", "",
                     "pat-serve's API key when --api-key is not given; empty: no key asked (serve/cli.py)")
 ENGINE_CACHE = EnvSwitch("PAT_ENGINE_CACHE", "~/.cache/pat-engine",
                          "where `pat-serve demo` writes its tiny model (serve/demo.py)")
-TRITON_ON_CPU = EnvSwitch("PAT_TRITON_ON_CPU", "0",
-                          "1: models built on the CPU run the Triton layer kernels (norms, rotary + KV write, "
-                          "SiLU-mul) as on a GPU; with TRITON_INTERPRET=1, for tests (model/layers/triton_ops.py)")
+TRITON_LAYERS = EnvSwitch("PAT_TRITON_LAYERS", "auto",
+                          "the Triton layer kernels (norms, rotary + KV write, SiLU-mul; model/layers/triton_ops.py): "
+                          "auto: models built on CUDA; off: never (the torch formulas, for A/B runs); on: CPU models "
+                          "too, run by TRITON_INTERPRET=1 (tests)")
 
-SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, API_KEY, ENGINE_CACHE, TRITON_ON_CPU)
+SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, API_KEY, ENGINE_CACHE, TRITON_LAYERS)
 
 
 def cpu_gemm_packing() -> bool:
@@ -69,6 +70,7 @@ def engine_cache() -> Path:
     return Path(ENGINE_CACHE.value()).expanduser()
 
 
-def triton_on_cpu() -> bool:
-    """True when ``PAT_TRITON_ON_CPU=1``."""
-    return TRITON_ON_CPU.says("1")
+def triton_layers() -> str:
+    """``PAT_TRITON_LAYERS``: "auto", "off" or "on" (anything else reads as "auto")."""
+    value = TRITON_LAYERS.value().strip().lower()
+    return value if value in ("off", "on") else "auto"

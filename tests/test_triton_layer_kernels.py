@@ -16,10 +16,12 @@ import importlib.util
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import MAX_NEW, PROMPTS
 from pat_engine.model.arch import load_model_arch
 from pat_engine.model.layers import triton_ops
+from pat_engine.model.llama import ForwardContext
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import SeqStep, StepCommand
@@ -151,7 +153,7 @@ GREEDY = SamplingSpec(temperature=0.0, top_k=0, top_p=1.0, seed=0, logprobs=True
 
 def _executor(path: str, dtype: torch.dtype, attention: str, graphs: bool = False) -> InferExecutor:
     arch = load_model_arch(path)
-    settings = GraphSettings("standin", (1, 2, 4, 8), 512) if graphs else None
+    settings = GraphSettings("cuda" if DEV == "cuda" else "standin", (1, 2, 4, 8), 512) if graphs else None
     ex = InferExecutor(arch, Layout(1, 1), TPGroup(rank=0, size=1, ranks=(0,)), dtype, torch.device(DEV),
                        block_size=BLOCK, num_blocks=len(PROMPTS) * BLOCKS_PER_SEQ, attention=attention, graphs=settings)
     ex.load_weights(path)
@@ -177,27 +179,80 @@ def _greedy(ex: InferExecutor, new: int) -> list[list[int]]:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, QKV bias, q/k norm
 def test_model_with_triton_kernels_gives_the_default_paths_tokens(model_dir, monkeypatch, arch):
     """float32, greedy: the Triton layer kernels and attention give the tokens of the CPU kernels / torch
-    formulas; with stand-in decode graphs, the bits of the same kernels run eagerly."""
+    formulas; with stand-in decode graphs (one architecture: the same kernels), the bits of the eager run."""
     path = model_dir(arch)
-    new = min(MAX_NEW) // 2
+    new = 4
     want = _greedy(_executor(path, torch.float32, "torch"), new)
-    monkeypatch.setenv("PAT_TRITON_ON_CPU", "1")
+    monkeypatch.setenv("PAT_TRITON_LAYERS", "on")
     eager = _executor(path, torch.float32, "triton")
     assert eager.model.layers[0].mlp.triton is not None and eager.model.norm.triton is not None
     got = _greedy(eager, new)
     assert got == want
-    graphed = _executor(path, torch.float32, "triton", graphs=True)
-    assert _greedy(graphed, new) == got and graphed.graphs.stats.replays > 0
+    if arch == "llama":
+        graphed = _executor(path, torch.float32, "triton", graphs=True)
+        assert _greedy(graphed, new) == got and graphed.graphs.stats.replays > 0
+
+
+class _KernelCount(TorchDispatchMode):
+    """Counts what a GPU would launch: every aten op that computes (views and allocations do not) and every
+    Triton kernel launch (the interpreter's own copies of the launch's arguments are not counted)."""
+
+    FREE = {"empty", "empty_like", "empty_strided", "new_empty", "lift_fresh", "_to_copy"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not func.is_view and name not in self.FREE:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_decode_layer_is_at_most_twelve_kernels(model_dir, monkeypatch, arch):
+    """Issue 30's budget, counted on the CPU stand-in: each decode layer launches at most 12 kernels
+    (today: add+norm, QKV GEMM, rotary+KV write, attention, o GEMM, add+norm, gate/up GEMM, SiLU-mul,
+    down GEMM; with a split, the attention's reduce)."""
+    from triton.runtime.interpreter import GridExecutor
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    monkeypatch.setenv("PAT_TRITON_LAYERS", "on")
+    ex = _executor(model_dir(arch), torch.float32, "triton")
+    ex.execute(StepCommand(0, True, [SeqStep(0, list(PROMPTS[3]), 0, list(range(BLOCKS_PER_SEQ)), sampling=GREEDY)]))
+    with torch.inference_mode():
+        step = ex.inputs.build(StepCommand(1, False, [SeqStep(0, [5], len(PROMPTS[3]))]), samples=False)
+    counter = _KernelCount()
+    launch = GridExecutor.__call__
+
+    def counted(self, *args, **kwargs):
+        counter.ops.append(self.fn.__name__)
+        with _disable_current_modes():
+            return launch(self, *args, **kwargs)
+
+    monkeypatch.setattr(GridExecutor, "__call__", counted)
+    ctx = ForwardContext(tp=ex.tp, kv_caches=ex.kv.layers, attn=step.attn, attn_backend=ex.attention)
+    with torch.inference_mode(), counter:
+        ex.model(step.input_ids, step.positions, ctx)
+    layers = ex.arch.num_layers
+    per_layer = (len(counter.ops) - 2) / layers  # the embedding lookup and the final norm are once per step
+    assert per_layer <= 12, counter.ops
+    assert counter.ops.count("_rotary_kv_kernel") == layers and counter.ops.count("_silu_mul_kernel") == layers
+    assert counter.ops.count("_rms_norm_kernel") == 2 * layers + 1
 
 
 def test_kernels_serve_gpu_models_and_cpu_models_only_when_asked(monkeypatch):
-    monkeypatch.delenv("PAT_TRITON_ON_CPU", raising=False)
+    monkeypatch.delenv("PAT_TRITON_LAYERS", raising=False)
     assert triton_ops.kernels_for("cpu", torch.float32) is None
     assert triton_ops.serves("cuda", torch.bfloat16) and not triton_ops.serves("cuda", torch.float64)
-    monkeypatch.setenv("PAT_TRITON_ON_CPU", "1")
+    monkeypatch.setenv("PAT_TRITON_LAYERS", "on")
     kernels = triton_ops.kernels_for("cpu", torch.bfloat16)
     assert kernels is not None and callable(kernels.rotary_kv_write)
     assert triton_ops.kernels_for("cpu", torch.float64) is None
+    monkeypatch.setenv("PAT_TRITON_LAYERS", "off")
+    assert not triton_ops.serves("cuda", torch.bfloat16)
 
 
 # ---- compiled ---------------------------------------------------------------------------------------------------
@@ -219,3 +274,20 @@ def test_gpu_layer_kernels_keep_the_formulas_bits(dtype):
     gate_up = _randn(64, 2 * 14336, seed=4, dtype=dtype, scale=3)
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.equal(silu_and_mul(gate_up), F.silu(gate) * up)  # libdevice expf and IEEE division, as torch
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_gpu_fused_unfused_graphs_and_eager_give_the_same_greedy_tokens(model_dir, monkeypatch, arch):
+    """Issue 30's bar on the device, float32: the Triton layer kernels with CUDA graphs, the same eagerly,
+    and the torch formulas (``PAT_TRITON_LAYERS=off``) give the same greedy tokens."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = model_dir(arch)
+    new = min(MAX_NEW)
+    fused_graphs = _greedy(_executor(path, torch.float32, "triton", graphs=True), new)
+    assert fused_graphs == _greedy(_executor(path, torch.float32, "triton"), new)
+    monkeypatch.setenv("PAT_TRITON_LAYERS", "off")
+    unfused = _executor(path, torch.float32, "triton")
+    assert unfused.model.norm.triton is None
+    assert _greedy(unfused, new) == fused_graphs

@@ -7,8 +7,9 @@ add + RMSNorm, gate/up GEMM, SiLU-mul, down GEMM. Each kernel computes the torch
 operations with the same roundings (see each kernel's header), row by row.
 
 They serve a model whose parameters live on a CUDA device, in float16, bfloat16 or float32, when
-Triton imports; ``PAT_TRITON_ON_CPU=1`` (with ``TRITON_INTERPRET=1``) runs them on CPU tensors too,
-for tests. The choice is made once, when a layer is built (``serves``), not per call.
+Triton imports. ``PAT_TRITON_LAYERS=off`` turns them off (the torch formulas run: A/B runs, the
+fused-vs-unfused GPU test); ``on`` runs them on CPU tensors too, under ``TRITON_INTERPRET=1`` (tests).
+The choice is made once, when a layer is built (``serves``), not per call.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ class TritonKernels:
 def serves(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether layers built for ``device`` and ``dtype`` run the Triton kernels."""
     device = torch.device(device)
-    if dtype not in DTYPES or importlib.util.find_spec("triton") is None:
+    mode = env.triton_layers()
+    if mode == "off" or dtype not in DTYPES or importlib.util.find_spec("triton") is None:
         return False
-    return device.type == "cuda" or (device.type == "cpu" and env.triton_on_cpu())
+    return device.type == "cuda" or (device.type == "cpu" and mode == "on")
 
 
 def kernels_for(device: torch.device | str, dtype: torch.dtype) -> TritonKernels | None:
