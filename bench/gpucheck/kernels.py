@@ -1,12 +1,13 @@
 """Part ``kernels``: where a decode step's GPU time goes, kernel by kernel (issue 30, items 2 and 6).
 
 One ``InferExecutor`` in this process (Llama-3-8B shape, bf16, random weights, TP1, block 16; the engine's
-attention "auto" and its Triton layer kernels), as ``../shared/gpu/2026-11-26/decode_step_kernels.txt``
-was made: at batch 1 and 64, prompts of 512 tokens are prefilled, then decode steps run with CUDA graphs
-and eagerly in turn (wall ms per step, synchronised), then eager steps under ``torch.profiler`` (CPU +
-CUDA) with each step and each decoder layer labelled. Each kernel is charged to the piece its name
-says (``classify``), to the step and to the layer whose range launched it. Target: <= 12 kernels per
-layer. On the CPU (smoke) there are no kernels: the table counts the torch ops the step calls instead.
+attention "auto" and its Triton layer kernels), as the first H100 run's ``decode_step_kernels.txt``
+(bench/results/gpu_2026-11-26_h100_first_run/) was made: at batch 1 and 64, prompts of 512 tokens are
+prefilled, then decode steps run with CUDA graphs and eagerly in turn (wall ms per step, synchronised), then
+eager steps under ``torch.profiler`` (CPU + CUDA) with each step and each decoder layer labelled. Each
+kernel is charged to the piece its name says (``classify``), to the step and to the layer whose range
+launched it. Target: <= 12 kernels per layer. On the CPU (smoke) there are no kernels: the table counts the
+torch ops the step calls instead.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from common import markdown_table
 from gpucheck import executor
 from gpucheck.report import PartResult
 from gpucheck.shared import Ctx, log, median, verdict
+from pat_engine import env
+from pat_engine.model.layers import triton_ops
 
 STEP, LAYER = "pat.step", "pat.layer"  # profiler ranges around a decode step and a decoder layer
 KERNELS_PER_LAYER_GOAL = 12
@@ -241,13 +244,15 @@ def run(ctx: Ctx) -> PartResult:
         results.append(measure_batch(ctx, ex, b, p))
         log(f"kernels: batch {b} done")
     cuda = ctx.device == "cuda"
+    built = (f"attention backend \"{ex.attention.name}\", Triton layer kernels "
+             f"{'on' if triton_ops.serves(ctx.device, ctx.dtype) else 'off'} (PAT_TRITON_LAYERS={env.triton_layers()})")
     headlines = [headline(r, cuda) for r in results]
     first = results[0]["table"]
     if cuda and first.per_layer is not None:
         headlines.append(f"**kernels per layer at batch {results[0]['batch']}: {first.per_layer:.1f} (target <= "
                          f"{KERNELS_PER_LAYER_GOAL}): {verdict(first.per_layer <= KERNELS_PER_LAYER_GOAL)}**")
     setup = (f"In this process: one InferExecutor ({'a toy Llama' if ctx.smoke else 'Llama-3-8B shape'}, bf16, "
-             f"random weights, TP1, block 16, attention \"auto\", numerics \"fast\"), prompts of {p.prompt} tokens "
+             f"random weights, TP1, block 16, numerics \"fast\", {built}), prompts of {p.prompt} tokens "
              f"prefilled in one step, then decode steps: {p.rounds} round(s) of {p.block} steps with "
              f"{'CUDA graphs' if cuda else 'the stand-in graphs'} and {p.block} eager, in turn (after 2 + 2 warm-up "
              f"steps), then {p.profiled} eager steps under torch.profiler with each step and decoder layer in a "

@@ -1,12 +1,12 @@
 """The parts of the GPU check, in run and report order. A new part is one module under ``gpucheck/`` with
 ``run(ctx: shared.Ctx) -> report.PartResult`` and one entry here.
 
-Expected seconds are for an H100 80GB (16 CPU cores), each part in its own process, its start-up
-(imports, CUDA, Triton compiles on a fresh machine) and its weight loads included; the checkpoint is
-written before the first part that needs one (``CHECKPOINT_S``, once per workdir). They are estimates
-from the 2026-11-26 run (../shared/gpu/2026-11-26/), to be replaced by what the parts table of the next
-GPU run shows. Timeouts end a part's process (and what it started); the part is then recorded as failed
-and the next one runs.
+Expected seconds are for an H100 80GB (16 CPU cores), each part in its own process, its start-up (imports,
+CUDA, Triton compiles on a fresh machine) and its weight loads included; the checkpoint is written before
+the first part that needs one (``CHECKPOINT_S``, once per workdir). They are estimates from the first H100
+run (bench/results/gpu_2026-11-26_h100_first_run/), to be replaced by what the parts table of the next GPU
+run shows. Timeouts end a part's process (and what it started); the part is then recorded as failed and the
+next one runs.
 """
 
 from __future__ import annotations
