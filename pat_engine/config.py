@@ -75,7 +75,10 @@ class EngineConfig:
     # KV cache and batching
     block_size: int = 16
     kv_cache_bytes: int | None = None  # per rank; CPU: core/memory.default_cpu_kv_bytes, GPU: from memory utilisation
-    gpu_memory_utilization: float = 0.85
+    gpu_memory_utilization: float = 0.85  # of each GPU, for all the engine's ranks on it together
+    # the share of its GPU one rank may use (weights, KV, activations, graphs); None: gpu_memory_utilization
+    # split equally among the ranks a device holds. Several ranks per GPU is a test/dev mode (parallel/devices.py)
+    rank_memory_fraction: float | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 256  # per DP group
     max_num_batched_tokens: int = 8192  # per prefill step and DP group
@@ -140,6 +143,13 @@ class EngineConfig:
             raise InvalidRequestError(f"max_graph_batch must be >= 1, got {self.max_graph_batch}")
         if self.worker_class is not None and not all(self.worker_class.partition(":")[::2]):
             raise InvalidRequestError(f"worker_class must be 'module:Class', got {self.worker_class!r}")
+        for name in ("gpu_memory_utilization", "rank_memory_fraction"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= 1:  # NaN fails too
+                raise InvalidRequestError(f"{name} must be a fraction in (0, 1], got {value!r}")
+        if self.rank_memory_fraction is not None and self.device != "cuda":
+            raise InvalidRequestError("rank_memory_fraction is a share of a GPU's memory: it needs device='cuda' "
+                                      "(CPU workers size their KV from kv_cache_bytes or the host's memory)")
         if self.block_size < 1:
             raise InvalidRequestError(f"block_size must be >= 1, got {self.block_size}")
         for name in ("worker_start_timeout_s", "collective_timeout_s", "step_timeout_s", "restart_window_s"):

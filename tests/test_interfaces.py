@@ -80,7 +80,7 @@ def test_a_call_folds_its_ranks_answers_by_its_own_rule():
 
     assert ReleaseMemory(True, None).reply.combine([3, 4]) == 7
     assert LoadWeights([]).reply.combine([5, 5]) == 5
-    assert KVBudget(0.9).reply.combine([300, 200]) == 200
+    assert KVBudget().reply.combine([300, 200]) == 200
     assert DestroyWeightsUpdateGroup("g").reply.combine([True, False]) is False
     assert BandwidthProbe(8).reply.combine([0.1, 0.2]) == [0.1, 0.2]
     assert ReloadWeights("p").reply.combine([None, None]) is None

@@ -71,9 +71,11 @@ class Engine:
         self.memory = MemoryPlan(self.arch, dtype, cfg.block_size, kv_bytes, self.base_layout, device_budget=on_gpu,
                                  numerics=cfg.numerics)
         pool = self._start_pool(kv_blocks=0 if measure else None)
+        if pool.placement.colocated:  # a labelled test/dev mode (parallel/devices.py)
+            log.warning("%s", pool.placement.describe())
         if measure:
             try:
-                self.memory.kv_budget_base = pool.ask(KVBudget(cfg.gpu_memory_utilization))
+                self.memory.kv_budget_base = pool.ask(KVBudget())
                 pool.ask(AllocateKV(self.memory.num_blocks(self.base_layout)))
             except BaseException:
                 pool.kill()
@@ -105,6 +107,8 @@ class Engine:
         except WorkerFailure as exc:
             if exc.error_type == "ModelLoadError":  # a bad checkpoint, found while loading shards
                 raise ModelLoadError(str(exc).splitlines()[0]) from None
+            if exc.error_type == "InvalidRequestError":  # e.g. a memory share that cannot hold the weights
+                raise InvalidRequestError(str(exc).splitlines()[0]) from None
             raise
         return pool
 

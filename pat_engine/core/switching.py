@@ -132,7 +132,9 @@ class Switching:
         stepping = self.stepping
         started = time.perf_counter()
         new = check_target(self.memory_plan, stepping.layout, decision.tp, stepping.unfinished())
+        drain_started = time.perf_counter()
         stepping.drain()
+        drain_s = time.perf_counter() - drain_started  # the steps in flight at the decision, finished
         old = stepping.layout
         if new == old:
             return SwitchEvent(self.timeline.now(), str(old), str(new), decision.reason, "none", 0.0)
@@ -142,16 +144,17 @@ class Switching:
         report = stepping.pool.ask(Switch(planned.plan))
         planned.seat(seqs)
         stepping.install_layout(new, planned.schedulers)
-        return self._record_switch(decision, planned, report, len(seqs), started)
+        return self._record_switch(decision, planned, report, len(seqs), started, drain_s)
 
     def _record_switch(self, decision: SwitchDecision, planned: PlannedSwitch, report: SwitchReport, requests: int,
-                       started: float) -> SwitchEvent:
+                       started: float, drain_s: float) -> SwitchEvent:
         """Feed the measured costs back to the cost source and add the switch to the timeline."""
         old, new = planned.plan.old, planned.plan.new
         if planned.path == "migrate":
             self.cost_source.record_kv_transfer(report.busiest_kv_bytes, report.busiest_kv_s)
         self.cost_source.record_weight_reshard(old.tp, new.tp, report.weights_s)
-        costs = {**report.to_dict(), "migrated_requests": len(planned.tables), "requests": requests}
+        costs = {**report.to_dict(), "drain_s": drain_s, "migrated_requests": len(planned.tables),
+                 "requests": requests}
         del costs["rank"]
         if planned.estimate is not None:
             costs.update(predicted_migrate_s=planned.estimate.migrate_s,

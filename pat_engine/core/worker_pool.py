@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from pat_engine.config import EngineConfig
 from pat_engine.errors import WorkerFailure, last_traceback_line
+from pat_engine.parallel.devices import DevicePlacement, visible_devices
 from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import StepCommand, StepResult, WorkerArgs
 from pat_engine.protocol.calls import Call, Reply, Shutdown, WorkerCall
@@ -40,6 +41,7 @@ class WorkerPool:
         self.config = config
         self._weights_path = weights_path or config.model
         self.world = config.world
+        self.placement = DevicePlacement(self.world, visible_devices(config.device))
         self._layout, self._num_blocks = layout, num_blocks
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
@@ -66,7 +68,7 @@ class WorkerPool:
             theirs.close()
             conn = Connection(ours.detach())
             args = WorkerArgs(rank, self.world, "127.0.0.1", self._store.port, self.config, self._layout,
-                              self._num_blocks, os.getpid(), self._weights_path)
+                              self._num_blocks, os.getpid(), self._weights_path, self.placement)
             self.procs.append(proc)
             self.conns.append(conn)
             # same authkey as the driver: tensors sent to workers then travel through shared memory

@@ -4,6 +4,9 @@ Layers get this handle through the forward context instead of reading
 ``torch.distributed`` globals, so a layout switch only swaps the handle.
 On CPU workers of one host the collectives go through shared memory
 (parallel/shm_collectives.py) when the tensor fits its slots, else through gloo.
+Ranks that share a GPU (parallel/devices.py) cannot use NCCL: their group is ``host_staged``,
+each collective runs the CPU path above on a host copy of the CUDA tensor and copies the result
+back. No CUDA graph can record that (``graphs_capturable``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from pat_engine.parallel.devices import graphs_capturable
 from pat_engine.parallel.shm_collectives import ShmChannel
 
 
@@ -27,9 +31,20 @@ class TPGroup:
     ranks: tuple[int, ...]  # global ranks, in TP-rank order
     device_group: object | None = field(default=None, repr=False)  # nccl on GPU, gloo on CPU; None for one rank
     shm: ShmChannel | None = field(default=None, repr=False)  # CPU, one host: the shared-memory path
+    host_staged: bool = False  # CUDA tensors through host copies (ranks sharing a GPU: gloo, no NCCL)
+
+    @property
+    def graphs_capturable(self) -> bool:
+        """Whether a CUDA graph can record this group's collectives (parallel/devices.py)."""
+        return graphs_capturable(self.size, self.host_staged)
+
+    def _staged(self, x: torch.Tensor) -> bool:
+        return self.host_staged and x.device.type != "cpu"
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
+            if self._staged(x):
+                return x.copy_(self.all_reduce(x.cpu()))
             if self.shm is not None and self.shm.fits(x):
                 return self.shm.all_reduce(x)
             dist.all_reduce(x, group=self.device_group)
@@ -40,6 +55,8 @@ class TPGroup:
         Moves bits only (no sum), so a caller can add the parts in an order of its own."""
         if self.size == 1:
             return x.unsqueeze(0)
+        if self._staged(x):
+            return self.all_gather(x.cpu()).to(x.device)
         if self.shm is not None and self.shm.fits(x):
             return self.shm.all_gather(x)
         flat = x.contiguous().view(-1)  # gloo wants the output as the inputs concatenated on dim 0
@@ -51,6 +68,9 @@ class TPGroup:
         """TP rank 0 gets every rank's ``x`` concatenated along ``dim``; others get None."""
         if self.size == 1:
             return x
+        if self._staged(x):
+            out = self.gather_to_leader(x.cpu(), dim)
+            return None if out is None else out.to(x.device)
         if self.shm is not None and self.shm.fits(x):
             return self.shm.gather(x, dim)
         x = x.contiguous()

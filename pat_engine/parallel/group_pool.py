@@ -27,10 +27,11 @@ class GroupPoolStats:
 
 
 class CommGroupPool:
-    def __init__(self, global_rank: int, world: int, device_backend: str, timeout=None):
+    def __init__(self, global_rank: int, world: int, device_backend: str, timeout=None, host_staged: bool = False):
         self.global_rank = global_rank
         self.world = world
         self.device_backend = device_backend
+        self.host_staged = host_staged  # ranks share a GPU: CUDA tensors cross as host copies (parallel/devices.py)
         self.timeout = timeout
         self.stats = GroupPoolStats()
         self._groups: dict[Layout, TPGroup] = {}
@@ -62,7 +63,8 @@ class CommGroupPool:
         shm = None
         if my_index >= 0 and shm_collectives.usable(self.device_backend):
             shm = shm_collectives.ShmChannel.create(device, my_index, len(ranks), self.timeout)
-        return TPGroup(rank=my_index, size=len(ranks), ranks=tuple(ranks), device_group=device, shm=shm)
+        return TPGroup(rank=my_index, size=len(ranks), ranks=tuple(ranks), device_group=device, shm=shm,
+                       host_staged=self.host_staged)
 
     def __len__(self) -> int:
         return len(self._groups)

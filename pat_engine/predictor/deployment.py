@@ -11,16 +11,19 @@ import torch
 from pat_engine.config import EngineConfig
 from pat_engine.model.arch import ModelArch
 from pat_engine.model.footprint import weight_bytes_per_rank
+from pat_engine.parallel.devices import DevicePlacement, visible_devices
 from pat_engine.parallel.layout import Layout
 from pat_engine.platform_info import cpu_name, gpu_name
 from pat_engine.predictor.table import Deployment, ModelShape
 from pat_engine.version import __version__
 
 
-def device_name(device: str) -> str:
-    """CPU timings depend on the processor and the core count; GPU timings on the GPU model."""
+def device_name(device: str, ranks_per_device: int = 1) -> str:
+    """CPU timings depend on the processor and the core count; GPU timings on the GPU model, and on how many
+    ranks share each GPU (a co-located test deployment's steps and collectives are not a one-per-GPU one's)."""
     if device == "cuda":
-        return f"cuda: {gpu_name() or 'unknown'}"
+        shared = f", {ranks_per_device} ranks per device" if ranks_per_device > 1 else ""
+        return f"cuda: {gpu_name() or 'unknown'}{shared}"
     return f"cpu: {cpu_name()} ({os.cpu_count()} cores)"
 
 
@@ -39,12 +42,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def make_deployment(arch: ModelArch, model_path: str, dtype: torch.dtype, device: str, world: int,
                     block_size: int, threads_per_worker: int | None, candidate_tps: list[int] | None = None,
-                    emulated: bool = False, collective_model: dict | None = None) -> Deployment:
+                    emulated: bool = False, collective_model: dict | None = None,
+                    ranks_per_device: int = 1) -> Deployment:
     return Deployment(
         model_fingerprint=arch.fingerprint(),
         model_name=Path(model_path).name,
         dtype=dtype_name(dtype),
-        device=device_name(device),
+        device=device_name(device, ranks_per_device),
         world=world,
         candidate_tps=tuple(candidate_tps or (layout.tp for layout in arch.valid_layouts(world))),
         block_size=block_size,
@@ -57,8 +61,9 @@ def make_deployment(arch: ModelArch, model_path: str, dtype: torch.dtype, device
 
 def engine_deployment(arch: ModelArch, cfg: EngineConfig) -> Deployment:
     """The deployment an engine of ``cfg`` serving ``arch`` runs (what its profile table must match)."""
+    placement = DevicePlacement(cfg.world, visible_devices(cfg.device))
     return make_deployment(arch, cfg.model, cfg.torch_dtype(), cfg.device, cfg.world, cfg.block_size,
-                           cfg.worker_threads())
+                           cfg.worker_threads(), ranks_per_device=placement.most_sharing)
 
 
 def model_shape(arch: ModelArch, dtype: torch.dtype) -> ModelShape:

@@ -166,10 +166,10 @@ class DestroyWeightsUpdateGroup(WorkerCall[bool]):
 
 @dataclass(frozen=True)
 class KVBudget(WorkerCall[int]):
-    """GPU: bytes a rank can give the KV pool at ``utilization`` of device memory; the least over the
-    ranks, since every rank holds a pool of the same size."""
+    """GPU: bytes a rank can give the KV pool from its share of the device's memory (``gpu_memory_utilization``
+    or ``rank_memory_fraction``, parallel/devices.py); the least over the ranks, since every rank holds a
+    pool of the same size."""
 
-    utilization: float
     reply = ReplyRule.MIN
 
 

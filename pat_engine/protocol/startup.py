@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pat_engine.config import EngineConfig
+from pat_engine.parallel.devices import DevicePlacement
 from pat_engine.parallel.layout import Layout
 
 
@@ -19,3 +20,4 @@ class WorkerArgs:
     num_blocks: int  # KV blocks of the first pool (0: the driver allocates it later with ``allocate_kv``)
     parent_pid: int
     weights_path: str  # where to load weights from (the model dir, or a later update_weights_from_disk)
+    placement: DevicePlacement  # which device each rank runs on, and whether ranks share one

@@ -18,6 +18,9 @@ and replays them with one launch. ``DecodeGraphs`` owns all of it for one rank:
   there and read only it; rows never mix in the forward, so padding cannot change a real row.
 - **Eager fallbacks**: prefill (and the invariant mode's decode-shaped prefill), a batch past the
   ladder, a step with several tokens per sequence, a table wider than ``max_model_len`` allows.
+- **Groups no graph can record**: a TP group of ranks sharing one GPU runs its collectives on host
+  copies through gloo (parallel/devices.py), which a CUDA graph cannot hold. Such a group captures
+  nothing (no capture is tried) and decodes eagerly; its TP1 layouts keep their graphs.
 
 What a graph holds, and so when it must go:
 - the TP group's communicator and the KV pool's layer tensors. A layout switch brings a new group
@@ -117,6 +120,7 @@ class GraphStats:
     lazy_captures: int = 0  # captured by a step that needed the size
     replays: int = 0
     eager_decodes: int = 0  # decode steps no graph could hold
+    uncapturable_decodes: int = 0  # of those, steps of a TP group whose collectives no graph can record
 
     def to_dict(self) -> dict:
         return {**asdict(self), "capture_s_per_size": self.capture_s / self.captures if self.captures else 0.0}
@@ -184,6 +188,8 @@ class DecodeGraphs:
         not captured yet; returns (how many were captured, seconds)."""
         if not self.enabled or pool.scratch_block is None or not pool.layers:  # off, or the KV is released
             return 0, 0.0
+        if not tp.graphs_capturable:  # host-staged collectives: eager, without trying a capture
+            return 0, 0.0
         sizes = self.ladder if upto is None else graph_sizes_upto(self.ladder, upto)
         start = time.perf_counter()
         self._bind(model, tp, pool)
@@ -197,6 +203,10 @@ class DecodeGraphs:
         """The decode forward of ``step`` through a graph: hidden states (B, hidden) whose first
         ``len(cmd.seqs)`` rows are the real ones; None when no graph can hold the step (run it eagerly)."""
         if not self.enabled or cmd.is_prefill:
+            return None
+        if not tp.graphs_capturable:
+            self.stats.eager_decodes += 1
+            self.stats.uncapturable_decodes += 1
             return None
         n = len(cmd.seqs)
         attn = step.attn

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from pat_engine.parallel.group_pool import CommGroupPool
 from pat_engine.protocol import SwitchReport
 from pat_engine.protocol.calls import BandwidthProbe, Stats, Switch
+from pat_engine.worker.device_memory import allocator_stats
 from pat_engine.worker.infer_executor import InferExecutor
 from pat_engine.worker.switch_executor import SwitchExecutor
 
@@ -27,7 +28,10 @@ class LayoutHandlers:
         s, ex = self.groups.stats, self.executor
         return {"group_hits": s.hits, "group_misses": s.misses, "group_seconds": s.creation_seconds,
                 "layouts": list(s.created_layouts), "kv_blocks": ex.kv.num_blocks,
-                "graphs": {"captured": list(ex.graphs.captured), **ex.graphs.stats.to_dict()}}
+                "graphs": {"captured": list(ex.graphs.captured), "capturable": ex.tp.graphs_capturable,
+                           **ex.graphs.stats.to_dict()},
+                "device": str(ex.device), "host_staged": self.groups.host_staged,
+                "device_memory": allocator_stats(ex.device)}
 
     def bandwidth_probe(self, call: BandwidthProbe) -> float:
         # every rank sends and receives at once, the pattern of a KV or weight redistribution
@@ -42,7 +46,8 @@ class LayoutHandlers:
         for _ in range(call.repeats):
             dist.barrier(group=self.cpu_world)
             t = time.perf_counter()
-            exchange({(self.rank + 1) % self.world: out}, {(self.rank - 1) % self.world: inp})
+            exchange({(self.rank + 1) % self.world: out}, {(self.rank - 1) % self.world: inp},
+                     self.groups.host_staged)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - t)

@@ -1,5 +1,6 @@
 """Control calls about device memory: release and restore for a colocated trainer, and on a GPU the
-KV budget and the first KV pool (sized once the driver knows what every rank can hold)."""
+KV budget (from the rank's memory share, worker/device_memory.py) and the first KV pool (sized once the
+driver knows what every rank can hold)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import torch
 
 from pat_engine.config import EngineConfig
 from pat_engine.protocol.calls import AllocateKV, KVBudget, ReleaseMemory, RestoreMemory
+from pat_engine.worker.device_memory import RankMemory
 from pat_engine.worker.infer_executor import InferExecutor
 
 
 class MemoryHandlers:
-    def __init__(self, config: EngineConfig, executor: InferExecutor):
+    def __init__(self, config: EngineConfig, executor: InferExecutor, share: RankMemory | None):
         self.config, self.executor = config, executor
+        self.share = share  # None on the CPU
 
     def release_memory(self, call: ReleaseMemory) -> int:
         return self.executor.release_memory(call.kv, call.weights)
@@ -25,8 +28,8 @@ class MemoryHandlers:
         self.executor.capture_graphs()
 
     def kv_budget(self, call: KVBudget) -> int:
-        torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info()
+        if self.share is None:
+            raise RuntimeError("KVBudget measures a GPU rank's memory share; this rank runs on the CPU")
         ex, cfg = self.executor, self.config
         arch, tp = ex.arch, ex.tp.size
         elt = torch.empty((), dtype=ex.dtype).element_size()
@@ -34,4 +37,4 @@ class MemoryHandlers:
         reserve = cfg.max_num_batched_tokens * (4 * arch.hidden_size + 2 * arch.intermediate_size // tp) * elt
         reserve += cfg.max_num_seqs * arch.vocab_size * 4
         reserve += ex.graphs.reserve_bytes(arch.hidden_size, arch.intermediate_size // tp, elt)
-        return max(0, int(free - total * (1 - call.utilization) - reserve))
+        return self.share.kv_budget(reserve)

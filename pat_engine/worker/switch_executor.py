@@ -159,7 +159,7 @@ class SwitchExecutor:
                  for src, views in incoming.items()}
         buffers = sum(_nbytes(b) for b in [*sends.values(), *recvs.values()])
         meter.add(buffers)
-        exchange(sends, recvs)
+        exchange(sends, recvs, self.groups.host_staged)
         sent += sum(_nbytes(b) for b in sends.values())
         for src, views in incoming.items():
             offset = 0
@@ -209,7 +209,7 @@ class SwitchExecutor:
             # the old layer is no longer needed once packed: its memory becomes the new layer
             old_pool.take_layer(layer)
             del flat
-            exchange(bufs, recvs)
+            exchange(bufs, recvs, self.groups.host_staged)
             sent += sum(_nbytes(b) for b in bufs.values())
             new_layer = new_pool.append_layer(reuse=old_layer)
             del old_layer

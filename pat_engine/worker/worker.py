@@ -23,10 +23,12 @@ import torch
 import torch.distributed as dist
 
 from pat_engine.model.arch import load_model_arch
+from pat_engine.model.footprint import device_bytes_per_rank
 from pat_engine.parallel.group_pool import CommGroupPool
 from pat_engine.protocol import StepCommand, StepResult, WorkerArgs
 from pat_engine.protocol.calls import Call, Reply, Shutdown, WorkerCall
 from pat_engine.worker.graph_capture import GraphSettings
+from pat_engine.worker.device_memory import RankMemory
 from pat_engine.worker.handlers import handler_table
 from pat_engine.worker.infer_executor import InferExecutor
 from pat_engine.worker.layout_handlers import LayoutHandlers
@@ -47,21 +49,22 @@ class Worker:
         cfg = args.config
         self.args, self.rank = args, args.rank
         torch.set_num_threads(cfg.worker_threads())
-        self.device = torch.device("cpu")
-        backend = "gloo"
+        placement = args.placement  # parallel/devices.py: device, memory share, collective backend
+        arch = load_model_arch(cfg.model)
+        self.device, self.memory = torch.device("cpu"), None
         if cfg.device == "cuda":
-            local = args.rank % torch.cuda.device_count()
-            torch.cuda.set_device(local)
-            self.device = torch.device("cuda", local)
-            backend = "nccl"
+            self.device = torch.device("cuda", placement.device_index(args.rank))
+            torch.cuda.set_device(self.device)
+            weights = device_bytes_per_rank(arch, args.layout.tp, cfg.torch_dtype(), cfg.numerics, args.world)
+            self.memory = RankMemory.at_start(cfg, placement, args.rank, self.device, weights)
+        backend = placement.device_backend
         timeout = datetime.timedelta(seconds=cfg.collective_timeout_s)
         store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=args.rank, world_size=args.world, timeout=timeout)
         # control group for CPU objects when the device backend is NCCL
         self.cpu_world = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-        self.groups = CommGroupPool(args.rank, args.world, backend, timeout)
+        self.groups = CommGroupPool(args.rank, args.world, backend, timeout, host_staged=placement.host_staged)
         tp_group, _ = self.groups.get(args.layout)
-        arch = load_model_arch(cfg.model)
         self.executor = InferExecutor(arch, args.layout, tp_group, cfg.torch_dtype(), self.device,
                                       cfg.block_size, args.num_blocks, lazy_kv=cfg.kv_cache_bytes is None,
                                       numerics=cfg.numerics, attention=cfg.attention_backend,
@@ -71,7 +74,7 @@ class Worker:
             self.executor.capture_graphs()
         self.layout_calls = LayoutHandlers(args.rank, args.world, self.cpu_world, self.groups, self.executor)
         self.weight_calls = WeightHandlers(args.rank, self.executor)
-        self.memory_calls = MemoryHandlers(cfg, self.executor)
+        self.memory_calls = MemoryHandlers(cfg, self.executor, self.memory)
         # call type -> handler, from the handlers' annotations (worker/handlers.py)
         self.handlers = handler_table(self, self.layout_calls, self.weight_calls, self.memory_calls)
 

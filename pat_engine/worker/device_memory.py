@@ -1,0 +1,50 @@
+"""One rank's device memory: its share of the GPU (checked at start-up), the KV budget measured from that
+share, and the allocator counters the ``Stats`` call reports (a leak check compares two of them).
+
+The rules themselves (placement, shares, the budget formula) are pure functions in parallel/devices.py;
+this module only reads the device for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pat_engine.config import EngineConfig
+from pat_engine.parallel.devices import DevicePlacement, check_share, rank_kv_budget
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """A GPU rank's memory share: ``fraction`` of its device, which ``sharing`` ranks use (itself included)."""
+
+    device: torch.device
+    fraction: float
+    sharing: int
+
+    @classmethod
+    def at_start(cls, cfg: EngineConfig, placement: DevicePlacement, rank: int, device: torch.device,
+                 weight_bytes: int) -> RankMemory:
+        """The share, refused by name (before anything is loaded) when it cannot hold the weights and the
+        configured KV."""
+        fraction = placement.memory_fraction(cfg.gpu_memory_utilization, cfg.rank_memory_fraction)
+        check_share(fraction, torch.cuda.get_device_properties(device).total_memory, weight_bytes, cfg.kv_cache_bytes)
+        return cls(device, fraction, placement.sharing(rank))
+
+    def kv_budget(self, reserve: int) -> int:
+        """Bytes this rank can give its KV pool now (every rank of the device holds its weights, none a pool)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # what loading left cached is not in use: measure without it
+        free, total = torch.cuda.mem_get_info(self.device)
+        return rank_kv_budget(total, free, self.fraction, self.sharing, reserve)
+
+
+def allocator_stats(device: torch.device) -> dict:
+    """This rank's CUDA caching-allocator counters in bytes (None on the CPU): what its tensors hold
+    (``allocated``), what the allocator keeps from the device (``reserved``), and the peak allocated."""
+    if device.type != "cuda":
+        return {"allocated": None, "reserved": None, "peak_allocated": None}
+    torch.cuda.synchronize(device)
+    return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device),
+            "peak_allocated": torch.cuda.max_memory_allocated(device)}
