@@ -1,7 +1,7 @@
 """One command for a one-GPU machine: measure the engine against its targets and run the ``gpu`` tests
 (issues 23 and 30). The parts live in ``bench/gpucheck/`` (one file each, listed in ``registry.py``).
 
-    python bench/gpu_check.py --quick                 # every headline row, ~5 min on an H100
+    python bench/gpu_check.py --quick                 # every headline row, ~6 min on an H100
     python bench/gpu_check.py --only graphs weightsync tests   # the rest, ~3 min
     python bench/gpu_check.py                         # every part (> 10 min: split it under the device tool)
     python bench/gpu_check.py --smoke [--quick]       # toy sizes on the CPU, into a temp file (never the results)
@@ -23,15 +23,17 @@ what they took, so the next run can correct them):
 | prefill | 64 x 512 and 8 x 4K prefill: tokens/s, model FLOP/s vs an 8192^3 bf16 GEMM | 40 s | 60 s |
 | decode | Engine decode ms / token vs roofline and floor: batch 1/16/64, 64 x 512, 64 x 2K | 75 s | 150 s |
 | profile | pat-profile --emulate-world 8, graphs on, median step; predictor error at TP1 | 50 s | 60 s |
+| switch | the live switch with 2 (full: and 4) ranks sharing the GPU, 1B shape: each phase in s and bytes, the graphs share, host-staged collectives, CUDA memory; full: the controller on a co-located pat-profile table, capture warm-ups | 60 s | 330 s |
 | graphs | CUDA graph capture per ladder size, recapture after an emulated switch | skipped | 30 s |
 | weightsync | update_weights GB/s, update_weights_from_distributed (gloo; NCCL attempted) | skipped | 60 s |
-| tests | ``pytest -m gpu`` over the files holding gpu tests | skipped | 70 s |
+| tests | ``pytest -m gpu`` over the files holding gpu tests | skipped | 160 s |
 
-``--quick`` (about 300 s with the ~5 s environment probe; a reused checkpoint saves 30): one engine in
+``--quick`` (about 360 s with the ~5 s environment probe; a reused checkpoint saves 30): one engine in
 ``decode`` (graphs on; no eager engine: the kernels part times eager against graph steps in process at
 batch 1 and 64), one round of 64 (batch 1) or 32 (long prompts) tokens; ``attention`` with 20 calls per
 case and splits up to 64; ``prefill`` with 2 runs per row; ``profile`` on TP 1/2/4/8 x batch 1/64 x
-context 512, 8 steps a point. It skips ``graphs``, ``weightsync`` and ``tests`` (their figures are not
+context 512, 8 steps a point; ``switch`` with one measured batch (migrate) after its warm-up. It skips
+``graphs``, ``weightsync`` and ``tests`` (their figures are not
 headlines; run them as the second command above). ``--budget-s`` (default 540 with ``--quick``) caps
 each part's timeout by what is left of it and skips the parts it cannot start, so the command ends
 inside the device tool's 10 minutes.
@@ -80,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--only", nargs="+", choices=NAMES, help="run these parts (default: all; --quick: its own)")
     p.add_argument("--smoke", action="store_true", help="every part at toy sizes on the CPU; results to a temp file")
-    p.add_argument("--quick", action="store_true", help="the headline rows only, in about 5 minutes on an H100")
+    p.add_argument("--quick", action="store_true", help="the headline rows only, in about 6 minutes on an H100")
     p.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "pat_gpu_check"),
                    help="the checkpoint (written once, reused), the parts' logs and scratch files")
     p.add_argument("--output", help="results file (default bench/results/gpu_check.md; --smoke: under --workdir)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -25,10 +26,12 @@ def blocks_for(tokens: int) -> int:
     return -(-tokens // BLOCK_SIZE)
 
 
-def build(ctx: Ctx, num_blocks: int, ladder: tuple[int, ...] = (), max_context: int = 0) -> InferExecutor:
-    """The checkpoint's TP1 shard with the engine's defaults (attention "auto", numerics "fast"); decode
-    graphs for the ``ladder`` sizes (CUDA graphs; the stand-in on the CPU), none when it is empty."""
-    ckpt = ctx.checkpoint()
+def build(ctx: Ctx, num_blocks: int, ladder: tuple[int, ...] = (), max_context: int = 0,
+          ckpt: Path | None = None) -> InferExecutor:
+    """The checkpoint's TP1 shard (the run's, or ``ckpt``) with the engine's defaults (attention "auto",
+    numerics "fast"); decode graphs for the ``ladder`` sizes (CUDA graphs; the stand-in on the CPU), none
+    when it is empty."""
+    ckpt = ckpt or ctx.checkpoint()
     settings = GraphSettings("standin" if ctx.smoke else "cuda", ladder, max_context) if ladder else None
     t = time.perf_counter()
     ex = InferExecutor(load_model_arch(str(ckpt)), Layout(1, 1), TPGroup(rank=0, size=1, ranks=(0,)), ctx.dtype,

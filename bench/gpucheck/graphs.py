@@ -101,7 +101,8 @@ def run(ctx: Ctx) -> PartResult:
         f"bf16 weights of the checkpoint's shapes, block tables {max_context} tokens wide, ladder {list(ladder)}.",
         "",
         f"**TP1 ladder: {n} graphs in {total:.2f} s ({total / max(n, 1) * 1e3:.0f} ms per size on average).** "
-        "Per size (each includes the backend's 2 warm-up forwards and the synchronise after the capture):",
+        "Per size (each includes the backend's warm-up forwards, 2 for the first size and 1 for the others, "
+        "and the synchronise after the capture):",
         "",
         per_size,
         "",

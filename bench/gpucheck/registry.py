@@ -39,9 +39,11 @@ PARTS: tuple[Part, ...] = (
     Part("prefill", "Packed varlen prefill vs the measured bf16 GEMM throughput", "prefill", 40, 60, 150, 300),
     Part("decode", "TP1 decode vs the HBM roofline and the streamed-bytes floor", "decode", 75, 150, 180, 480),
     Part("profile", "pat-profile --emulate-world 8 (graphs on, median step)", "emulated_profile", 50, 60, 150, 480),
+    Part("switch", "The live switch on one GPU, ranks sharing it: phases, collectives, controller", "switch",
+         60, 330, 150, 560, needs_checkpoint=False),  # writes its own 2.5 GB checkpoint (1B shape)
     Part("graphs", "CUDA graph capture and recapture", "graphs", None, 30, 120, 300),
     Part("weightsync", "Weight sync", "weightsync", None, 60, 120, 400),
-    Part("tests", "gpu-marked tests", "gpu_tests", None, 70, 120, 480),
+    Part("tests", "gpu-marked tests", "gpu_tests", None, 160, 120, 480),  # + the co-located switch tests (issue 32)
 )
 NAMES = tuple(p.name for p in PARTS)
 CHECKPOINT_S, CHECKPOINT_TIMEOUT_S = 30, 300  # writing the 16 GB checkpoint (reused: ~0)

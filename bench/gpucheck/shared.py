@@ -17,6 +17,11 @@ from pat_engine.tiny_model import TinyModelSpec
 
 LLAMA3_8B = TinyModelSpec(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                           num_heads=32, num_kv_heads=8, max_position=8192, rope_theta=500000.0, seed=23)
+# Llama-3.2-1B's shape (1.24 B parameters, 2.47 GB in bf16): the switch part's model, small enough for
+# four ranks to share one GPU
+LLAMA32_1B = TinyModelSpec(arch="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                           num_heads=32, num_kv_heads=8, head_dim=64, max_position=8192, rope_theta=500000.0,
+                           tie_word_embeddings=True, seed=32)
 SMOKE_SPEC = TinyModelSpec(arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                            num_heads=4, num_kv_heads=2, max_position=512, seed=23)
 BLOCK_SIZE = 16  # the engine's default page
@@ -197,13 +202,15 @@ class Ctx:
             return 132
         return torch.cuda.get_device_properties(0).multi_processor_count
 
-    def checkpoint(self) -> Path:
-        """The random checkpoint of ``spec`` under the workdir, written by the first part that asks."""
+    def checkpoint(self, spec: TinyModelSpec | None = None, name: str | None = None) -> Path:
+        """The random checkpoint of ``spec`` (default: the run's ``spec``) under the workdir as ``name``,
+        written by the first part that asks."""
         from gpucheck.checkpoint import write_checkpoint
 
-        name = "llama_smoke" if self.smoke else "llama3_8b_shape_bf16"
+        if spec is None:
+            spec, name = self.spec, "llama_smoke" if self.smoke else "llama3_8b_shape_bf16"
         t = time.perf_counter()
-        path = write_checkpoint(self.workdir / name, self.spec, self.dtype, self.device)
+        path = write_checkpoint(self.workdir / name, spec, self.dtype, self.device)
         log(f"checkpoint {path} ready in {time.perf_counter() - t:.1f}s")
         return path
 

@@ -3,6 +3,12 @@
 ``CudaGraphBackend``: ``torch.cuda.CUDAGraph``. Each capture first runs the forward on a side
 stream (lazy initialisations: cuBLAS workspaces, NCCL communicators, Triton compiles, must not be
 recorded), then records it; the graphs of one epoch share one memory pool. Only built on CUDA.
+The first capture of an epoch (a new group, pool or weights) warms up twice; the later ones, whose
+forward differs only in its batch size, once: whatever a new size initialises lazily (a Triton
+specialisation, a GEMM heuristic) the first warm-up runs. On the first H100 run a capture took ~60 ms
+a size on an 8B shape beside 25 ms eager steps (bench/results/gpu_2026-11-26_h100_first_run/), so the
+dropped forward is about a third of a capture; the ``switch`` part of bench/gpu_check.py times both
+settings (not yet run on a GPU).
 
 ``StandInGraphBackend``: CPU CI. Its capture runs the forward once (the warm-up) and records the
 callable; a replay runs it eagerly and copies the result into the output it kept, as a graph's
@@ -82,10 +88,11 @@ class CudaGraphBackend:
 
     name = "cuda"
 
-    def __init__(self, device: torch.device, warmups: int = 2):
+    def __init__(self, device: torch.device, warmups: int = 2, later_warmups: int = 1):
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
-        self.device, self.warmups = device, warmups
+        self.device = device
+        self.warmups, self.later_warmups = warmups, later_warmups  # an epoch's first capture, the others
         self._pool: object | None = None
 
     def new_epoch(self) -> None:
@@ -96,7 +103,7 @@ class CudaGraphBackend:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(self.warmups):
+            for _ in range(self.warmups if self._pool is None else self.later_warmups):
                 forward()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()

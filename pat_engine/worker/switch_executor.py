@@ -48,6 +48,13 @@ class MemoryMeter:
         self.live -= n
 
 
+def _settle(device: torch.device) -> None:
+    """End a phase's clock once its device work is done: GPU kernels run asynchronously, and the next phase
+    that waits for the device (graph capture synchronises) would otherwise be charged for them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -87,6 +94,7 @@ class SwitchExecutor:
         t = time.perf_counter()
         with executor.writing_weights():  # the CPU GEMM packs are rebuilt inside, so their time counts here
             weight_sent, weight_local, allgather = self._reshard_weights(executor.model, plan.old, plan.new, meter)
+        _settle(executor.device)
         weights_s = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -95,6 +103,7 @@ class SwitchExecutor:
             pool, kv_sent = self._move_kv(plan, executor, meter)
         else:
             pool, kv_sent = executor.kv.regeometry(executor.arch.kv_heads_per_rank(plan.new.tp), plan.new_num_blocks), 0
+        _settle(executor.device)
         kv_s = time.perf_counter() - t
 
         t = time.perf_counter()

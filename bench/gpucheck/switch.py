@@ -1,0 +1,309 @@
+"""Part ``switch``: the live switch on a GPU whose ranks share it, measured by phase (issue 32, items 3-4).
+
+Model: Llama-3.2-1B's shape with random bf16 weights (``shared.LLAMA32_1B``, 2.47 GB, written once per
+workdir). Engine: ``tp=1, dp=2`` on one device: both ranks on it (parallel/devices.py: each rank sizes its
+KV from its memory share; collectives through gloo on host copies; TP>1 groups decode eagerly, TP1 groups
+keep their CUDA graphs), graphs on, prefix caching off. A long-tail batch merges to TP2xDP1 at decode step
+16 while every request runs and splits back to TP1xDP2 once only the long ones are left; each switch is
+reported by phase: drain (steps in flight finished), groups, weights, KV, graphs (recapture of the sizes
+the unfinished requests can use), and the rest (plan, install, barriers, the driver's round trip), with
+bytes moved and peak extra memory. The first batch is a warm-up (groups made, first TP2 kernels compiled,
+first captures) and is shown apart. Goal (issue 32): the graphs phase <= 10% of a switch that recaptures.
+
+Also: what the host-staged collectives cost (point-to-point GB/s, decode steps per layout; full mode:
+each collective a TP2 decode step makes, timed on its shapes), CUDA memory per rank before and after the
+measured switches, and (full mode) a TP1xDP4 -> TP4xDP1 merge, the capture warm-ups (2 per size as the
+first H100 run captured, against 2 for an epoch's first size and 1 for the rest) and the controller on
+this deployment (switch_controller.py).
+
+Read the communication figures as host memory's, not NVLink's: on one device this mode proves a switch's
+mechanics (tokens, memory, recapture) and times everything but its communication. ``--quick``: one
+measured batch (migrate) after the warm-up, the headline rows only.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from common import markdown_table
+from gpucheck.report import PartResult
+from gpucheck.shared import LLAMA32_1B, SMOKE_SPEC, Ctx, free_device_memory, log, verdict
+
+GRAPHS_SHARE_GOAL = 0.10
+MiB = 1 << 20
+PHASES = ("drain_s", "groups_s", "weights_s", "kv_s", "graphs_s")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A long-tail batch: ``requests`` prompts of ``prompt`` tokens, the last ``tail`` of them ``long`` new
+    tokens, the others ``short``; merged to TP ``high`` at decode step ``merge_at``, split back to TP1 at
+    ``split_at`` (past ``short``: only the tail is left)."""
+
+    requests: int
+    prompt: int
+    short: int
+    long: int
+    tail: int
+    merge_at: int
+    split_at: int
+
+    def batch(self, vocab: int, seed: int = 0):
+        from pat_engine import SamplingParams
+
+        rng = np.random.default_rng(seed)
+        prompts = rng.integers(16, min(vocab, 30000) - 1, (self.requests, self.prompt)).tolist()
+        lengths = [self.short] * (self.requests - self.tail) + [self.long] * self.tail
+        return prompts, [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in lengths]
+
+    def schedule(self, high: int) -> list[tuple[int, int]]:
+        return [(self.merge_at, high), (self.split_at, 1)]
+
+
+def workload(smoke: bool) -> Workload:
+    return Workload(6, 16, 6, 30, 2, 3, 12) if smoke else Workload(32, 512, 64, 320, 8, 16, 88)
+
+
+def engine_kwargs(device: str, smoke: bool) -> dict[str, Any]:
+    """The part's engine options (the controller's table is measured with the same)."""
+    kw: dict[str, Any] = dict(device=device, dtype="bfloat16", enable_prefix_caching=False)
+    if smoke:
+        kw["graph_backend"] = "standin"  # the CUDA graphs' bookkeeping, replayed eagerly on the CPU
+    return kw
+
+
+def start(ckpt: Path, world: int, device: str, smoke: bool, **extra: Any):
+    """A TP1xDP``world`` engine over ``ckpt`` (KV from each rank's memory share on a GPU)."""
+    from pat_engine import Engine
+
+    kw = engine_kwargs(device, smoke) | dict(max_num_seqs=64, max_model_len=1024) | extra
+    if device == "cuda":
+        kw.setdefault("gpu_memory_utilization", 0.6)  # room for the other processes this part starts
+    t = time.perf_counter()
+    engine = Engine(str(ckpt), tp=1, dp=world, **kw)
+    log(f"engine TP1xDP{world} started in {time.perf_counter() - t:.1f}s")
+    return engine
+
+
+def run_batch(engine, w: Workload, high: int, kv: str, vocab: int) -> tuple[float, list, list]:
+    """(seconds, switch events, step records) of ``w`` at TP1, merged to TP ``high`` and split back."""
+    prompts, params = w.batch(vocab)
+    engine.reconfigure(1)
+    before = len(engine.switches)
+    t = time.perf_counter()
+    with engine.record_steps() as steps:
+        engine.generate(prompts, params, switch_schedule=w.schedule(high), kv_transfer=kv, use_tqdm=False)
+    return time.perf_counter() - t, engine.switches[before:], list(steps)
+
+
+def graphs_share(ev) -> float:
+    return ev.costs["graphs_s"] / ev.seconds if ev.seconds else 0.0
+
+
+def phase_row(label: str, ev) -> list:
+    c = ev.costs
+    rest = ev.seconds - sum(c[p] for p in PHASES)
+    return [label, f"{ev.from_layout} -> {ev.to_layout}", ev.kv_path, c["requests"], ev.seconds,
+            *(c[p] for p in PHASES), c["graphs_captured"], rest, f"{graphs_share(ev):.1%}",
+            c["weight_bytes_sent"] / MiB, c["kv_bytes_sent"] / MiB, c["peak_extra_bytes"] / MiB]
+
+
+PHASE_HEADERS = ["run", "switch", "KV path", "requests", "total s", "drain s", "groups s", "weights s", "KV s",
+                 "graphs s", "graphs captured", "rest s", "graphs share", "weights MiB sent", "KV MiB sent",
+                 "peak extra MiB"]
+
+
+def decode_ms(steps: list) -> dict[str, str]:
+    """Median decode step per layout (each group's steps, driver side), with its median batch."""
+    out = {}
+    for layout in sorted({f"TP{s.tp}xDP{s.dp}" for s in steps}):
+        mine = [s for s in steps if not s.is_prefill and f"TP{s.tp}xDP{s.dp}" == layout]
+        if mine:
+            out[layout] = (f"{statistics.median(s.seconds for s in mine) * 1e3:.2f} ms at batch "
+                           f"{statistics.median(s.batch_size for s in mine):.0f} ({len(mine)} steps)")
+    return out
+
+
+def memory_delta(before: list[dict], after: list[dict]) -> str:
+    """Allocated and reserved CUDA memory per rank, after less before, in MiB."""
+    if before[0]["device_memory"]["allocated"] is None:
+        return "n/a (CPU)"
+
+    def grew(b: dict, a: dict, key: str) -> str:
+        return f"{(a['device_memory'][key] - b['device_memory'][key]) / MiB:+.1f} MiB"
+
+    return "; ".join(f"rank {r}: allocated {grew(b, a, 'allocated')}, reserved {grew(b, a, 'reserved')}"
+                     for r, (b, a) in enumerate(zip(before, after)))
+
+
+def switch_rows(engine, w: Workload, high: int, kvs: tuple[str, ...], vocab: int,
+                label: str) -> tuple[list[list], list, list, dict]:
+    """Warm-up batch, then one measured batch per KV path: (rows, measured events, their steps, memory)."""
+    secs, cold, _ = run_batch(engine, w, high, "migrate", vocab)
+    rows = [phase_row(f"{label} warm-up", ev) for ev in cold]
+    log(f"{label}: warm-up batch {secs:.1f}s")
+    before = engine.worker_stats()
+    events, steps = [], []
+    for kv in kvs:
+        secs, evs, st = run_batch(engine, w, high, kv, vocab)
+        rows += [phase_row(label, ev) for ev in evs]
+        events += evs
+        steps += st
+        log(f"{label}: {kv} batch {secs:.1f}s, switches {[round(e.seconds, 3) for e in evs]}")
+    after = engine.worker_stats()
+    return rows, events, steps, {"delta": memory_delta(before, after), "stats": after}
+
+
+def collective_rows(ctx: Ctx, spec, world: int) -> list[list]:
+    """Each collective of a TP``world`` decode step (fast numerics), timed on its shapes, and per step."""
+    from gpucheck.staged_collectives import time_collectives
+
+    batches = (1, 8) if ctx.smoke else (1, 8, 32)
+    shard = -(-spec.vocab_size // world)
+    shapes = [("all_reduce", b, spec.hidden_size) for b in batches] + [("gather", b, shard) for b in batches]
+    got = time_collectives(world, ctx.device, shapes)
+    rows = []
+    for b in batches:
+        reduce_s, gather_s = got[f"all_reduce {b}x{spec.hidden_size}"], got[f"gather {b}x{shard}"]
+        per_step = (2 * spec.num_layers + 1) * reduce_s + gather_s  # o_proj + down_proj a layer, embedding, logits
+        rows.append([b, reduce_s * 1e3, gather_s * 1e3, 2 * spec.num_layers + 1, per_step * 1e3])
+    return rows
+
+
+def capture_warmups(ctx: Ctx, ckpt: Path) -> list[list]:
+    """ms per captured size with 2 warm-ups for every size against 2 for an epoch's first size and 1 for the
+    rest (the engine's backend), interleaved; and whether graph replays give the eager tokens."""
+    from gpucheck.executor import build
+    from pat_engine.config import graph_ladder, graph_sizes_upto
+    from pat_engine.worker.graph_backends import CudaGraphBackend
+
+    ladder, upto = graph_ladder(64), 32
+    ex = build(ctx, 1024, ladder, 1024, ckpt=ckpt)
+    settings = {"2 per size": (2, 2), "2, then 1 (engine)": (2, 1)}
+    per_graph: dict[str, list[float]] = {k: [] for k in settings}
+    for _ in range(3):
+        for name, (first, later) in settings.items():
+            ex.graphs.drop()
+            ex.graphs.backend = CudaGraphBackend(ex.device, first, later)
+            n, secs = ex.capture_graphs(upto)
+            per_graph[name].append(secs / n)
+    same = "yes" if decode_tokens(ex, graphs=True) == decode_tokens(ex, graphs=False) else "NO"
+    sizes = len(graph_sizes_upto(ladder, upto))
+    del ex
+    free_device_memory()
+    return [[name, sizes, statistics.median(v) * 1e3, same] for name, v in per_graph.items()]
+
+
+def decode_tokens(ex, graphs: bool) -> list[list[int]]:
+    """Tokens of 4 greedy decode steps of 8 requests, through the executor's graphs or eagerly."""
+    import contextlib
+
+    from gpucheck.executor import Sequences, eager, random_prompts
+
+    seqs = Sequences(ex, random_prompts(8, 64, ex.arch.vocab_size, 3), room=16)
+    seqs.prefill()
+    out = []
+    with contextlib.nullcontext() if graphs else eager(ex):
+        for _ in range(4):
+            seqs.decode()
+            out.append(list(seqs.last))
+    seqs.release()
+    return out
+
+
+def run(ctx: Ctx) -> PartResult:
+    from pat_engine.model.arch import load_model_arch
+
+    spec = SMOKE_SPEC if ctx.smoke else LLAMA32_1B
+    ckpt = ctx.checkpoint(spec, "llama_smoke" if ctx.smoke else "llama32_1b_shape_bf16")
+    vocab = load_model_arch(str(ckpt)).vocab_size
+    w = workload(ctx.smoke)
+    kvs = ("migrate",) if ctx.quick else ("migrate", "recompute")
+    with start(ckpt, 2, ctx.device, ctx.smoke) as engine:
+        stats = engine.worker_stats()
+        where = (f"{len(stats)} ranks on {', '.join(sorted({s['device'] for s in stats}))}; collectives "
+                 f"{'host-staged (gloo)' if stats[0]['host_staged'] else 'not staged'}; "
+                 f"{engine.memory.num_blocks(engine.layout)} KV blocks per rank at TP1xDP2")
+        rows, events, steps, memory = switch_rows(engine, w, 2, kvs, vocab, "TP1xDP2")
+        bandwidth = engine.measure_bandwidth(8 * MiB if ctx.smoke else 64 * MiB)
+    free_device_memory()
+    split = [ev for ev in events if ev.costs["graphs_captured"] > 0] or events
+    worst = max(split, key=graphs_share)
+    merge = next((ev for ev in events if ev.to_layout == "TP2xDP1"), events[0])
+    steps_ms = decode_ms(steps)
+
+    def phases(ev) -> str:
+        c = ev.costs
+        return (f"{ev.seconds:.3f} s = drain {c['drain_s']:.3f} + groups {c['groups_s']:.3f} + weights "
+                f"{c['weights_s']:.3f} + KV {c['kv_s']:.3f} + graphs {c['graphs_s']:.3f} ({c['graphs_captured']} "
+                f"sizes) + rest")
+
+    headlines = [
+        f"**switch {worst.from_layout} -> {worst.to_layout} ({worst.kv_path}) with {worst.costs['requests']} "
+        f"unfinished requests: {phases(worst)}; graphs {graphs_share(worst):.1%} of the switch (goal <= "
+        f"{GRAPHS_SHARE_GOAL:.0%}: {verdict(graphs_share(worst) <= GRAPHS_SHARE_GOAL)})**",
+        f"switch {merge.from_layout} -> {merge.to_layout} ({merge.kv_path}) with {merge.costs['requests']} "
+        f"requests: {phases(merge)}"
+        + (" (the co-located TP2 group decodes eagerly: nothing captured)" if not merge.costs["graphs_captured"]
+           else ""),
+        f"host-staged collectives: point-to-point {bandwidth / 1e9:.2f} GB/s per rank; decode steps "
+        + "; ".join(f"{k} {v}" for k, v in steps_ms.items()),
+        f"CUDA memory across {len(events)} measured switches: {memory['delta']}",
+    ]
+    lines = [
+        f"Model: {'the smoke spec' if ctx.smoke else 'Llama-3.2-1B shape'} (hidden {spec.hidden_size}, "
+        f"{spec.num_layers} layers, {spec.num_heads} / {spec.num_kv_heads} heads, vocab {spec.vocab_size}), "
+        f"random bf16. Placement: {where}. Batch: {w.requests} requests of {w.prompt} prompt tokens, "
+        f"{w.requests - w.tail} of {w.short} new tokens and {w.tail} of {w.long} (ignore_eos, greedy); "
+        f"schedule {w.schedule(2)} (decode step, TP).",
+        "",
+        "Each switch by phase (seconds driver-side; *rest* = total less the phases: plan, install, barriers, "
+        "the round trip; bytes summed over the ranks; graphs share = graphs / total):",
+        "",
+        markdown_table(PHASE_HEADERS, rows),
+        "",
+        "Decode steps per layout (driver-side median over the measured batches): "
+        + "; ".join(f"{k}: {v}" for k, v in steps_ms.items()) + ".",
+        "",
+        f"Point-to-point between the co-located ranks (the switch's weight and KV path, staged through host "
+        f"memory): {bandwidth / 1e9:.2f} GB/s per rank (Engine.measure_bandwidth). CUDA memory per rank, after "
+        f"the measured batches less before: {memory['delta']}.",
+    ]
+    data: dict[str, Any] = {"switches": [{"from": e.from_layout, "to": e.to_layout, "kv": e.kv_path,
+                                          "seconds": e.seconds, **e.costs} for e in events],
+                            "bandwidth": bandwidth}
+    if not ctx.quick:
+        lines += ["", "**What each host-staged collective costs** (a TP2 group of two processes on this device, "
+                  "gloo on host copies, median of 30 calls; per step = 2 all-reduces a layer + the embedding's "
+                  "+ the logits gather; fast numerics):", "",
+                  markdown_table(["batch", "all-reduce (batch x hidden) ms", "logits gather ms",
+                                  "all-reduces a step", "collectives a step ms"], collective_rows(ctx, spec, 2))]
+        with start(ckpt, 4, ctx.device, ctx.smoke) as engine:
+            rows4, events4, _, memory4 = switch_rows(engine, w, 4, ("migrate",), vocab, "TP1xDP4")
+        free_device_memory()
+        lines += ["", "**Four ranks on the device: TP1xDP4 -> TP4xDP1 -> TP1xDP4** (same batch, migrate):", "",
+                  markdown_table(PHASE_HEADERS, rows4), "", f"CUDA memory per rank: {memory4['delta']}."]
+        data["switches4"] = [{"from": e.from_layout, "to": e.to_layout, "seconds": e.seconds, **e.costs}
+                             for e in events4]
+        if ctx.smoke:
+            lines += ["", "Capture warm-ups: not timed (no CUDA graphs on the CPU)."]
+        else:
+            lines += ["", "**Capture warm-ups** (TP1 shard in this process, capture of the sizes up to 32, median "
+                      "of 3 interleaved epochs; tokens of 4 decode steps of 8 requests, graphs against eager):", "",
+                      markdown_table(["warm-ups", "sizes", "ms per size", "graph tokens = eager tokens"],
+                                     capture_warmups(ctx, ckpt))]
+        from gpucheck.switch_controller import run as run_controller
+
+        more, heads, cdata = run_controller(ctx, ckpt, engine_kwargs(ctx.device, ctx.smoke))
+        lines += ["", "**The controller on this deployment**", "", *more]
+        headlines += heads
+        data["controller"] = cdata
+    if ctx.smoke:
+        headlines = ["smoke: not judged (CPU, stand-in graphs)"] + headlines[1:]
+    return PartResult("\n".join(lines), headlines, data)

@@ -1,0 +1,170 @@
+"""The controller on ranks sharing one GPU (issue 32, item 4), for the ``switch`` part.
+
+``pat-profile`` measures this very deployment (world 2 on one device: the table says "2 ranks per device",
+so no one-GPU-per-rank engine can take it), then a long-tail batch (most responses short, a few long) runs
+static at TP1xDP2, static at TP2xDP1 and under the controller that table drives, layouts in turn.
+
+What one device can show: the ranks share one HBM and co-located TP>1 groups decode eagerly through
+host-staged collectives, so a switch cannot win time here. The checks are that the predictor, fitted to
+the table, predicts this GPU's decode steps (goal: <= 5% per step) and that the controller picks what its
+table says at every evaluation (its recorded predictions: a switch exactly when one beat staying by the
+margin).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from common import markdown_table
+from gpucheck.shared import Ctx, log, verdict
+from predictor_accuracy import mape, run_layout
+
+STEP_ERROR_GOAL = 0.05
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def profile_argv(ctx: Ctx, ckpt: Path, out: Path) -> list[str]:
+    """pat-profile on the part's co-located deployment (world 2, TP 1 and 2), graphs as the engine runs them."""
+    base = ["--model", str(ckpt), "--world", "2", "--tp", "1", "2", "--dtype", "bfloat16", "--output", str(out)]
+    if ctx.smoke:
+        return base + ["--device", "cpu", "--graph-backend", "standin", "--batch-sizes", "1", "2", "4",
+                       "--context-lens", "16", "48", "--decode-window", "4", "--kv-budget-tokens", "512"]
+    return base + ["--device", "cuda", "--batch-sizes", "1", "2", "4", "8", "16", "--context-lens", "256", "1024",
+                   "--decode-window", "24", "--kv-budget-tokens", "32768"]
+
+
+def long_tail(ctx: Ctx, vocab: int) -> tuple[list[list[int]], list[int]]:
+    """Prompts and exact response lengths: most requests short, the last few long (the tail)."""
+    n, prompt, short, long, tail = (6, 16, 4, 24, 2) if ctx.smoke else (24, 256, 32, 480, 3)
+    rng = np.random.default_rng(4)
+    prompts = rng.integers(16, min(vocab, 30000) - 1, (n, prompt)).tolist()
+    return prompts, [short + i % 8 for i in range(n - tail)] + [long] * tail
+
+
+def table_agreement(history) -> tuple[int, list[list]]:
+    """How many evaluations chose what their own predictions say (switch to the best plan exactly when it beat
+    staying by the margin), and a row per evaluation."""
+    rows, agree = [], 0
+    for ev in history:
+        d = ev.details
+        plans = {int(tp): t for tp, t in d["plan_s"].items()}
+        best = min((tp for tp in plans if tp != ev.current_tp), key=plans.get, default=ev.current_tp)
+        says = best if d["stay_s"] - plans.get(best, d["stay_s"]) > d["margin_s"] else ev.current_tp
+        deferred = ev.chosen_tp == ev.current_tp and ("best_deferred" in d or "same_switch_later_s" in d)
+        agree += says == ev.chosen_tp or deferred
+        rows.append([ev.stage_step, ev.active, f"TP{ev.current_tp}",
+                     ", ".join(f"TP{tp} {t:.3f}" for tp, t in sorted(plans.items())), f"{d['margin_s']:.3f}",
+                     f"TP{ev.chosen_tp}", "yes" if says == ev.chosen_tp else "deferred" if deferred else "NO"])
+    return agree, rows
+
+
+def step_errors(pred, tp: int, steps) -> tuple[float, float]:
+    """(per-step MAPE, drain-time error) in %, of the predictor on one static run's decode steps."""
+    meas = np.array([s.seconds for s in steps])
+    est = np.array([float(pred.step_seconds(tp, s.batch_size, s.context_tokens)) for s in steps])
+    return mape(est, meas), abs(est.sum() - meas.sum()) / meas.sum() * 100
+
+
+def run(ctx: Ctx, ckpt: Path, engine_kwargs: dict) -> tuple[list[str], list[str], dict]:
+    """(section lines, headlines, data)."""
+    from pat_engine import Engine, SamplingParams
+    from pat_engine.model.arch import load_model_arch
+    from pat_engine.predictor.policy import StaticLayout
+    from pat_engine.predictor.predictor import LatencyPredictor
+    from pat_engine.predictor.table import ProfileTable
+
+    table_path = ctx.workdir / ("switch_profile_smoke.json" if ctx.smoke else "switch_profile_colocated.json")
+    table_path.unlink(missing_ok=True)
+    argv = profile_argv(ctx, ckpt, table_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "TQDM_DISABLE": "1"}
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pat_profiler.cli", *argv], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=ROOT)
+    profile_s = time.perf_counter() - t
+    shown = "pat-profile " + " ".join(shlex.quote(a) for a in argv)
+    if proc.returncode != 0:
+        raise RuntimeError(f"`{shown}` exited {proc.returncode} after {profile_s:.0f}s:\n{proc.stderr[-3000:]}")
+    table = ProfileTable.load(table_path)
+    pred = LatencyPredictor(table)
+    log(f"co-located profile: {len(table.points)} points in {profile_s:.0f}s ({table.deployment.device})")
+
+    prompts, lengths = long_tail(ctx, load_model_arch(str(ckpt)).vocab_size)
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in lengths]
+    times: dict[str, list[float]] = {"static TP1xDP2": [], "static TP2xDP1": [], "controller": []}
+    steps: dict[int, list] = {1: [], 2: []}
+    events, history = [], []
+    with Engine(str(ckpt), tp=1, dp=2, profile_table=str(table_path), **engine_kwargs) as engine:
+        controller = engine.policy
+        assert controller is not None, "the table did not attach a controller"
+        for _ in range(1 if ctx.smoke else 2):
+            for label in times:
+                t = time.perf_counter()
+                if label == "controller":
+                    engine.reconfigure(1)
+                    engine.set_policy(controller)
+                    before, seen = len(engine.switches), len(controller.history)
+                    engine.generate(prompts, params, use_tqdm=False)
+                    events += engine.switches[before:]
+                    history += controller.history[seen:]
+                else:
+                    tp = 1 if "TP1" in label else 2
+                    steps[tp] += run_layout(engine, tp, prompts, lengths)
+                times[label].append(time.perf_counter() - t)
+    errors = {tp: step_errors(pred, tp, s) for tp, s in steps.items()}
+    agree, eval_rows = table_agreement(history)
+    mean = {label: statistics.fmean(ts) for label, ts in times.items()}
+    best_static = min(("static TP1xDP2", "static TP2xDP1"), key=mean.get)
+    worst_step = max(e[0] for e in errors.values())
+    switches = "; ".join(f"{e.from_layout} -> {e.to_layout} at stage step {e.decision.get('stage_decode_step')}"
+                         for e in events) or "none (stayed at TP1xDP2)"
+    lines = [
+        f"`{shown}` ({profile_s:.0f} s, {len(table.points)} points; deployment device "
+        f"\"{table.deployment.device}\"). Batch: {len(prompts)} requests of {len(prompts[0])} prompt tokens, "
+        f"{len(lengths) - lengths.count(max(lengths))} short responses ({min(lengths)}-"
+        f"{max(x for x in lengths if x != max(lengths))} tokens) and {lengths.count(max(lengths))} of "
+        f"{max(lengths)} (ignore_eos, greedy); static and controller runs in turn, {len(times['controller'])} "
+        "round(s).",
+        "",
+        "**On one device a switch cannot win time**: the ranks share one HBM, and a co-located TP2 group decodes "
+        "eagerly through host-staged collectives. What is checked: the predictor's error on this GPU's steps, and "
+        "that the controller picks what its table says.",
+        "",
+        markdown_table(["run", "seconds (each round)", "mean s", "vs best static"],
+                       [[label, " / ".join(f"{t:.2f}" for t in ts), mean[label], mean[label] / mean[best_static]]
+                        for label, ts in times.items()]),
+        "",
+        f"Controller's switches: {switches}.",
+        "",
+        markdown_table(["layout", "decode steps", "per-step error (MAPE)", "drain-time error"],
+                       [[f"TP{tp}xDP{2 // tp}", len(steps[tp]), f"{e[0]:.2f}%", f"{e[1]:.2f}%"]
+                        for tp, e in errors.items()]),
+        "",
+        "Every evaluation of the controller (predicted totals in seconds: staying, or switching now with the "
+        "switch cost; the table says switch when the best plan beats staying by the margin; \"deferred\": the "
+        "lookahead priced the same switch later as better):",
+        "",
+        markdown_table(["stage step", "active", "at", "predicted totals", "margin s", "chose", "as the table says"],
+                       eval_rows),
+    ]
+    headlines = [
+        f"controller on the co-located GPU: {switches}; {mean['controller']:.2f} s vs best static "
+        f"({best_static}) {mean[best_static]:.2f} s; picks what its table says at {agree} of {len(history)} "
+        f"evaluations",
+        f"predictor step error on this GPU: worst {worst_step:.1f}% per step "
+        f"(goal <= {STEP_ERROR_GOAL:.0%}: {verdict(worst_step <= STEP_ERROR_GOAL * 100)}); drain-time "
+        + ", ".join(f"TP{tp} {e[1]:.1f}%" for tp, e in errors.items()),
+    ]
+    if ctx.smoke:
+        headlines = ["smoke: controller not judged (CPU)"]
+    data = {"times": times, "errors": {str(tp): list(e) for tp, e in errors.items()},
+            "switches": [f"{e.from_layout}->{e.to_layout}" for e in events], "agree": agree,
+            "evaluations": len(history)}
+    return lines, headlines, data
