@@ -20,8 +20,9 @@ from pat_engine.errors import InvalidRequestError
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 NEAR_TIE = 1e-4  # top-2 log-prob gap under which float32 rounding may flip a greedy token between layouts
-# allocator growth across 20 switches that is not a leak: the caching allocator may keep a few freed blocks
-LEAK_SLACK_ALLOCATED, LEAK_SLACK_RESERVED = 1 << 20, 64 << 20
+# growth across 20 switches that is not a leak: a few partly used allocator segments (read after the workers
+# returned their unused cached blocks, dropped graph pools among them)
+LEAK_SLACK_ALLOCATED, LEAK_SLACK_RESERVED = 1 << 20, 16 << 20
 
 
 def _engine(model_dir, world: int, **kw) -> Engine:
@@ -118,10 +119,10 @@ def test_twenty_switches_keep_no_cuda_memory(model_dir):
     params = [SamplingParams(max_new_tokens=72, ignore_eos=True) for _ in PROMPTS]
     with _engine(model_dir, 2) as engine:
         engine.generate(PROMPTS, params, switch_schedule=schedule, kv_transfer="migrate", use_tqdm=False)
-        before = [s["device_memory"] for s in engine.worker_stats()]
+        before = [s["device_memory"] for s in engine.worker_stats(release_cached=True)]
         engine.generate(PROMPTS, params, switch_schedule=schedule, kv_transfer="migrate", use_tqdm=False)
         assert len(engine.switches) == 40 and engine.layout.tp == 1
-        after = [s["device_memory"] for s in engine.worker_stats()]
+        after = [s["device_memory"] for s in engine.worker_stats(release_cached=True)]
         assert engine.kv_blocks()["invariants"] == "ok"
     for b, a in zip(before, after):
         assert a["allocated"] - b["allocated"] <= LEAK_SLACK_ALLOCATED, (b, a)

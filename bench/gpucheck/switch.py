@@ -148,7 +148,7 @@ def switch_rows(engine, w: Workload, high: int, kvs: tuple[str, ...], vocab: int
     secs, cold, _ = run_batch(engine, w, high, "migrate", vocab)
     rows = [phase_row(f"{label} warm-up", ev) for ev in cold]
     log(f"{label}: warm-up batch {secs:.1f}s")
-    before = engine.worker_stats()
+    before = engine.worker_stats(release_cached=True)
     events, steps = [], []
     for kv in kvs:
         secs, evs, st = run_batch(engine, w, high, kv, vocab)
@@ -156,7 +156,7 @@ def switch_rows(engine, w: Workload, high: int, kvs: tuple[str, ...], vocab: int
         events += evs
         steps += st
         log(f"{label}: {kv} batch {secs:.1f}s, switches {[round(e.seconds, 3) for e in evs]}")
-    after = engine.worker_stats()
+    after = engine.worker_stats(release_cached=True)
     return rows, events, steps, {"delta": memory_delta(before, after), "stats": after}
 
 
@@ -273,7 +273,8 @@ def run(ctx: Ctx) -> PartResult:
         "",
         f"Point-to-point between the co-located ranks (the switch's weight and KV path, staged through host "
         f"memory): {bandwidth / 1e9:.2f} GB/s per rank (Engine.measure_bandwidth). CUDA memory per rank, after "
-        f"the measured batches less before: {memory['delta']}.",
+        f"the measured batches less before (each read after the rank returned its unused cached blocks, "
+        f"Engine.worker_stats(release_cached=True)): {memory['delta']}.",
     ]
     data: dict[str, Any] = {"switches": [{"from": e.from_layout, "to": e.to_layout, "kv": e.kv_path,
                                           "seconds": e.seconds, **e.costs} for e in events],

@@ -190,8 +190,11 @@ class Engine:
         cached + in use == total, reference counts equal the tables); reported, not raised."""
         return self._stepping.kv_blocks()
 
-    def worker_stats(self) -> list[dict]:
-        return self._stepping.worker_stats()
+    def worker_stats(self, release_cached: bool = False) -> list[dict]:
+        """Per rank: group cache, KV blocks, graphs, device, allocator counters (``device_memory``: CUDA
+        bytes allocated / reserved / peak). ``release_cached`` first hands the CUDA allocator's unused
+        cached blocks back, so two readings compare what each rank holds (a leak check)."""
+        return self._stepping.worker_stats(release_cached)
 
     # ---- speculative decoding (docs/speculative.md) -----------------------------------------------
 

@@ -363,8 +363,8 @@ class Stepping:
         return [p.pid for p in self.pool.procs]
 
     @on_loop
-    def worker_stats(self) -> list[dict]:
-        return self.pool.ask(Stats())
+    def worker_stats(self, release_cached: bool = False) -> list[dict]:
+        return self.pool.ask(Stats(release_cached))
 
     @on_loop
     def bandwidth_probe(self, nbytes: int, repeats: int) -> list[float]:

@@ -69,8 +69,11 @@ class Switch(WorkerCall[SwitchReport]):
 
 @dataclass(frozen=True)
 class Stats(WorkerCall[list[dict]]):
-    """Communication-group cache counters and the KV pool size; each rank answers a dict."""
+    """Communication-group cache counters, the KV pool size, graphs, device and allocator counters; each rank
+    answers a dict. ``release_cached``: the allocator gives its unused cached blocks back to the device
+    first (dropped graph pools among them), so ``reserved`` reads what the rank holds: a leak check's reading."""
 
+    release_cached: bool = False
     reply = ReplyRule.EACH
 
 

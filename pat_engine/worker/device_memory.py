@@ -40,11 +40,15 @@ class RankMemory:
         return rank_kv_budget(total, free, self.fraction, self.sharing, reserve)
 
 
-def allocator_stats(device: torch.device) -> dict:
+def allocator_stats(device: torch.device, release_cached: bool = False) -> dict:
     """This rank's CUDA caching-allocator counters in bytes (None on the CPU): what its tensors hold
-    (``allocated``), what the allocator keeps from the device (``reserved``), and the peak allocated."""
+    (``allocated``), what the allocator keeps from the device (``reserved``), and the peak allocated.
+    ``release_cached`` first returns the unused cached blocks: a dropped epoch of decode graphs leaves its
+    memory pool cached until then, which is not a leak."""
     if device.type != "cuda":
         return {"allocated": None, "reserved": None, "peak_allocated": None}
     torch.cuda.synchronize(device)
+    if release_cached:
+        torch.cuda.empty_cache()
     return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device),
             "peak_allocated": torch.cuda.max_memory_allocated(device)}

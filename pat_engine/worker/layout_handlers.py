@@ -31,7 +31,7 @@ class LayoutHandlers:
                 "graphs": {"captured": list(ex.graphs.captured), "capturable": ex.tp.graphs_capturable,
                            **ex.graphs.stats.to_dict()},
                 "device": str(ex.device), "host_staged": self.groups.host_staged,
-                "device_memory": allocator_stats(ex.device)}
+                "device_memory": allocator_stats(ex.device, call.release_cached)}
 
     def bandwidth_probe(self, call: BandwidthProbe) -> float:
         # every rank sends and receives at once, the pattern of a KV or weight redistribution
