@@ -17,7 +17,8 @@ from conftest import MAX_NEW, PROMPTS
 from pat_engine import Engine, SamplingParams
 from pat_engine.errors import InvalidRequestError
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,  # worker processes on the device
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 NEAR_TIE = 1e-4  # top-2 log-prob gap under which float32 rounding may flip a greedy token between layouts
 # growth across 20 switches that is not a leak: a few partly used allocator segments (read after the workers
