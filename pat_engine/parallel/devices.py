@@ -13,13 +13,14 @@ as such wherever it runs:
   device collectives run through gloo, on host copies of the CUDA tensors (``host_staged``). Its
   communication times are those of host memory, not of NVLink: such a run proves a switch's mechanics
   (tokens, memory, graph recapture), not its communication cost;
-- **graphs**: a collective staged through the host cannot be recorded in a CUDA graph (the host copies and
-  gloo's TCP exchange are not stream work), and a spinning cross-process wait on one device without MPS
-  can deadlock a captured graph. So a TP group of host-staged collectives decodes eagerly; TP1 groups (no
+- **graphs**: a collective staged through the host cannot be recorded in a CUDA graph (the device-to-host
+  copies synchronise, and the exchange itself, gloo or the shared-memory channel, is host work), and a
+  spinning cross-process wait on one device without MPS can deadlock a captured graph. So a TP group of host-staged collectives decodes eagerly; TP1 groups (no
   collective) keep their graphs (``graphs_capturable``).
 
-Pure functions of counts: the worker start-up (worker/worker.py) and the driver (core/engine.py) both read
-them, and the CPU tests check them without a GPU.
+Pure functions of counts: the driver places the world once (core/worker_pool.py hands each worker its
+``DevicePlacement``; predictor/deployment.py names a co-located deployment in its tables), the worker
+start-up applies it (worker/worker.py, worker/device_memory.py), and the CPU tests check it without a GPU.
 """
 
 from __future__ import annotations
