@@ -1,28 +1,29 @@
-"""A row-parallel weight cut into its fixed input-dim chunks, for the invariant numerics mode.
+"""The chunk partials of a row-parallel product, for the invariant numerics mode.
 
-``RowParallelLinear`` in ``numerics="invariant"`` multiplies each chunk of its input dim on its
-own (docs/numerics.md): ``(M, w) @ (w, out)``, w = in / chunks, the same GEMM shape at every TP.
-The pieces it multiplies are derived from the plain weight once, not sliced every call: each is
-a contiguous ``(out, w)`` copy in the accumulation dtype (float32 for bfloat16/float16 weights:
-widening is exact, so the products are those of the model's weights), oneDNN-packed where
-``cpu_gemm`` packs float32. The plain weight stays the one the loader and resharder write.
+``RowParallelLinear`` in ``numerics="invariant"`` multiplies each fixed chunk of its input dim on
+its own (docs/numerics.md): ``(M, w) @ (w, out)``, w = in / chunks, the same GEMM shape at every
+TP. ``partials`` returns this rank's chunk products, ``(n, M, out)``, in the accumulation dtype
+(float32; float64 for float64 models), for ``ReductionTree.reduce``:
 
-Derived state, like ``cpu_gemm``'s packs: ``drop`` forgets the pieces (``InferExecutor`` calls it
-before any weight write) and ``pack`` builds them after it; ``pieces`` also builds them on first
-use (a model outside an executor), keyed by the plain tensor's address and shape, so a ``.data``
-replaced by a switch is never served stale.
-
-On CUDA the float32 copies cost 2x the row-parallel weights' bfloat16 bytes of GPU memory;
-``torch.mm(..., out_dtype=torch.float32)`` could read the bfloat16 weights directly (not done: no
-GPU was available to test it).
+- CUDA: one launch of the invariant Triton GEMM (``pat_kernels/invariant_matmul.py``) over the
+  weight as it is, in the model's dtype, with float32 accumulators: no copies, so a GPU rank's
+  memory plan counts the weights alone (model/footprint.py).
+- CPU: one GEMM per chunk against a *piece*, a contiguous ``(out, w)`` copy of the chunk in the
+  accumulation dtype (torch's CPU GEMMs have no bfloat16 x bfloat16 -> float32 product, so a
+  bfloat16 chunk is widened: exact), oneDNN-packed where ``cpu_gemm`` packs float32. The pieces
+  are derived state, like ``cpu_gemm``'s packs: ``drop`` forgets them (``InferExecutor`` calls it
+  before any weight write) and ``pack`` builds them after it; ``pieces`` also builds them on
+  first use, keyed by the plain tensor's address and shape, so a ``.data`` replaced by a switch
+  is never served stale. The plain weight stays the one the loader and resharder write.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from pat_engine.model import cpu_gemm
+from pat_engine.model import cpu_gemm, gpu_gemm
 
 PIECES_ATTR = "chunk_pieces"  # on a weight Parameter: ((address, shape, width), [piece, ...])
 
@@ -30,6 +31,18 @@ PIECES_ATTR = "chunk_pieces"  # on a weight Parameter: ((address, shape, width),
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype chunk partials are computed and summed in: float64 stays float64, the rest float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def partials(x: torch.Tensor, weight: nn.Parameter, width: int) -> torch.Tensor:
+    """``(n, M, out)``: ``x``'s chunk ``c`` (columns ``c * width ...``) times the same chunk of the local
+    ``weight`` shard, for its ``n = in_local / width`` chunks, in the accumulation dtype."""
+    n, acc = weight.shape[1] // width, accumulate_dtype(x.dtype)
+    if gpu_gemm.covers(x):
+        return gpu_gemm.invariant_matmul(x, weight, chunks=n, out_dtype=acc)
+    chunks = x.reshape(x.shape[0], n, width).transpose(0, 1).to(acc, memory_format=torch.contiguous_format)
+    if x.device.type != "cpu":  # float64 on CUDA (not covered: gpu_gemm.covers): torch's GEMM, weight in place
+        return torch.stack([F.linear(c, weight[:, i * width : (i + 1) * width]) for i, c in enumerate(chunks)])
+    return torch.stack([cpu_gemm.linear(c, p, None, invariant=True) for c, p in zip(chunks, pieces(weight, width))])
 
 
 def pieces(weight: nn.Parameter, width: int) -> list[torch.Tensor]:
@@ -50,9 +63,10 @@ def pieces(weight: nn.Parameter, width: int) -> list[torch.Tensor]:
 
 
 def pack(model: nn.Module) -> int:
-    """Build the pieces of every chunked layer of ``model`` now (after a weight write, so the next
-    step does not pay for it); returns how many layers were packed."""
-    layers = [m for m in model.modules() if getattr(m, "chunk_width", 0) and m.weight.numel()]
+    """Build the pieces of every chunked layer of ``model`` on the CPU now (after a weight write, so the
+    next step does not pay for it); returns how many layers were packed. Other devices need none."""
+    layers = [m for m in model.modules()
+              if getattr(m, "chunk_width", 0) and m.weight.numel() and m.weight.device.type == "cpu"]
     for m in layers:
         pieces(m.weight, m.chunk_width)
     return len(layers)

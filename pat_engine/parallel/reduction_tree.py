@@ -18,6 +18,7 @@ the collective only moves bits, it never adds (an all-reduce's order is its own 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -67,17 +68,39 @@ class ReductionTree:
         mid = (lo + hi) // 2
         return self.sum(known, lo, mid) + self.sum(known, mid, hi)
 
-    def reduce(self, partials: list[torch.Tensor], tp: TPGroup) -> torch.Tensor:
-        """``partials``: this rank's ``chunks / tp.size`` chunk partials, in chunk order.
+    def reduce(self, partials: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        """``partials``: (n, ...) this rank's ``n = chunks / tp.size`` chunk partials, in chunk order.
         Returns the tree's root (the full sum), the same bits on every rank and at every TP."""
-        n = len(partials)
+        n = partials.shape[0]
         first = tp.rank * n
-        leaves = {(first + i, first + i + 1): partials[i] for i in range(n)}
         if tp.size == 1:
-            return self.sum(leaves)
+            return self.sum_stacked(partials, 0)
         if self.ranks_are_nodes(tp.size):
-            mine = self.sum(leaves, first, first + n)
-            gathered = tp.all_gather(mine)  # (size, ...) in rank order
-            return self.sum({(r * n, (r + 1) * n): gathered[r] for r in range(tp.size)})
-        gathered = tp.all_gather(torch.stack(partials))  # (size, n, ...)
-        return self.sum({(c, c + 1): gathered[c // n, c % n] for c in range(self.chunks)})
+            gathered = tp.all_gather(self.sum_stacked(partials, first))  # (size, ...) in rank order
+            return self.sum_stacked(gathered, 0, span=n)
+        gathered = tp.all_gather(partials)  # (size, n, ...)
+        return self.sum_stacked(gathered.flatten(0, 1), 0)
+
+    def sum_stacked(self, nodes: torch.Tensor, first: int, span: int = 1) -> torch.Tensor:
+        """The node covering ``nodes``: (count, ...) consecutive tree nodes of ``span`` chunks each, the
+        first starting at chunk ``first``. Where pairing adjacent nodes level by level is the tree's own
+        order (a power-of-two count whose every pair is a node), summed so, a level at a time; otherwise
+        node by node."""
+        count = nodes.shape[0]
+        if self._pairs_are_nodes(first, count, span):
+            while nodes.shape[0] > 1:
+                nodes = nodes[0::2] + nodes[1::2]
+            return nodes[0]
+        known = {(first + i * span, first + (i + 1) * span): nodes[i] for i in range(count)}
+        return self.sum(known, first, first + count * span)
+
+    @functools.lru_cache(maxsize=256)
+    def _pairs_are_nodes(self, first: int, count: int, span: int) -> bool:
+        if count & (count - 1):
+            return False
+        while True:
+            if not all(self.is_node((first + i * span, first + (i + 1) * span)) for i in range(count)):
+                return False
+            if count == 1:
+                return True
+            count, span = count // 2, span * 2
