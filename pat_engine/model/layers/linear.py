@@ -68,14 +68,15 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.weight = sharded_parameter(row_parallel(out_features, in_features, unit), tp, dtype, device)
         self.tree = ReductionTree(chunks) if chunks else None
-        if chunks and in_features % chunks:
-            raise ValueError(f"invariant numerics: the {chunks} chunks (the declared max_tp) do not divide the "
-                             f"row-parallel input dim {in_features}")
+        if chunks and (in_features % chunks or chunks & (chunks - 1)):
+            raise ValueError(f"invariant numerics: {chunks} chunks (the declared reduction width) must be a power "
+                             f"of two dividing the row-parallel input dim {in_features}")
         self.chunk_width = in_features // chunks if chunks else 0
         self.is_gemm_weight = chunks is None  # the invariant path multiplies its chunk pieces instead
 
     def forward(self, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
         if self.tree is None:
             return tp.all_reduce(linear(x, self.weight))
-        partials = chunk_weights.partials(x, self.weight, self.chunk_width)  # (n, M, out)
-        return self.tree.reduce(partials, tp).to(x.dtype)
+        first = tp.rank * self.tree.local_chunks(tp.size)
+        node = chunk_weights.local_sum(x, self.weight, self.chunk_width, self.tree, first)  # (M, out)
+        return self.tree.reduce(node, tp).to(x.dtype)
