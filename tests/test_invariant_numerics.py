@@ -299,6 +299,47 @@ def test_world_four_tp_1_2_4(tiny_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_deployment_sizes_and_the_trainer_agree(tiny_path, dtype):
+    """Engines of 1, 2 and 4 ranks (TP1, TP1xDP2, TP4) and ``reference_logprobs`` in this process: one
+    declared reduction width (max_tp 8), the same bits; the trainer declaring another width differs."""
+    runs, ref = {}, None
+    for name, (tp, dp) in {"TP1": (1, 1), "TP1xDP2": (1, 2), "TP4": (4, 1)}.items():
+        with Engine(tiny_path, tp=tp, dp=dp, dtype=dtype, numerics="invariant") as engine:
+            for sampled in (False, True):
+                runs[f"{name} {'sampled' if sampled else 'greedy'}"] = _run(engine, tp, sampled)
+    for sampled in ("greedy", "sampled"):
+        assert not _differences({k: v for k, v in runs.items() if k.endswith(sampled)}), sampled
+        pairs = [(p, tokens) for p, samples in zip(PROMPTS, runs[f"TP4 {sampled}"]) for tokens, _ in samples]
+        got = [lps for samples in runs[f"TP4 {sampled}"] for _, lps in samples]
+        ref = reference_logprobs(tiny_path, pairs, dtype=dtype)
+        assert ref == got, f"{dtype} {sampled}: the trainer's log-probs differ from the engines'"
+    assert reference_logprobs(tiny_path, pairs, dtype=dtype, max_tp=2) != got  # another tree, other bits
+
+
+ISSUE_SPEC = TinyModelSpec(arch="qwen2", hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8,
+                           num_kv_heads=2, seed=7)  # issue 31's single-worker case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_one_worker_process_alone_equals_batched(tmp_path, dtype):
+    """The issue's case in a real worker process (TP1, DP1: the worker has every core's thread): six
+    requests alone and inside a batch of 24 (prompts of 13-186 tokens), greedy and seeded sampling."""
+    import random
+
+    path = str(write_tiny_model(tmp_path / "m", ISSUE_SPEC))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, ISSUE_SPEC.vocab_size) for _ in range(rng.randrange(13, 187))] for _ in range(24)]
+    params = [SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=True, seed=9 + i,
+                             temperature=float(i % 2)) for i in range(24)]
+    with Engine(path, tp=1, dp=1, dtype=dtype, numerics="invariant") as engine:
+        batch = engine.generate(prompts, params, use_tqdm=False)
+        alone = [engine.generate([prompts[i]], params[i], use_tqdm=False)[0] for i in range(6)]
+    assert [(o.token_ids, o.logprobs) for o in alone] == [(o.token_ids, o.logprobs) for o in batch[:6]]
+
+
+@pytest.mark.slow
 def test_chunked_prefill_and_no_prefix_cache_give_the_same_bits(tiny_path):
     """Prefill split into 8-token chunks, no prefix cache, another layout: still the same bits."""
     with Engine(tiny_path, tp=1, dp=2, dtype="bfloat16", numerics="invariant") as engine:
