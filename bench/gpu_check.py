@@ -27,6 +27,7 @@ command, the machine and the date; a failing part is recorded as failed and the 
 5. ``weightsync``: ``Engine.update_weights`` GB/s (host and CUDA tensors) and
    ``update_weights_from_distributed`` from a trainer process (gloo; NCCL attempted, see the part).
 6. ``tests``: ``python -m pytest -q -m gpu`` over the test files that hold ``gpu``-marked tests.
+7. ``invariant``: decode ms per step, ``numerics="fast"`` vs ``"invariant"``, at batch 1 and 64 (issue 31).
 
 The checkpoint is written once into ``--workdir`` (layer by layer, drawn on the GPU) and reused by
 later runs. Under the device tool's 10-minute limit per command, run it as two commands on the same
@@ -68,8 +69,9 @@ import torch  # noqa: E402
 from common import RESULTS, machine, markdown_table  # noqa: E402
 from pat_engine.tiny_model import BOS_ID, EOS_ID, PAD_ID, TinyModelSpec, _hf_config  # noqa: E402
 
-PARTS = ("decode", "graphs", "splitkv", "profile", "weightsync", "tests")  # results-file order (issue's 1-6)
-RUN_ORDER = ("decode", "weightsync", "graphs", "splitkv", "profile", "tests")  # weightsync reuses decode's engine
+PARTS = ("decode", "graphs", "splitkv", "profile", "weightsync", "tests", "invariant")  # results-file order
+# weightsync reuses decode's engine
+RUN_ORDER = ("decode", "weightsync", "graphs", "splitkv", "profile", "tests", "invariant")
 TITLES = {
     "decode": "1. TP1 decode vs the HBM roofline (Llama-3-8B shape, bf16)",
     "graphs": "2. CUDA graph capture and recapture",
@@ -77,6 +79,7 @@ TITLES = {
     "profile": "4. pat-profile --emulate-world 8",
     "weightsync": "5. Weight sync",
     "tests": "6. gpu-marked tests",
+    "invariant": "7. Invariant numerics' cost (issue 31)",
 }
 
 LLAMA3_8B = TinyModelSpec(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
@@ -914,6 +917,74 @@ def part_tests(ctx: Ctx) -> str:
     return "\n".join(lines)
 
 
+# ---- 7. invariant numerics' cost (issue 31) ------------------------------------------------------------
+
+
+def part_invariant(ctx: Ctx) -> str:
+    """Decode step wall time of ``numerics="fast"`` vs ``"invariant"`` (the Triton GEMMs, max_tp 8 chunks) at
+    batch 1 and 64: one in-process TP1 InferExecutor per mode, random bfloat16 weights of the checkpoint's
+    shapes, decode graphs on, 512-token prompts prefilled, then decode steps of the two modes interleaved."""
+    from pat_engine.config import graph_ladder
+    from pat_engine.model.arch import load_model_arch
+    from pat_engine.parallel.comm import TPGroup
+    from pat_engine.parallel.layout import Layout
+    from pat_engine.protocol import SeqStep, StepCommand
+    from pat_engine.sampling.sampler import SamplingSpec
+    from pat_engine.worker.graph_capture import GraphSettings
+    from pat_engine.worker.infer_executor import InferExecutor
+
+    arch = load_model_arch(str(ctx.checkpoint()))
+    batches, prompt, steps = ((1, 2), 8, 6) if ctx.smoke else ((1, 64), 512, 24)
+    block, greedy = 16, SamplingSpec(0.0, -1, 1.0, 0, False)
+    per_seq = -(-(prompt + steps + 1) // block)
+    modes = ("fast", "invariant")
+    sync = torch.cuda.synchronize if ctx.device == "cuda" else (lambda: None)
+    rows = []
+    for batch in batches:
+        exes, last, pos = {}, {}, prompt
+        for mode in modes:
+            ex = InferExecutor(arch, Layout(1, 1), TPGroup(rank=0, size=1, ranks=(0,)), ctx.dtype,
+                               torch.device(ctx.device), block, batch * per_seq + 2, numerics=mode,
+                               graphs=GraphSettings("standin" if ctx.smoke else "cuda", graph_ladder(batch),
+                                                    per_seq * block))
+            with torch.no_grad(), ex.writing_weights():  # the step's time does not depend on the values
+                for p in ex.model.parameters():
+                    p.data.normal_(0.0, 0.02)
+            ex.capture_graphs()
+            seqs = [SeqStep(i, [(7 * i + j) % 1000 + 10 for j in range(prompt)], 0,
+                            block_table=[1 + i * per_seq + b for b in range(-(-prompt // block))], sampling=greedy)
+                    for i in range(batch)]
+            last[mode] = ex.execute(StepCommand(1, True, seqs)).tokens
+            exes[mode] = ex
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        for step in range(steps):
+            new = [[1 + i * per_seq + pos // block] if pos % block == 0 else [] for i in range(batch)]
+            for mode in modes if step % 2 == 0 else modes[::-1]:
+                cmd = StepCommand(2 + step, False, [SeqStep(i, [last[mode][i]], pos, new_blocks=new[i])
+                                                    for i in range(batch)])
+                sync()
+                t = time.perf_counter()
+                last[mode] = exes[mode].execute(cmd).tokens
+                sync()
+                times[mode].append(time.perf_counter() - t)
+            pos += 1
+        fast, inv = (median(times[m][2:]) * 1e3 for m in modes)  # the first steps warm the graphs up
+        rows.append([batch, fast, inv, f"{inv / fast - 1:+.1%}", batch / inv * 1e3])
+        log(f"invariant cost, batch {batch}: fast {fast:.2f} ms, invariant {inv:.2f} ms")
+        del exes
+        free_device_memory()
+    table = markdown_table(["batch", "fast ms / step", "invariant ms / step", "cost", "invariant tok/s"], rows)
+    return "\n".join([
+        f"TP1 decode steps in this process, {'a toy Llama on the CPU (stand-in graphs)' if ctx.smoke else 'Llama-3-8B shape'}"
+        f", bfloat16, {prompt}-token prompts, greedy; the median of {steps - 2} steps per mode after 2 warm-up "
+        "steps, the modes' steps interleaved. Invariant: every GEMM through the Triton kernel "
+        "(pat_kernels/invariant_matmul.py, weights read in bfloat16), the row-parallel products in 8 chunks "
+        "(max_tp 8), attention through the fixed-split decode kernel. Goal (issue 31): at most 10% slower.",
+        "",
+        table,
+    ])
+
+
 # ---- environment ------------------------------------------------------------------------------------
 
 
@@ -997,7 +1068,7 @@ def main(argv: list[str] | None = None) -> int:
     env_line = environment(ctx)
     log(env_line)
     funcs = {"decode": part_decode, "graphs": part_graphs, "splitkv": part_splitkv, "profile": part_profile,
-             "weightsync": part_weightsync, "tests": part_tests}
+             "weightsync": part_weightsync, "tests": part_tests, "invariant": part_invariant}
     todo = [p for p in RUN_ORDER if not args.only or p in args.only]
 
     def write() -> None:

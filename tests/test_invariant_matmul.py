@@ -10,18 +10,10 @@ through the kernel on CUDA.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
+from triton_setup import DEV, gpu, needs_triton  # first: the interpreter before triton
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the import of triton
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="Triton is not installed (optional GPU extra)")
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -121,3 +113,34 @@ def test_gpu_linear_layers_route_through_the_invariant_gemm(dtype):
     assert torch.equal(full, mm(x, w, b))
     for m in (1, 2, 7, 64, 200):
         assert torch.equal(linear(x[:m], w, b, invariant=True), full[:m]), m
+
+
+@gpu
+@needs_triton
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_engine_graphs_equal_eager_alone_equals_batched_equals_reference(tmp_path, dtype):
+    """On CUDA in the invariant mode: decode graphs (batches padded to the ladder) give eager's bits, a
+    request alone gives its bits inside a batch of 24, and ``reference_logprobs(device="cuda")`` the
+    engine's log-probs; greedy and seeded sampling."""
+    from pat_engine import Engine, SamplingParams, reference_logprobs
+    from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
+
+    path = str(write_tiny_model(tmp_path / "m", TinyModelSpec(arch="qwen2", hidden_size=1152, intermediate_size=1408,
+                                                              num_layers=2, num_heads=8, num_kv_heads=2, seed=9)))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(5, 380, (int(n),), generator=g).tolist() for n in torch.randint(3, 90, (24,), generator=g)]
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=True, seed=40 + i, temperature=float(i % 2))
+              for i in range(24)]
+    outs = {}
+    for eager in (False, True):
+        with Engine(path, device="cuda", dtype=dtype, numerics="invariant", enforce_eager=eager,
+                    gpu_memory_utilization=0.3) as engine:
+            outs[eager] = [(o.token_ids, o.logprobs) for o in engine.generate(prompts, params, use_tqdm=False)]
+            if not eager:
+                alone = [(o.token_ids, o.logprobs) for i in range(4)
+                         for o in engine.generate([prompts[i]], params[i], use_tqdm=False)]
+    assert outs[False] == outs[True], "graphs and eager differ"
+    assert alone == outs[False][:4], "a request alone differs from the same request in the batch"
+    ref = reference_logprobs(path, [(p, t) for p, (t, _) in zip(prompts, outs[True])], dtype=dtype, device="cuda")
+    assert ref == [lps for _, lps in outs[True]]
