@@ -6,8 +6,8 @@ and worker processes inherit the driver's environment. A leaf module (it imports
 pat_engine), so any layer may read it.
 
 The CPU kernel switches ``PAT_CPU_ATTENTION``, ``PAT_CPU_NORM``, ``PAT_CPU_ROTARY`` and
-``PAT_CPU_CHUNK_GEMM`` (``torch`` turns a kernel family off) belong to ``pat_kernels`` (``csrc/pat_kernels/cpu_extension.py``),
-which pat_engine imports and which imports nothing of pat_engine.
+``PAT_CPU_CHUNK_GEMM`` (``torch`` turns a kernel family off) belong to ``pat_kernels``
+(``csrc/pat_kernels/cpu_extension.py``), which pat_engine imports and which imports nothing of pat_engine.
 """
 
 from __future__ import annotations
@@ -42,8 +42,12 @@ API_KEY = EnvSwitch("PAT_API_KEY", "",
                     "pat-serve's API key when --api-key is not given; empty: no key asked (serve/cli.py)")
 ENGINE_CACHE = EnvSwitch("PAT_ENGINE_CACHE", "~/.cache/pat-engine",
                          "where `pat-serve demo` writes its tiny model (serve/demo.py)")
+TRITON_LAYERS = EnvSwitch("PAT_TRITON_LAYERS", "auto",
+                          "the Triton layer kernels (norms, rotary + KV write, SiLU-mul; model/layers/triton_ops.py): "
+                          "auto: models built on CUDA; off: never (the torch formulas, for A/B runs); on: CPU models "
+                          "too, run by TRITON_INTERPRET=1 (tests)")
 
-SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, API_KEY, ENGINE_CACHE)
+SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, API_KEY, ENGINE_CACHE, TRITON_LAYERS)
 
 
 def cpu_gemm_packing() -> bool:
@@ -64,3 +68,9 @@ def api_key() -> str | None:
 def engine_cache() -> Path:
     """``PAT_ENGINE_CACHE``, ``~`` expanded."""
     return Path(ENGINE_CACHE.value()).expanduser()
+
+
+def triton_layers() -> str:
+    """``PAT_TRITON_LAYERS``: "auto", "off" or "on" (anything else reads as "auto")."""
+    value = TRITON_LAYERS.value().strip().lower()
+    return value if value in ("off", "on") else "auto"

@@ -10,6 +10,8 @@ import torch
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():  # Triton kernels run in numpy on the CPU; read when Triton loads, so first
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Ragged prompts and lengths; some requests generate 48+ tokens.
 PROMPTS = [

@@ -188,11 +188,13 @@ def test_stale_torch_lock_does_not_hang(kernel):
     assert time.perf_counter() - start < 30 and not (folder / "lock").exists()
 
 
-def test_cache_name_carries_instruction_set():
+def test_cache_name_carries_instruction_set_and_checkout():
     tag, flags = cpu_extension.isa()
     assert tag in cpu_extension.extension_name()
     if tag == "avx2":
         assert flags == ["-mavx2", "-mfma"]
+    folder = cpu_extension.build_directory().name  # one build per checkout: worktrees do not rebuild each other's
+    assert folder.startswith(cpu_extension.extension_name() + "_") and len(folder) == len(cpu_extension.extension_name()) + 9
 
 
 @pytest.mark.slow

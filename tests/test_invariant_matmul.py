@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_setup import DEV, gpu, needs_triton  # first: the interpreter before triton
+from triton_markers import DEV, gpu, needs_triton
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -1,8 +1,8 @@
 """The Triton attention kernels and backend against the torch path (run by Triton's CPU interpreter).
 
-Kernels: the one-program decode kernel, the split-KV decode kernel (long-tail batches, GQA,
-float32 and bfloat16), the packed varlen prefill kernel (ragged prompts, with and without cached
-context). Backend: the invariant mode's bits (a sequence alone = inside a batch = with half the
+Kernels: the grouped paged decode kernel (one program per (sequence, KV head, split); one split,
+even splits of each row, a fixed split; GQA, float32 and bfloat16, head sizes that are not a power
+of two), the packed varlen prefill kernel (ragged prompts, with and without cached context). Backend: the invariant mode's bits (a sequence alone = inside a batch = with half the
 heads, as at a higher TP; prefill = decode), the split rule as a pure function, the flashinfer
 backend's error. Under the interpreter every program runs in numpy, so the bitwise tests prove
 the kernels' structure (no value depends on the batch, the grid or the heads); ``gpu`` tests
@@ -16,14 +16,15 @@ import sys
 
 import pytest
 import torch
-from triton_setup import DEV, gpu, needs_triton  # first: the interpreter before triton
+from triton_markers import DEV, gpu, needs_triton
 
 from pat_engine.model.layers.attention import AttentionBackend, AttentionMetadata, attention_backend, gather_attention
 from pat_engine.model.layers.triton_attention import (
     INVARIANT_TOKENS_PER_SPLIT,
     MIN_TOKENS_PER_SPLIT,
+    DecodeSplit,
     TritonAttention,
-    decode_splits,
+    decode_split,
 )
 from pat_engine.protocol import SeqStep, StepCommand
 from pat_engine.worker.step_inputs import StepInputBuilder
@@ -66,24 +67,25 @@ def _tol(dtype: torch.dtype) -> dict:
 
 
 def test_invariant_rule_is_one_constant_for_every_step():
-    shapes = [(1, 1, 16, 132), (1, 32, 100_000, 132), (512, 64, 4096, 132), (3, 5, 70, 1), (256, 8, 64, 16)]
-    assert {decode_splits(*s, "invariant") for s in shapes} == {INVARIANT_TOKENS_PER_SPLIT}
-    assert decode_splits(1, 8, 4096, 132, "invariant", block_size=512) == 512  # a split is whole pages
-    assert decode_splits(9, 8, 4096, 132, "invariant", block_size=8, invariant_tokens_per_split=12) == 16
+    shapes = [(1, 1, 16, 132), (1, 8, 100_000, 132), (512, 8, 4096, 132), (3, 5, 70, 1), (256, 2, 64, 16)]
+    assert {decode_split(*s, "invariant") for s in shapes} == {DecodeSplit(INVARIANT_TOKENS_PER_SPLIT)}
+    assert decode_split(1, 8, 4096, 132, "invariant", block_n=512) == DecodeSplit(512)  # whole iterations
+    assert decode_split(9, 8, 4096, 132, "invariant", block_n=16, invariant_tokens_per_split=12) == DecodeSplit(16)
 
 
-def test_fast_rule_splits_only_the_tail():
-    assert decode_splits(64, 32, 4096, 132, "fast") is None  # 2048 programs fill 132 SMs
-    assert decode_splits(1, 8, 4096, 132, "fast") == MIN_TOKENS_PER_SPLIT  # 16 splits of 256 (capped by length)
-    assert decode_splits(2, 8, 8192, 132, "fast") == 256  # 32 splits: 16 programs -> 512
-    assert decode_splits(16, 8, 65536, 132, "fast") == 13120  # 5 splits reach the 528-program target
-    assert decode_splits(1, 8, 300, 132, "fast") is None  # too short for two splits of 256
-    assert decode_splits(0, 8, 4096, 132, "fast") is None
-    for batch in (1, 2, 4, 8, 16, 32):
-        tps = decode_splits(batch, 8, 20_000, 132, "fast")
-        assert tps is None or (tps % 16 == 0 and tps >= MIN_TOKENS_PER_SPLIT and -(-20_000 // tps) >= 2)
+def test_fast_rule_adds_splits_until_the_grid_fills_the_device():
+    assert decode_split(64, 8, 4096, 132, "fast") == DecodeSplit(None, 2)  # 512 programs -> 1024 >= 528
+    assert decode_split(256, 8, 4096, 132, "fast") == DecodeSplit(None, 1)  # 2048 programs fill 132 SMs
+    assert decode_split(1, 8, 32768, 132, "fast") == DecodeSplit(None, 66)  # the tail: 8 -> 528 programs
+    assert decode_split(1, 8, 4096, 132, "fast") == DecodeSplit(None, 4096 // MIN_TOKENS_PER_SPLIT)  # capped
+    assert decode_split(1, 8, 100, 132, "fast") == DecodeSplit(None, 1)  # too short for two splits
+    assert decode_split(0, 8, 4096, 132, "fast") == DecodeSplit(None, 1)
+    for batch in (1, 2, 4, 8, 16, 32, 64, 128):
+        split = decode_split(batch, 8, 20_000, 132, "fast")
+        assert split.tokens_per_split is None and 1 <= split.num_splits <= 20_000 // MIN_TOKENS_PER_SPLIT
+        assert batch * 8 * split.num_splits >= 528 or split.num_splits == 20_000 // MIN_TOKENS_PER_SPLIT
     with pytest.raises(ValueError, match="numerics"):
-        decode_splits(1, 8, 4096, 132, "exact")
+        decode_split(1, 8, 4096, 132, "exact")
 
 
 # --- backends: registration and the flashinfer error ----------------------------------------------------------
@@ -113,50 +115,54 @@ def test_choosing_flashinfer_without_it_says_what_to_install():
 # --- decode kernels -------------------------------------------------------------------------------------------
 
 
-@needs_triton
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (2, 1)])
-def test_triton_decode_matches_torch(heads, kv_heads):
+def _decode(q, cache, tables, lens, **split):
     from pat_kernels.paged_decode_attention import paged_decode_attention
 
-    bs, d = 4, 16
-    cache, tables = _pool([5, 9, 1], bs, kv_heads, d, torch.float32)
-    meta = _decode_meta(tables, [5, 9, 1], bs)
-    q = torch.randn(3, heads, d, generator=torch.Generator().manual_seed(1)).to(DEV)
-    got = paged_decode_attention(q, cache[0], cache[1], tables, meta.context_lens, d**-0.5)
-    assert torch.allclose(got, _reference(q, cache, meta, d**-0.5), atol=1e-5, rtol=1e-5)
+    return paged_decode_attention(q, cache[0], cache[1], tables, torch.as_tensor(lens, device=DEV), q.shape[-1] ** -0.5,
+                                  block_n=16, **split)
 
 
 @needs_triton
-@pytest.mark.parametrize("heads,kv_heads,bs,tps,dtype", [
-    (2, 2, 4, 8, torch.float32),  # GQA 1, 9 splits
-    (4, 2, 8, 16, torch.float32),  # GQA 2, 5 splits
-    (3, 1, 4, 12, torch.bfloat16),  # GQA 3, 6 splits
-    (4, 1, 8, 24, torch.bfloat16),  # GQA 4, 3 splits
+@pytest.mark.parametrize("heads,kv_heads,d,bs,split,dtype", [
+    (4, 4, 16, 4, {}, torch.float32),  # MHA, one program per (row, head): the whole context
+    (8, 2, 16, 4, {}, torch.bfloat16),  # GQA 4
+    (2, 1, 32, 8, {"num_splits": 3}, torch.float32),  # even splits of each row's own length
+    (6, 2, 24, 4, {"num_splits": 5}, torch.bfloat16),  # head_dim 24: padded to 32 inside, GQA 3
+    (2, 2, 16, 4, {"tokens_per_split": 16}, torch.float32),  # fixed splits: 5 for the 70-token row
+    (4, 1, 16, 8, {"tokens_per_split": 32}, torch.bfloat16),  # GQA 4, 3 splits
 ])
-def test_split_kv_matches_torch_on_a_long_tail(heads, kv_heads, bs, tps, dtype):
-    from pat_kernels.split_kv_decode import split_kv_decode_attention
-
-    d = 16
+def test_decode_matches_torch_on_a_long_tail(heads, kv_heads, d, bs, split, dtype):
     cache, tables = _pool(LONG_TAIL, bs, kv_heads, d, dtype)
     meta = _decode_meta(tables, LONG_TAIL, bs)
     q = torch.randn(len(LONG_TAIL), heads, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEV)
-    got = split_kv_decode_attention(q, cache[0], cache[1], tables, meta.context_lens, d**-0.5, tps)
-    assert got.dtype == dtype and -(-70 // tps) >= 3  # the longest row runs several splits
+    got = _decode(q, cache, tables, LONG_TAIL, **split)
+    assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), _reference(q, cache, meta, d**-0.5), **_tol(dtype))
 
 
 @needs_triton
-def test_one_split_equals_the_one_program_kernel():
-    from pat_kernels.paged_decode_attention import paged_decode_attention
-    from pat_kernels.split_kv_decode import split_kv_decode_attention
+def test_query_rows_may_be_a_view_of_the_fused_projection():
+    """The kernel reads q through its strides: the q heads of a (T, (h + 2 kvh) * d) projection, uncopied."""
+    bs, d, heads, kvh = 4, 16, 4, 2
+    cache, tables = _pool(LONG_TAIL, bs, kvh, d, torch.float32)
+    qkv = torch.randn(len(LONG_TAIL), (heads + 2 * kvh) * d, generator=torch.Generator().manual_seed(8)).to(DEV)
+    q = qkv[:, : heads * d].view(-1, heads, d)
+    assert not q.is_contiguous()
+    torch.testing.assert_close(_decode(q, cache, tables, LONG_TAIL, num_splits=2),
+                               _decode(q.contiguous(), cache, tables, LONG_TAIL, num_splits=2), atol=0, rtol=0)
 
+
+@needs_triton
+def test_one_split_equals_the_reduce_of_one_split():
+    """A table no wider than a fixed split runs without the reduce; a wider one reduces, and a row whose
+    context fits one split gets the same bits either way."""
     bs, d = 4, 16
-    cache, tables = _pool(LONG_TAIL, bs, 2, d, torch.float32)
-    lens = torch.tensor(LONG_TAIL, device=DEV)
-    q = torch.randn(len(LONG_TAIL), 4, d, generator=torch.Generator().manual_seed(2)).to(DEV)
-    one = paged_decode_attention(q, cache[0], cache[1], tables, lens, d**-0.5)
-    split = split_kv_decode_attention(q, cache[0], cache[1], tables, lens, d**-0.5, tables.shape[1] * bs)
-    torch.testing.assert_close(split, one, atol=1e-6, rtol=1e-6)
+    cache, tables = _pool([5, 9], bs, 2, d, torch.bfloat16)
+    q = torch.randn(2, 4, d, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEV)
+    direct = _decode(q, cache, tables, [5, 9], tokens_per_split=16)  # width 12 tokens: one split, no reduce
+    wide = torch.cat([tables, tables], dim=1)  # width 24: two splits in the grid, the second empty for both rows
+    reduced = _decode(q, cache, wide, [5, 9], tokens_per_split=16)
+    assert torch.equal(direct, reduced)
 
 
 @needs_triton
@@ -173,11 +179,11 @@ def test_backend_decode_writes_then_splits_the_tail(monkeypatch):
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(4, h, d, generator=g).to(DEV) for h in (2, 2, 2))
     width = tables.shape[1] * bs
-    assert decode_splits(4, 2, width, 64, "fast", bs) is None  # 72 tokens: too short for the rule's floor...
-    monkeypatch.setattr(triton_attention, "MIN_TOKENS_PER_SPLIT", 8)  # ...lowered to reach the split kernel
-    assert decode_splits(4, 2, width, 64, "fast", bs) == 8
+    assert decode_split(4, 2, width, 64, "fast", 16) == DecodeSplit(None, 1)  # 72 tokens: too short for the floor...
+    monkeypatch.setattr(triton_attention, "MIN_TOKENS_PER_SPLIT", 16)  # ...lowered to reach the split path
+    assert decode_split(4, 2, width, 64, "fast", 16) == DecodeSplit(None, 4)
     reference_cache = cache.clone()
-    got = paged_attention(q, k, v, cache, meta, d**-0.5, TritonAttention("fast", sm_count=64))
+    got = paged_attention(q, k, v, cache, meta, d**-0.5, TritonAttention("fast", sm_count=64, block_n=16))
     expected = paged_attention(q, k, v, reference_cache, meta, d**-0.5)  # the torch backend
     assert torch.equal(cache, reference_cache)  # the same KV written
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -186,8 +192,8 @@ def test_backend_decode_writes_then_splits_the_tail(monkeypatch):
 # --- the invariant mode: bits that depend on the sequence alone -----------------------------------------------
 
 
-def _invariant(tps: int = 16) -> TritonAttention:
-    return TritonAttention("invariant", sm_count=132, invariant_tokens_per_split=tps)
+def _invariant(tps: int = 16, block_n: int = 16) -> TritonAttention:
+    return TritonAttention("invariant", sm_count=132, invariant_tokens_per_split=tps, block_n=block_n)
 
 
 @needs_triton
@@ -217,7 +223,7 @@ def test_invariant_decode_with_half_the_heads_equals_those_heads(heads, kv_heads
     cache, tables = _pool(LONG_TAIL, bs, kv_heads, d, torch.bfloat16)
     q = torch.randn(len(LONG_TAIL), heads, d, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(DEV)
     meta = _decode_meta(tables, LONG_TAIL, bs)
-    backend = _invariant(24)  # 3 splits for 70 tokens
+    backend = _invariant(32)  # 3 splits for 70 tokens
     full = backend.decode(q, cache, meta, d**-0.5)
     half_kv = max(kv_heads // 2, 1)
     for rank in range(2):  # each TP2 rank's own heads and its own (contiguous) KV pool
@@ -277,7 +283,7 @@ def test_invariant_prefill_equals_decoding_each_token():
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_kernels_match_torch_and_keep_invariance(dtype):
-    from pat_kernels.split_kv_decode import split_kv_decode_attention
+    from pat_kernels.paged_decode_attention import paged_decode_attention
 
     bs, d, heads, kvh = 16, 128, 32, 8
     lens = [1, 100, 1000, 5000]
@@ -285,9 +291,10 @@ def test_gpu_kernels_match_torch_and_keep_invariance(dtype):
     meta = _decode_meta(tables, lens, bs)
     q = torch.randn(len(lens), heads, d, device=DEV).to(dtype)
     tol = _tol(dtype) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
-    got = split_kv_decode_attention(q, cache[0], cache[1], tables, meta.context_lens, d**-0.5, 256)
-    torch.testing.assert_close(got.float(), _reference(q, cache, meta, d**-0.5), **tol)
-    backend = _invariant(INVARIANT_TOKENS_PER_SPLIT)
+    for split in ({"tokens_per_split": 256}, {"num_splits": 7}, {}):
+        got = paged_decode_attention(q, cache[0], cache[1], tables, meta.context_lens, d**-0.5, **split)
+        torch.testing.assert_close(got.float(), _reference(q, cache, meta, d**-0.5), **tol)
+    backend = _invariant(INVARIANT_TOKENS_PER_SPLIT, block_n=64)
     full = backend.decode(q, cache, meta, d**-0.5)
     alone = backend.decode(q[1:2], cache, _decode_meta(tables[1:2, : -(-100 // bs)], [100], bs), d**-0.5)
     assert torch.equal(alone[0], full[1])

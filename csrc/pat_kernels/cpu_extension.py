@@ -4,7 +4,9 @@ The C++ sources are compiled on first use with ``torch.utils.cpp_extension.load`
 the torch extensions directory (``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``), in a
 folder whose name carries the Python and torch versions and the instruction set it was built for
 (``-mavx2 -mfma``, AVX-512 or none, after ``torch.backends.cpu.get_cpu_capability()``): a cache
-built on another machine is never loaded where its instructions are missing.
+built on another machine is never loaded where its instructions are missing. The folder's name also
+carries a short hash of where the sources are, so two checkouts on one machine (worktrees, a clone
+beside an install) each keep their build instead of rebuilding the other's on every start.
 
 Concurrent builds (threads, or worker processes starting together) are serialised by an
 ``fcntl`` lock on the build folder; holding it, a leftover torch ``lock`` file (from a build that
@@ -18,6 +20,7 @@ has its own accessor and off switch, read on every call for A/B runs: ``cpu_atte
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -60,7 +63,8 @@ def build_directory() -> Path:
     from torch.utils.cpp_extension import get_default_build_root
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    return Path(root) / extension_name()
+    checkout = hashlib.sha1(str(SOURCES[0].parent.resolve()).encode()).hexdigest()[:8]
+    return Path(root) / f"{extension_name()}_{checkout}"
 
 
 def _build() -> None:

@@ -1,15 +1,36 @@
-"""Paged decode attention in Triton: one query token per sequence, KV read block by block.
+"""Paged decode attention in Triton: one query token per sequence, K/V read once per KV head.
 
-Grid: (batch, q_heads). Each program walks its sequence's block table, loads one
-KV block of ``block_size`` tokens at a time and keeps an online softmax (running
-max ``m``, normaliser ``l`` and accumulator ``acc``), so no padded context is
-ever materialised. GQA: q head ``h`` reads KV head ``h // group``.
+Layout:
+  q               (B, H, D)                              H = KVH * group; any D (padded to a power of two)
+  k_cache/v_cache (num_blocks, page, KVH, D)             one layer's keys or values, same strides
+  block_tables    (B, width) int32/int64                 page ids; context_lens (B,) int32/int64
+  out             (B, H, D), q's dtype
 
-Shapes:
-  q            (B, H, D)
-  k_cache/v_cache (num_blocks, block_size, KVH, D)   (one layer, keys or values)
-  block_tables (B, max_blocks) int64 (offsets pass 2**31 elements in large pools), context_lens (B,) int32
-  out          (B, H, D)
+Two kernels (flash-decoding, grouped as in SGLang's and vLLM's Triton decode kernels; written here):
+
+1. ``_decode_partial_kernel``, grid (B, KVH, S). Program (b, j, s) holds the ``group`` query heads of
+   KV head ``j`` as one (GROUP_PAD, D) tile, so each K/V byte is read once for all of them, and walks
+   split ``s`` of sequence ``b``'s context ``BLOCK_N`` tokens (several pages) per iteration: a
+   gather of page ids, one (BLOCK_N, D) load of K, scores by ``tl.dot``, an online softmax, one load
+   of V, ``tl.dot`` into a float32 accumulator. It writes float32 partials (acc, m, l) per head, or,
+   with a single split, the normalised output itself (no second launch).
+2. ``_decode_reduce_kernel``, grid (B, H): merges the sequence's non-empty splits in index order.
+
+Split rule (the caller's, ``pat_engine/model/layers/triton_attention.py``): either a fixed
+``tokens_per_split`` (the invariant mode: split ``s`` of every sequence covers tokens
+``[s * tps, (s + 1) * tps)``; the grid has ``ceil(width * page / tps)`` splits, those past a
+sequence's length are empty), or ``num_splits`` even splits of each sequence's own length, each a
+whole number of ``BLOCK_N`` tokens (fast mode: the grid, and so the CUDA graph, is fixed by the batch,
+while each row divides its own context).
+
+Numerics contract: a (sequence, head)'s value depends only on its query row, its length, its K/V,
+``tokens_per_split`` (or ``num_splits``) and the compile constants (BLOCK_N, GROUP_PAD, D): never on
+the batch, the other rows' lengths, the table width, the grid's split count (fixed mode) or which
+other heads share the tile (each output row is its own dot products). Scores and the softmax are
+float32; P is rounded to the model dtype for the P.V product as flash attention does (float32
+models keep IEEE float32 products: no TF32). Under Triton's CPU interpreter, whose ``tl.dot`` reads
+16-bit floats wrongly, 16-bit tiles are widened to float32 first: the products are exact either way,
+so only the order of the float32 sums may differ from the device.
 """
 
 from __future__ import annotations
@@ -18,71 +39,188 @@ import torch
 import triton
 import triton.language as tl
 
+from pat_kernels.triton_support import INTERPRETED
 
-@triton.jit
-def attend_block(q, k_ptr, v_ptr, tables_ptr, seq, i, length, m, l, acc,
-                 scale, stride_kb, stride_kt, stride_kh, stride_tb, kv_head,
-                 BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """One KV block (the ``i``-th of sequence ``seq``) folded into a running online softmax
-    ``(m, l, acc)``; shared by the one-program and the split-KV kernels, so both sum in one order."""
-    dims = tl.arange(0, HEAD_DIM)
-    toks = tl.arange(0, BLOCK_SIZE)
-    block = tl.load(tables_ptr + seq * stride_tb + i)
-    offs = block * stride_kb + toks[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
-    valid = (i * BLOCK_SIZE + toks) < length
-    k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)  # (BLOCK_SIZE, D)
-    scores = tl.sum(k * q[None, :], axis=1) * scale
-    scores = tl.where(valid, scores, float("-inf"))
-    m_new = tl.maximum(m, tl.max(scores, axis=0))
-    p = tl.exp(scores - m_new)
-    correction = tl.exp(m - m_new)
-    v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-    acc = acc * correction + tl.sum(p[:, None] * v, axis=0)
-    l = l * correction + tl.sum(p, axis=0)
-    return m_new, l, acc
+BLOCK_N = 64  # tokens per iteration (4 pages of 16): one K and one V tile load each
+GROUP_PAD = 16  # query rows of a tile: tl.dot needs 16; models with more q heads per KV head pad further
 
 
 @triton.jit
-def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
-    scale,
+def _decode_partial_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, out_ptr,
+    scale, fixed_tokens_per_split, num_splits,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_tb,
     stride_ob, stride_oh,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    heads_total = tl.num_programs(1) * GROUP
+    length = tl.load(lens_ptr + seq).to(tl.int32)
+    if fixed_tokens_per_split > 0:
+        tps = fixed_tokens_per_split
+    else:  # even split of this row's own length, whole BLOCK_N chunks
+        tps = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
+    start = split * tps
+    end = tl.minimum(start + tps, length)
+
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_PAD)
+    row_ok = rows < GROUP
+    dim_ok = dims < HEAD_DIM
+    heads = kv_head * GROUP + rows
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # (GROUP_PAD, HEAD_PAD)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+    l = tl.zeros((GROUP_PAD,), tl.float32)
+    acc = tl.zeros((GROUP_PAD, HEAD_PAD), tl.float32)
+    table = tables_ptr + seq.to(tl.int64) * stride_tb
+    for n0 in range(start, end, BLOCK_N):
+        toks = n0 + tl.arange(0, BLOCK_N)
+        valid = toks < end
+        pages = tl.load(table + toks // PAGE, mask=valid, other=0).to(tl.int64)
+        offs = (pages[:, None] * stride_kb + (toks % PAGE)[:, None] * stride_kt + kv_head * stride_kh
+                + dims[None, :])  # (BLOCK_N, HEAD_PAD)
+        kv_mask = valid[:, None] & dim_ok[None, :]
+        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(valid[None, :], scores * scale, float("-inf"))  # (GROUP_PAD, BLOCK_N)
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+        if IEEE:
+            pv = tl.dot(p, v, input_precision="ieee")
+        elif UPCAST:  # P rounded as on the device, the product in float32 (exact for 16-bit inputs)
+            pv = tl.dot(p.to(v_ptr.dtype.element_ty).to(tl.float32), v.to(tl.float32))
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        l = l * alpha + tl.sum(p, axis=1)
+        m = m_new
+
+    if DIRECT:  # one split: this is the whole context
+        out = acc / l[:, None]
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    else:  # partials laid out (B, H, S, ...) contiguous
+        item = (seq * heads_total + heads) * tl.num_programs(2) + split  # (GROUP_PAD,)
+        tl.store(acc_ptr + item[:, None] * HEAD_PAD + dims[None, :], acc, mask=row_ok[:, None])
+        tl.store(ml_ptr + item * 2, m, mask=row_ok)
+        tl.store(ml_ptr + item * 2 + 1, l, mask=row_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    acc_ptr, ml_ptr, lens_ptr, out_ptr,
+    fixed_tokens_per_split, num_splits,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    kv_head = head // GROUP
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + seq * stride_qb + head * stride_qh + dims).to(tl.float32)
-    length = tl.load(lens_ptr + seq)
-    m = tl.full((), float("-inf"), tl.float32)
-    l = tl.zeros((), tl.float32)
-    acc = tl.zeros((HEAD_DIM,), tl.float32)
-    for i in range(0, tl.cdiv(length, BLOCK_SIZE)):
-        m, l, acc = attend_block(q, k_ptr, v_ptr, tables_ptr, seq, i, length, m, l, acc, scale,
-                                 stride_kb, stride_kt, stride_kh, stride_tb, kv_head, BLOCK_SIZE, HEAD_DIM)
+    dims = tl.arange(0, HEAD_PAD)
+    length = tl.load(lens_ptr + seq).to(tl.int32)
+    if fixed_tokens_per_split > 0:
+        tps = fixed_tokens_per_split
+    else:
+        tps = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
+    used = tl.cdiv(length, tps)  # this sequence's non-empty splits; each holds >= 1 token
+    base = (seq * tl.num_programs(1) + head) * num_splits
+    # the first split as it is, then the others folded in in index order (one split: acc / l exactly)
+    m = tl.load(ml_ptr + base * 2)
+    l = tl.load(ml_ptr + base * 2 + 1)
+    acc = tl.load(acc_ptr + base * HEAD_PAD + dims)
+    for s in range(1, used):
+        m_s = tl.load(ml_ptr + (base + s) * 2)
+        l_s = tl.load(ml_ptr + (base + s) * 2 + 1)
+        acc_s = tl.load(acc_ptr + (base + s) * HEAD_PAD + dims)
+        m_new = tl.maximum(m, m_s)
+        c_old = tl.exp(m - m_new)
+        c_s = tl.exp(m_s - m_new)
+        acc = acc * c_old + acc_s * c_s
+        l = l * c_old + l_s * c_s
+        m = m_new
     out = acc / l
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+def grid_splits(width_tokens: int, tokens_per_split: int | None, num_splits: int) -> int:
+    """The grid's split count: ``ceil(width / tokens_per_split)`` for a fixed split, else ``num_splits``."""
+    if tokens_per_split:
+        return max(1, -(-width_tokens // tokens_per_split))
+    return max(1, num_splits)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+                           tokens_per_split: int | None = None, num_splits: int = 1,
+                           block_n: int = BLOCK_N) -> torch.Tensor:
+    """Decode attention over the paged pool; no host sync (the split count is read off shapes).
+
+    Args:
+        q: (B, H, D), unit stride in D (rows and heads may be strided: a view of the fused projection).
+        k_cache, v_cache: (num_blocks, page, KVH, D), the same strides, unit stride in D.
+        block_tables: (B, width). context_lens: (B,), each >= 1 and <= width * page.
+        scale: the softmax scale.
+        tokens_per_split: a fixed split (the invariant mode), a multiple of ``block_n``; or None for
+            ``num_splits`` even splits of each row's own length (1: one program per (row, KV head)).
+        block_n: tokens per iteration, a power of two >= 16 (a compile constant: fix it per engine,
+            the bits depend on it).
+    Returns:
+        (B, H, D) in q's dtype.
+    """
     b, h, d = q.shape
-    _, block_size, kvh, _ = k_cache.shape
-    assert h % kvh == 0 and d & (d - 1) == 0 and block_size & (block_size - 1) == 0
+    _, page, kvh, _ = k_cache.shape
+    group = h // kvh
+    assert h % kvh == 0 and page & (page - 1) == 0 and block_n >= 16 and block_n & (block_n - 1) == 0
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
-    out = torch.empty_like(q)
-    tables = block_tables.to(torch.int64).contiguous()  # int64: block * stride passes 2**31 on big pools
-    lens = context_lens.to(torch.int32).contiguous()
-    _paged_decode_kernel[(b, h)](
-        q, k_cache, v_cache, tables, lens, out, scale,
+    assert tokens_per_split is None or (tokens_per_split > 0 and tokens_per_split % block_n == 0), \
+        "tokens_per_split: a multiple of block_n"
+    tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    lens = context_lens if context_lens.stride(-1) == 1 else context_lens.contiguous()
+    splits = grid_splits(tables.shape[1] * page, tokens_per_split, num_splits)
+    head_pad = max(16, triton.next_power_of_2(d))
+    out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
+    direct = splits == 1
+    if direct:  # unused pointers: out stands in
+        acc = ml = out
+    else:
+        acc = torch.empty(b, h, splits, head_pad, dtype=torch.float32, device=q.device)
+        ml = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
+    fixed = tokens_per_split or 0
+    _decode_partial_kernel[(b, kvh, splits)](
+        q, k_cache, v_cache, tables, lens, acc, ml, out,
+        scale, fixed, splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         tables.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=h // kvh, BLOCK_SIZE=block_size, HEAD_DIM=d,
+        GROUP=group, GROUP_PAD=max(GROUP_PAD, triton.next_power_of_2(group)), PAGE=page,
+        HEAD_DIM=d, HEAD_PAD=head_pad, BLOCK_N=block_n,
+        DIRECT=direct, IEEE=q.dtype == torch.float32, UPCAST=INTERPRETED and q.dtype != torch.float32,
+        num_warps=4, num_stages=2,
     )
+    if not direct:
+        _decode_reduce_kernel[(b, h)](
+            acc, ml, lens, out,
+            fixed, splits,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=d, HEAD_PAD=head_pad, BLOCK_N=block_n,
+            num_warps=1,
+        )
     return out

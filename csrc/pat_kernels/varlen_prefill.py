@@ -24,11 +24,11 @@ Shapes:
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from pat_kernels.triton_support import INTERPRETED
 
 
 @triton.jit
@@ -119,7 +119,7 @@ def varlen_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     if t == 0 or max_new_tokens == 0:
         return out
     if widen is None:
-        widen = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+        widen = q.dtype == torch.bfloat16 and INTERPRETED
     tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     grid = (b, triton.cdiv(max_new_tokens, block_m), h)
     _varlen_prefill_kernel[grid](

@@ -8,6 +8,11 @@ Differences between the families are flags on ``ModelArch``: bias on q/k/v
 (Qwen2) and per-head RMSNorm on q and k (Qwen3). ``row_chunks`` (the invariant numerics
 mode, docs/numerics.md) is handed to the two row-parallel products of every layer; set, it also
 puts the column-parallel products and the LM head on the invariant GEMM (layers/linear.py).
+
+Where the Triton layer kernels serve (a GPU: ``layers/triton_ops.py``) a layer is nine or ten
+kernels: add + RMSNorm, QKV GEMM, (q/k norm +) rotary + KV write, attention (one or two), o GEMM,
+add + RMSNorm, gate/up GEMM, SiLU-mul, down GEMM; elsewhere the CPU kernels or torch formulas
+compute the same values step by step.
 """
 
 from __future__ import annotations
@@ -19,7 +24,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pat_engine.model.arch import ModelArch
-from pat_engine.model.layers.attention import DEFAULT_BACKEND, AttentionBackend, AttentionMetadata, paged_attention
+from pat_engine.model.layers import triton_ops
+from pat_engine.model.layers.attention import (
+    DEFAULT_BACKEND,
+    AttentionBackend,
+    AttentionMetadata,
+    attend,
+    paged_attention,
+)
 from pat_engine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pat_engine.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pat_engine.model.layers.norm import RMSNorm
@@ -33,9 +45,11 @@ class ForwardContext:
     tp: TPGroup
     kv_caches: list[torch.Tensor]  # one (2, blocks, block_size, kvh_local, hd) pool per layer
     attn: AttentionMetadata
-    cos: torch.Tensor | None = None  # (T, 1, hd), set by CausalLM.forward
+    cos: torch.Tensor | None = None  # (T, 1, hd), set by CausalLM.forward (not with the Triton kernels)
     sin: torch.Tensor | None = None
     attn_backend: AttentionBackend = DEFAULT_BACKEND  # chosen by layers/attention.attention_backend
+    positions: torch.Tensor | None = None  # (T,), set by CausalLM.forward
+    rotary: RotaryEmbedding | None = None  # its tables, read by the Triton rotary kernel
 
 
 class Attention(nn.Module):
@@ -54,12 +68,20 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, arch.rms_eps, dtype, device) if arch.qk_norm else None
         self.k_norm = RMSNorm(hd, arch.rms_eps, dtype, device) if arch.qk_norm else None
         self.scale = hd**-0.5
+        self.triton = triton_ops.kernels_for(device, dtype)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         arch, hd = self.arch, self.arch.head_dim
         heads = arch.num_heads // ctx.tp.size
         kv_heads = arch.kv_heads_per_rank(ctx.tp.size)
         qkv = self.qkv_proj(x)  # (T, (heads + 2 * kv_heads) * hd)
+        kv_cache = ctx.kv_caches[layer]
+        if self.triton is not None:  # q/k norm, rotary and the KV write in one kernel; q stays a view of qkv
+            q = self.triton.rotary_kv_write(
+                qkv, heads, kv_heads, ctx.positions, ctx.rotary.cos, ctx.rotary.sin, kv_cache, ctx.attn.slot_mapping,
+                self.q_norm.weight if self.q_norm else None, self.k_norm.weight if self.k_norm else None, arch.rms_eps)
+            out = attend(q, kv_cache, ctx.attn, self.scale, ctx.attn_backend)  # (T, h, hd)
+            return self.o_proj(out.reshape(-1, heads * hd), ctx.tp)
         qk, v = qkv.split([(heads + kv_heads) * hd, kv_heads * hd], dim=-1)
         qk = qk.view(-1, heads + kv_heads, hd)
         v = v.view(-1, kv_heads, hd)  # (T, kvh, hd)
@@ -68,7 +90,7 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # q and k are neighbours in the fused projection: one rotary pass serves both
         q, k = apply_rotary(qk, ctx.cos, ctx.sin).split([heads, kv_heads], dim=1)  # (T, h, hd), (T, kvh, hd)
-        out = paged_attention(q, k, v, ctx.kv_caches[layer], ctx.attn, self.scale, ctx.attn_backend)  # (T, h, hd)
+        out = paged_attention(q, k, v, kv_cache, ctx.attn, self.scale, ctx.attn_backend)  # (T, h, hd)
         return self.o_proj(out.reshape(-1, heads * hd), ctx.tp)
 
 
@@ -79,9 +101,13 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(arch.hidden_size, (Component(inter), Component(inter)), False, tp, dtype,
                                                  device, row_chunks is not None)
         self.down_proj = RowParallelLinear(inter, arch.hidden_size, 1, tp, dtype, device, row_chunks)
+        self.triton = triton_ops.kernels_for(device, dtype)
 
     def forward(self, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)  # (T, 2 * inter / tp)
+        if self.triton is not None:
+            return self.down_proj(self.triton.silu_and_mul(gate_up), tp)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up, tp)
 
 
@@ -121,10 +147,13 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp, dtype, device, tied_to=tied,
                                       invariant=row_chunks is not None)
         self.rotary = RotaryEmbedding(arch.rope, arch.head_dim, arch.max_position, dtype, device)
+        self.triton = triton_ops.kernels_for(device, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: (T,). Returns hidden states (T, hidden)."""
-        ctx.cos, ctx.sin = self.rotary.cos_sin(positions)
+        ctx.positions, ctx.rotary = positions, self.rotary
+        if self.triton is None:  # the Triton rotary kernel reads the tables by position itself
+            ctx.cos, ctx.sin = self.rotary.cos_sin(positions)
         x, residual = self.embed_tokens(input_ids, ctx.tp), None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, ctx, i)

@@ -90,7 +90,7 @@ class ProfilePoint:
     context_len: int  # prompt length of every request in the dummy batch
     total_tokens: float  # mean total context of the group's batch over the decode window
     prefill_s: float  # one group's prefill of the whole batch (all groups ran at once)
-    decode_step_s: float  # mean decode step latency over the window
+    decode_step_s: float  # median decode step latency over the window
     decode_step_std_s: float = 0.0
     steps: int = 0  # decode steps averaged
     repeat: int = 0  # which pass over the grid measured it (pat-profile --passes); fits average the passes

@@ -3,8 +3,9 @@ prompt tokens (echo, evaluation) and ``reference_logprobs``, so all three agree 
 
 Float64 logits (the exactness suite's) use torch's float64 ``log_softmax``; other logits use the
 sampling kernel's row sums (sampling/inverse_cdf.py): ``(float32(x_t) - max) - log(Z)``, with the
-log taken per row by Python's ``math.log`` (a library log rounds differently in its vector and
-scalar paths, which would make a row's value depend on its place in the batch).
+log taken per row by Python's ``math.log`` on the CPU (a library log rounds differently in its vector
+and scalar paths, which would make a row's value depend on its place in the batch) and by
+``torch.log`` on a GPU (``log_z``).
 """
 
 from __future__ import annotations
@@ -13,11 +14,16 @@ import math
 
 import torch
 
+from pat_engine.sampling import host
 from pat_engine.sampling.inverse_cdf import first_max_and_z, log_norm
 
 
 def log_z(z_sum: torch.Tensor) -> torch.Tensor:
-    """``math.log`` of each float64 value: one rounding whatever the row's place in the batch."""
+    """The log of each float64 value with one rounding whatever the row's place in the batch: Python's
+    ``math.log`` on the host; on a GPU ``torch.log``, whose kernel computes every element alike (no
+    vector/scalar split) and needs no trip to the host."""
+    if not host.reads_are_free(z_sum):
+        return torch.log(z_sum)
     return torch.tensor([math.log(v) for v in z_sum.tolist()], dtype=torch.float64, device=z_sum.device)
 
 

@@ -3,7 +3,9 @@ first), found with a partial ``topk`` instead of a sort, and the row masked to i
 
 This is the general path (other devices, float64, ``PAT_CPU_SAMPLER=torch``); the CPU kernel
 (``inverse_cdf_prefix_cpu`` in csrc/pat_kernels/cpu/sample.cpp) finds the same prefix and draws
-the same token, bit for bit (tests/test_sampler.py).
+the same token, bit for bit (tests/test_sampler.py). On a GPU (``host.reads_are_free`` false) the
+candidates are the whole sorted row, found without reading a value on the host; the kept prefix is
+the same.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pat_engine.sampling import host
 from pat_engine.sampling.inverse_cdf import inverse_cdf, weights
 
 
@@ -43,39 +46,47 @@ class Prefix:
     keep: torch.Tensor  # (F,) how many of them are kept
 
 
-def prefixes(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, inv_temp: torch.Tensor) -> Prefix | None:
-    """Each top_k / top_p row's kept prefix (top_k: int64 (S,), <= 0 off; top_p: (S,), >= 1 off), read
-    off a partial ``topk``. For top_p the candidate count
-    comes from ``nucleus_bound`` and grows if the prefix's mass (the kernel's weights, over the
-    row's whole Z) has not reached top_p, so no row is sorted whole unless its nucleus needs it."""
+def prefixes(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, inv_temp: torch.Tensor,
+             index: torch.Tensor, any_top_p: bool) -> Prefix:
+    """Each top_k / top_p row's kept prefix (top_k: int64 (S,), <= 0 off; top_p: (S,), >= 1 off).
+
+    ``index``: the rows that have either (the caller knows them from the requests' settings);
+    ``any_top_p``: whether one of them has top_p. On the CPU the prefix is read off a partial
+    ``topk``: for top_p the candidate count comes from ``nucleus_bound`` and grows if the prefix's
+    mass (the kernel's weights, over the row's whole Z) has not reached top_p, so no row is sorted
+    whole unless its nucleus needs it. On a GPU every row is sorted whole: no value read on the host."""
     vocab = x.shape[1]
     top_p = top_p.to(torch.float64)
-    limited = (top_k > 0) | (top_p < 1.0)
-    if not bool(limited.any()):
-        return None
-    index = limited.nonzero().squeeze(1)
     xf = x.index_select(0, index).float()
     k_cap = torch.where(top_k[index] > 0, top_k[index].clamp(max=vocab), vocab)
     p, it = top_p[index], inv_temp[index]
-    m = xf.max(dim=-1, keepdim=True).values
     need, z_sum, e = k_cap, None, None
-    if bool((p < 1.0).any()):
+    if any_top_p:
         no_floor = torch.full_like(it, float("-inf"))
-        e, _ = weights(xf, it, no_floor)
+        e, m = weights(xf, it, no_floor)
         _, _, z_sum = inverse_cdf(xf, it, no_floor, None, draw=False)
-        need = torch.where(p < 1.0, torch.minimum(k_cap, nucleus_bound(xf, m, it, p, z_sum)), k_cap)
-    width = int(need.max())
-    while True:
-        values, order = descending(xf, width if width < vocab else 0)
-        keep = k_cap.clamp(max=values.shape[-1])
+        if host.reads_are_free(x):
+            need = torch.where(p < 1.0, torch.minimum(k_cap, nucleus_bound(xf, m, it, p, z_sum)), k_cap)
+
+    def kept(order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(tokens kept of the ``order`` candidates, the top_p count or None)."""
+        width = order.shape[-1]
+        keep = k_cap.clamp(max=width)
         if z_sum is None:
-            break
+            return keep, None
         running = e.gather(1, order).double().cumsum(dim=-1)
         nucleus = (running < (p * z_sum).unsqueeze(1)).sum(dim=-1) + 1
-        keep = torch.where(p < 1.0, torch.minimum(keep, nucleus), keep).clamp(max=values.shape[-1])
+        return torch.where(p < 1.0, torch.minimum(keep, nucleus), keep).clamp(max=width), nucleus
+
+    if not host.reads_are_free(x):  # every row sorted whole: nothing read on the host
+        order = descending(xf, 0)[1]
+        return Prefix(index, order, kept(order)[0])
+    width = int(need.max())
+    while True:
+        order = descending(xf, width if width < vocab else 0)[1]
+        keep, nucleus = kept(order)
         # a row whose top_p prefix may run past the candidates needs more of them
-        short = (p < 1.0) & (nucleus > width) & (k_cap > width)
-        if width >= vocab or not bool(short.any()):
+        if nucleus is None or width >= vocab or not bool(((p < 1.0) & (nucleus > width) & (k_cap > width)).any()):
             break
         width = min(vocab, width * 4)
     return Prefix(index, order, keep)

@@ -114,11 +114,18 @@ class SamplingBatch:
     max_top_k: int  # largest top_k among sampled rows, 0 when some row has none (needs a full sort)
     suppressed: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) that may not be drawn
     logprobs: bool  # any row wants log-probs
-    processed_rows: torch.Tensor | None  # bool (S,): sampled rows that report the processed log-prob
+    processed_rows: torch.Tensor | None  # int64: sampled rows (indices into ``sampled``) reporting processed log-probs
     processors: ProcessorRows | None = None  # penalties and logit bias of the rows that have them
     min_p: torch.Tensor | None = None  # float64 (S, 1) for sampled rows, when any has min_p
     top_logprobs: int = 0  # the most alternatives any row asked for
     greedy_processed: torch.Tensor | None = None  # int64: greedy rows reporting processed log-probs
+    # known from the settings, so that no step reads a value back to find them (sampling/host.py)
+    limited: torch.Tensor | None = None  # int64: sampled rows (indices into ``sampled``) with top_k or top_p
+    unlimited: torch.Tensor | None = None  # int64: the other sampled rows (when some are limited)
+    any_top_p: bool = False  # some limited row has top_p < 1
+    raw_rows: torch.Tensor | None = None  # int64: sampled rows whose processed distribution is the raw one
+    not_raw: torch.Tensor | None = None  # int64: the batch rows outside ``sampled[raw_rows]`` (when any)
+    floor: torch.Tensor | None = None  # float32 (S,): log(min_p) of the sampled rows, -inf without
 
     @classmethod
     def build(cls, specs: list[SamplingSpec], positions: list[int],
@@ -128,6 +135,9 @@ class SamplingBatch:
         rows = [i for i, s in enumerate(specs) if s.temperature != 0.0]
         chosen = [specs[i] for i in rows]
         top_ks = [s.top_k for s in chosen]
+        limited = [j for j, s in enumerate(chosen) if s.top_k > 0 or s.top_p < 1.0]
+        raw = [j for j, s in enumerate(chosen) if s.temperature == 1.0 and s.top_k <= 0 and s.top_p >= 1.0
+               and s.min_p <= 0.0 and not s.has_penalties]
         banned_rows = [i for i, ids in enumerate(suppressed or ()) for _ in ids]
         banned_ids = [t for ids in (suppressed or ()) for t in ids]
 
@@ -144,20 +154,28 @@ class SamplingBatch:
             max_top_k=0 if any(k <= 0 for k in top_ks) else max(top_ks, default=0),
             suppressed=(tensor(banned_rows, torch.long), tensor(banned_ids, torch.long)) if banned_ids else None,
             logprobs=any(s.logprobs for s in specs),
-            processed_rows=tensor([s.processed_logprobs for s in chosen], torch.bool) if rows else None,
+            processed_rows=_rows_or_none([j for j, s in enumerate(chosen) if s.processed_logprobs], device),
             processors=_processor_rows(specs, histories, vocab, device),
             min_p=tensor([s.min_p for s in chosen], torch.float64).view(-1, 1)
             if any(s.min_p > 0 for s in chosen) else None,
             top_logprobs=max((s.top_logprobs for s in specs), default=0),
             greedy_processed=_rows_or_none([i for i, s in enumerate(specs) if s.temperature == 0.0
                                             and s.processed_logprobs and s.has_penalties], device),
+            limited=_rows_or_none(limited, device),
+            unlimited=_rows_or_none([j for j in range(len(chosen)) if j not in set(limited)], device)
+            if limited else None,
+            any_top_p=any(chosen[j].top_p < 1.0 for j in limited),
+            raw_rows=_rows_or_none(raw, device),
+            not_raw=_rows_or_none(sorted(set(range(len(specs))) - {rows[j] for j in raw}), device),
+            floor=tensor([math.log(s.min_p) if s.min_p > 0 else float("-inf") for s in chosen], torch.float64)
+            .to(torch.float32) if rows else None,
         )
 
     def suppress(self, logits: torch.Tensor) -> torch.Tensor:
         """Tokens not allowed yet (EOS and stop ids before min_new_tokens) get -inf: the raw logits."""
         if self.suppressed is None:
             return logits
-        return logits.index_put(self.suppressed, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+        return logits.index_put(self.suppressed, logits.new_full((), float("-inf")))
 
     def penalize(self, logits: torch.Tensor) -> torch.Tensor:
         """Logit bias and penalties of the rows that have them (float64 when any): the processed logits."""
@@ -191,18 +209,17 @@ def _draw_by_kernel(logits: torch.Tensor, batch: SamplingBatch, inv_temp: torch.
                     u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The draw with top_k / top_p rows in the C++ prefix kernel; None where it does not serve (float64
     logits keep the general path, whose float64 log-probs need the masked rows)."""
-    top_k, top_p = batch.top_k, batch.top_p.squeeze(1)
-    limited = (top_k > 0) | (top_p < 1.0)
-    if logits.dtype == torch.float64 or not bool(limited.any()):
+    if logits.dtype == torch.float64 or batch.limited is None:
         return None
-    rows, free = limited.nonzero().squeeze(1), (~limited).nonzero().squeeze(1)
+    rows, free = batch.limited, batch.unlimited
+    top_k, top_p = batch.top_k, batch.top_p.squeeze(1)
     part = inverse_cdf_in_prefix(_rows(logits, rows), inv_temp[rows], floor[rows], u[rows], top_k[rows], top_p[rows])
     if part is None:
         return None
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     logprobs = torch.empty(logits.shape[0], dtype=torch.float64, device=logits.device)
     parts = [(rows, part)]
-    if free.numel():
+    if free is not None:
         parts.append((free, inverse_cdf(logits.index_select(0, free), inv_temp[free], floor[free], u[free])))
     for index, (t, z, z_sum) in parts:
         tokens.index_copy_(0, index, t)
@@ -213,16 +230,15 @@ def _draw_by_kernel(logits: torch.Tensor, batch: SamplingBatch, inv_temp: torch.
 def _draw(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and processed log-probs of the sampled rows; logits: (S, vocab), any float dtype."""
     inv_temp = (1.0 / batch.temperature.squeeze(1)).to(torch.float32)
-    floor = torch.full_like(inv_temp, float("-inf"))
-    if batch.min_p is not None:  # min_p = 0 keeps every token
-        floor = torch.tensor([math.log(v) if v > 0 else float("-inf") for v in batch.min_p.squeeze(1).tolist()],
-                             dtype=torch.float64, device=inv_temp.device).to(torch.float32)
+    floor = batch.floor  # log(min_p); min_p = 0 keeps every token
     u = uniforms(batch.seeds, batch.positions)
     fast = _draw_by_kernel(logits, batch, inv_temp, floor, u)
     if fast is not None:
         return fast
-    prefix = prefixes(logits, batch.top_k, batch.top_p.squeeze(1), inv_temp)
-    x = logits if prefix is None else logits.index_copy(0, prefix.rows, masked(logits, prefix))
+    x = logits
+    if batch.limited is not None:
+        prefix = prefixes(logits, batch.top_k, batch.top_p.squeeze(1), inv_temp, batch.limited, batch.any_top_p)
+        x = logits.index_copy(0, prefix.rows, masked(logits, prefix))
     tokens, z_token, z_sum = inverse_cdf(x, inv_temp, floor, u)
     if logits.dtype == torch.float64:  # the exactness suite's dtype: the log-prob in float64 over the kept tokens
         kept = weights(x, inv_temp, floor)[0] > 0
@@ -240,22 +256,43 @@ class Sampled:
     top: list[list[tuple[int, float]]] | None = None  # per row: (token id, log-prob), most likely first
 
 
+@dataclass
+class DeviceSample:
+    """One step's draws, still where the logits are: nothing has been read back yet."""
+
+    tokens: torch.Tensor  # int64 (B,)
+    logprobs: torch.Tensor | None = None  # float64 (B,)
+    top: tuple[torch.Tensor, torch.Tensor] | None = None  # (log-probs float64 (B, k), ids int64 (B, k))
+
+    def to_host(self) -> Sampled:
+        """Everything in one transfer: ids as float64 (exact below 2**53) beside the log-probs."""
+        cols = [self.tokens.double().unsqueeze(1)]
+        if self.logprobs is not None:
+            cols.append(self.logprobs.unsqueeze(1))
+        if self.top is not None:
+            cols += [self.top[1].double(), self.top[0]]
+        rows = torch.cat(cols, dim=1).tolist()
+        tokens = [int(r[0]) for r in rows]
+        logprobs = [r[1] for r in rows] if self.logprobs is not None else None
+        top = None
+        if self.top is not None:  # the row's tail: k ids, then their k log-probs
+            k = self.top[1].shape[1]
+            top = [[(int(i), v) for i, v in zip(r[-2 * k : -k], r[-k:])] for r in rows]
+        return Sampled(tokens, logprobs, top)
+
+
 def _raw_logprobs(raw_logits: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch,
                   processed: torch.Tensor | None) -> torch.Tensor:
     """Every row's raw log-prob (float64). A sampled row at temperature 1 with no filter and no
     processor drew from the raw distribution itself: its processed log-prob is the raw one, the same
     bits (the same kernel sums), so it is not computed twice."""
-    same = None
-    if processed is not None and logits is raw_logits and logits.dtype != torch.float64:
-        same = (batch.temperature.squeeze(1) == 1.0) & (batch.top_k <= 0) & (batch.top_p.squeeze(1) >= 1.0)
-        if batch.min_p is not None:
-            same &= batch.min_p.squeeze(1) <= 0.0
-    if same is None or not bool(same.any()):
+    same = batch.raw_rows
+    if processed is None or same is None or logits is not raw_logits or logits.dtype == torch.float64:
         return token_logprobs(raw_logits, tokens)
     chosen = torch.empty(tokens.shape[0], dtype=torch.float64, device=tokens.device)
     chosen.index_copy_(0, batch.sampled[same], processed[same])
-    rest = torch.ones_like(tokens, dtype=torch.bool).index_fill(0, batch.sampled[same], False).nonzero().squeeze(1)
-    if rest.numel():
+    rest = batch.not_raw
+    if rest is not None:
         chosen.index_copy_(0, rest, token_logprobs(raw_logits.index_select(0, rest), tokens.index_select(0, rest)))
     return chosen
 
@@ -263,11 +300,16 @@ def _raw_logprobs(raw_logits: torch.Tensor, logits: torch.Tensor, tokens: torch.
 def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
     """logits: (B, vocab). Raw log-probs come from the model's logits (tokens suppressed before
     ``min_new_tokens`` excluded); processed ones from the distribution the token was drawn from."""
+    return sample_on_device(logits, batch).to_host()
+
+
+def sample_on_device(logits: torch.Tensor, batch: SamplingBatch) -> DeviceSample:
+    """``sample_batch`` without the final transfer; on a GPU it reads no value back (sampling/host.py)."""
     raw_logits = batch.suppress(logits)
     logits = batch.penalize(raw_logits)
+    top = top_logprobs(raw_logits, batch.top_logprobs) if batch.top_logprobs else None
     if not batch.sampled.numel() and batch.logprobs and logits is raw_logits:  # a greedy batch: one pass
-        tokens, chosen = greedy_logprobs(logits)
-        return Sampled(tokens.tolist(), chosen.tolist(), _top(raw_logits, batch))
+        return DeviceSample(*greedy_logprobs(logits), top)
     if batch.sampled.numel() < logits.shape[0]:  # greedy rows: the first maximum
         tokens = first_max(logits)
     else:  # every row is drawn below: no pass over the vocabulary for an argmax nobody reads
@@ -277,23 +319,15 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
         drawn, processed = _draw(_rows(logits, batch.sampled), batch)
         tokens = drawn if drawn.shape[0] == tokens.shape[0] else tokens.index_copy(0, batch.sampled, drawn)
     if not batch.logprobs:
-        return Sampled(tokens.tolist())
+        return DeviceSample(tokens)
     chosen = _raw_logprobs(raw_logits, logits, tokens, batch, processed)
-    if processed is not None:  # sampled rows in processed mode: under the distribution drawn from
+    if processed is not None and batch.processed_rows is not None:  # under the distribution drawn from
         rows = batch.sampled[batch.processed_rows]
         chosen = chosen.index_copy(0, rows, processed[batch.processed_rows])
     if batch.greedy_processed is not None:  # greedy rows after penalties
         rows = batch.greedy_processed
         chosen = chosen.index_copy(0, rows, token_logprobs(logits.index_select(0, rows), tokens.index_select(0, rows)))
-    return Sampled(tokens.tolist(), chosen.tolist(), _top(raw_logits, batch))
-
-
-def _top(raw_logits: torch.Tensor, batch: SamplingBatch) -> list[list[tuple[int, float]]] | None:
-    """Each row's most likely tokens with their log-probs, when a row asked for them."""
-    if not batch.top_logprobs:
-        return None
-    values, ids = top_logprobs(raw_logits, batch.top_logprobs)
-    return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return DeviceSample(tokens, chosen, top)
 
 
 def sample(

@@ -3,6 +3,10 @@
     pat-profile --model ./my-model --world 4 --tp 1 2 4 --dtype float32 --output profile.json
     pat-profile ... --resume                      # continue an interrupted run
     pat-profile ... --emulate-world 8 --device cuda --link-bandwidth 150e9 --link-latency 8e-6
+    pat-profile ... --emulate-world 2 --graph-backend standin   # the CPU with the graphs' stand-in
+
+Decode steps run as the engine runs them: its decode graphs (``--graph-backend``, ``--enforce-eager``),
+its attention backend; each point keeps the median step of its window.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import time
 
 from tqdm.auto import tqdm
 
+from pat_engine.config import GRAPH_BACKENDS
 from pat_profiler.grid import DEFAULT_BATCHES, DEFAULT_CONTEXTS, build_grid
 
 
@@ -42,6 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="time each TP degree's rank-0 shard in this process and add the collective model")
     p.add_argument("--link-bandwidth", type=float, default=150e9, help="emulation: per-rank link bytes/s")
     p.add_argument("--link-latency", type=float, default=8e-6, help="emulation: seconds per ring hop")
+    p.add_argument("--graph-backend", default="auto", choices=GRAPH_BACKENDS,
+                   help="decode graphs as the engine takes them: auto (CUDA graphs on a GPU, none on the CPU) or "
+                        "standin (the CPU's eager replays over the graphs' buffers)")
+    p.add_argument("--enforce-eager", action="store_true", help="time decode steps without graphs")
     args = p.parse_args(argv)
     if args.emulate_world is None and args.world is None:
         p.error("--world is required (or --emulate-world N)")
@@ -65,10 +74,20 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device, batches=tuple(args.batch_sizes), contexts=tuple(args.context_lens),
             budget_tokens=args.kv_budget_tokens, window=args.decode_window, output=args.output, resume=args.resume,
             seed=args.seed, threads_per_worker=args.threads_per_worker, block_size=args.block_size,
-            passes=args.passes)
+            passes=args.passes, engine_kwargs=graph_kwargs(args))
         table = run_profile(opts, command)
     print(summary(table, time.perf_counter() - started, args.output))
     return 0
+
+
+def graph_kwargs(args: argparse.Namespace) -> dict:
+    """The decode-graph choice as ``Engine`` / ``EngineConfig`` keywords (empty: the engine's default)."""
+    out = {}
+    if args.graph_backend != "auto":
+        out["graph_backend"] = args.graph_backend
+    if args.enforce_eager:
+        out["enforce_eager"] = True
+    return out
 
 
 def _emulate(args: argparse.Namespace, command: str):
@@ -83,7 +102,7 @@ def _emulate(args: argparse.Namespace, command: str):
     bar = tqdm(total=len(grid), desc="pat-profile (emulated)", unit="pt", dynamic_ncols=True)
     table = emulate_profile(args.model, world, tps, args.dtype, args.device, grid, args.decode_window,
                             CollectiveModel(args.link_bandwidth, args.link_latency), args.block_size, args.seed,
-                            progress=lambda p: bar.update(1))
+                            progress=lambda p: bar.update(1), **graph_kwargs(args))
     bar.close()
     table.meta["command"] = command
     table.save(args.output)

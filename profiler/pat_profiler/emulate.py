@@ -13,15 +13,36 @@ per forward: one all-reduce after the vocab-parallel embedding and two per
 layer (attention output, MLP down projection) of tokens*hidden elements,
 and one gather of the logits rows (vocab/T columns each).
 
+The shard runs what the engine's worker runs (``worker/worker.py``): the
+config's numerics and attention backend ("auto": the Triton kernels on a
+GPU), and its decode graphs (``GraphSettings.from_config``: CUDA graphs on a
+GPU, none on the CPU unless ``graph_backend="standin"``; ``enforce_eager``
+turns them off), captured after the load for every ladder size up to the
+largest batch profiled, so no point's window pays a capture. A point's
+decode step is the MEDIAN of its window (a stray slow step, e.g. a Python
+collection, moves a mean, not a median); the per-size capture seconds go
+into the switch costs (``graphs_s_per_size``), as a real profile's do.
+
 Not captured: contention between DP replicas on a shared host, the driver's
-scheduling and IPC per step (only the forward and sampling are timed), and
+scheduling and IPC per step (only the worker's ``execute`` is timed: input
+preparation, the forward or graph replay, the LM head and sampling), and
 real collective behaviour (overlap, NCCL protocol switches). The table is
-marked ``emulated`` with the model's constants.
+marked ``emulated`` with the model's constants, and ``meta["graphs"]`` says
+which graphs ran and how often each shard replayed them.
+
+The predictor's GPU error: fit ``LatencyPredictor`` to an emulated table and
+compare its ``step_seconds(1, batch, total_tokens)`` with the real engine's
+median decode steps at the same batch and context on the same device
+(``bench/gpu_check.py --only decode profile`` sets them side by side); the
+TP>1 points need a real multi-GPU engine to compare with (a real
+``pat-profile`` run, or the engine's ``record_steps``), which also measures
+the ring model's error.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import random
 import statistics
 import time
@@ -37,6 +58,7 @@ from pat_engine.predictor.deployment import make_deployment, model_shape, reshar
 from pat_engine.predictor.table import ProfilePoint, ProfileTable, SwitchCost
 from pat_engine.protocol import SeqStep, StepCommand
 from pat_engine.sampling.sampler import SamplingSpec
+from pat_engine.worker.graph_capture import GraphSettings
 from pat_engine.worker.infer_executor import InferExecutor
 from pat_profiler.grid import GridPoint
 
@@ -83,15 +105,26 @@ class CollectiveModel:
 
 
 class ShardRunner:
-    """One emulated TP rank-0 shard with a paged pool big enough for the largest point."""
+    """One emulated TP rank-0 shard with a paged pool big enough for the largest point, built as the
+    engine's worker builds its executor from ``cfg`` (numerics, attention backend, decode graphs)."""
 
-    def __init__(self, model_path: str, arch: ModelArch, tp: int, world: int, dtype: torch.dtype,
-                 device: torch.device, block_size: int, num_blocks: int):
-        layout = Layout.for_world(world, tp)
-        self.ex = InferExecutor(arch, layout, EmulatedTPGroup(tp), dtype, device, block_size, num_blocks)
+    def __init__(self, model_path: str, arch: ModelArch, tp: int, cfg: EngineConfig, device: torch.device,
+                 num_blocks: int):
+        layout = Layout.for_world(cfg.world, tp)
+        self.ex = InferExecutor(arch, layout, EmulatedTPGroup(tp), cfg.torch_dtype(), device, cfg.block_size,
+                                num_blocks, numerics=cfg.numerics, attention=cfg.attention_backend,
+                                graphs=GraphSettings.from_config(cfg, arch.max_position))
         self.ex.load_weights(model_path)
-        self.block_size, self.device = block_size, device
+        self.block_size, self.device = cfg.block_size, device
         self.step_id = 0
+
+    def capture_graphs(self, upto: int) -> None:
+        """Every decode graph a batch of at most ``upto`` rows can replay (nothing when graphs are off)."""
+        self.ex.capture_graphs(upto)
+        self._sync()
+
+    def graph_stats(self) -> dict:
+        return self.ex.graphs.stats.to_dict()
 
     def _run(self, cmd: StepCommand) -> tuple[float, list[int]]:
         self._sync()
@@ -128,12 +161,21 @@ class ShardRunner:
         return prefill_s, decode_s, totals
 
 
+def decode_step_seconds(window_s: list[float], collectives_s: float) -> tuple[float, float]:
+    """A point's (decode step, its spread): the median step of the window plus the modelled collectives,
+    and the window's population standard deviation."""
+    return statistics.median(window_s) + collectives_s, statistics.pstdev(window_s)
+
+
 def emulate_profile(model: str, world: int, tps: list[int] | None, dtype: str, device: str, grid: list[GridPoint],
                     window: int, collectives: CollectiveModel, block_size: int = 16, seed: int = 0,
-                    progress=None) -> ProfileTable:
+                    progress=None, graph_backend: str = "auto", enforce_eager: bool = False) -> ProfileTable:
+    """The emulated table; ``graph_backend`` and ``enforce_eager`` as ``EngineConfig`` takes them (the
+    defaults: what the engine runs on ``device``)."""
     started = time.perf_counter()
     arch = load_model_arch(model)
-    cfg = EngineConfig(model=model, tp=1, dp=world, dtype=dtype, device=device, block_size=block_size)
+    cfg = EngineConfig(model=model, tp=1, dp=world, dtype=dtype, device=device, block_size=block_size,
+                       graph_backend=graph_backend, enforce_eager=enforce_eager)
     torch_dtype = cfg.torch_dtype()
     dev = torch.device("cuda" if device == "cuda" else "cpu")
     tps = sorted(tps or (layout.tp for layout in arch.valid_layouts(world)))
@@ -144,29 +186,38 @@ def emulate_profile(model: str, world: int, tps: list[int] | None, dtype: str, d
                          meta={"created": datetime.datetime.now().isoformat(timespec="seconds"), "window": window,
                                "emulated": "one device; collectives from the stated ring model"})
     rng = random.Random(seed)
+    graphs: dict[str, dict] = {}  # per TP: the shard's graph stats after its points
     for tp in tps:
         pts = [p for p in grid if p.tp == tp]
         if not pts:
             continue
         blocks = max(p.batch * -(-(p.context + window + 1) // block_size) for p in pts)
-        runner = ShardRunner(model, arch, tp, world, torch_dtype, dev, block_size, blocks)
+        runner = ShardRunner(model, arch, tp, cfg, dev, blocks)
+        runner.capture_graphs(max(p.batch for p in pts))
         runner.point([[5] * 8], 4)  # warm-up
         for p in pts:
             prompts = [[rng.randrange(16, arch.vocab_size - 1) for _ in range(p.context)] for _ in range(p.batch)]
             prefill_s, decode_s, totals = runner.point(prompts, window)
             comm_decode = collectives.forward_s(arch, tp, p.batch, p.batch, elt)
             comm_prefill = collectives.forward_s(arch, tp, p.batch * p.context, p.batch, elt)
-            table.add_point(ProfilePoint(
-                tp, p.batch, p.context, statistics.fmean(totals), prefill_s + comm_prefill,
-                statistics.fmean(decode_s) + comm_decode, statistics.pstdev(decode_s), len(decode_s)))
+            step_s, std_s = decode_step_seconds(decode_s, comm_decode)
+            table.add_point(ProfilePoint(tp, p.batch, p.context, statistics.fmean(totals), prefill_s + comm_prefill,
+                                         step_s, std_s, len(decode_s)))
             if progress is not None:
                 progress(p)
+        graphs[str(tp)] = runner.graph_stats()
         del runner
-    # switches are not run here: weights go over the modelled link, fixed costs are unknown (0)
+        if dev.type == "cuda":  # the next shard's weights, pool and graphs need the memory now
+            gc.collect()
+            torch.cuda.empty_cache()
+    table.meta["graphs"] = {"backend": cfg.graphs() or "off (eager)", "per_tp": graphs}
+    # switches are not run here: weights go over the modelled link, fixed costs are unknown (0); a switch's
+    # graphs phase recaptures on the target shard, at the per-size seconds measured there
     for a in tps:
         for b in tps:
             if a != b:
                 wb = reshard_bytes(arch, torch_dtype, Layout.for_world(world, a), Layout.for_world(world, b))
-                table.switch_costs.append(SwitchCost(a, b, 0.0, wb))
+                per_graph = graphs.get(str(b), {}).get("capture_s_per_size", 0.0)
+                table.switch_costs.append(SwitchCost(a, b, 0.0, wb, graphs_s_per_size=per_graph))
     table.meta["profile_seconds"] = round(time.perf_counter() - started, 2)
     return table

@@ -3,10 +3,12 @@
 For each grid point (tp, batch b per DP group, context l): every DP group gets b
 prompts of l random token ids at once (so contention between groups is
 in the numbers), the prefill is timed, then ``window`` decode steps; the
-point keeps the mean driver-side decode step latency (dispatch to result,
-what the drain time is made of) and the mean total context of the group's
-batch over the window. The table is written after every point, so an
-interrupted run continues with ``--resume``.
+point keeps the median driver-side decode step latency (dispatch to result,
+what the drain time is made of; a median, so a stray slow step does not move
+it) and the mean total context of the group's batch over the window. The
+engine runs as configured (decode graphs on a GPU, attention "auto"; the
+CLI's ``--graph-backend`` / ``--enforce-eager`` pass through). The table is
+written after every point, so an interrupted run continues with ``--resume``.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def measure_point(engine: Engine, pt: GridPoint, window: int, rng: random.Random
         tp=pt.tp, batch_size=pt.batch, context_len=pt.context,
         total_tokens=statistics.fmean(s.context_tokens for s in window_steps),
         prefill_s=statistics.fmean(prefill.values()),
-        decode_step_s=statistics.fmean(secs),
+        decode_step_s=statistics.median(secs),
         decode_step_std_s=statistics.pstdev(secs) if len(secs) > 1 else 0.0,
         steps=len(secs),
         repeat=pt.repeat,

@@ -256,4 +256,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     One attention call for the whole batch, prefill and decode alike (no loop over sequences).
     """
     backend.write_kv(kv_cache, k, v, meta.slot_mapping)
+    return attend(q, kv_cache, meta, scale, backend)
+
+
+def attend(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+           backend: AttentionBackend = DEFAULT_BACKEND) -> torch.Tensor:
+    """Attention of q (T, h, hd) over K/V already in the pool (the new tokens' too). Returns (T, h, hd)."""
     return backend.prefill(q, kv_cache, meta, scale) if meta.is_prefill else backend.decode(q, kv_cache, meta, scale)

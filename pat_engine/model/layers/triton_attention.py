@@ -1,12 +1,12 @@
 """``TritonAttention``: the Triton kernels of ``pat_kernels`` behind the ``AttentionBackend`` protocol.
 
-- decode: the one-program-per-(sequence, head) kernel, or the split-KV kernel when
-  ``decode_splits`` says so (the long tail of a rollout: few sequences, long contexts);
+- decode: the grouped paged kernel (``pat_kernels/paged_decode_attention.py``: one program per
+  (sequence, KV head, split), the KV head's query heads together), cut as ``decode_split`` says;
 - prefill (``numerics="fast"``): the packed varlen kernel, no padding to the longest prompt;
-- ``numerics="invariant"``: every decode through the split-KV kernel with one fixed split size,
-  and prefill through that same decode path, one query row per token (as ``prefill_as_decode``
-  gives the torch backend), so prefilled KV equals decoded KV and nothing depends on the batch
-  or on the heads a rank holds (docs/attention.md).
+- ``numerics="invariant"``: every decode with one fixed split size, and prefill through that same
+  decode path, one query row per token (as ``prefill_as_decode`` gives the torch backend), so
+  prefilled KV equals decoded KV and nothing depends on the batch or on the heads a rank holds
+  (docs/attention.md).
 
 Nothing here imports Triton at module import: the kernels load on first use, so the backend
 can be registered (``attention.py``) on machines without Triton. Tensors on the CPU run the
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -26,8 +27,9 @@ log = logging.getLogger(__name__)
 
 NUMERICS = ("fast", "invariant")  # as pat_engine.config.NUMERICS
 INVARIANT_TOKENS_PER_SPLIT = 256  # one split size for every decode of the invariant mode
-MIN_TOKENS_PER_SPLIT = 256  # fast mode: the partial (D + 2 floats) is < 1% of the bytes its split reads
-PROGRAMS_PER_SM = 4  # fast mode: below this many (seq, head) programs per SM the one-program grid leaves bandwidth idle
+MIN_TOKENS_PER_SPLIT = 128  # fast mode: each split reads >= 128 tokens, so its partial (D + 2 floats a head) stays small
+PROGRAMS_PER_SM = 4  # fast mode: splits are added until the grid has this many programs per SM
+DECODE_BLOCK_N = 64  # tokens per kernel iteration; a compile constant of the engine (the bits depend on it)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # float64 keeps the torch path
 
 
@@ -35,48 +37,50 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def decode_splits(batch: int, heads: int, max_context: int, sm_count: int, numerics: str, block_size: int = 16,
-                  invariant_tokens_per_split: int = INVARIANT_TOKENS_PER_SPLIT) -> int | None:
-    """How a decode step's attention is cut: tokens per split, or None for one program per (sequence, head).
+@dataclass(frozen=True)
+class DecodeSplit:
+    """How a decode step's attention is cut: a fixed ``tokens_per_split`` (every row's split ``s`` covers
+    tokens ``[s * tps, (s + 1) * tps)``), or, when that is None, ``num_splits`` even splits of each row's
+    own length (1: one program per (row, KV head) walks the whole context)."""
+
+    tokens_per_split: int | None
+    num_splits: int = 1
+
+
+def decode_split(batch: int, kv_heads: int, width_tokens: int, sm_count: int, numerics: str,
+                 block_n: int = DECODE_BLOCK_N,
+                 invariant_tokens_per_split: int = INVARIANT_TOKENS_PER_SPLIT) -> DecodeSplit:
+    """The split of one decode step.
 
     Args:
-        batch: rows of the step (padding rows included). heads: query heads on this rank.
-        max_context: an upper bound of the longest context (the block table's width in tokens).
+        batch: rows of the step (padding rows included). kv_heads: KV heads on this rank (one program
+            serves a KV head's query heads together).
+        width_tokens: the block table's width in tokens (an upper bound of the longest context; with
+            CUDA graphs, ``max_model_len``).
         sm_count: the GPU's streaming multiprocessors. numerics: "fast" or "invariant".
-        block_size: the KV page size; a split is a whole number of pages.
-        invariant_tokens_per_split: the invariant mode's constant (tests shrink it).
-    Returns:
-        A multiple of ``block_size``, or None.
+        block_n: the kernel's tokens per iteration. invariant_tokens_per_split: the invariant constant
+            (tests shrink it); rounded up to ``block_n``.
 
-    **fast**: split only when the step is the tail, ``batch * heads < PROGRAMS_PER_SM * sm_count``
-    (the one-program grid cannot fill the GPU), into enough splits to reach that many programs,
-    but none shorter than ``MIN_TOKENS_PER_SPLIT`` tokens, so the float32 partials and the reduce
-    stay a small fraction of the KV bytes read; fewer than 2 splits: None. The decision depends
-    on the batch, so a sequence's bits here depend on what it is batched with (as in any engine
-    that picks its split count per step).
+    **fast**: ``num_splits`` grows until ``batch * kv_heads * num_splits`` reaches ``PROGRAMS_PER_SM``
+    programs per SM, but no further than ``width / MIN_TOKENS_PER_SPLIT``; each row then divides its
+    own context into that many parts (whole ``block_n`` chunks), so a short row of a long-table batch
+    uses few of them. The split count follows the batch, so a row's bits follow what it is batched
+    with, as in any engine that picks its split per step.
 
-    **invariant**: always ``invariant_tokens_per_split`` rounded up to the page size, whatever the
-    batch, heads or context. The split kernel computes each (sequence, head) from its own splits
-    of that fixed size, merged in split order, so its result is a function of the sequence alone
-    (query, length, KV), never of the batch size, the batch's longest context, the padding or the
-    heads per rank (TP changes the heads per rank, and each head is its own program). Choosing
-    the split count per step, or switching between the two kernels by batch size, would change
-    the order of the sum, and so the bits, whenever the batch or TP changed. A short sequence
-    has one split (the same result as one program); the fixed cost is one partial write and one
-    reduce launch per layer, against a tail that now runs ``ceil(context / 256)`` programs per head.
+    **invariant**: always the fixed ``invariant_tokens_per_split``, whatever the batch, heads or
+    context. Each (row, head) then sums its own splits of that size in index order, so its value is a
+    function of the row alone (query, length, KV), never of the batch, the table width, the padding or
+    the heads per rank. A short row has one split, the same bits as one program.
     """
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
     if numerics == "invariant":
-        return _round_up(max(invariant_tokens_per_split, block_size), block_size)
-    target = PROGRAMS_PER_SM * sm_count
-    programs = batch * heads
-    if programs == 0 or programs >= target:
-        return None
-    splits = min(-(-target // programs), max_context // MIN_TOKENS_PER_SPLIT)
-    if splits < 2:
-        return None
-    return _round_up(-(-max_context // splits), block_size)
+        return DecodeSplit(_round_up(max(invariant_tokens_per_split, block_n), block_n))
+    programs = batch * kv_heads
+    if programs == 0:
+        return DecodeSplit(None, 1)
+    wanted = -(-PROGRAMS_PER_SM * sm_count // programs)
+    return DecodeSplit(None, max(1, min(wanted, width_tokens // MIN_TOKENS_PER_SPLIT)))
 
 
 def _interpreting() -> bool:
@@ -90,7 +94,7 @@ class TritonAttention(AttentionBackend):
 
     def __init__(self, numerics: str = "fast", sm_count: int | None = None,
                  invariant_tokens_per_split: int = INVARIANT_TOKENS_PER_SPLIT,
-                 prefill_tiles: tuple[int, int] = (64, 64)):
+                 prefill_tiles: tuple[int, int] = (64, 64), block_n: int = DECODE_BLOCK_N):
         if numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
         try:
@@ -101,6 +105,7 @@ class TritonAttention(AttentionBackend):
         self.sm_count = sm_count  # read from the device at load() when None
         self.invariant_tokens_per_split = invariant_tokens_per_split
         self.prefill_tiles = prefill_tiles  # (BLOCK_M, BLOCK_N) of the varlen kernel
+        self.block_n = block_n  # the decode kernel's tokens per iteration
         self._torch = TorchAttention()  # the KV write and the float64 / no-kernel paths
 
     def load(self, device: torch.device, dtype: torch.dtype) -> bool:
@@ -127,15 +132,13 @@ class TritonAttention(AttentionBackend):
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                 scale: float) -> torch.Tensor:
         """q: (B, h, hd); tables (B, width); lens (B,). The table width bounds the context: no host sync."""
-        block_size = kv_cache.shape[2]
         if self.sm_count is None:
             self.sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
-        tps = decode_splits(q.shape[0], q.shape[1], tables.shape[1] * block_size, self.sm_count, self.numerics,
-                            block_size, self.invariant_tokens_per_split)
-        kernels = _kernels()
-        if tps is None:
-            return kernels.paged_decode_attention(q, kv_cache[0], kv_cache[1], tables, lens, scale)
-        return kernels.split_kv_decode_attention(q, kv_cache[0], kv_cache[1], tables, lens, scale, tps)
+        split = decode_split(q.shape[0], kv_cache.shape[3], tables.shape[1] * kv_cache.shape[2], self.sm_count,
+                             self.numerics, self.block_n, self.invariant_tokens_per_split)
+        return _kernels().paged_decode_attention(q, kv_cache[0], kv_cache[1], tables, lens, scale,
+                                                 tokens_per_split=split.tokens_per_split,
+                                                 num_splits=split.num_splits, block_n=self.block_n)
 
     def prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.cu_seqlens is None or meta.context_lens is None or meta.pad_index is None or not self._serves(q):
@@ -152,15 +155,13 @@ class TritonAttention(AttentionBackend):
 
 
 class _Kernels:
-    """The three kernel entry points, imported together on first use."""
+    """The kernel entry points, imported together on first use."""
 
     def __init__(self):
         from pat_kernels.paged_decode_attention import paged_decode_attention
-        from pat_kernels.split_kv_decode import split_kv_decode_attention
         from pat_kernels.varlen_prefill import varlen_prefill_attention
 
         self.paged_decode_attention = paged_decode_attention
-        self.split_kv_decode_attention = split_kv_decode_attention
         self.varlen_prefill_attention = varlen_prefill_attention
 
 

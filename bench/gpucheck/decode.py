@@ -1,0 +1,165 @@
+"""Part ``decode``: TP1 decode ms per step through the real ``Engine`` beside the HBM roofline and the
+streamed-bytes floor (issues 23 and 30).
+
+Llama-3-8B-shaped random bf16 checkpoint (16.06 GB), requests of fixed length (min = max new tokens,
+ignore_eos, greedy), prefix caching off. Rows: batch 1, 16 and 64 at a 64-token prompt, with CUDA graphs
+and with ``enforce_eager`` (both engines up at once, their runs interleaved), and 64 x 512 and 64 x 2K
+prompts with graphs. ms / step: the median decode step of the driver (dispatch to result, the worker
+round trip included); at batch B a step gives each sequence one token, so it is the ms per token.
+
+Floors: the roofline is every weight byte over the bandwidth (issue 23's 6.0 ms = 1.25x that at the
+H100 SXM datasheet's 3.35 TB/s); the floor of a shape is what a step must stream, the weights less the
+embedding table (gathered by row) plus the batch's KV at its mean context, over the measured
+device-to-device copy bandwidth. Targets (issue 30): batch 1 <= 6.0 ms / token on an H100; every
+graphs row within 1.3x of its floor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common import markdown_table
+from gpucheck.report import PartResult
+from gpucheck.shared import (Ctx, datasheet_bandwidth, kv_bytes_per_token, log, measure_copy_bandwidth, median,
+                             roofline_ms, verdict, weight_bytes)
+
+BATCH1_MS_GOAL = 6.0  # issue 30, on an H100 (1.25x the SXM datasheet roofline)
+FLOOR_GOAL = 1.3
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    prompt: int
+    new_tokens: int
+    eager: bool  # also run on the enforce_eager engine
+
+    @property
+    def mean_context(self) -> float:
+        return self.prompt + self.new_tokens / 2
+
+
+def shapes(ctx: Ctx) -> tuple[Shape, ...]:
+    if ctx.smoke:
+        return Shape(1, 8, 4, True), Shape(2, 8, 4, True), Shape(2, 32, 4, False)
+    new = ctx.args.new_tokens
+    if ctx.quick:  # one engine: no eager rows (the kernels part times eager steps in process)
+        return (Shape(1, 64, new or 64, False), Shape(64, 64, new or 64, False), Shape(64, 512, new or 32, False),
+                Shape(64, 2048, new or 32, False))
+    return (Shape(1, 64, new or 128, True), Shape(16, 64, new or 128, True), Shape(64, 64, new or 128, True),
+            Shape(64, 512, new or 64, False), Shape(64, 2048, new or 64, False))
+
+
+def floor_ms(ctx: Ctx, s: Shape, bandwidth: float) -> float:
+    """(weights less the embedding table + the batch's KV at its mean context) / bandwidth."""
+    spec = ctx.spec
+    streamed = weight_bytes(spec, 2) - spec.vocab_size * spec.hidden_size * 2
+    return roofline_ms(streamed + s.batch * s.mean_context * kv_bytes_per_token(spec, 2), bandwidth)
+
+
+def _run(engine, s: Shape, new_tokens: int, seed: int, vocab: int) -> dict[str, list[float]]:
+    from pat_engine import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(16, min(vocab, 30000), (s.batch, s.prompt), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens, ignore_eos=True, temperature=0.0)
+    with engine.record_steps() as steps:
+        outs = engine.generate(prompts, params, use_tqdm=False)
+    assert all(len(o.token_ids) == new_tokens for o in outs), "a request did not run to its fixed length"
+    dec = [r for r in steps if not r.is_prefill and r.batch_size == s.batch]  # steps of the whole batch
+    return {"step_s": [r.seconds for r in dec], "forward_s": [r.forward_seconds for r in dec]}
+
+
+def run(ctx: Ctx) -> PartResult:
+    spec, todo = ctx.spec, shapes(ctx)
+    rounds = ctx.args.rounds or (1 if ctx.smoke or ctx.quick else 3)
+    bw = measure_copy_bandwidth(ctx.device, (64 << 20) if ctx.smoke else (1 << 30))
+    sheet = datasheet_bandwidth(ctx.gpu_name)
+    log(f"copy bandwidth {bw / 1e9:.0f} GB/s; datasheet {sheet[1] if sheet else 'n/a'}")
+    modes = ["graphs"] + (["eager"] if any(s.eager for s in todo) else [])
+    engines = {}
+    try:
+        for mode in modes:  # each sized for its own rows: the long rows' KV only where they run
+            mine = [s for s in todo if mode == "graphs" or s.eager]
+            engines[mode] = ctx.start_engine(
+                eager=mode == "eager", max_batch=max(s.batch for s in mine),
+                max_len=max(s.prompt + s.new_tokens for s in mine) + 16,
+                kv_tokens=max(s.batch * (s.prompt + s.new_tokens + 16) for s in mine))
+        for s in todo:  # warm-up: every shape once (lazy allocations, Triton JIT, the allocator)
+            for mode in modes if s.eager else ["graphs"]:
+                _run(engines[mode], s, min(8, s.new_tokens), 99, spec.vocab_size)
+        got: dict[tuple[str, Shape], dict[str, list[float]]] = {}
+        for r in range(rounds):
+            for s in todo:
+                order = modes if s.eager else ["graphs"]
+                for mode in (order if r % 2 == 0 else order[::-1]):
+                    res = _run(engines[mode], s, s.new_tokens, r * 1000 + s.batch + s.prompt, spec.vocab_size)
+                    acc = got.setdefault((mode, s), {"step_s": [], "forward_s": []})
+                    for k in acc:
+                        acc[k] += res[k]
+            log(f"decode round {r + 1}/{rounds} done")
+        stats = {mode: engines[mode].worker_stats()[0]["graphs"] for mode in modes}
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    return _report(ctx, todo, got, stats, bw, sheet, rounds)
+
+
+def _report(ctx: Ctx, todo, got, stats, bw: float, sheet, rounds: int) -> PartResult:
+    spec = ctx.spec
+    wbytes = weight_bytes(spec, 2)
+    rows, data, misses = [], [], []
+    for s in todo:
+        fl = floor_ms(ctx, s, bw)
+        for mode in ("graphs", "eager") if s.eager else ("graphs",):
+            a = got[(mode, s)]
+            step = median(a["step_s"]) * 1e3
+            rows.append([s.batch, s.prompt, mode, len(a["step_s"]), step, median(a["forward_s"]) * 1e3,
+                         s.batch / step * 1e3, fl, step / fl, roofline_ms(wbytes, sheet[0]) if sheet else "n/a",
+                         step / roofline_ms(wbytes, sheet[0]) if sheet else "n/a"])
+            if mode == "graphs":
+                data.append({"batch": s.batch, "prompt": s.prompt, "new_tokens": s.new_tokens, "step_ms": step,
+                             "forward_ms": median(a["forward_s"]) * 1e3, "mean_context": s.mean_context,
+                             "floor_ms": fl})
+                if step > FLOOR_GOAL * fl:
+                    misses.append(f"{s.batch} x {s.prompt} ({step / fl:.2f}x)")
+    table = markdown_table(
+        ["batch", "prompt", "mode", "steps", "ms / step (driver)", "ms / step (worker forward)", "tok/s",
+         "floor ms (streamed weights + KV / measured BW)", "x floor", "roofline ms (all weights / datasheet)",
+         "x datasheet roofline"], rows)
+    b1 = next(d for d in data if d["batch"] == 1)["step_ms"]
+    if ctx.smoke:
+        headlines = ["smoke: goals not judged"]
+    else:
+        on_h100 = bool(ctx.gpu_name) and "H100" in ctx.gpu_name
+        goal_ms = BATCH1_MS_GOAL if on_h100 else 1.25 * roofline_ms(wbytes, sheet[0] if sheet else bw)
+        headlines = [f"**batch 1 with graphs: {b1:.2f} ms / token (target <= {goal_ms:.2f} ms"
+                     f"{'' if on_h100 else ', 1.25x this device roofline'}): {verdict(b1 <= goal_ms)}**",
+                     f"**every graphs row within {FLOOR_GOAL}x of its floor: "
+                     f"{verdict(not misses)}{' (' + ', '.join(misses) + ')' if misses else ''}**"]
+    g = stats["graphs"]
+    lines = [
+        f"Model: {'a toy Llama' if ctx.smoke else 'Llama-3-8B shape'} (hidden {spec.hidden_size}, {spec.num_layers} "
+        f"layers, {spec.num_heads} / {spec.num_kv_heads} heads, intermediate {spec.intermediate_size}, vocab "
+        f"{spec.vocab_size}), random bf16, {wbytes / 1e9:.2f} GB of weights. Engines: tp=1, device={ctx.device}, "
+        f"prefix caching off, each sized for its rows; {rounds} round(s) after a warm-up run of every row, "
+        f"graphs and eager in turn (the order swapped every round). Steps counted: decode steps of the whole batch.",
+        "",
+        f"Bandwidth: measured device-to-device copy {bw / 1e9:.0f} GB/s (2 x bytes / time); datasheet: "
+        f"{sheet[1] if sheet else 'n/a'}. Floor: (weights less the embedding table + KV at the mean context "
+        f"prompt + new/2) / measured bandwidth.",
+        "",
+        table,
+        "",
+        f"Graphs engine: captured {g.get('captured')} in {g.get('capture_s', 0):.2f} s "
+        f"({g.get('capture_s_per_size', 0) * 1e3:.0f} ms per size); replays {g.get('replays')}, eager decodes "
+        f"{g.get('eager_decodes')}."
+        + (f" Eager engine: {stats['eager'].get('captures')} captures, {stats['eager'].get('replays')} replays."
+           if "eager" in stats else " No eager engine in this run (--quick): the kernels part times eager steps "
+           "in process at batch 1 and 64."),
+    ]
+    if ctx.smoke:
+        lines.append("\n**Smoke:** graph_backend \"standin\" (eager replays) on the CPU; no datasheet bandwidth.")
+    return PartResult("\n".join(lines), headlines, {"rows": data, "copy_bandwidth": bw})

@@ -1,0 +1,270 @@
+"""Part ``kernels``: where a decode step's GPU time goes, kernel by kernel (issue 30, items 2 and 6).
+
+One ``InferExecutor`` in this process (Llama-3-8B shape, bf16, random weights, TP1, block 16; the engine's
+attention "auto" and its Triton layer kernels), as the first H100 run's ``decode_step_kernels.txt``
+(bench/results/gpu_2026-11-26_h100_first_run/) was made: at batch 1 and 64, prompts of 512 tokens are
+prefilled, then decode steps run with CUDA graphs and eagerly in turn (wall ms per step, synchronised), then
+eager steps under ``torch.profiler`` (CPU + CUDA) with each step and each decoder layer labelled. Each
+kernel is charged to the piece its name says (``classify``), to the step and to the layer whose range
+launched it. Target: <= 12 kernels per layer. On the CPU (smoke) there are no kernels: the table counts the
+torch ops the step calls instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from common import markdown_table
+from gpucheck import executor
+from gpucheck.report import PartResult
+from gpucheck.shared import Ctx, log, median, verdict
+from pat_engine import env
+from pat_engine.model.layers import triton_ops
+
+STEP, LAYER = "pat.step", "pat.layer"  # profiler ranges around a decode step and a decoder layer
+KERNELS_PER_LAYER_GOAL = 12
+PIECES = ("GEMM", "attention", "norm", "rotary/KV write", "activation", "other")
+# Substrings of kernel (or CPU op) names, lower case, first match wins: our Triton kernels by name, then
+# what torch's own ops launch where the Triton kernels do not serve (RMSNorm's mean/rsqrt, rotary's neg,
+# the KV write's index_copy), then cuBLAS / cuBLASLt (nvjet, splitKreduce) and CUTLASS GEMMs.
+RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("_decode_partial_kernel", "_decode_reduce_kernel", "_varlen_prefill_kernel", "decode_attention",
+                   "flash", "fmha", "attention", "sdpa")),
+    ("norm", ("_rms_norm_kernel", "rms_norm", "rmsnorm", "rsqrt", "meanops")),
+    ("rotary/KV write", ("_rotary_kv_kernel", "rotary", "rotate", "index_copy", "write_kv", "neg_kernel")),
+    ("activation", ("_silu_mul_kernel", "silu", "swiglu")),
+    ("GEMM", ("nvjet", "cublas", "cutlass", "gemm", "xmma", "splitkreduce", "aten::mm", "aten::addmm",
+              "aten::bmm", "linear", "aten::matmul")),
+)
+
+
+def classify(name: str) -> str:
+    """The piece a kernel (or CPU op) belongs to, from its name."""
+    low = name.lower()
+    for piece, keys in RULES:
+        if any(k in low for k in keys):
+            return piece
+    return "other"
+
+
+@dataclass(frozen=True)
+class KernelRecord:
+    name: str
+    us: float  # GPU time (CPU time for a CPU op)
+    in_step: bool
+    in_layer: bool
+
+
+@dataclass
+class KernelTable:
+    """Per decode step: kernels and GPU ms, by piece; per layer: kernels, by piece."""
+
+    steps: int
+    layers: int  # layer ranges seen (steps x the model's layers)
+    per_step: float
+    per_layer: float | None  # None: no kernel could be charged to a layer
+    ms_per_step: float
+    by_piece: dict[str, tuple[float, float, float]]  # piece -> (kernels / step, GPU ms / step, kernels / layer)
+    top: list[tuple[str, str, float, float]] = field(default_factory=list)  # (name, piece, ms / step, calls / step)
+
+
+def kernel_table(records: Sequence[KernelRecord], steps: int, layers: int, top: int = 15) -> KernelTable:
+    """Sum the records inside step ranges per step, and those inside layer ranges per layer."""
+    if steps < 1:
+        raise ValueError("no step was profiled")
+    in_step = [r for r in records if r.in_step]
+    in_layer = [r for r in in_step if r.in_layer]
+    by_piece = {}
+    for piece in PIECES:
+        mine = [r for r in in_step if classify(r.name) == piece]
+        per_layer = sum(1 for r in in_layer if classify(r.name) == piece) / layers if layers else 0.0
+        by_piece[piece] = (len(mine) / steps, sum(r.us for r in mine) / steps / 1e3, per_layer)
+    calls, time_us = Counter(), Counter()
+    for r in in_step:
+        calls[r.name] += 1
+        time_us[r.name] += r.us
+    ranked = sorted(time_us, key=lambda n: -time_us[n])[:top]
+    return KernelTable(steps, layers, len(in_step) / steps, len(in_layer) / layers if layers and in_layer else None,
+                       sum(r.us for r in in_step) / steps / 1e3, by_piece,
+                       [(n, classify(n), time_us[n] / steps / 1e3, calls[n] / steps) for n in ranked])
+
+
+def _labels(evt) -> set[str]:
+    out = set()
+    while evt is not None:
+        if evt.name in (STEP, LAYER):
+            out.add(evt.name)
+        evt = evt.cpu_parent
+    return out
+
+
+def profiled_records(events, cuda: bool) -> tuple[list[KernelRecord], int, int, int]:
+    """(records, step ranges, layer ranges, kernels not linked to a launching op) of a profile taken around
+    the profiled decode steps only.
+
+    CUDA: every device event (kernels, copies; not the ranges' GPU shadows) belongs to a step; a kernel is in
+    a layer when the op or range that launched it (its ``linked_correlation_id``, the link torch.profiler
+    itself follows) lies inside a ``LAYER`` range. CPU: the torch ops called from Python (an op whose parent
+    is a range or nothing), at their CPU time."""
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    steps = sum(1 for e in cpu if e.name == STEP)
+    layers = sum(1 for e in cpu if e.name == LAYER)
+    if not cuda:
+        records = []
+        for e in cpu:
+            if not e.is_user_annotation and (e.cpu_parent is None or e.cpu_parent.is_user_annotation):
+                labels = _labels(e)
+                records.append(KernelRecord(e.name, e.cpu_time_total, STEP in labels, LAYER in labels))
+        return records, steps, layers, 0
+    ranges = {e.name for e in cpu if e.is_user_annotation}
+    device = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU
+              and not e.is_user_annotation and e.name not in ranges]
+    if device and all(getattr(d, "linked_correlation_id", None) is None for d in device):
+        return _records_from_op_kernels(cpu, len(device)), steps, layers, 0  # a torch without the link field
+    launchers = {e.id: e for e in cpu if not getattr(e, "linked_correlation_id", 0)}  # ops and ranges
+    records, unlinked = [], 0
+    for d in device:
+        owner = launchers.get(d.linked_correlation_id) if d.linked_correlation_id else None
+        unlinked += owner is None
+        records.append(KernelRecord(d.name, d.time_range.elapsed_us(), True,
+                                    owner is not None and LAYER in _labels(owner)))
+    return records, steps, layers, unlinked
+
+
+def _records_from_op_kernels(cpu: list, device_events: int) -> list[KernelRecord]:
+    """The kernels torch.profiler attached to each op (``FunctionEvent.kernels``), with the op's ranges."""
+    out = []
+    for e in cpu:
+        labels = _labels(e)
+        out += [KernelRecord(k.name, k.duration, True, LAYER in labels) for k in e.kernels]
+    log(f"kernels: {len(out)} of {device_events} device events attached to ops (no linked_correlation_id)")
+    return out
+
+
+@contextlib.contextmanager
+def labelled_layers() -> Iterator[None]:
+    """Every decoder layer's forward inside a ``LAYER`` range (restored afterwards)."""
+    from pat_engine.model.llama import DecoderLayer
+
+    inner = DecoderLayer.forward
+
+    def forward(self, *args, **kwargs):
+        with record_function(LAYER):
+            return inner(self, *args, **kwargs)
+
+    DecoderLayer.forward = forward
+    try:
+        yield
+    finally:
+        DecoderLayer.forward = inner
+
+
+@dataclass(frozen=True)
+class Plan:
+    batches: tuple[int, ...]
+    prompt: int
+    rounds: int  # graphs / eager rounds of ``block`` steps each
+    block: int
+    profiled: int  # eager steps under the profiler
+
+    @property
+    def steps(self) -> int:
+        return 2 * 2 + self.rounds * 2 * self.block + self.profiled  # + warm-up: 2 graphs, 2 eager
+
+
+def plan(ctx: Ctx) -> Plan:
+    if ctx.smoke:
+        return Plan((1, 2), 16, 1, 2, 2)
+    return Plan((1, 64), 512, 2 if ctx.quick else 4, 4, 8)
+
+
+def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
+    seqs = executor.Sequences(ex, executor.random_prompts(batch, p.prompt, ctx.spec.vocab_size, batch), p.steps + 1)
+    seqs.prefill()
+    for _ in range(2):  # warm-up: the graph's capture (lazy), then the eager path's first calls
+        seqs.decode()
+    with executor.eager(ex):
+        for _ in range(2):
+            seqs.decode()
+    walls: dict[str, list[float]] = {"graphs": [], "eager": []}
+    for r in range(p.rounds):
+        for mode in (("graphs", "eager") if r % 2 == 0 else ("eager", "graphs")):
+            with executor.eager(ex) if mode == "eager" else contextlib.nullcontext():
+                walls[mode] += [seqs.decode() for _ in range(p.block)]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device == "cuda" else [])
+    with executor.eager(ex), labelled_layers(), profile(activities=activities) as prof:
+        for _ in range(p.profiled):
+            with record_function(STEP):
+                seqs.decode()
+    seqs.release()
+    records, steps, layers, unlinked = profiled_records(prof.events(), ctx.device == "cuda")
+    return {"batch": batch, "graphs_ms": median(walls["graphs"]) * 1e3, "eager_ms": median(walls["eager"]) * 1e3,
+            "steps_timed": len(walls["graphs"]), "table": kernel_table(records, steps, layers),
+            "unlinked": unlinked}
+
+
+def render(r: dict, cuda: bool) -> str:
+    t: KernelTable = r["table"]
+    unit = "kernels" if cuda else "torch ops"
+    per_layer = f"{t.per_layer:.1f}" if t.per_layer is not None else "n/a (no kernel linked to a layer)"
+    lines = [f"### Batch {r['batch']}", "",
+             f"Wall ms / step (median of {r['steps_timed']} each, interleaved): graphs **{r['graphs_ms']:.3f}**, "
+             f"eager {r['eager_ms']:.3f}. Profiled eager step: {t.per_step:.0f} {unit} per step, **{per_layer} "
+             f"per layer**, {'GPU' if cuda else 'CPU'} time {t.ms_per_step:.3f} ms per step.", ""]
+    if r["unlinked"]:
+        lines += [f"{r['unlinked']} device kernels were not linked to a launching op (counted nowhere).", ""]
+    lines += [markdown_table(["piece", f"{unit} / step", "ms / step", f"{unit} / layer"],
+                             [[piece, *vals] for piece, vals in t.by_piece.items()]), "",
+              markdown_table(["kernel" if cuda else "op", "piece", "ms / step", "calls / step"],
+                             [[f"`{n[:110]}`", piece, ms, calls] for n, piece, ms, calls in t.top])]
+    return "\n".join(lines)
+
+
+def headline(r: dict, cuda: bool) -> str:
+    t: KernelTable = r["table"]
+    per_layer = "n/a" if t.per_layer is None else f"{t.per_layer:.1f}"
+    return (f"batch {r['batch']}: {t.per_step:.0f} {'kernels' if cuda else 'torch ops'} per step, {per_layer} per "
+            f"layer, {t.ms_per_step:.2f} ms of {'GPU' if cuda else 'CPU'} time; in-process step {r['graphs_ms']:.2f} "
+            f"ms with graphs, {r['eager_ms']:.2f} ms eager")
+
+
+def run(ctx: Ctx) -> PartResult:
+    p = plan(ctx)
+    room = p.steps + 1
+    num_blocks = max(p.batches) * executor.blocks_for(p.prompt + room)
+    ex = executor.build(ctx, num_blocks, ladder=tuple(sorted(p.batches)), max_context=p.prompt + room + 16)
+    results = []
+    for b in p.batches:
+        results.append(measure_batch(ctx, ex, b, p))
+        log(f"kernels: batch {b} done")
+    cuda = ctx.device == "cuda"
+    built = (f"attention backend \"{ex.attention.name}\", Triton layer kernels "
+             f"{'on' if triton_ops.serves(ctx.device, ctx.dtype) else 'off'} (PAT_TRITON_LAYERS={env.triton_layers()})")
+    headlines = [headline(r, cuda) for r in results]
+    first = results[0]["table"]
+    if cuda and first.per_layer is not None:
+        headlines.append(f"**kernels per layer at batch {results[0]['batch']}: {first.per_layer:.1f} (target <= "
+                         f"{KERNELS_PER_LAYER_GOAL}): {verdict(first.per_layer <= KERNELS_PER_LAYER_GOAL)}**")
+    setup = (f"In this process: one InferExecutor ({'a toy Llama' if ctx.smoke else 'Llama-3-8B shape'}, bf16, "
+             f"random weights, TP1, block 16, numerics \"fast\", {built}), prompts of {p.prompt} tokens "
+             f"prefilled in one step, then decode steps: {p.rounds} round(s) of {p.block} steps with "
+             f"{'CUDA graphs' if cuda else 'the stand-in graphs'} and {p.block} eager, in turn (after 2 + 2 warm-up "
+             f"steps), then {p.profiled} eager steps under torch.profiler with each step and decoder layer in a "
+             f"range. A kernel is charged to the piece its name says (GEMM: cuBLAS / nvjet / CUTLASS; our Triton "
+             f"kernels by name; torch's own kernels by their op) and to the layer that launched it; per layer = "
+             f"kernels launched inside the layers' ranges / layers (the embedding, the final norm, the LM head and "
+             f"sampling are outside every layer). Target: <= {KERNELS_PER_LAYER_GOAL} kernels per layer.")
+    if not cuda:
+        setup += (" **Smoke:** no kernels on the CPU; the table counts the torch ops the step calls from Python "
+                  "(their CPU time), to check the machinery only.")
+    body = "\n\n".join([setup, *[render(r, cuda) for r in results]])
+    data = {"rows": [{"batch": r["batch"], "graphs_ms": r["graphs_ms"], "eager_ms": r["eager_ms"],
+                      "per_step": r["table"].per_step, "per_layer": r["table"].per_layer,
+                      "ms_per_step": r["table"].ms_per_step} for r in results]}
+    return PartResult(body, headlines, data)

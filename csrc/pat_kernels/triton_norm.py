@@ -1,0 +1,77 @@
+"""RMSNorm in Triton, optionally fused with the residual add before it: one program per row.
+
+Layout: ``x`` and ``residual`` (rows, n), unit stride in n; ``weight`` (n,). Float32, bfloat16, float16.
+
+Numerics: the formula of ``pat_engine/model/layers/norm.py`` (transformers' RMSNorm), operation by
+operation: the residual add rounded to the model dtype (as ``x + residual`` is), the row upcast to
+float32, ``mean(x * x)`` as the sum times ``1 / n`` (torch's mean), ``x * rsqrt(mean + eps)``, rounded
+to the model dtype, then times the weight and rounded again. FMA contraction is off, so every
+product and sum rounds on its own. The sum's order is the kernel's tree (fixed by ``n`` alone), so a
+row's bits never depend on the other rows: batch-invariant. Only the order of that one float32 sum
+may differ from torch's own kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from pat_kernels.triton_support import INTERPRETED, round_to
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
+                     stride_x, stride_r, stride_o, stride_s,
+                     n, eps, inv_n,
+                     BLOCK: tl.constexpr, ADD: tl.constexpr, RTNE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if ADD:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0)
+        x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype, RTNE)  # the residual stream, as x + residual
+        tl.store(sum_ptr + row * stride_s + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    mean = tl.sum(xf * xf, axis=0) * inv_n
+    y = round_to(xf * tl.math.rsqrt(mean + eps), x.dtype, RTNE).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, round_to(y * w, x.dtype, RTNE), mask=ok)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    rows, n = x.shape
+    assert x.stride(-1) == 1 and weight.is_contiguous() and x.dtype in DTYPES
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    summed = torch.empty_like(out) if residual is not None else None
+    if rows == 0:
+        return out, summed
+    block = triton.next_power_of_2(n)
+    inv_n = float(np.float32(1.0) / np.float32(n))  # torch's mean: the sum times 1 / n, in float32
+    res = residual if residual is not None else x
+    assert res.stride(-1) == 1
+    _rms_norm_kernel[(rows,)](
+        x, res, weight, out, summed if summed is not None else out,
+        x.stride(0), res.stride(0), out.stride(0), out.stride(0),
+        n, eps, inv_n,
+        BLOCK=block, ADD=residual is not None, RTNE=INTERPRETED,
+        num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False,
+    )
+    return out, summed
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x`` (rows, n) normalised and scaled by ``weight``."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual)."""
+    out, summed = _launch(x, residual, weight, eps)
+    return out, summed

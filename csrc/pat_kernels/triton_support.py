@@ -1,0 +1,41 @@
+"""What the Triton kernels of this package need to know about how they run.
+
+``INTERPRETED``: Triton's CPU interpreter (``TRITON_INTERPRET=1``, read when Triton decorates the
+kernels, so it is read here once, at import). The interpreter runs each program in numpy, which
+lacks some device paths: ``tl.dot`` on 16-bit floats gives garbage (widen to float32 first),
+``libdevice`` functions do not exist (numpy's own serve) and float32 -> bfloat16 casts truncate
+instead of rounding to nearest even (``round_to`` rounds on the bits). Kernels take such choices
+as compile-time flags set from this value, so the device build is never affected.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def exact_exp(x, LIBDEVICE: tl.constexpr):
+    """``expf`` as CUDA's libm computes it (what torch's elementwise kernels call), not ``tl.exp``'s
+    faster ``ex2.approx``; numpy's ``exp`` under the interpreter (``LIBDEVICE`` False)."""
+    if LIBDEVICE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr, EMULATE_RTNE: tl.constexpr):
+    """float32 ``x`` rounded to ``DTYPE`` to nearest, ties to even, as the device (and torch) rounds.
+    The interpreter truncates float32 -> bfloat16; with ``EMULATE_RTNE`` the rounding is done on the
+    bits first (finite values), so tests on the CPU see the device's bits."""
+    if EMULATE_RTNE and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)

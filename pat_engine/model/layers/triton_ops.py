@@ -1,0 +1,55 @@
+"""The Triton layer kernels (``pat_kernels/triton_{norm,rotary,activation}.py``): when they run.
+
+On a GPU a decode step's time between the GEMMs is kernel launches: as torch ops, RMSNorm is
+seven kernels, rotary eight, plus casts, residual adds and the KV ``index_copy``. With these
+kernels a layer is: add + RMSNorm, QKV GEMM, (q/k norm +) rotary + KV write, attention, o GEMM,
+add + RMSNorm, gate/up GEMM, SiLU-mul, down GEMM. Each kernel computes the torch formula's
+operations with the same roundings (see each kernel's header), row by row.
+
+They serve a model whose parameters live on a CUDA device, in float16, bfloat16 or float32, when
+Triton imports. ``PAT_TRITON_LAYERS=off`` turns them off (the torch formulas run: A/B runs, the
+fused-vs-unfused GPU test); ``on`` runs them on CPU tensors too, under ``TRITON_INTERPRET=1`` (tests).
+The choice is made once, when a layer is built (``serves``), not per call.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pat_engine import env
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class TritonKernels:
+    """The entry points a layer calls (see the kernels' headers for their contracts)."""
+
+    rms_norm: Callable[..., torch.Tensor]
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    rotary_kv_write: Callable[..., torch.Tensor]
+
+
+def serves(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether layers built for ``device`` and ``dtype`` run the Triton kernels."""
+    device = torch.device(device)
+    mode = env.triton_layers()
+    if mode == "off" or dtype not in DTYPES or importlib.util.find_spec("triton") is None:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and mode == "on")
+
+
+def kernels_for(device: torch.device | str, dtype: torch.dtype) -> TritonKernels | None:
+    """The kernels for layers built on ``device`` in ``dtype``; None where they do not serve (the layers
+    then run the CPU C++ kernels or the torch formulas)."""
+    if not serves(device, dtype):
+        return None
+    from pat_kernels import triton_activation, triton_norm, triton_rotary
+
+    return TritonKernels(triton_norm.rms_norm, triton_norm.add_rms_norm, triton_activation.silu_and_mul,
+                         triton_rotary.rotary_kv_write)
