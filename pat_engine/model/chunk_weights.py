@@ -38,7 +38,7 @@ try:
 except ImportError:  # the kernels package is not on the path: oneDNN per chunk serves
     cpu_chunk_gemm = None
 
-DERIVED_ATTR = "chunk_derived"  # on a weight Parameter: ((address, shape, width), panels or [piece, ...])
+DERIVED_ATTR = "chunk_derived"  # on a weight Parameter: ((address, shape, width, kernel), panels or [piece, ...])
 SLAB_ROWS = 1024  # CUDA: rows whose (chunks, rows, out) leaves are held at once (a prefill's tokens)
 
 
@@ -65,14 +65,15 @@ def local_sum(x: torch.Tensor, weight: nn.Parameter, width: int, tree: Reduction
     return tree.sum_stacked(torch.stack(leaves), first)
 
 
-def derived(weight: nn.Parameter, width: int):
+def derived(weight: nn.Parameter, width: int) -> torch.Tensor | list[torch.Tensor]:
     """What the CPU multiplies ``weight``'s local shard through: its panels where the chunk kernel
-    serves, else its ``(out, width)`` chunk pieces in chunk order."""
-    key = (weight.data_ptr(), tuple(weight.shape), width)
+    serves (now: its switch is read on every call), else its ``(out, width)`` chunk pieces in chunk order."""
+    kernel = cpu_chunk_gemm is not None and cpu_chunk_gemm.usable(weight, width)
+    key = (weight.data_ptr(), tuple(weight.shape), width, kernel)
     entry = getattr(weight, DERIVED_ATTR, None)
     if entry is not None and entry[0] == key:
         return entry[1]
-    if cpu_chunk_gemm is not None and cpu_chunk_gemm.usable(weight, width):
+    if kernel:
         built = cpu_chunk_gemm.panels(weight)
     else:
         built = []
