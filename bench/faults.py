@@ -39,6 +39,7 @@ from typing import Any, Callable
 import httpx
 
 from common import markdown_table, write_result
+from fault_injection import FAULT_WORKER, inject_fault
 from pat_engine import Engine, SamplingParams
 from pat_engine.core.engine import RequestHandle
 from pat_engine.serve.launcher import BackgroundServer
@@ -303,7 +304,7 @@ def fault_kill(model: str, reference: list[list[int]]) -> list:
         while not any(h.num_generated > 5 for h in hs):
             time.sleep(0.005)
         t = time.monotonic()
-        os.kill(engine.coordinator.pool.procs[1].pid, signal.SIGKILL)
+        os.kill(engine.coordinator.stepping.pool.procs[1].pid, signal.SIGKILL)
         done = wait_all(hs, 120)
         took = time.monotonic() - t
         same = [h.output().token_ids for h in hs] == reference
@@ -317,7 +318,7 @@ def fault_stop(model: str, reference: list[list[int]]) -> list:
         while not any(h.num_generated > 5 for h in hs):
             time.sleep(0.005)
         t = time.monotonic()
-        os.kill(engine.coordinator.pool.procs[0].pid, signal.SIGSTOP)
+        os.kill(engine.coordinator.stepping.pool.procs[0].pid, signal.SIGSTOP)
         while engine._loop.restarts == 0 and time.monotonic() - t < 60:
             time.sleep(0.02)
         detected = time.monotonic() - t
@@ -334,7 +335,7 @@ def fault_poison(model: str, reference: list[list[int]]) -> list:
         object.__setattr__(poison.params, "stop_token_ids", (10**6,))  # past validation on purpose: any crashing step
         hs = [RequestHandle(s, engine.request_factory.decode) for s in seqs + [poison]]
         t = time.monotonic()
-        engine._loop.run(lambda: [engine._loop.admit([s]) for s in seqs[:4] + [poison] + seqs[4:]])
+        engine._loop.thread.run(lambda: [engine._loop.admit([s]) for s in seqs[:4] + [poison] + seqs[4:]])
         done = wait_all(hs, 120)
         took = time.monotonic() - t
         out = hs[-1].output()
@@ -346,8 +347,8 @@ def fault_poison(model: str, reference: list[list[int]]) -> list:
 
 def fault_budget(model: str) -> list:
     with Engine(model, tp=1, dp=1, dtype="float32", max_model_len=MAX_LEN, max_worker_restarts=1,
-                restart_window_s=600) as engine:
-        crash = lambda: engine._loop.run(lambda: engine.coordinator.workers.inject_fault("step", "exit"))  # noqa: E731
+                restart_window_s=600, worker_class=FAULT_WORKER) as engine:
+        crash = lambda: inject_fault(engine, None, "step", "exit")  # noqa: E731
         crash()
         engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4), use_tqdm=False)
         crash()
@@ -370,8 +371,9 @@ def fault_budget(model: str) -> list:
 
 
 def fault_switch(model: str, reference: list[list[int]]) -> list:
-    with Engine(model, tp=1, dp=2, dtype="float32", max_model_len=MAX_LEN, max_worker_restarts=10) as engine:
-        engine._loop.run(lambda: engine.coordinator.workers.inject_fault("reshard", "exit", [1]))
+    with Engine(model, tp=1, dp=2, dtype="float32", max_model_len=MAX_LEN, max_worker_restarts=10,
+                worker_class=FAULT_WORKER) as engine:
+        inject_fault(engine, [1], "reshard", "exit")
         t = time.monotonic()
         outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=40, ignore_eos=True), switch_schedule=[(10, 2)],
                                use_tqdm=False)

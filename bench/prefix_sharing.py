@@ -28,7 +28,7 @@ import numpy as np
 
 from common import markdown_table, write_result
 from pat_engine import Engine, SamplingParams
-from pat_engine.sampling.sampler import sample_seed
+from pat_engine.sampling.seeds import sample_seed
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
 
 # the issue 11 checkpoint shape, with room for 512-token prompts

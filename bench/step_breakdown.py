@@ -46,7 +46,7 @@ from pat_engine.model.layers.norm import RMSNorm  # noqa: E402
 from pat_engine.parallel.comm import TPGroup  # noqa: E402
 from pat_engine.parallel.layout import Layout  # noqa: E402
 from pat_engine.protocol import SeqStep, StepCommand  # noqa: E402
-from pat_engine.sampling.sampler import SamplingSpec  # noqa: E402
+from pat_engine.sampling.spec import SamplingSpec  # noqa: E402
 from pat_engine.tiny_model import write_tiny_model  # noqa: E402
 from pat_engine.worker.infer_executor import InferExecutor  # noqa: E402
 

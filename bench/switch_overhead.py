@@ -105,7 +105,7 @@ def main() -> None:
                 engine.reconfigure(tp=tp)
                 engine.generate(warm, SamplingParams(max_new_tokens=2, ignore_eos=True), use_tqdm=False)
             bw = engine.measure_bandwidth(16 << 20)
-            engine._loop.run(lambda: engine.coordinator.cost_source.record_kv_transfer(16 << 20, (16 << 20) / bw))
+            engine._loop.thread.run(lambda: engine.coordinator.switching.cost_source.record_kv_transfer(16 << 20, (16 << 20) / bw))
 
             # 1. headline switch vs naive restart
             prompts = prompts_for(args.requests, args.context, 1)

@@ -13,7 +13,7 @@ from pat_engine.errors import (
 from pat_engine.outputs import RequestOutput
 from pat_engine.parallel.layout import Layout
 from pat_engine.reference import reference_logprobs
-from pat_engine.sampling_params import SamplingParams
+from pat_engine.sampling.params import SamplingParams
 from pat_engine.version import __version__
 
 __all__ = [

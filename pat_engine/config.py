@@ -16,7 +16,7 @@ import torch
 
 from pat_engine.errors import InvalidRequestError
 from pat_engine.model.layers.attention import BACKEND_NAMES
-from pat_engine.spec.config import SpeculativeConfig
+from pat_engine.speculative.config import SpeculativeConfig
 
 KV_PATHS = ("migrate", "recompute")  # how a switch carries unfinished requests' KV
 NUMERICS = ("invariant", "fast")  # docs/numerics.md
@@ -122,6 +122,9 @@ class EngineConfig:
     max_worker_restarts: int = 4  # restarts allowed within any restart_window_s; one more and the engine is dead
     restart_window_s: float = 300.0
     timeline_max_events: int = 10_000  # status points and switch records kept each (oldest dropped first)
+    # the Worker subclass every rank runs, as "module:Class" (vLLM's worker_cls); None: pat_engine's Worker.
+    # Tests inject faults through one (bench/fault_injection.py), so the real worker's hot path has no hooks
+    worker_class: str | None = None
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.dp < 1:
@@ -146,6 +149,8 @@ class EngineConfig:
                                       f"got {self.graph_backend!r}")
         if self.max_graph_batch < 1:
             raise InvalidRequestError(f"max_graph_batch must be >= 1, got {self.max_graph_batch}")
+        if self.worker_class is not None and not all(self.worker_class.partition(":")[::2]):
+            raise InvalidRequestError(f"worker_class must be 'module:Class', got {self.worker_class!r}")
         if self.block_size < 1:
             raise InvalidRequestError(f"block_size must be >= 1, got {self.block_size}")
         for name in ("worker_start_timeout_s", "collective_timeout_s", "step_timeout_s", "restart_window_s"):

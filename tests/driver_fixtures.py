@@ -14,7 +14,7 @@ from pat_engine.core.memory import MemoryPlan
 from pat_engine.core.request import Sequence
 from pat_engine.model.arch import ModelArch, RopeSpec
 from pat_engine.parallel.layout import Layout
-from pat_engine.sampling_params import SamplingParams
+from pat_engine.sampling.params import SamplingParams
 
 VOCAB = 1000
 ARCH = ModelArch(architecture="LlamaForCausalLM", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
@@ -33,16 +33,16 @@ class Driver:
 
     def add(self, prompt: list[int], max_new: int, **params) -> Sequence:
         seq = self.factory.make(prompt, SamplingParams(max_new_tokens=max_new, **params))
-        self.coord.add(seq)
+        self.coord.stepping.add(seq)
         return seq
 
     def add_samples(self, prompt: list[int], max_new: int, n: int, **params) -> list[Sequence]:
         seqs = self.factory.make_samples(prompt, SamplingParams(max_new_tokens=max_new, n=n, **params))
-        self.coord.add_samples(seqs)
+        self.coord.stepping.add_samples(seqs)
         return seqs
 
     def used_blocks(self) -> int:
-        return sum(s.blocks.num_blocks - s.blocks.num_free for s in self.coord.schedulers)
+        return sum(s.blocks.num_blocks - s.blocks.num_free for s in self.coord.stepping.schedulers)
 
     def ticks(self, n: int) -> None:
         for _ in range(n):
@@ -51,7 +51,7 @@ class Driver:
     def run(self, max_ticks: int = 10_000) -> None:
         """Tick until nothing is left to do."""
         for _ in range(max_ticks):
-            if not self.coord.has_work() and self.coord.pending_switch is None:
+            if not self.coord.stepping.has_work() and self.coord.switching.pending is None:
                 return
             self.coord.tick(0)
         raise AssertionError("the driver did not finish")
@@ -76,8 +76,8 @@ def expected_tokens(seq: Sequence) -> list[int]:
 def run_checked(d, max_ticks: int = 10_000) -> None:
     """Tick the driver until it has no work, checking the block invariants after every tick."""
     for _ in range(max_ticks):
-        if not d.coord.has_work() and d.coord.pending_switch is None:
+        if not d.coord.stepping.has_work() and d.coord.switching.pending is None:
             return
         d.coord.tick(0)
-        d.coord.check_block_invariants()
+        d.coord.stepping.check_block_invariants()
     raise AssertionError("did not finish")

@@ -8,7 +8,7 @@ no two sequences of a group hold the same block. The next token is a pure
 function of (sequence, position), as real sampling is, so a switch, a
 preemption or a restart never changes what a request generates. A verify step
 (speculative decoding) samples every position of a row and keeps what
-``pat_engine.spec.verify.accept`` keeps, as the real leader does.
+``pat_engine.speculative.verify.accept`` keeps, as the real leader does.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 
 from pat_engine.errors import WorkerFailure
 from pat_engine.parallel.layout import Layout
-from pat_engine.protocol import (
-    ReleaseMemory, Reply, RestoreMemory, StepCommand, StepResult, Switch, SwitchPlan, SwitchReport, WorkerCall,
-)
+from pat_engine.protocol import StepCommand, StepResult, SwitchPlan, SwitchReport
+from pat_engine.protocol.calls import ReleaseMemory, Reply, RestoreMemory, Switch, WorkerCall
 from pat_engine.sampling.sampler import Sampled
-from pat_engine.spec.verify import accept
+from pat_engine.speculative.verify import accept
 
 
 def fake_token(seq_id: int, position: int, vocab: int) -> int:
@@ -63,18 +62,22 @@ class FakeWorkerPool:
             return
         self.pending.append(self._execute(group, msg))
 
-    def call(self, body: WorkerCall, ranks: list[int] | None = None, timeout: float | None = None) -> list:
-        self.calls.append(body)
+    def ask(self, call: WorkerCall, ranks: list[int] | None = None):
+        """Every addressed rank's answer, folded by the call's own reply rule (as ``WorkerPool.ask``)."""
+        self.calls.append(call)
         ranks = list(range(self.world)) if ranks is None else ranks
-        if isinstance(body, Switch):
-            return self._switch(body.plan)
-        if isinstance(body, ReleaseMemory) and body.kv:
+        return call.reply.combine(self._answers(call, ranks))
+
+    def _answers(self, call: WorkerCall, ranks: list[int]) -> list:
+        if isinstance(call, Switch):
+            return self._switch(call.plan)
+        if isinstance(call, ReleaseMemory) and call.kv:
             self.kv_released = True
             self.tables = {g: {} for g in range(self.layout.dp)}
-        if isinstance(body, RestoreMemory) and body.kv_blocks is not None:
+        if isinstance(call, RestoreMemory) and call.kv_blocks is not None:
             assert self.kv_released, "restore of a KV pool that holds live KV"
-            self.kv_released, self.num_blocks = False, body.kv_blocks
-        if isinstance(body, ReleaseMemory):
+            self.kv_released, self.num_blocks = False, call.kv_blocks
+        if isinstance(call, ReleaseMemory):
             return [0 for _ in ranks]
         return [None for _ in ranks]
 

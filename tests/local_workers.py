@@ -20,7 +20,7 @@ from pat_engine.model.arch import load_model_arch
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import StepCommand, StepResult
-from pat_engine.sampling_params import SamplingParams
+from pat_engine.sampling.params import SamplingParams
 from pat_engine.worker.graph_capture import GraphSettings
 from pat_engine.worker.infer_executor import InferExecutor
 
@@ -50,8 +50,8 @@ class LocalPool:
         todo, self.pending = self.pending, []
         return [self.executors[g].execute(msg) for g, msg in todo]
 
-    def call(self, body, ranks=None, timeout=None):
-        raise NotImplementedError(f"LocalPool serves steps only, not {type(body).__name__}")
+    def ask(self, call, ranks=None):
+        raise NotImplementedError(f"LocalPool serves steps only, not {type(call).__name__}")
 
     def alive(self) -> bool:
         return True
@@ -68,13 +68,13 @@ class LocalDriver:
         families = []
         for prompt, p in zip(prompts, params):
             seqs = self.factory.make_samples(prompt, p)
-            self.coord.add_samples(seqs)
+            self.coord.stepping.add_samples(seqs)
             families.append(seqs)
         for _ in range(100_000):
-            if not self.coord.has_work():
+            if not self.coord.stepping.has_work():
                 return families
             self.coord.tick(0)
-            self.coord.check_block_invariants()
+            self.coord.stepping.check_block_invariants()
         raise AssertionError("the driver did not finish")
 
 

@@ -13,7 +13,8 @@ import math
 import torch
 
 from pat_engine.sampling.inverse_cdf import pexp
-from pat_engine.sampling.sampler import SamplingSpec, uniform_for
+from pat_engine.sampling.seeds import uniform_for
+from pat_engine.sampling.spec import SamplingSpec
 
 
 def _lanes(e: list[float]) -> float:

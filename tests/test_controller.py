@@ -155,12 +155,12 @@ def test_the_switch_target_is_priced_with_the_placement_the_switch_uses():
 
     d = make_driver(tp=1, dp=4)
     hook = Lopsided()
-    d.coord.placement = hook
+    d.coord.stepping.placement = hook
     for i in range(8):  # same prompt lengths: by context the default alternates them
         d.add([7 + i] * 4, 256)
     d.ticks(4)
-    d.coord.drain()
-    st = d.coord.status()
+    d.coord.stepping.drain()
+    st = d.coord.stepping.status()
     assert st.placement is hook
     ctrl = controller()
     ctrl.decide(st)
@@ -169,8 +169,8 @@ def test_the_switch_target_is_priced_with_the_placement_the_switch_uses():
     by_context = {reqs[i].seq_id: g for g, members in enumerate(balance_by_context([r.context_len for r in reqs], 2))
                   for i in members}
     assert priced != by_context  # the two rules disagree here, so the check below can tell them apart
-    d.coord.switch(SwitchDecision(2, "test", kv_path="migrate"))
-    placed = {s.seq_id: s.group for s in d.coord.unfinished()}
+    d.coord.switching.switch(SwitchDecision(2, "test", kv_path="migrate"))
+    placed = {s.seq_id: s.group for s in d.coord.stepping.unfinished()}
     assert placed == priced
 
 

@@ -21,7 +21,7 @@ from pat_engine.model.layers.linear import linear
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import SeqStep, StepCommand
-from pat_engine.sampling.sampler import SamplingSpec
+from pat_engine.sampling.spec import SamplingSpec
 from pat_engine.worker.infer_executor import InferExecutor
 from rl_helpers import fresh_tensors, perturbed_checkpoint
 

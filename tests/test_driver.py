@@ -24,8 +24,8 @@ def add_all(driver, prompts=PROMPTS, max_new=MAX_NEW):
 
 
 def assert_all_free(driver):
-    driver.coord.check_block_invariants()
-    for sched in driver.coord.schedulers:
+    driver.coord.stepping.check_block_invariants()
+    for sched in driver.coord.stepping.schedulers:
         assert sched.blocks.num_free == sched.blocks.num_blocks
 
 
@@ -51,10 +51,10 @@ def test_preemption_by_recompute_keeps_tokens_and_blocks_consistent():
     d = make_driver(dp=1, kv_blocks=20)  # 80 slots for ~170 tokens of demand: decode must preempt
     seqs = add_all(d)
     for _ in range(10_000):
-        if not d.coord.has_work():
+        if not d.coord.stepping.has_work():
             break
         d.coord.tick(0)
-        d.coord.check_block_invariants()
+        d.coord.stepping.check_block_invariants()
     assert sum(s.preemptions for s in seqs) > 0
     for s in seqs:
         assert s.output_ids == expected_tokens(s)
@@ -66,12 +66,12 @@ def test_preemption_by_recompute_keeps_tokens_and_blocks_consistent():
 def test_switch_schedules_keep_tokens_and_leak_no_block(kv, schedule):
     d = make_driver(tp=1, dp=2)
     seqs = add_all(d)
-    d.coord.start_stage(ScheduledSwitches(schedule, kv))
+    d.coord.switching.start_stage(ScheduledSwitches(schedule, kv))
     for _ in range(10_000):
-        if not d.coord.has_work() and d.coord.pending_switch is None:
+        if not d.coord.stepping.has_work() and d.coord.switching.pending is None:
             break
         d.coord.tick(0)
-        d.coord.check_block_invariants()
+        d.coord.stepping.check_block_invariants()
     assert len(d.pool.plans) == len(schedule)
     assert all(p.kv_path == kv for p in d.pool.plans)
     for s in seqs:
@@ -84,10 +84,10 @@ def test_a_recompute_switch_returns_the_blocks_it_reserved():
     d = make_driver(tp=1, dp=2, kv_blocks=32)
     add_all(d)
     d.ticks(12)
-    d.coord.switch(SwitchDecision(2, "test", kv_path="recompute"))
+    d.coord.switching.switch(SwitchDecision(2, "test", kv_path="recompute"))
     assert d.pool.plans[-1].runs == () and d.pool.plans[-1].tables == ()
-    d.coord.check_block_invariants()
-    sched = d.coord.schedulers[0]
+    d.coord.stepping.check_block_invariants()
+    sched = d.coord.stepping.schedulers[0]
     assert sched.blocks.num_free == sched.blocks.num_blocks  # nothing runs until prefilled again
     d.run()
     assert_all_free(d)
@@ -97,10 +97,10 @@ def test_switch_places_requests_by_the_shared_balance_rule():
     d = make_driver(tp=2, dp=1)
     seqs = add_all(d)
     d.ticks(6)
-    live = sorted(d.coord.unfinished(), key=lambda s: s.seq_id)
+    live = sorted(d.coord.stepping.unfinished(), key=lambda s: s.seq_id)
     lengths = [s.length for s in live]
     cached = {s.seq_id for s in live if s.num_cached}
-    d.coord.switch(SwitchDecision(1, "test", kv_path="migrate"))
+    d.coord.switching.switch(SwitchDecision(1, "test", kv_path="migrate"))
     placement = balance_by_context(lengths, 2)
     for group, members in enumerate(placement):
         assert {live[i].group for i in members} == {group}
@@ -115,16 +115,16 @@ def test_switch_target_that_cannot_hold_a_request_is_refused_before_anything_mov
     d = make_driver(tp=2, dp=1, kv_blocks=24)  # 96 slots per group at TP2; TP1 (two KV heads per rank) holds 48
     d.add([1] * 10, 60)
     with pytest.raises(LayoutError, match="needs 72 KV slots but a DP group would hold 48"):
-        d.coord.switch(SwitchDecision(1, "test"))
+        d.coord.switching.switch(SwitchDecision(1, "test"))
     with pytest.raises(LayoutError, match="tp=3"):
-        d.coord.switch(SwitchDecision(3, "test"))
+        d.coord.switching.switch(SwitchDecision(3, "test"))
     assert d.pool.plans == []
 
 
 def test_a_policy_asking_for_an_impossible_layout_is_recorded_not_fatal():
     d = make_driver(tp=1, dp=2)
     seqs = add_all(d)
-    d.coord.start_stage(ScheduledSwitches([(2, 8)]))  # 8 does not divide the world of 2
+    d.coord.switching.start_stage(ScheduledSwitches([(2, 8)]))  # 8 does not divide the world of 2
     d.run()
     refused = [e for e in d.coord.timeline.switches if not e.ok]
     assert refused and "refused" in refused[0].error
@@ -154,11 +154,11 @@ def test_a_switch_failing_half_way_leaves_a_consistent_driver_after_reset():
     d.ticks(8)
     d.pool.fail_switch = True
     with pytest.raises(WorkerFailure):
-        d.coord.switch(SwitchDecision(2, "test", kv_path="migrate"))
+        d.coord.switching.switch(SwitchDecision(2, "test", kv_path="migrate"))
     # what the engine loop does after a failure: a fresh world in the base layout, everything recomputed
     d.pool.layout = Layout(1, 2)
-    d.coord.reset(d.pool, Layout(1, 2))
-    d.coord.check_block_invariants()
+    d.coord.restart(d.pool)
+    d.coord.stepping.check_block_invariants()
     d.run()
     for s in seqs:
         assert s.output_ids == expected_tokens(s)
@@ -171,9 +171,9 @@ def test_abort_frees_blocks_and_keeps_the_tokens_generated_so_far():
     d.ticks(10)
     victim = seqs[1]
     done_before = list(victim.output_ids)
-    d.coord.abort([victim.seq_id], "abort")
+    d.coord.stepping.abort([victim.seq_id], "abort")
     assert victim.finish_reason == "abort" and victim.output_ids == done_before
-    d.coord.check_block_invariants()
+    d.coord.stepping.check_block_invariants()
     d.run()
     assert_all_free(d)
 
@@ -182,24 +182,24 @@ def test_block_invariant_check_catches_a_leak_and_a_double_owner():
     d = make_driver(dp=1)
     seqs = add_all(d)
     d.ticks(4)
-    sched = d.coord.schedulers[0]
+    sched = d.coord.stepping.schedulers[0]
     sched.blocks.allocate(1)  # a block taken and owned by nobody
     with pytest.raises(AssertionError, match="reference counts differ"):
-        d.coord.check_block_invariants()
+        d.coord.stepping.check_block_invariants()
     d2 = make_driver(dp=1)
     s2 = add_all(d2)
     d2.ticks(4)
     running = [s for s in s2 if s.block_table]
     running[1].block_table.append(running[0].block_table[0])
     with pytest.raises(AssertionError, match="reference counts differ"):
-        d2.coord.check_block_invariants()
+        d2.coord.stepping.check_block_invariants()
     assert seqs  # the first driver's requests are untouched by the check
 
 
 def test_the_stage_decode_count_survives_a_switch_so_schedules_stay_on_time():
     d = make_driver(tp=1, dp=2)
     add_all(d)
-    d.coord.start_stage(ScheduledSwitches([(3, 2), (6, 1)], "migrate"))
+    d.coord.switching.start_stage(ScheduledSwitches([(3, 2), (6, 1)], "migrate"))
     d.run()
     assert [str(p.new) for p in d.pool.plans] == ["TP2xDP1", "TP1xDP2"]
     assert BLOCK == d.coord.config.block_size
@@ -217,9 +217,9 @@ def test_an_installed_placement_with_rebalance_decides_where_a_switch_puts_reque
         def rebalance(self, live, groups):  # everything on the last group but the first request (by seq_id)
             return [[0]] + [[] for _ in range(groups - 2)] + [list(range(1, len(live)))]
 
-    d.coord.placement = Reverse()
-    live = sorted(d.coord.unfinished(), key=lambda s: s.seq_id)
-    d.coord.switch(SwitchDecision(1, "test", kv_path="migrate"))
+    d.coord.stepping.placement = Reverse()
+    live = sorted(d.coord.stepping.unfinished(), key=lambda s: s.seq_id)
+    d.coord.switching.switch(SwitchDecision(1, "test", kv_path="migrate"))
     assert live[0].group == 0 and {s.group for s in live[1:]} == {1}
     d.run()
     for s in seqs:

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from conftest import hf_greedy
-from engine_faults import inject_fault
+from fault_injection import FAULT_WORKER, inject_fault
 from pat_engine import Engine, InvalidRequestError, Layout, LayoutError, ModelLoadError, SamplingParams, WorkerFailure
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
 
@@ -102,7 +102,7 @@ def test_shape_mismatch_is_a_load_error(tmp_path, model_dir):
 @pytest.mark.slow
 def test_killed_worker_without_recovery_raises_and_engine_recovers(model_dir):
     path = model_dir("llama")
-    with Engine(path, tp=2, dp=1, dtype="float64", recover_failed_workers=False) as engine:
+    with Engine(path, tp=2, dp=1, dtype="float64", recover_failed_workers=False, worker_class=FAULT_WORKER) as engine:
         pids = engine.worker_pids()
         inject_fault(engine, [1], "step", "exit")
         with pytest.raises(WorkerFailure, match="worker rank 1 .* died") as info:
@@ -121,7 +121,7 @@ def test_killed_worker_without_recovery_raises_and_engine_recovers(model_dir):
 @pytest.mark.slow
 def test_hung_worker_times_out_and_the_batch_completes(model_dir):
     path = model_dir("llama")
-    with Engine(path, tp=2, dp=1, dtype="float64", step_timeout_s=3) as engine:
+    with Engine(path, tp=2, dp=1, dtype="float64", step_timeout_s=3, worker_class=FAULT_WORKER) as engine:
         inject_fault(engine, [1], "step", "hang")
         out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8), use_tqdm=False)[0]
         assert out.token_ids == hf_greedy(path, [5, 6, 7], 8)

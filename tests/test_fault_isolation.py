@@ -19,6 +19,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from conftest import hf_greedy
+from fault_injection import FAULT_WORKER, inject_fault
 from pat_engine import Engine, EngineDeadError, ModelLoadError, SamplingParams, WorkerFailure
 from pat_engine.core.engine import RequestHandle
 from pat_engine.serve.launcher import BackgroundServer
@@ -45,7 +46,7 @@ def normal_request(engine: Engine, prompt: list[int], n: int):
 
 def admit_each(engine: Engine, seqs: list) -> None:
     """Queue requests past the API (as the engine would queue them), each routed on its own."""
-    engine._loop.run(lambda: [engine._loop.admit([s]) for s in seqs])
+    engine._loop.thread.run(lambda: [engine._loop.admit([s]) for s in seqs])
 
 
 def test_poison_request_is_failed_alone_and_the_rest_continue(model_dir):
@@ -79,8 +80,9 @@ def test_out_of_vocab_stop_id_is_refused_before_any_worker(model_dir):
 def test_used_up_restart_budget_refuses_new_requests_at_once(model_dir):
     """Defect 3: after the budget is used up, submit() accepted requests that never finished."""
     path = model_dir("llama")
-    with Engine(path, tp=1, dp=1, dtype="float64", max_worker_restarts=1, restart_window_s=600) as engine:
-        crash = lambda: engine._loop.run(lambda: engine.coordinator.workers.inject_fault("step", "exit"))
+    with Engine(path, tp=1, dp=1, dtype="float64", max_worker_restarts=1, restart_window_s=600,
+                worker_class=FAULT_WORKER) as engine:
+        crash = lambda: inject_fault(engine, None, "step", "exit")
         crash()
         out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6), use_tqdm=False)[0]  # recovered
         assert out.token_ids == hf_greedy(path, [5, 6, 7], 6)
@@ -104,7 +106,7 @@ def test_stopped_worker_is_detected_within_the_step_timeout(model_dir):
         handles = [engine.submit(p, SamplingParams(max_new_tokens=150, ignore_eos=True)) for p in PROMPTS]
         while not any(h.num_generated > 5 for h in handles):
             time.sleep(0.01)
-        victim = engine.coordinator.pool.procs[0].pid
+        victim = engine.coordinator.stepping.pool.procs[0].pid
         os.kill(victim, signal.SIGSTOP)
         t = time.monotonic()
         while engine._loop.restarts == 0:
@@ -158,7 +160,7 @@ def test_http_health_limits_and_dead_engine(model_dir):
             ok = c.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0})
             assert ok.json()["choices"][0]["finish_reason"] == "length"
             # the workers die and the budget (0) allows no restart: the engine is dead, health says why
-            os.kill(engine.coordinator.pool.procs[0].pid, signal.SIGKILL)
+            os.kill(engine.coordinator.stepping.pool.procs[0].pid, signal.SIGKILL)
             deadline = time.monotonic() + 30
             while engine.dead is None:
                 assert time.monotonic() < deadline

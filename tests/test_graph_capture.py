@@ -23,7 +23,7 @@ from pat_engine.predictor.policy import RequestSnapshot
 from pat_engine.predictor.predictor import LatencyPredictor
 from pat_engine.predictor.table import ProfileTable
 from pat_engine.protocol import SeqStep, StepCommand, SwitchPlan, SwitchReport
-from pat_engine.sampling.sampler import SamplingSpec
+from pat_engine.sampling.spec import SamplingSpec
 from pat_engine.worker.graph_backends import GraphBackend, StandInGraphBackend
 from pat_engine.worker.graph_capture import DecodeGraphs, GraphSettings
 from pat_engine.worker.infer_executor import InferExecutor

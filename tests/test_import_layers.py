@@ -2,7 +2,9 @@
 
 The predictor is below core: core installs a controller and asks it for switch costs, the
 predictor knows nothing of the engine. Leaf modules (the version, the environment switches)
-import nothing of pat_engine, so anything may read them without an import circle."""
+import nothing of pat_engine, so anything may read them without an import circle. The wire
+protocol is plain data: no torch, and of sampling only the plain ``SamplingSpec``. The serve
+faces are routers that share the server state, never the app or each other."""
 
 from __future__ import annotations
 
@@ -22,8 +24,10 @@ FORBIDDEN = {
     "model": {"core", "worker", "predictor", "serve", "protocol"},
     "predictor": {"core", "worker", "serve", "protocol", "rollout"},
     "rollout": {"worker", "protocol", "serve"},
-    "sampling": {"core", "worker", "predictor", "serve", "model", "protocol", "parallel"},
+    "sampling": {"core", "worker", "predictor", "serve", "model", "protocol", "parallel", "speculative", "rollout"},
+    "speculative": {"worker", "serve", "rollout"},
 }
+PLAIN_SAMPLING = {"pat_engine.sampling.spec", "pat_engine.sampling.params"}  # what the protocol may carry
 LEAVES = ("version.py", "env.py")
 
 
@@ -68,8 +72,35 @@ def test_leaf_modules_import_nothing_of_the_package(leaf):
     assert not imported_subpackages(PACKAGE / leaf)
 
 
-def test_the_sglang_routes_share_the_server_state_not_the_openai_app():
-    """serve/server.py registers the SGLang routes: importing it back would be a circle."""
-    bad = [str(p.relative_to(PACKAGE)) for p in (PACKAGE / "serve" / "sglang").rglob("*.py")
-           if "pat_engine.serve.server" in imported_modules(p)]
+def test_the_protocol_is_plain_data():
+    """No torch and no sampler in the messages: a SamplingSpec travels as plain fields."""
+    bad = {}
+    for path in (PACKAGE / "protocol").rglob("*.py"):
+        mods = imported_modules(path)
+        wrong = {m for m in mods if m.split(".")[0] == "torch"}
+        wrong |= {m for m in mods if m.startswith("pat_engine.sampling") and m not in PLAIN_SAMPLING}
+        if wrong:
+            bad[str(path.relative_to(PACKAGE))] = sorted(wrong)
+    assert not bad, f"the protocol imports more than plain data: {bad}"
+
+
+FACES = {"openai": PACKAGE / "serve" / "openai", "sglang": PACKAGE / "serve" / "sglang",
+         "pat_routes": PACKAGE / "serve" / "pat_routes.py", "batch": PACKAGE / "serve" / "batch"}
+
+
+def _files(where: Path) -> list[Path]:
+    return list(where.rglob("*.py")) if where.is_dir() else [where]
+
+
+@pytest.mark.parametrize("face", sorted(FACES))
+def test_the_serve_faces_share_the_server_state_not_the_app(face):
+    """serve/server.py includes every face's router: a face importing it back would be a circle."""
+    bad = [str(p.relative_to(PACKAGE)) for p in _files(FACES[face]) if "pat_engine.serve.server" in imported_modules(p)]
     assert not bad, f"import serve/state.py instead: {bad}"
+
+
+def test_the_openai_and_sglang_faces_do_not_import_each_other():
+    pairs = (("openai", "pat_engine.serve.sglang"), ("sglang", "pat_engine.serve.openai"))
+    bad = {str(p.relative_to(PACKAGE)): other for face, other in pairs for p in _files(FACES[face])
+           if any(m.startswith(other) for m in imported_modules(p))}
+    assert not bad, f"a face imports the other face: {bad}"

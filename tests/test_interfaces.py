@@ -53,3 +53,42 @@ def test_the_torch_backend_is_chosen_in_one_place():
     assert attention_backend("torch").name == "torch"
     with pytest.raises(ValueError, match="attention backend must be one of"):
         attention_backend("paged")
+
+
+def test_every_control_call_has_one_handler_on_the_worker():
+    """A call, its handler and its reply rule are all a new control operation needs on the worker side."""
+    from collections import Counter
+
+    from pat_engine.protocol import calls
+    from pat_engine.worker.handlers import handled_calls
+    from pat_engine.worker.layout_handlers import LayoutHandlers
+    from pat_engine.worker.memory_handlers import MemoryHandlers
+    from pat_engine.worker.weight_handlers import WeightHandlers
+    from pat_engine.worker.worker import Worker
+
+    defined = {c for c in vars(calls).values()
+               if isinstance(c, type) and issubclass(c, calls.WorkerCall) and c is not calls.WorkerCall}
+    handled = Counter(c for owner in (Worker, LayoutHandlers, WeightHandlers, MemoryHandlers) for c in handled_calls(owner))
+    assert set(handled) == defined, f"no handler: {sorted(c.__name__ for c in defined - set(handled))}"
+    assert all(n == 1 for n in handled.values()), f"two handlers: {[c.__name__ for c, n in handled.items() if n > 1]}"
+
+
+def test_a_call_folds_its_ranks_answers_by_its_own_rule():
+    from pat_engine.protocol.calls import (
+        BandwidthProbe, DestroyWeightsUpdateGroup, KVBudget, LoadWeights, ReleaseMemory, ReloadWeights,
+    )
+
+    assert ReleaseMemory(True, None).reply.combine([3, 4]) == 7
+    assert LoadWeights([]).reply.combine([5, 5]) == 5
+    assert KVBudget(0.9).reply.combine([300, 200]) == 200
+    assert DestroyWeightsUpdateGroup("g").reply.combine([True, False]) is False
+    assert BandwidthProbe(8).reply.combine([0.1, 0.2]) == [0.1, 0.2]
+    assert ReloadWeights("p").reply.combine([None, None]) is None
+
+
+def test_the_fault_worker_adds_its_call_and_keeps_the_rest():
+    from fault_injection import FaultInjectingWorker, InjectFault
+
+    from pat_engine.worker.handlers import handled_calls
+
+    assert handled_calls(FaultInjectingWorker).get(InjectFault) == "inject_fault"

@@ -9,7 +9,7 @@ from pat_engine.model.arch import load_model_arch
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import SeqStep, StepCommand
-from pat_engine.sampling.sampler import SamplingSpec
+from pat_engine.sampling.spec import SamplingSpec
 from pat_engine.worker import step_inputs
 from pat_engine.worker.infer_executor import InferExecutor
 from pat_engine.worker.step_inputs import prefill_row_groups

@@ -43,7 +43,7 @@ def test_a_later_request_with_the_same_prefix_hits_the_cache():
     d.ticks(1)
     step = d.pool.steps[-1]
     assert step.is_prefill and step.seqs[0].start_pos == 16
-    stats = d.coord.prefix_cache_stats()
+    stats = d.coord.stepping.prefix_cache_stats()
     assert stats["hit_tokens"] == 16 and stats["queried_tokens"] == len(PROMPT) + 21
     run_checked(d)
     assert a.output_ids == expected_tokens(a) and b.output_ids == expected_tokens(b)
@@ -56,7 +56,7 @@ def test_caching_off_means_no_hits_across_requests():
     d.add(PROMPT, 3)
     d.ticks(1)
     assert d.pool.steps[-1].seqs[0].start_pos == 0
-    assert d.coord.prefix_cache_stats()["cached_blocks"] == 0
+    assert d.coord.stepping.prefix_cache_stats()["cached_blocks"] == 0
 
 
 def test_cached_blocks_are_evicted_least_recently_used_only_when_needed():
@@ -96,8 +96,8 @@ def test_a_switch_moves_shared_blocks_once_per_target_group(kv):
     other = d.add(list(range(300, 310)), 12)
     d.ticks(4)
     used_before = d.used_blocks()
-    d.coord.switch(SwitchDecision(2, "test", kv_path=kv))
-    d.coord.check_block_invariants()
+    d.coord.switching.switch(SwitchDecision(2, "test", kv_path=kv))
+    d.coord.stepping.check_block_invariants()
     plan = d.pool.plans[-1]
     if kv == "migrate":
         moved_blocks = sum(len(r.dst_table) for r in plan.runs)
@@ -106,7 +106,7 @@ def test_a_switch_moves_shared_blocks_once_per_target_group(kv):
         assert all(tables[s.seq_id][:5] == tables[fam[0].seq_id][:5] for s in fam)  # still one shared copy
         assert d.used_blocks() == used_before
     else:
-        assert plan.runs == () and d.coord.prefix_cache_stats()["cached_blocks"] == 0 and d.used_blocks() == 0
+        assert plan.runs == () and d.coord.stepping.prefix_cache_stats()["cached_blocks"] == 0 and d.used_blocks() == 0
     run_checked(d)
     for s in [*fam, other]:
         assert s.output_ids == expected_tokens(s)
@@ -116,7 +116,7 @@ def test_samples_split_across_groups_by_a_switch_carry_the_prefix_to_each():
     d = make_driver(tp=2, dp=1)
     fam = d.add_samples(PROMPT, 20, n=4)
     d.ticks(4)
-    d.coord.switch(SwitchDecision(1, "test", kv_path="migrate"))
+    d.coord.switching.switch(SwitchDecision(1, "test", kv_path="migrate"))
     groups = {s.group for s in fam}
     assert len(groups) == 2  # balanced across the two new groups
     plan = d.pool.plans[-1]
@@ -133,11 +133,11 @@ def test_schedules_with_samples_and_cache_keep_every_block_accounted():
     for i in range(3):
         seqs += d.add_samples(PROMPT[: 10 + 4 * i], 15 + i, n=3)
     seqs.append(d.add(PROMPT, 25))
-    d.coord.start_stage(ScheduledSwitches([(2, 2), (6, 1), (9, 2)], None))
+    d.coord.switching.start_stage(ScheduledSwitches([(2, 2), (6, 1), (9, 2)], None))
     run_checked(d)
     for s in seqs:
         assert s.output_ids == expected_tokens(s)
-    d.coord.check_block_invariants()
+    d.coord.stepping.check_block_invariants()
     assert d.used_blocks() == 0
 
 
@@ -147,10 +147,10 @@ def test_a_flush_forgets_every_cached_prefix_and_keeps_the_blocks_accounted():
     run_checked(d)
     running = d.add(PROMPT, 30)
     d.ticks(3)
-    assert d.coord.prefix_cache_stats()["hit_tokens"] == 20
-    d.coord.flush_prefix_cache()  # what a weight update does
-    assert d.coord.prefix_cache_stats()["cached_blocks"] == 0
-    d.coord.check_block_invariants()
+    assert d.coord.stepping.prefix_cache_stats()["hit_tokens"] == 20
+    d.coord.stepping.flush_prefix_cache()  # what a weight update does
+    assert d.coord.stepping.prefix_cache_stats()["cached_blocks"] == 0
+    d.coord.stepping.check_block_invariants()
     later = d.add(PROMPT, 3)
     d.ticks(1)
     assert d.pool.steps[-1].seqs[0].start_pos == 0  # nothing found: the prompt runs again

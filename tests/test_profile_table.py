@@ -82,7 +82,7 @@ def test_engine_runs_static_without_its_table_and_attaches_the_controller_with_o
     table_for(model, 2).save(path)
     with Engine(model, tp=1, dp=2, dtype="float32", profile_table=str(path)) as engine:
         assert isinstance(engine.policy, SwitchController)
-        assert isinstance(engine.coordinator.cost_source, LatencyPredictor)
+        assert isinstance(engine.coordinator.switching.cost_source, LatencyPredictor)
         assert engine.policy.candidates == (1, 2)
 
 

@@ -30,13 +30,13 @@ from pat_engine.core.worker_pool import WorkerPool
 from pat_engine.errors import InvalidRequestError, ModelLoadError, WorkerFailure
 from pat_engine.model.arch import load_model_arch
 from pat_engine.model.weights import check_safetensors_headers, safetensors_files
-from pat_engine.protocol import Reply
-from pat_engine.sampling.sampler import SamplingSpec
-from pat_engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from pat_engine.protocol.calls import Reply
+from pat_engine.sampling.spec import SamplingSpec
+from pat_engine.sampling.params import MAX_STOP_TOKEN_IDS, SamplingParams
 from pat_engine.serve.errors import validation_error
 from pat_engine.serve.guard import RequestGuard
-from pat_engine.serve.openai_protocol import MAX_MESSAGES, ChatCompletionRequest, CompletionRequest
-from pat_engine.serve.translate import chat_input
+from pat_engine.serve.openai.protocol import MAX_MESSAGES, ChatCompletionRequest, CompletionRequest
+from pat_engine.serve.openai.translate import chat_input
 
 VOCAB_TEST_LEN = 64
 
@@ -229,7 +229,7 @@ def test_late_replies_to_a_failed_call_are_dropped():
     import threading
     from types import SimpleNamespace
 
-    from pat_engine.protocol import Stats
+    from pat_engine.protocol.calls import Stats
 
     pairs = [socket.socketpair() for _ in range(2)]
     workers = [Connection(theirs.detach()) for _, theirs in pairs]
@@ -251,10 +251,10 @@ def test_late_replies_to_a_failed_call_are_dropped():
     thread = threading.Thread(target=serve)
     thread.start()
     with pytest.raises(WorkerFailure) as refused:
-        pool.call(Stats())
+        pool.ask(Stats())
     assert refused.value.error_type == "ModelLoadError" and refused.value.rank == 0
     time.sleep(0.5)
-    assert pool.call(Stats()) == [0, 1]
+    assert pool.ask(Stats()) == [0, 1]
     thread.join(5)
     assert pool.poll(0.2) == []
 

@@ -12,7 +12,7 @@ from pat_engine.rollout import (GroupSizeController, GroupSizingConfig, PromptEn
                                 RoundTracker, TailBatcher, TailBatchingConfig, straggler_ratio)
 from pat_engine.rollout.resume import exactly_resumable, resume_request
 from pat_engine.rollout.tail_batching import overprovision
-from pat_engine.sampling_params import SamplingParams
+from pat_engine.sampling.params import SamplingParams
 
 
 def fresh(start: int = 0):

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pat_engine.sampling.sampler import SamplingSpec, sample, uniform_for, uniforms
+from pat_engine.sampling.params import SamplingParams
+from pat_engine.sampling.sampler import sample, uniforms
+from pat_engine.sampling.seeds import uniform_for
+from pat_engine.sampling.spec import SamplingSpec
 from sampler_reference import reference_sample
 
 
@@ -14,6 +17,17 @@ def test_uniform_is_a_pure_function_of_seed_and_position():
     draws = [uniform_for(3, p) for p in range(2000)]
     assert len(set(draws)) == 2000 and all(0 <= u < 1 for u in draws)
     assert abs(sum(draws) / len(draws) - 0.5) < 0.03
+
+
+def test_spec_of_params_carries_every_setting_the_workers_use():
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, logprobs=True, top_logprobs=3,
+                            logprobs_mode="processed", repetition_penalty=1.2, frequency_penalty=0.5,
+                            presence_penalty=-0.5, logit_bias={7: 2.0})
+    spec = SamplingSpec.of(params, 11, prompt_len=4)
+    assert spec == SamplingSpec(0.7, 5, 0.9, 11, True, True, 3, 1.2, 0.5, -0.5, 0.05, ((7, 2.0),), 4)
+    assert spec.has_penalties
+    plain = SamplingSpec.of(SamplingParams(top_logprobs=3), 2, prompt_len=1)  # no log-probs asked: no top-k of them
+    assert plain.top_logprobs == 0 and not plain.processed_logprobs and not plain.has_penalties
 
 
 def test_greedy_top_k_and_top_p():

@@ -14,7 +14,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from pat_engine.sampling import host
-from pat_engine.sampling.sampler import SamplingBatch, SamplingSpec, sample_batch, sample_on_device
+from pat_engine.sampling.sampler import SamplingBatch, sample_batch, sample_on_device
+from pat_engine.sampling.spec import SamplingSpec
 
 # what forces a device->host copy (or a host->device one from Python data) on a GPU
 READS = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero",

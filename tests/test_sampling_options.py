@@ -1,6 +1,6 @@
 """The one translator from client sampling options to ``SamplingParams`` (no engine, milliseconds).
 
-Every face goes through ``pat_engine.sampling_options``: the OpenAI server, SGLang's
+Every face goes through ``pat_engine.sampling.options``: the OpenAI server, SGLang's
 ``/generate``, the batch job, and the RL adapters (veRL's dict, OpenRLHF's
 ``vllm.SamplingParams``). The adapters' end-to-end checks that each option takes
 effect are in test_verl_adapter.py and test_openrlhf_contract.py.
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from pat_engine.errors import InvalidRequestError
-from pat_engine.sampling_options import ALIASES, OPTION_NAMES, REFUSED, TEXT_ONLY, to_sampling_params
-from pat_engine.serve.openai_protocol import CompletionRequest
+from pat_engine.sampling.options import ALIASES, OPTION_NAMES, REFUSED, TEXT_ONLY, to_sampling_params
+from pat_engine.serve.openai.protocol import CompletionRequest
 from pat_engine.serve.sglang.protocol import SGLSamplingParams
-from pat_engine.serve.translate import completion_inputs
+from pat_engine.serve.openai.translate import completion_inputs
 from pat_integrations.openrlhf.settings import PatActorSettings
 from pat_integrations.sampling import from_verl, from_vllm_like
 from rl_helpers import VllmLikeSamplingParams

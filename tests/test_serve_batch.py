@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import hf_greedy
-from pat_engine.serve.batch_io import SamplingDefaults, finished_keys, parse_line, record_key, LineError
+from pat_engine.serve.batch.lines import SamplingDefaults, finished_keys, parse_line, record_key, LineError
 from serve_cli_util import cli_cmd, cli_env, read_jsonl, run_cli, write_jsonl
 
 CHAT = [{"role": "user", "content": "what is the sum of two odd numbers"}]

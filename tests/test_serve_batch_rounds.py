@@ -11,8 +11,8 @@ import pytest
 
 from pat_engine import Engine
 from pat_engine.errors import InvalidRequestError
-from pat_engine.serve.batch import BatchJob, run_batch
-from pat_engine.serve.batch_rounds import TailBatchPolicy
+from pat_engine.serve.batch.job import BatchJob, run_batch
+from pat_engine.serve.batch.rounds import TailBatchPolicy
 from pat_engine.serve.cli import main
 from pat_engine.rollout.tail_batching import overprovision
 from serve_cli_util import read_jsonl, run_cli, write_jsonl

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from pat_engine.serve.report import layout_segments
+from pat_engine.serve.batch.report import layout_segments
 from serve_cli_util import cli_cmd, cli_env, run_cli
 
 TIMELINE = {

@@ -14,7 +14,7 @@ from pat_engine.core.served_weights import INITIAL_WEIGHT_VERSION, ServedWeights
 from pat_engine.errors import InvalidRequestError
 from pat_engine.serve.sglang.protocol import GenerateRequest
 from pat_engine.serve.sglang.translate import UNSUPPORTED_SAMPLING, generate_items
-from pat_engine.serve.sglang.weight_routes import decode_named_tensors, handle_payloads
+from pat_engine.serve.sglang.named_tensors import decode_named_tensors, handle_payloads
 
 
 def items(body: dict):
@@ -73,11 +73,11 @@ def test_retract_frees_every_block_and_keeps_tokens():
     drv.ticks(12)
     running = [s for s in seqs if s.status is SeqStatus.RUNNING]
     assert running
-    drv.coord.drain()
-    assert drv.coord.retract_all() == len(running)
-    drv.coord.check_block_invariants()
+    drv.coord.stepping.drain()
+    assert drv.coord.stepping.retract_all() == len(running)
+    drv.coord.stepping.check_block_invariants()
     assert all(s.status is SeqStatus.WAITING and not s.block_table for s in seqs)
-    assert all(sched.blocks.num_free == sched.blocks.num_blocks for sched in drv.coord.schedulers)
+    assert all(sched.blocks.num_free == sched.blocks.num_blocks for sched in drv.coord.stepping.schedulers)
     drv.run()
     assert all(s.output_ids == expected_tokens(s) for s in seqs)
 

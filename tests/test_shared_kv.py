@@ -13,7 +13,7 @@ import pytest
 
 from conftest import hf_greedy
 from pat_engine import Engine, SamplingParams
-from pat_engine.sampling.sampler import sample_seed
+from pat_engine.sampling.seeds import sample_seed
 
 pytestmark = pytest.mark.slow  # starts worker processes
 

@@ -1,10 +1,10 @@
-"""Draft budgets (spec/budget.py): expected tokens per second, the step cost fit, acceptance estimates."""
+"""Draft budgets (speculative/budget.py): expected tokens per second, the step cost fit, acceptance estimates."""
 
 from __future__ import annotations
 
 import pytest
 
-from pat_engine.spec.budget import AcceptanceEstimate, StepCostFit, allocate
+from pat_engine.speculative.budget import AcceptanceEstimate, StepCostFit, allocate
 
 
 def test_free_verification_runs_every_proposal_whole():

@@ -1,7 +1,7 @@
 """Speculative decoding in the driver, against fake workers (no processes, milliseconds).
 
 The fake workers sample every position of a verify row and accept as the real TP leader
-does (``spec.verify.accept``), and their tokens are a pure function of (sequence,
+does (``speculative.verify.accept``), and their tokens are a pure function of (sequence,
 position): so drafts, right or wrong, must never change a request's tokens. Block
 invariants are checked after every tick: blocks taken for drafts go back when rejected,
 and the workers' tables are cut to match (the fake pool refuses a write into a block
@@ -17,7 +17,7 @@ import pytest
 from driver_fixtures import BLOCK, VOCAB, expected_tokens, make_driver, run_checked
 from fake_workers import fake_token
 from pat_engine.predictor.policy import ScheduledSwitches
-from pat_engine.spec.config import SpeculativeConfig
+from pat_engine.speculative.config import SpeculativeConfig
 
 PROMPTS = [[1, 2, 3], [4] * 9, [5], [6] * 17, [7, 8], [9] * 5, [10] * 12, [11] * 2]
 MAX_NEW = [12, 30, 7, 22, 40, 3, 18, 26]
@@ -49,13 +49,13 @@ def spec_driver(proposer=None, max_active: int = 64, **kw):
                                adaptive=kw.pop("adaptive", False))
     d = make_driver(numerics="invariant", speculative=config, **kw)
     if proposer is not None:
-        d.coord.set_draft_proposer(proposer)
+        d.coord.stepping.set_draft_proposer(proposer)
     return d
 
 
 def assert_all_free(d) -> None:
-    d.coord.check_block_invariants()
-    for sched in d.coord.schedulers:
+    d.coord.stepping.check_block_invariants()
+    for sched in d.coord.stepping.schedulers:
         assert sched.blocks.num_free == sched.blocks.num_blocks
 
 
@@ -76,7 +76,7 @@ def test_drafts_never_change_tokens_and_every_block_comes_back(wrong):
     for s in seqs:
         assert s.finish_reason == "length" and s.output_ids == expected_tokens(s)
     assert_all_free(d)
-    stats = d.coord.speculation_stats()
+    stats = d.coord.stepping.speculation_stats()
     assert stats["verify_steps"] > 0 and stats["drafted_tokens"] > 0
     if wrong == 0.0:
         assert stats["acceptance_rate"] == 1.0
@@ -158,7 +158,7 @@ def test_live_switches_with_drafts(kv, schedule):
     d = spec_driver(OracleProposer(0.3, seed=7), tp=1, dp=2)
     seqs = add_all(d)
     seqs += d.add_samples(list(range(50, 61)), 25, n=3)
-    d.coord.start_stage(ScheduledSwitches(schedule, kv))
+    d.coord.switching.start_stage(ScheduledSwitches(schedule, kv))
     run_checked(d)
     assert len(d.pool.plans) == len(schedule)
     for s in seqs:
@@ -183,7 +183,7 @@ def test_speculation_status_reaches_the_policy():
     d = spec_driver(OracleProposer(0.0), max_active=4)
     add_all(d)
     d.ticks(40)
-    status = d.coord.status().speculation
+    status = d.coord.stepping.status().speculation
     assert status is not None and status.max_active == 4
     assert status.measured and status.tokens_per_step > 1.0
 
@@ -229,7 +229,7 @@ def test_remembered_responses_become_drafts():
     s = d.add(prompt, 6)
     d.ticks(1)  # prefilled: its first token is known
     first = s.output_ids[0]
-    d.coord.remember_responses(prompt, [[first, 42, 43, 44, 45]])  # "5 first" is followed by 42 43 44 there
+    d.coord.stepping.remember_responses(prompt, [[first, 42, 43, 44, 45]])  # "5 first" is followed by 42 43 44 there
     run_checked(d)
     drafts = [step.token_ids[1:] for cmd in verify_steps(d) for step in cmd.seqs]
     assert drafts and drafts[0] == [42, 43, 44, 45]

@@ -16,7 +16,7 @@ import pytest
 
 from local_workers import local_driver
 from spec_helpers import ReplayProposer
-from pat_engine.sampling_params import SamplingParams
+from pat_engine.sampling.params import SamplingParams
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
 
 PROMPTS = [[5, 6, 7, 8] * 3, [100, 20, 30], [9, 9, 9, 9, 9, 9, 9], [5, 6, 7, 8] * 3 + [11]]  # the last shares blocks
@@ -37,12 +37,12 @@ def _run(path: str, params, proposer=None, speculate: bool = True, **config) -> 
     spec = {"max_active": 64, "adaptive": False} if speculate else None  # every proposal verified whole
     d = local_driver(path, dp=2, speculative=spec, **config)
     if proposer is not None:
-        d.coord.set_draft_proposer(proposer)
+        d.coord.stepping.set_draft_proposer(proposer)
     families = d.generate(PROMPTS, params)
     out = {(tuple(s.prompt_ids), s.sample_index): (s.output_ids, s.logprobs, s.top_logprobs)
            for f in families for s in f}
     if speculate:
-        out["stats"] = d.coord.speculation_stats()
+        out["stats"] = d.coord.stepping.speculation_stats()
     return out
 
 
@@ -88,5 +88,5 @@ def test_the_ngram_proposer_changes_nothing(tiny):
         got = {(tuple(s.prompt_ids), s.sample_index): (s.output_ids, s.logprobs, s.top_logprobs)
                for f in families for s in f}
         assert got == ref
-    stats = d.coord.speculation_stats()
+    stats = d.coord.stepping.speculation_stats()
     assert stats["accepted_tokens"] >= sum(MAX_NEW) and stats["tokens_per_step"] > 2

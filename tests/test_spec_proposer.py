@@ -5,12 +5,12 @@ from __future__ import annotations
 from driver_fixtures import ARCH
 from pat_engine.core.inputs import RequestFactory
 from pat_engine.sampling.sampler import Sampled
-from pat_engine.sampling_params import SamplingParams
-from pat_engine.spec.config import SpeculativeConfig
-from pat_engine.spec.ngram import NgramIndex
-from pat_engine.spec.proposer import NgramProposer
-from pat_engine.spec.store import ResponseStore
-from pat_engine.spec.verify import accept, accepted_length
+from pat_engine.sampling.params import SamplingParams
+from pat_engine.speculative.config import SpeculativeConfig
+from pat_engine.speculative.ngram import NgramIndex
+from pat_engine.speculative.proposer import NgramProposer
+from pat_engine.speculative.store import ResponseStore
+from pat_engine.speculative.verify import accept, accepted_length
 
 FACTORY = RequestFactory(ARCH, None, ARCH.max_position, 0)
 

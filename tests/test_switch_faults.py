@@ -14,7 +14,7 @@ import pytest
 
 from conftest import MAX_NEW, PROMPTS, hf_greedy_batch
 from pat_engine import Engine, SamplingParams, WorkerFailure
-from engine_faults import inject_fault
+from fault_injection import FAULT_WORKER, inject_fault
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -27,7 +27,8 @@ def inject(engine, rank, where, how):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    with Engine(model_dir("llama"), tp=1, dp=4, dtype="float64", max_worker_restarts=10) as eng:
+    with Engine(model_dir("llama"), tp=1, dp=4, dtype="float64", max_worker_restarts=10,
+                worker_class=FAULT_WORKER) as eng:
         yield eng
 
 
@@ -43,7 +44,8 @@ def test_failure_inside_reshard_recovers_with_identical_tokens(engine, model_dir
 
 
 def test_failure_without_recovery_returns_every_request_with_a_reason(model_dir):
-    with Engine(model_dir("llama"), tp=1, dp=4, dtype="float64", recover_failed_workers=False) as engine:
+    with Engine(model_dir("llama"), tp=1, dp=4, dtype="float64", recover_failed_workers=False,
+                worker_class=FAULT_WORKER) as engine:
         inject(engine, 3, "reshard", "exit")
         with pytest.raises(WorkerFailure, match="rank 3") as info:
             engine.generate(PROMPTS, GREEDY, switch_schedule=[(6, 4)], use_tqdm=False)
@@ -66,7 +68,7 @@ def test_reconfigure_from_another_thread_mid_batch(engine, model_dir):
 
     def switch_when_started():
         coord = engine.coordinator
-        while not (coord.seqs and coord.stage_decode_steps >= 3):  # this batch is decoding
+        while not (coord.stepping.seqs and coord.stepping.stage_decode_steps >= 3):  # this batch is decoding
             time.sleep(0.002)
         result["event"] = engine.reconfigure(tp=4, kv_transfer="migrate")
 

@@ -25,7 +25,7 @@ from pat_engine.model.llama import ForwardContext
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import SeqStep, StepCommand
-from pat_engine.sampling.sampler import SamplingSpec
+from pat_engine.sampling.spec import SamplingSpec
 from pat_engine.worker.graph_capture import GraphSettings
 from pat_engine.worker.infer_executor import InferExecutor
 

@@ -26,7 +26,7 @@ from typing import Any
 from pat_engine.outputs import RequestOutput
 from pat_engine.rollout.resume import exactly_resumable, resume_request
 from pat_engine.rollout.runner import derived_seed
-from pat_engine.sampling_params import SamplingParams
+from pat_engine.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from pat_engine.rollout.config import RolloutConfig
 from pat_engine.rollout.runner import RolloutRunner, derived_seed
 from pat_engine.rollout.scheduler import RolloutScheduler
 from pat_engine.rollout.tail_batching import PromptEntry, overprovision
-from pat_engine.sampling_params import SamplingParams
+from pat_engine.sampling.params import SamplingParams
 from pat_integrations.stage import StagePlan
 
 

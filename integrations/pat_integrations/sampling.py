@@ -3,7 +3,7 @@
 veRL sends a plain dict (vLLM names, ``logprobs`` as a bool); OpenRLHF sends a
 ``vllm.SamplingParams`` object, read here by attribute so vLLM need not be
 installed. What each name means, and which options are refused, is decided in
-``pat_engine.sampling_options``. Both clamp ``min_tokens`` to the token budget:
+``pat_engine.sampling.options``. Both clamp ``min_tokens`` to the token budget:
 an RL caller's default budget (the room left in the context) can be smaller
 than its configured minimum.
 """
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pat_engine import SamplingParams
-from pat_engine.sampling_options import OPTION_NAMES, to_sampling_params
+from pat_engine.sampling.options import OPTION_NAMES, to_sampling_params
 
 
 def from_verl(params: Mapping[str, Any], default_max_tokens: int | None = None, logprobs_mode: str = "raw",

@@ -5,35 +5,36 @@
         outs = engine.generate(["a prompt", [1, 2, 3]], SamplingParams(max_new_tokens=64),
                                switch_schedule=[(32, 4)])  # go to TP4 at decode step 32
 
-Every method can be called from any thread. What touches requests, layouts, weights or
-workers is a ``GlobalCoordinator`` method that ``_on_loop`` runs in the engine loop
-thread between steps; Engine methods check arguments and hand over.
+Every method can be called from any thread. ``Engine`` is a facade: each area forwards to
+the ``GlobalCoordinator`` service that owns it (requests and steps: ``Stepping``; layout:
+``Switching``; RL weight updates: ``WeightSync``; memory for a colocated trainer:
+``MemoryRelease``). A service method that touches driver state runs in the engine loop
+thread between steps (``loop_thread.on_loop``); Engine methods check arguments and hand over.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterable, Iterator, Sequence as Seq, TypeVar
+from typing import Any, Iterable, Iterator, Sequence as Seq
 
 import torch
 from tqdm.auto import tqdm
 
-from pat_engine.config import EngineConfig, check_kv_transfer
-from pat_engine.core.coordinator import GlobalCoordinator, StepRecord
+from pat_engine.config import EngineConfig
+from pat_engine.core.controller_setup import attach_controller
+from pat_engine.core.coordinator import GlobalCoordinator
 from pat_engine.core.inputs import RequestFactory, load_tokenizer
 from pat_engine.core.loop import EngineLoop
 from pat_engine.core.memory import MemoryPlan, default_cpu_kv_bytes
-from pat_engine.predictor.cost_source import CostSource
-from pat_engine.predictor.policy import ClusterStatus, ScheduledSwitches, SwitchDecision, SwitchPolicy
 from pat_engine.core.request import Sequence
 from pat_engine.core.request_handle import RequestHandle
 from pat_engine.core.restart_budget import RestartBudget
 from pat_engine.core.served_weights import ServedWeights
-from pat_engine.core.sleep_state import DISCARDED, check_tags, tags_for_level
+from pat_engine.core.step_records import StepRecord
+from pat_engine.core.stepping import PAUSE_MODES
 from pat_engine.core.timeline import SwitchEvent
-from pat_engine.core.weight_sync import DEFAULT_BUCKET_BYTES, HandleBucket, WeightSync
-from pat_engine.core.worker_client import WorkerClient
+from pat_engine.core.weight_sync import DEFAULT_BUCKET_BYTES, HandleBucket
 from pat_engine.core.worker_pool import WorkerPool
 from pat_engine.errors import EngineClosedError, EngineDeadError, InvalidRequestError, ModelLoadError, WorkerFailure
 from pat_engine.model.arch import load_model_arch
@@ -41,13 +42,12 @@ from pat_engine.model.weights import check_safetensors_headers, safetensors_file
 from pat_engine.outputs import RequestOutput, of_prompt
 from pat_engine.parallel.dp_placement import PlacementRule
 from pat_engine.parallel.layout import Layout
-from pat_engine.core.controller_setup import attach_controller
-from pat_engine.sampling_params import SamplingParams
+from pat_engine.predictor.cost_source import CostSource
+from pat_engine.predictor.policy import ClusterStatus, ScheduledSwitches, SwitchPolicy
+from pat_engine.protocol.calls import AllocateKV, KVBudget
+from pat_engine.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-PAUSE_MODES = ("in_place", "retract", "abort")
 
 
 class Engine:
@@ -72,9 +72,8 @@ class Engine:
         pool = self._start_pool(kv_blocks=0 if measure else None)
         if measure:
             try:
-                workers = WorkerClient(pool)
-                self.memory.kv_budget_base = min(workers.kv_budget(cfg.gpu_memory_utilization))  # same pool on every rank
-                workers.allocate_kv(self.memory.num_blocks(self.base_layout))
+                self.memory.kv_budget_base = pool.ask(KVBudget(cfg.gpu_memory_utilization))
+                pool.ask(AllocateKV(self.memory.num_blocks(self.base_layout)))
             except BaseException:
                 pool.kill()
                 raise
@@ -82,10 +81,14 @@ class Engine:
             pool.kill()
             raise InvalidRequestError(f"the KV budget ({self.memory.kv_budget_base} bytes per rank) holds no KV block")
         self.coordinator = GlobalCoordinator(cfg, self.memory, pool, self.base_layout, self.weights)
+        # one forward per area: each public method below hands over to one of these
+        self._stepping = self.coordinator.stepping
+        self._switching = self.coordinator.switching
+        self._weight_sync = self.coordinator.weight_sync
+        self._memory = self.coordinator.memory_release
         self._loop = EngineLoop(self.coordinator, self._start_pool,
                                 RestartBudget(cfg.max_worker_restarts, cfg.restart_window_s), cfg.recover_failed_workers,
                                 self.weights)
-        self._weight_sync = WeightSync(self.arch, cfg, self.coordinator, self.weights, self._on_loop)
         self._closed = False
         try:
             attach_controller(self)
@@ -103,11 +106,6 @@ class Engine:
                 raise ModelLoadError(str(exc).splitlines()[0]) from None
             raise
         return pool
-
-    def _on_loop(self, method: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
-        """Run ``method`` (the coordinator's or the loop's) in the engine loop thread, between steps;
-        its value or its exception comes back here."""
-        return self._loop.run(method, *args, timeout=timeout)
 
     # ---- context manager / lifecycle ------------------------------------------------------------
 
@@ -133,12 +131,12 @@ class Engine:
 
     @property
     def layout(self) -> Layout:
-        return self.coordinator.layout
+        return self._stepping.layout
 
     @property
     def policy(self) -> SwitchPolicy | None:
         """The policy consulted every ``switch_check_interval`` decode steps (None: static)."""
-        return self.coordinator.policy
+        return self._switching.policy
 
     @property
     def worker_failures(self) -> list[str]:
@@ -147,11 +145,11 @@ class Engine:
 
     def prefix_cache_stats(self) -> dict:
         """Prefix-cache hit rate (prompt tokens found cached at admission), cached and used KV blocks."""
-        return self._on_loop(self.coordinator.prefix_cache_stats)
+        return self._stepping.prefix_cache_stats()
 
     def worker_pids(self) -> list[int]:
         """Process ids of the current worker processes, by rank."""
-        return self._on_loop(self.coordinator.worker_pids)
+        return self._stepping.worker_pids()
 
     @property
     def max_model_len(self) -> int:
@@ -160,85 +158,63 @@ class Engine:
 
     @property
     def timeline(self) -> dict:
-        return self.coordinator.timeline.to_dict()
+        return self._switching.timeline.to_dict()
 
     @property
     def switches(self) -> list[SwitchEvent]:
-        return list(self.coordinator.timeline.switches)
+        return list(self._switching.timeline.switches)
 
     @contextlib.contextmanager
     def record_steps(self) -> Iterator[list[StepRecord]]:
         """Collect a ``StepRecord`` for every step run inside the ``with`` block."""
         log: list[StepRecord] = []
-        self._on_loop(self.coordinator.set_step_log, log)
+        self._stepping.set_step_log(log)
         try:
             yield log
         finally:
-            self._on_loop(self.coordinator.set_step_log, None)
+            self._stepping.set_step_log(None)
 
     def measure_bandwidth(self, nbytes: int = 8 << 20, repeats: int = 3) -> float:
         """One-way per-rank point-to-point bandwidth (bytes/s), every rank sending at once."""
-        seconds = self._on_loop(self.coordinator.bandwidth_probe, nbytes, repeats)
+        seconds = self._stepping.bandwidth_probe(nbytes, repeats)
         slowest = max(seconds)
         return float("inf") if slowest == 0 else nbytes / slowest
 
     def kv_blocks(self) -> dict:
         """Free, cached and total KV blocks per DP group, and whether the block invariants hold (free +
         cached + in use == total, reference counts equal the tables); reported, not raised."""
-        return self._on_loop(self.coordinator.kv_blocks)
+        return self._stepping.kv_blocks()
 
     def worker_stats(self) -> list[dict]:
-        return self._on_loop(self.coordinator.worker_stats)
+        return self._stepping.worker_stats()
 
     # ---- speculative decoding (docs/speculative.md) -----------------------------------------------
 
     def speculation_stats(self) -> dict | None:
         """Verify steps, drafted and accepted tokens, acceptance rate and tokens per step (None: off)."""
-        return self._on_loop(self.coordinator.speculation_stats)
+        return self._stepping.speculation_stats()
 
     def remember_responses(self, prompt: Any, responses: Seq[Seq[int]]) -> None:
         """Earlier responses to ``prompt`` (text or token ids) as draft sources for later requests with
         the same prompt; kept across batches with ``speculative={"history": True}``."""
         ids, _ = self.request_factory.tokenize(prompt, "")
-        self._on_loop(self.coordinator.remember_responses, ids, [list(r) for r in responses])
+        self._stepping.remember_responses(ids, [list(r) for r in responses])
 
     def set_draft_proposer(self, proposer: Any) -> None:
-        """Draft with ``proposer`` (``pat_engine.spec.proposer.DraftProposer``) instead of the n-gram one."""
-        self._on_loop(self.coordinator.set_draft_proposer, proposer)
+        """Draft with ``proposer`` (``pat_engine.speculative.proposer.DraftProposer``) instead of the n-gram one."""
+        self._stepping.set_draft_proposer(proposer)
 
     # ---- requests --------------------------------------------------------------------------------
 
     def _make(self, prompts: Seq[Any], params: SamplingParams | Seq[SamplingParams] | None,
               request_ids: Seq[str] | None) -> list[list[Sequence]]:
         """Validated sequences, one list per prompt (its ``n`` samples, sample 0 first)."""
-        if self.coordinator.sleep.asleep:
-            raise InvalidRequestError(f"the engine is asleep ({self.coordinator.sleep.describe()} released); "
+        if self._memory.state.asleep:
+            raise InvalidRequestError(f"the engine is asleep ({self._memory.state.describe()} released); "
                                       "call wake_up() before generating")
         if (refusal := self.weights.refusal()) is not None:
             raise InvalidRequestError(refusal)
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if params is None:
-            params = SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        if request_ids is not None and len(request_ids) != len(prompts):
-            raise InvalidRequestError(f"got {len(prompts)} prompts but {len(request_ids)} request ids")
-        single = len(prompts) == 1  # one prompt: errors need no "prompt i" to say which
-        families = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            where = "" if single else f"prompt {i}"
-            samples = self.request_factory.make_samples(p, sp, request_ids[i] if request_ids else None, where=where)
-            layout, prompt_len = self.layout, len(samples[0].prompt_ids)
-            if not self.memory.fits(layout, prompt_len, sp.max_new_tokens):
-                raise InvalidRequestError(
-                    f"{where + ': ' if where else ''}needs {self.memory.slots_needed(prompt_len, sp.max_new_tokens)} KV token "
-                    f"slots but a DP group of {layout} holds {self.memory.tokens_per_group(layout)}; "
-                    "lower max_new_tokens or raise kv_cache_bytes")
-            families.append(samples)
-        return families
+        return self.request_factory.make_batch(prompts, params, request_ids, self.memory, self.layout)
 
     def submit(self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None) -> RequestHandle:
         """Queue one request (``n`` = 1) and return at once (used by the server and streaming)."""
@@ -253,7 +229,7 @@ class Engine:
         self._ensure_open()
         samples = self._make([prompt], params, [request_id] if request_id else None)[0]
         handles = [RequestHandle(s, self.request_factory.decode) for s in samples]
-        self._on_loop(self._loop.admit, samples)
+        self._loop.admit(samples)
         return handles
 
     def check_request(self, prompt: Any, params: SamplingParams | None = None) -> None:
@@ -263,15 +239,15 @@ class Engine:
 
     def abort(self, request_ids: Iterable[str]) -> int:
         """Stop requests; they finish with reason "abort" and keep what they generated."""
-        return self._on_loop(self._loop.abort_requests, set(request_ids))
+        return self._loop.abort_requests(set(request_ids))
 
     def abort_all(self, message: str = "aborted by the caller") -> int:
         """Abort every unfinished request (each keeps what it generated); returns how many."""
-        return self._on_loop(self.coordinator.abort_all, message)
+        return self._stepping.abort_all(message)
 
     def cluster_status(self) -> ClusterStatus:
         """A ``ClusterStatus`` snapshot: the layout and, per DP group, its requests and free KV blocks."""
-        return self._on_loop(self.coordinator.status)
+        return self._stepping.status()
 
     def generate(
         self,
@@ -294,11 +270,11 @@ class Engine:
         """
         self._ensure_open()
         families = self._make(prompts, params, request_ids)
-        stage_policy = self._stage_policy(switch_schedule, kv_transfer, policy)
+        stage_policy = self._switching.stage_policy(switch_schedule, kv_transfer, policy)
         handles = [RequestHandle(s, self.request_factory.decode) for family in families for s in family]
         bar = tqdm(total=len(handles), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
 
-        self._on_loop(self._loop.start_batch, families, stage_policy, self.base_layout if from_base_layout else None)
+        self._loop.start_batch(families, stage_policy, self.base_layout if from_base_layout else None)
         try:
             finished = 0
             while finished < len(handles):
@@ -306,7 +282,7 @@ class Engine:
                 done = sum(h.done() for h in handles)
                 if done != bar.n:
                     bar.update(done - bar.n)
-                    bar.set_postfix_str(str(self.coordinator.layout), refresh=False)
+                    bar.set_postfix_str(str(self.layout), refresh=False)
                 while finished < len(handles) and handles[finished].done():
                     finished += 1
                 if self._loop.dead and finished < len(handles):
@@ -333,21 +309,13 @@ class Engine:
         ``generate`` does the same for its own batch.
         """
         self._ensure_open()
-        self._on_loop(self.coordinator.start_stage, self._stage_policy(switch_schedule, kv_transfer, policy),
-                      self.base_layout if from_base_layout else None)
+        self._switching.start_stage(self._switching.stage_policy(switch_schedule, kv_transfer, policy),
+                                    self.base_layout if from_base_layout else None)
 
     def scheduled_policy(self, switch_schedule: list[tuple[int, int]], kv_transfer: str | None = None) -> ScheduledSwitches:
         """A fixed switch schedule ``[(decode_step, tp), ...]``, every target checked against this
         model and world first (``LayoutError`` names a bad one)."""
-        check_kv_transfer(kv_transfer, allow_auto=False)
-        for _, tp in switch_schedule:
-            self.arch.layout(self.config.world, tp)
-        return ScheduledSwitches(list(switch_schedule), kv_transfer)
-
-    def _stage_policy(self, switch_schedule: list[tuple[int, int]] | None, kv_transfer: str | None,
-                      policy: SwitchPolicy | None) -> SwitchPolicy | None:
-        """The stage's policy, its options checked now (None: keep the installed one)."""
-        return self.scheduled_policy(switch_schedule, kv_transfer) if switch_schedule is not None else policy
+        return self._switching.scheduled_policy(switch_schedule, kv_transfer)
 
     # ---- layout -----------------------------------------------------------------------------
 
@@ -357,23 +325,21 @@ class Engine:
         Returns the switch's record once it is done. Invalid targets are refused before anything moves.
         """
         self._ensure_open()
-        check_kv_transfer(kv_transfer, allow_auto=False)
-        decision = SwitchDecision(tp, "reconfigure() call", kv_transfer)
-        return self._on_loop(self.coordinator.switch, decision, timeout=timeout)  # the target is checked there
+        return self._switching.reconfigure(tp, kv_transfer, timeout)
 
     def set_policy(self, policy: SwitchPolicy | None, cost_source: CostSource | None = None) -> None:
         """Install the policy consulted every ``switch_check_interval`` decode steps, and with it the
         source a switch prices its KV path with (None: keep the current one)."""
-        self._on_loop(self.coordinator.set_policy, policy, cost_source)
+        self._switching.set_policy(policy, cost_source)
 
     def set_placement(self, placement: PlacementRule | None) -> None:
         """Install the DP-group rule used at admission (None: fewest outstanding tokens).
 
         ``placement(seq, group_schedulers) -> group index`` (a ``parallel.dp_placement.PlacementRule``).
         """
-        self._on_loop(self.coordinator.set_placement, placement)
+        self._stepping.set_placement(placement)
 
-    # ---- RL: weight sync (checks and batching in WeightSync) -------------------------------------
+    # ---- RL: weight sync (WeightSync) ---------------------------------------------------------------
 
     def check_weight_update(self, names: list[str], shapes: list[tuple[int, ...]], dtypes: list) -> None:
         """Refuse a whole update before anything is applied: an unknown name, a wrong shape, a dtype
@@ -459,27 +425,23 @@ class Engine:
         already released is a no-op.
         """
         self._ensure_open()
-        if tags is None:
-            wanted, weights_to = tags_for_level(level, self.config.device == "cuda")
-        else:
-            wanted, weights_to = check_tags(tags), DISCARDED
-        return self._on_loop(self.coordinator.release_memory, wanted, weights_to or DISCARDED)
+        return self._memory.sleep(level, tags)
 
     def wake_up(self, tags: list[str] | None = None) -> list[str]:
         """Restore what ``sleep`` released (``tags``: only "weights", "kv_cache" or "cuda_graph");
         returns what was restored. Whatever was not released is left alone: waking an awake engine
         is a no-op and never touches running requests or the prefix cache."""
         self._ensure_open()
-        return sorted(self._on_loop(self.coordinator.restore_memory, check_tags(tags)))
+        return self._memory.wake_up(tags)
 
     @property
     def sleeping(self) -> bool:
         """Whether any memory is released (``sleep`` without the matching ``wake_up``)."""
-        return self.coordinator.sleep.asleep
+        return self._memory.state.asleep
 
     def released_memory(self) -> list[str]:
         """The memory tags released now."""
-        return sorted(self.coordinator.sleep.released())
+        return sorted(self._memory.state.released())
 
     def pause(self, mode: str = "in_place") -> int:
         """Stop starting new steps until ``resume``; returns how many requests the mode touched.
@@ -491,23 +453,23 @@ class Engine:
         """
         if mode not in PAUSE_MODES:
             raise InvalidRequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        return self._on_loop(self.coordinator.pause, mode)
+        return self._stepping.pause(mode)
 
     def resume(self) -> None:
-        self._on_loop(self.coordinator.resume)
+        self._stepping.resume()
 
     @property
     def paused(self) -> bool:
-        return self.coordinator.paused
+        return self._stepping.paused
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache (cached blocks are freed; blocks in use are no longer found by later
         requests), as vLLM's ``reset_prefix_cache`` and SGLang's ``flush_cache``."""
-        self._on_loop(self.coordinator.flush_prefix_cache)
+        self._stepping.flush_prefix_cache()
         return True
 
     def num_unfinished_requests(self) -> int:
-        return self._on_loop(self.coordinator.num_unfinished)
+        return self._stepping.num_unfinished()
 
     def _ensure_open(self) -> None:
         if self._closed:

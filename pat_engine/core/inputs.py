@@ -16,12 +16,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from pat_engine.core.memory import MemoryPlan
 from pat_engine.core.request import Sequence
 from pat_engine.core.stop_strings import StopStringMatcher
 from pat_engine.errors import InvalidRequestError
 from pat_engine.model.arch import ModelArch
-from pat_engine.sampling.sampler import SamplingSpec, _splitmix64, sample_seed
-from pat_engine.sampling_params import SamplingParams
+from pat_engine.parallel.layout import Layout
+from pat_engine.sampling.params import SamplingParams
+from pat_engine.sampling.seeds import request_seed, sample_seed
+from pat_engine.sampling.spec import SamplingSpec
 
 # No tokenizer we serve has tokens this long on average: a text longer than this many characters per
 # context position cannot fit, whatever it tokenizes to, so it is refused without tokenizing.
@@ -87,6 +90,35 @@ class RequestFactory:
             raise InvalidRequestError(f"{at}token id {bad[0]} is outside the vocabulary [0, {self.arch.vocab_size})")
         return list(prompt), None
 
+    def make_batch(self, prompts: Any, params: SamplingParams | list[SamplingParams] | None,
+                   request_ids: list[str] | None, memory: MemoryPlan, layout: Layout) -> list[list[Sequence]]:
+        """``Engine.generate``'s prompts (one prompt, or a list) and params (one for all, or one each) as
+        validated sequences, one list per prompt (its ``n`` samples, sample 0 first), each of which fits
+        a DP group of ``layout``."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        if request_ids is not None and len(request_ids) != len(prompts):
+            raise InvalidRequestError(f"got {len(prompts)} prompts but {len(request_ids)} request ids")
+        single = len(prompts) == 1  # one prompt: errors need no "prompt i" to say which
+        families = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            where = "" if single else f"prompt {i}"
+            samples = self.make_samples(p, sp, request_ids[i] if request_ids else None, where=where)
+            prompt_len = len(samples[0].prompt_ids)
+            if not memory.fits(layout, prompt_len, sp.max_new_tokens):
+                raise InvalidRequestError(
+                    f"{_place(where)}needs {memory.slots_needed(prompt_len, sp.max_new_tokens)} KV token "
+                    f"slots but a DP group of {layout} holds {memory.tokens_per_group(layout)}; "
+                    "lower max_new_tokens or raise kv_cache_bytes")
+            families.append(samples)
+        return families
+
     def make_samples(self, prompt: Any, params: SamplingParams, request_id: str | None = None,
                      where: str = "") -> list[Sequence]:
         """The ``params.n`` samples of one prompt: one request id, sample 0 first; the later samples
@@ -95,7 +127,8 @@ class RequestFactory:
         samples = [first]
         for i in range(1, params.n):
             seq_id = next(self._ids)
-            samples.append(replace(first, seq_id=seq_id, spec=replace(first.spec, seed=sample_seed(first.spec.seed, i)),
+            samples.append(replace(first, seq_id=seq_id,
+                                   sampling=replace(first.sampling, seed=sample_seed(first.sampling.seed, i)),
                                    sample_index=i, first_sample=first, prompt_ids=list(first.prompt_ids),
                                    output_ids=[], logprobs=[], top_logprobs=[], weight_versions=[], block_table=[],
                                    arrival_time=first.arrival_time, stop_strings=self._stop_matcher(params)))
@@ -115,18 +148,13 @@ class RequestFactory:
                 f"{at}prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
                 f"the context length {self.max_model_len}")
         seq_id = next(self._ids)
-        # no seed given: derive one from the engine seed and the request number, still layout-invariant
-        seed = params.seed if params.seed is not None else _splitmix64(self.engine_seed * 1_000_003 + seq_id) >> 1
-        spec = SamplingSpec(params.temperature, params.top_k, params.top_p, int(seed), params.logprobs,
-                            params.logprobs_mode == "processed", params.top_logprobs if params.logprobs else 0,
-                            params.repetition_penalty, params.frequency_penalty, params.presence_penalty,
-                            params.min_p, params.logit_bias, len(ids))
+        seed = params.seed if params.seed is not None else request_seed(self.engine_seed, seq_id)
         return Sequence(
             seq_id=seq_id,
             request_id=request_id or f"req-{seq_id}",
             prompt_ids=ids,
             params=params,
-            spec=spec,
+            sampling=SamplingSpec.of(params, seed, len(ids)),
             eos_ids=self.arch.eos_token_ids,
             max_len=self.max_model_len,
             prompt=text,

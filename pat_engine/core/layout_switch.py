@@ -108,8 +108,8 @@ def plan_switch(decision: SwitchDecision, seqs: list[Sequence], old: Layout, new
     if path == "recompute":  # nothing moves: fresh groups, every request is prefilled again
         schedulers = new_schedulers(new)
         placed = _KVPlacement(old_schedulers, schedulers, block_size)
-    tables = tuple(SeqTable(s.seq_id, group_of[s.seq_id], tuple(placed.tables[s.seq_id]), s.spec,
-                            tuple(s.tokens[: s.num_cached]) if s.spec.has_penalties else None)
+    tables = tuple(SeqTable(s.seq_id, group_of[s.seq_id], tuple(placed.tables[s.seq_id]), s.sampling,
+                            tuple(s.tokens[: s.num_cached]) if s.sampling.has_penalties else None)
                    for s in seqs if s.seq_id in placed.tables)
     per_group = tuple(sum(1 for g in group_of.values() if g == group) for group in range(new.dp))
     plan = SwitchPlan(old, new, memory.num_blocks(new), path, tuple(placed.runs), tables, per_group)

@@ -1,9 +1,7 @@
-"""The engine loop thread: the only thread that talks to workers.
+"""The engine loop: the body of the one thread that talks to workers (``LoopThread``).
 
-API calls from any thread (``generate``, ``reconfigure``, aborts, the HTTP
-server) are posted here as closures and run between steps, so the worker
-pipes and the coordinator's state need no locks. A wake-up pipe ends the
-loop's wait early when a call is posted.
+Each turn runs the calls other threads posted (``loop_thread.py``), then one
+``GlobalCoordinator.tick``: a due switch, steps dispatched, results handled.
 
 Worker failures are handled here too: the world is restarted and the
 unfinished requests are recomputed (same tokens, since sampling depends only
@@ -19,23 +17,19 @@ is ended with that error, and new ones are refused at once.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
-import threading
 import time
-from collections import deque
-from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Callable
 
 from pat_engine.core.coordinator import GlobalCoordinator
-from pat_engine.predictor.policy import SwitchPolicy
+from pat_engine.core.loop_thread import on_loop
 from pat_engine.core.quarantine import Quarantine
 from pat_engine.core.request import Sequence
 from pat_engine.core.restart_budget import RestartBudget
 from pat_engine.core.served_weights import ServedWeights
-from pat_engine.core.timeline import SwitchEvent
 from pat_engine.core.worker_pool import WorkerPool
-from pat_engine.errors import EngineClosedError, EngineDeadError, WorkerFailure
+from pat_engine.errors import EngineDeadError, WorkerFailure
 from pat_engine.parallel.layout import Layout
+from pat_engine.predictor.policy import SwitchPolicy
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +38,7 @@ class EngineLoop:
     def __init__(self, coordinator: GlobalCoordinator, make_pool: Callable[[], WorkerPool], budget: RestartBudget,
                  recover: bool, weights: ServedWeights):
         self.coordinator = coordinator
+        self.thread = coordinator.thread
         self._make_pool = make_pool
         self.budget = budget
         self.recover = recover
@@ -52,55 +47,34 @@ class EngineLoop:
         self.quarantine = Quarantine()
         self.weights = weights  # a restart reloads them from disk, which loses in-memory updates
         self.failures: list[str] = []
-        self._inbox: deque[tuple[Callable, tuple, Future]] = deque()
-        self._wake_r, self._wake_w = mp.Pipe(duplex=False)
-        self._stop = False
         self.dead: str | None = None
-        self._thread = threading.Thread(target=self._run, name="pat-engine-loop", daemon=True)
-        self._thread.start()
-
-    # ---- posting work -----------------------------------------------------------------------
-
-    def call(self, fn: Callable, *args: Any) -> Future:
-        fut: Future = Future()
-        if self._stop or not self._thread.is_alive():
-            fut.set_exception(EngineClosedError("the engine has been shut down"))
-            return fut
-        self._inbox.append((fn, args, fut))
-        self._wake()
-        return fut
-
-    def run(self, fn: Callable, *args: Any, timeout: float | None = None) -> Any:
-        return self.call(fn, *args).result(timeout)
-
-    def _wake(self) -> None:
-        try:
-            self._wake_w.send_bytes(b"!")
-        except OSError:
-            pass
+        self.thread.start(self._run)
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self._stop:
+        thread = self.thread
+        if thread.stopping:
             return
-        done = self.call(self._shutdown)
+        done = thread.call(self._shutdown)
         try:
             done.result(timeout)
         except Exception as exc:
             log.warning("engine shutdown: %s", exc)
-        self._stop = True
-        self._wake()
-        self._thread.join(timeout)
-        if self.coordinator.pool is not None:
-            self.coordinator.pool.kill()
+        thread.stopping = True
+        thread.wake()
+        thread.join(timeout)
+        if self.coordinator.stepping.pool is not None:
+            self.coordinator.stepping.pool.kill()
 
     def _shutdown(self) -> None:
-        self.coordinator.abort([s.seq_id for s in self.coordinator.unfinished()], "abort", "engine shut down")
+        stepping = self.coordinator.stepping
+        stepping.abort([s.seq_id for s in stepping.unfinished()], "abort", "engine shut down")
         self.finish_parked(self.quarantine.take_parked(), "abort", "engine shut down")
-        self.coordinator.pool.shutdown()
-        self._stop = True
+        stepping.pool.shutdown()
+        self.thread.stopping = True
 
     # ---- admission and state (run in the loop thread unless noted) -------------------------------
 
+    @on_loop
     def admit(self, samples: list[Sequence]) -> None:
         """Queue the samples of one prompt, noting the weight version they start under; refused here,
         in the loop thread, so none slips in after the engine died."""
@@ -108,25 +82,27 @@ class EngineLoop:
             raise EngineDeadError(self.dead)
         for seq in samples:
             seq.start_on_weights(self.weights.version)
-        self.coordinator.add_samples(samples)
+        self.coordinator.stepping.add_samples(samples)
 
+    @on_loop
     def start_batch(self, families: list[list[Sequence]], policy: SwitchPolicy | None,
                     base_layout: Layout | None) -> None:
         """A new stage and its requests in one loop turn, so no step runs before all are queued."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        self.coordinator.start_stage(policy, base_layout)
+        self.coordinator.switching.start_stage(policy, base_layout)
         for family in families:
             self.admit(family)
 
+    @on_loop
     def abort_requests(self, request_ids: set[str]) -> int:
         """Stop the unfinished requests with these ids, queued or held back by the quarantine; they
         finish with reason "abort" and keep what they generated. Returns how many."""
-        coord = self.coordinator
-        ids = [s.seq_id for s in coord.unfinished() if s.request_id in request_ids]
+        stepping = self.coordinator.stepping
+        ids = [s.seq_id for s in stepping.unfinished() if s.request_id in request_ids]
         held = [s for s in self.quarantine.parked() if s.request_id in request_ids and not s.finished]
         self.finish_parked(held, "abort", "aborted by the caller")
-        return len(coord.abort(ids, "abort", "aborted by the caller")) + len(held)
+        return len(stepping.abort(ids, "abort", "aborted by the caller")) + len(held)
 
     def finish_parked(self, seqs: list[Sequence], reason: str, error: str | None) -> None:
         """End requests held back by the quarantine (they are in no queue of the coordinator)."""
@@ -139,17 +115,17 @@ class EngineLoop:
     def health(self) -> dict:
         """A snapshot for /health; read from any thread (plain attribute reads, no loop round trip,
         so it answers while the loop is busy or stuck)."""
-        coord = self.coordinator
+        stepping = self.coordinator.stepping
         now = time.monotonic()
-        pool = coord.pool
-        flights = list(coord.inflight.values())
+        pool = stepping.pool
+        flights = list(stepping.inflight.values())
         return {
             "dead": self.dead,
             "restarting": self.restarting,
             "workers_alive": bool(pool is not None and pool.alive()),
             "oldest_step_s": round(now - min(f.sent_at for f in flights), 3) if flights else None,
-            "last_step_s": None if coord.last_step_at is None else round(now - coord.last_step_at, 3),
-            "step_timeout_s": coord.config.step_timeout_s,
+            "last_step_s": None if stepping.last_step_at is None else round(now - stepping.last_step_at, 3),
+            "step_timeout_s": stepping.config.step_timeout_s,
             "restarts": self.restarts,
             "restarts_in_window": self.budget.recent(),
             "restart_budget": self.budget.describe(),
@@ -158,61 +134,47 @@ class EngineLoop:
     # ---- the loop ------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop:
-            self._drain_wake()
-            while self._inbox:
-                fn, args, fut = self._inbox.popleft()
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn(*args))
-                    except BaseException as exc:  # delivered to the caller
-                        fut.set_exception(exc)
-                if self._stop:
-                    break
-            if self._stop:
+        thread = self.thread
+        while not thread.stopping:
+            thread.run_posted()
+            if thread.stopping:
                 break
             try:
                 if self.dead is None:
                     self._admit_held()
-                    self.coordinator.tick(0.5, self._wake_r)
+                    self.coordinator.tick(0.5, thread.wake_handle)
                 else:
-                    self._wake_r.poll(0.5)
+                    thread.wake_handle.poll(0.5)
             except WorkerFailure as exc:
                 self._on_failure(exc)
             except Exception as exc:  # a bug in the driver: fail requests loudly rather than hang
                 log.exception("engine loop error")
                 self._on_failure(WorkerFailure(f"engine loop error: {exc!r}"))
-        for fn, args, fut in self._inbox:
-            fut.set_exception(EngineClosedError("the engine has been shut down"))
-
-    def _drain_wake(self) -> None:
-        while self._wake_r.poll():
-            self._wake_r.recv_bytes()
+        thread.close()
 
     def _admit_held(self) -> None:
         seq = self.quarantine.next_to_admit()
         if seq is not None:
             log.warning("replaying request %s alone after a failed step", seq.request_id)
-            self.coordinator.add(seq)
+            self.coordinator.stepping.add(seq)
 
     def _on_failure(self, exc: WorkerFailure) -> None:
-        coord = self.coordinator
         message = str(exc).splitlines()[0]
         self.failures.append(str(exc))
         log.error("worker failure: %s", message)
         self.restarting = True
         try:
-            self._recover(coord, exc, message)
+            self._recover(exc, message)
         finally:
             self.restarting = False
 
-    def _recover(self, coord: GlobalCoordinator, exc: WorkerFailure, message: str) -> None:
-        suspects = coord.step_members(exc.rank)  # read before the world is torn down
-        coord.pool.kill()
+    def _recover(self, exc: WorkerFailure, message: str) -> None:
+        coord, stepping = self.coordinator, self.coordinator.stepping
+        suspects = stepping.step_members(exc.rank)  # read before the world is torn down
+        stepping.pool.kill()
         self.restarts += 1
         can_restart = self.budget.take()
-        coord.timeline.add_switch(SwitchEvent(coord.timeline.now(), str(coord.layout), str(coord.memory.base),
-                                              f"worker failure: {message}", "recompute", 0.0, ok=False, error=message))
+        coord.switching.record_failure(message)
         requeue = self.recover and can_restart and self.weights.on_disk
         held: list[Sequence] = []
         if requeue:
@@ -220,16 +182,16 @@ class EngineLoop:
             if poison:
                 log.error("failing %d request(s) whose step failed twice: %s", len(poison),
                           ", ".join(s.request_id for s in poison))
-                coord.abort([s.seq_id for s in poison], "error",
-                            f"this request's step made a worker fail twice ({message}); it was failed alone and "
-                            "the engine goes on with the others")
-            self.quarantine.park(coord.withdraw([s.seq_id for s in held]))
+                stepping.abort([s.seq_id for s in poison], "error",
+                               f"this request's step made a worker fail twice ({message}); it was failed alone and "
+                               "the engine goes on with the others")
+            self.quarantine.park(stepping.withdraw([s.seq_id for s in held]))
         else:
             if not can_restart:  # set first: a caller woken by the aborts below must see why
                 self.dead = (f"the engine cannot serve: workers failed more often than the restart budget allows "
                              f"({self.budget.describe()}); last failure: {message}")
             reason = "worker failure" if can_restart else "worker failure (restart budget used up)"
-            coord.abort([s.seq_id for s in coord.unfinished()], "error", f"{reason}: {message}")
+            stepping.abort([s.seq_id for s in stepping.unfinished()], "error", f"{reason}: {message}")
             self.finish_parked(self.quarantine.take_parked(), "error", f"{reason}: {message}")
         if not can_restart:
             return
@@ -237,11 +199,11 @@ class EngineLoop:
             pool = self._make_pool()
         except Exception as start_exc:
             self.dead = f"the engine cannot serve: could not restart workers after a failure: {start_exc}"
-            coord.abort([s.seq_id for s in coord.unfinished()], "error", self.dead)
+            stepping.abort([s.seq_id for s in stepping.unfinished()], "error", self.dead)
             self.finish_parked(self.quarantine.take_parked(), "error", self.dead)
             return
-        coord.reset(pool, coord.memory.base)
+        coord.restart(pool)
         self.weights.workers_restarted()  # after in-memory updates: refuse new requests until they come again
-        if requeue and (coord.unfinished() or held):
+        if requeue and (stepping.unfinished() or held):
             log.warning("restarted workers; %d unfinished requests will be recomputed (%d of them one at a time)",
-                        len(coord.unfinished()) + len(held), len(held))
+                        len(stepping.unfinished()) + len(held), len(held))

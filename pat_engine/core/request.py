@@ -10,8 +10,8 @@ from typing import Callable
 from pat_engine.core.stop_strings import StopStringMatcher
 from pat_engine.outputs import RequestOutput
 from pat_engine.protocol import PromptLogprobs
-from pat_engine.sampling.sampler import SamplingSpec
-from pat_engine.sampling_params import SamplingParams
+from pat_engine.sampling.spec import SamplingSpec
+from pat_engine.sampling.params import SamplingParams
 
 
 class SeqStatus(enum.Enum):
@@ -26,7 +26,7 @@ class Sequence:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    spec: SamplingSpec
+    sampling: SamplingSpec  # what the workers need to sample it
     eos_ids: tuple[int, ...]
     max_len: int  # prompt + output may not exceed this (context limit)
     prompt: str | None = None

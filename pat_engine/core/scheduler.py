@@ -208,9 +208,9 @@ class GroupScheduler:
             if is_prefill:
                 tokens = seq.tokens
                 steps.append(SeqStep(seq.seq_id, tokens[seq.num_cached:], seq.num_cached,
-                                     block_table=list(seq.block_table), sampling=seq.spec,
+                                     block_table=list(seq.block_table), sampling=seq.sampling,
                                      suppressed=seq.suppressed_now(),
-                                     context=tokens[:seq.num_cached] if seq.spec.has_penalties else None,
+                                     context=tokens[:seq.num_cached] if seq.sampling.has_penalties else None,
                                      prompt_logprobs=seq.params.prompt_logprobs if seq.wants_prompt_logprobs() else None))
             else:
                 steps.append(SeqStep(seq.seq_id, [seq.last_token] + drafts.get(seq.seq_id, []), seq.length - 1,

@@ -55,6 +55,10 @@ class SleepState:
         out = {"kv_cache", "cuda_graph"} if self.kv_cache else set()
         return out | ({"weights"} if self.weights is not None else set())
 
+    def clear(self) -> None:
+        """Fresh workers hold all their memory."""
+        self.kv_cache, self.weights = False, None
+
     def describe(self) -> str:
         parts = (["the KV cache"] if self.kv_cache else []) + ([f"the weights ({self.weights})"] if self.weights else [])
         return " and ".join(parts) or "nothing"

@@ -1,32 +1,39 @@
-"""``WeightSync``: the checks and batching of an RL weight update, on the caller's thread.
+"""``WeightSync``: an RL weight update, its checks and batching on the caller's thread, its calls in the loop.
 
 Weights arrive as full Hugging Face-named tensors (as a trainer holds them);
 every rank slices its own shard under whatever layout is current, so an
 update after a live switch lands correctly. The caller's thread walks the
 tensor iterator (a trainer's generator may run collectives) and hands the
-engine loop one bucket at a time (``GlobalCoordinator.load_weights``), so the
-full model is never held twice. A colocated trainer's buckets may come by
-handle instead (``from_handles``: the workers rebuild them, see
-``model/weight_handles.py``). ``Engine``'s weight methods delegate here.
+engine loop one bucket at a time (``_at_step_boundary``: drain, then the
+worker call), so the full model is never held twice. A colocated trainer's
+buckets may come by handle instead (``from_handles``: the workers rebuild
+them, see ``model/weight_handles.py``). ``Engine``'s weight methods delegate here.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, Sequence, Union
+from typing import Iterable, Iterator, Sequence, TypeVar, Union
 
 import torch
 
 from pat_engine.config import EngineConfig
-from pat_engine.core.coordinator import GlobalCoordinator
+from pat_engine.core.loop_thread import LoopThread, on_loop
 from pat_engine.core.served_weights import ServedWeights
+from pat_engine.core.sleep_state import SleepState
+from pat_engine.core.stepping import Stepping
 from pat_engine.errors import InvalidRequestError, ModelLoadError, WorkerFailure
 from pat_engine.model.arch import ModelArch, load_model_arch
 from pat_engine.model.llama import CausalLM
 from pat_engine.model.weights import WeightNameCheck, byte_buckets, safetensors_files
 from pat_engine.parallel.update_group import BACKENDS, CUDA_ONLY, parse_dtype
+from pat_engine.protocol.calls import (
+    DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, LoadWeights, LoadWeightsFromHandles, ReloadWeights,
+    UpdateWeightsFromDistributed, WorkerCall,
+)
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 HandleBucket = Union[bytes, Sequence[bytes]]  # one payload for every worker, or one per worker rank
+R = TypeVar("R")
 
 
 def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], limit: int, check: WeightNameCheck) -> Iterator[list]:
@@ -50,12 +57,11 @@ def _refused(exc: WorkerFailure) -> Exception:
 
 
 class WeightSync:
-    """``on_loop(method, *args)`` runs a coordinator method in the engine loop thread and returns its value."""
-
-    def __init__(self, arch: ModelArch, config: EngineConfig, coordinator: GlobalCoordinator, weights: ServedWeights,
-                 on_loop: Callable[..., Any]) -> None:
-        self.arch, self.config, self.coordinator, self.weights = arch, config, coordinator, weights
-        self._on_loop = on_loop
+    def __init__(self, arch: ModelArch, config: EngineConfig, stepping: Stepping, weights: ServedWeights,
+                 sleep: SleepState, thread: LoopThread) -> None:
+        self.arch, self.config, self.stepping, self.weights = arch, config, stepping, weights
+        self.sleep = sleep  # weights are written in place: refused while released
+        self.thread = thread
         self._names: WeightNameCheck | None = None
 
     def name_check(self) -> WeightNameCheck:
@@ -82,7 +88,7 @@ class WeightSync:
 
     def check_resident(self) -> None:
         """Weights are written in place: refuse while ``sleep`` has them released (wake_up first)."""
-        state = self.coordinator.sleep.weights
+        state = self.sleep.weights
         if state is not None:
             raise InvalidRequestError(f"the weights are released ({state}); call wake_up(['weights']) before "
                                       "updating them")
@@ -92,9 +98,9 @@ class WeightSync:
         self.check_resident()
         applied = 0
         for bucket in _buckets(named_tensors, bucket_bytes, self.name_check()):
-            applied += self._on_loop(self.coordinator.load_weights, bucket)
+            applied += self._at_step_boundary(LoadWeights(bucket))
             self.weights.updated_in_memory()
-        self._on_loop(self.coordinator.new_weight_version, version)
+        self.new_version(version)
         return applied
 
     def from_handles(self, buckets: Iterable[HandleBucket], version: str | None, final: bool) -> int:
@@ -105,14 +111,14 @@ class WeightSync:
             one = isinstance(bucket, (bytes, bytearray, memoryview))
             payloads = [bytes(bucket)] if one else [bytes(p) for p in bucket]
             try:
-                applied += self._on_loop(self.coordinator.load_weights_from_handles, payloads)
+                applied += self._at_step_boundary(LoadWeightsFromHandles(payloads))
             except WorkerFailure as exc:
                 if i > 0:  # earlier buckets are in: the model is part old, part new
                     self.weights.update_failed()
                 raise _refused(exc) from None
             self.weights.updated_in_memory()
         if final:
-            self._on_loop(self.coordinator.new_weight_version, version)
+            self.new_version(version)
         return applied
 
     def from_disk(self, path: str, version: str | None) -> None:
@@ -121,9 +127,9 @@ class WeightSync:
         if arch.fingerprint() != self.arch.fingerprint():
             raise ModelLoadError(f"{path!r} is a different model (architecture or shapes differ from the served one)")
         safetensors_files(path)
-        self._on_loop(self.coordinator.reload_weights, str(path))
+        self._at_step_boundary(ReloadWeights(str(path)))
         self.weights.updated_from_disk(str(path))
-        self._on_loop(self.coordinator.new_weight_version, version)
+        self.new_version(version)
 
     def join_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
                    backend: str | None, timeout_s: float | None) -> None:
@@ -137,19 +143,42 @@ class WeightSync:
         if rank_offset < 1 or rank_offset + world > world_size:
             raise InvalidRequestError(f"ranks {rank_offset}..{rank_offset + world - 1} of this engine's {world} "
                                       f"workers do not fit a group of {world_size} (rank 0 is the trainer)")
-        self._on_loop(self.coordinator.join_weights_update_group, master_address, int(master_port), rank_offset,
-                      world_size, group_name, backend, timeout_s or self.config.collective_timeout_s)
+        # every worker joins as rank ``rank_offset + its rank``; blocks until all have (and the trainer)
+        self._ask(InitWeightsUpdateGroup(master_address, int(master_port), rank_offset, world_size, group_name,
+                                         backend, timeout_s or self.config.collective_timeout_s))
 
     def from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]], group_name: str,
                          version: str | None, timeout_s: float | None, final: bool = True) -> int:
         self.check_resident()
         self.check_update(names, [tuple(s) for s in shapes], dtypes)
-        applied = self._on_loop(self.coordinator.receive_weights, list(names), [str(d) for d in dtypes],
-                                [list(s) for s in shapes], group_name, timeout_s)
+        applied = self._at_step_boundary(UpdateWeightsFromDistributed(
+            list(names), [str(d) for d in dtypes], [list(s) for s in shapes], group_name, timeout_s))
         self.weights.updated_in_memory()
         if final:
-            self._on_loop(self.coordinator.new_weight_version, version)
+            self.new_version(version)
         return applied
 
     def leave_group(self, group_name: str) -> bool:
-        return self._on_loop(self.coordinator.leave_weights_update_group, group_name)
+        return self._ask(DestroyWeightsUpdateGroup(group_name))
+
+    # ---- in the loop thread ------------------------------------------------------------------
+
+    @on_loop
+    def _at_step_boundary(self, call: WorkerCall[R]) -> R:
+        """``call`` on every rank once no step is in flight: weights are written in place."""
+        self.stepping.drain()
+        return self.stepping.pool.ask(call)
+
+    @on_loop
+    def _ask(self, call: WorkerCall[R]) -> R:
+        return self.stepping.pool.ask(call)
+
+    @on_loop
+    def new_version(self, version: str | None) -> str:
+        """Count one finished update; unfinished requests note from which token the new weights apply.
+        The prefix cache is dropped: its blocks hold KV the old weights computed."""
+        self.stepping.flush_prefix_cache()
+        name = self.weights.new_version(version)
+        for seq in self.stepping.seqs.values():
+            seq.note_new_weights(name)
+        return name

@@ -20,16 +20,19 @@ import sys
 import time
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
+from typing import TypeVar
 
 import torch.distributed as dist
 
 from pat_engine.config import EngineConfig
 from pat_engine.errors import WorkerFailure, last_traceback_line
 from pat_engine.parallel.layout import Layout
-from pat_engine.protocol import Call, Reply, Shutdown, StepCommand, StepResult, WorkerArgs, WorkerCall
+from pat_engine.protocol import StepCommand, StepResult, WorkerArgs
+from pat_engine.protocol.calls import Call, Reply, Shutdown, WorkerCall
 import torch.multiprocessing  # noqa: F401  (registers the shared-memory pickling of tensors)
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 
 class WorkerPool:
@@ -83,7 +86,7 @@ class WorkerPool:
             return
         try:
             if self.alive():
-                self.call(Shutdown(), timeout=timeout)
+                self.ask(Shutdown(timeout))
         except Exception as exc:  # already broken: fall through to kill
             log.debug("graceful worker shutdown failed: %s", exc)
         deadline = time.monotonic() + timeout
@@ -121,14 +124,15 @@ class WorkerPool:
             except (BrokenPipeError, OSError) as exc:
                 raise WorkerFailure(self._death_message(r, f"could not send to it ({exc})"), rank=r) from exc
 
-    def call(self, body: WorkerCall, ranks: list[int] | None = None, timeout: float | None = None) -> list:
-        """Run ``body`` on ``ranks`` (default: all) and return their values in rank order
-        (``WorkerClient`` gives each call a typed method)."""
+    def ask(self, call: WorkerCall[R], ranks: list[int] | None = None) -> R:
+        """Run ``call`` on ``ranks`` (default: all), wait for every one of them (``call.wait_s()``, else the
+        step timeout) and answer as the call's ``reply`` rule says."""
         ranks = list(range(self.world)) if ranks is None else ranks
         call_id = next(self._call_ids)
-        self.send(ranks, Call(call_id, body))
-        replies = self._collect_replies(call_id, ranks, timeout or self.config.step_timeout_s, type(body).__name__)
-        return [replies[r].value for r in ranks]
+        self.send(ranks, Call(call_id, call))
+        replies = self._collect_replies(call_id, ranks, call.wait_s() or self.config.step_timeout_s,
+                                        type(call).__name__)
+        return call.reply.combine([replies[r].value for r in ranks])
 
     def poll(self, timeout: float | None, extra: list | None = None) -> list[StepResult | Reply]:
         """Messages that arrived within ``timeout``; raises ``WorkerFailure`` if a worker died.

@@ -6,23 +6,15 @@ imports: core -> protocol <- worker.
 
 - ``steps``: the hot path (``StepCommand`` out, ``StepResult`` back).
 - ``calls``: control calls, one dataclass each (in a ``Call`` envelope out, a ``Reply`` back from every
-  addressed rank; the worker picks its handler by the call's type).
+  addressed rank; the worker picks its handler by the call's type, and the call's ``ReplyRule`` folds
+  the ranks' answers into one). Imported from ``pat_engine.protocol.calls``, their one home: a new
+  call is written there and nowhere else in this package.
 - ``switch``: a live layout change (``SwitchPlan`` out, ``SwitchReport`` back per rank).
 - ``startup``: what a worker process is started with (``WorkerArgs``).
 """
 
-from pat_engine.protocol.calls import (
-    AllocateKV, BandwidthProbe, Call, DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, InjectFault, KVBudget,
-    LoadWeights, LoadWeightsFromHandles, ReleaseMemory, ReloadWeights, Reply, RestoreMemory, Shutdown, Stats, Switch,
-    UpdateWeightsFromDistributed, WorkerCall,
-)
 from pat_engine.protocol.startup import WorkerArgs
 from pat_engine.protocol.steps import PromptLogprobs, SeqStep, StepCommand, StepResult
 from pat_engine.protocol.switch import SeqTable, SwitchPlan, SwitchReport
 
-__all__ = [
-    "AllocateKV", "BandwidthProbe", "DestroyWeightsUpdateGroup", "InitWeightsUpdateGroup", "InjectFault", "KVBudget",
-    "LoadWeights", "LoadWeightsFromHandles", "ReleaseMemory", "ReloadWeights", "RestoreMemory", "Shutdown", "Stats",
-    "Switch", "UpdateWeightsFromDistributed", "WorkerCall",
-    "PromptLogprobs", "Call", "Reply", "SeqStep", "StepCommand", "SeqTable", "StepResult", "SwitchPlan", "SwitchReport", "WorkerArgs",
-]
+__all__ = ["PromptLogprobs", "SeqStep", "StepCommand", "SeqTable", "StepResult", "SwitchPlan", "SwitchReport", "WorkerArgs"]

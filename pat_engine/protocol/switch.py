@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, replace
 from pat_engine.config import KV_PATHS
 from pat_engine.parallel.kv_plan import KVRun
 from pat_engine.parallel.layout import Layout
-from pat_engine.sampling.sampler import SamplingSpec
+from pat_engine.sampling.spec import SamplingSpec
 
 
 @dataclass(frozen=True)

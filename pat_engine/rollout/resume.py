@@ -19,7 +19,7 @@ import dataclasses
 
 from pat_engine.errors import InvalidRequestError
 from pat_engine.outputs import RequestOutput
-from pat_engine.sampling_params import SamplingParams
+from pat_engine.sampling.params import SamplingParams
 
 
 def exactly_resumable(params: SamplingParams) -> bool:

@@ -31,7 +31,7 @@ from pat_engine.rollout.rewards import RewardResult, RewardStage
 from pat_engine.rollout.round_layout import best_round_tp
 from pat_engine.rollout.scheduler import RolloutScheduler, RoundSummary
 from pat_engine.rollout.tail_batching import Partial, PromptEntry, RoundPlan, RoundTracker
-from pat_engine.sampling_params import SamplingParams
+from pat_engine.sampling.params import SamplingParams
 
 
 @dataclass

@@ -28,28 +28,8 @@ from pat_engine.sampling.inverse_cdf import first_max, inverse_cdf, inverse_cdf_
 from pat_engine.sampling.logprobs import greedy_logprobs, log_z, token_logprobs, top_logprobs
 from pat_engine.sampling.prefix import masked, prefixes
 from pat_engine.sampling.processors import ProcessorRows
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def sample_seed(seed: int, sample_index: int) -> int:
-    """The seed of sample ``sample_index`` of a request seeded ``seed`` (sample 0 keeps ``seed``)."""
-    if sample_index == 0:
-        return seed
-    return _splitmix64((seed & _MASK64) ^ _splitmix64(sample_index)) >> 1
-
-
-def uniform_for(seed: int, position: int) -> float:
-    """A uniform draw in [0, 1) that is a pure function of (seed, position)."""
-    return (_splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 11) * 2.0**-53
-
+from pat_engine.sampling.seeds import MASK64
+from pat_engine.sampling.spec import SamplingSpec
 
 def _signed(c: int) -> int:
     """A 64-bit constant as the int64 with the same bits."""
@@ -62,7 +42,7 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _splitmix64_t(x: torch.Tensor) -> torch.Tensor:
-    # int64 arithmetic wraps modulo 2**64, so the bits match the Python version above
+    # int64 arithmetic wraps modulo 2**64, so the bits match seeds.splitmix64
     x = x + _signed(0x9E3779B97F4A7C15)
     x = (x ^ _shr(x, 30)) * _signed(0xBF58476D1CE4E5B9)
     x = (x ^ _shr(x, 27)) * _signed(0x94D049BB133111EB)
@@ -73,31 +53,6 @@ def uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """``uniform_for`` for every row at once; seeds and positions: int64 (B,) -> float64 (B,)."""
     bits = _shr(_splitmix64_t(_splitmix64_t(seeds) ^ positions), 11)
     return bits.to(torch.float64) * 2.0**-53  # < 2**53: exact
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    """What a worker needs to sample one sequence (sent once per admission)."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    logprobs: bool
-    processed_logprobs: bool = False  # log-prob under the distribution sampled from, not the raw logits
-    top_logprobs: int = 0  # also report the k most likely tokens and their log-probs
-    repetition_penalty: float = 1.0  # logit processors (sampling/processors.py)
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    min_p: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    prompt_len: int = 0  # where the output starts in the sequence (frequency and presence count the output)
-
-    @property
-    def has_penalties(self) -> bool:
-        """Whether logit bias or a penalty changes the logits (then the worker keeps the token history)."""
-        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or bool(self.logit_bias))
 
 
 @dataclass
@@ -149,7 +104,7 @@ class SamplingBatch:
             temperature=tensor([s.temperature for s in chosen], torch.float64).view(-1, 1) if rows else None,
             top_k=tensor(top_ks, torch.long) if rows else None,
             top_p=tensor([s.top_p for s in chosen], torch.float64).view(-1, 1) if rows else None,
-            seeds=tensor([s.seed & _MASK64 for s in chosen], torch.uint64).view(torch.long) if rows else None,
+            seeds=tensor([s.seed & MASK64 for s in chosen], torch.uint64).view(torch.long) if rows else None,
             positions=tensor([positions[i] for i in rows], torch.long) if rows else None,
             max_top_k=0 if any(k <= 0 for k in top_ks) else max(top_ks, default=0),
             suppressed=(tensor(banned_rows, torch.long), tensor(banned_ids, torch.long)) if banned_ids else None,

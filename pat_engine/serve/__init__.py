@@ -1,8 +1,11 @@
-"""pat-serve: the batch job, the OpenAI-compatible server, the timeline report and the demo.
+"""pat-serve: the batch job, the HTTP server with its faces, the timeline report and the demo.
 
 Modules: ``cli`` (the ``pat-serve`` command), ``engine_args`` (engine options shared by the
-subcommands), ``batch`` / ``batch_io`` (the JSONL job and its line formats), ``server`` /
-``streams`` / ``async_engine`` / ``launcher`` (the HTTP server), ``openai_protocol`` /
-``translate`` / ``errors`` (the OpenAI schemas and their mapping onto the engine), ``metrics``
-(Prometheus), ``report`` (the timeline plot), ``summary``, ``demo``.
+subcommands), ``batch/`` (the JSONL job: ``job``, its line formats ``lines``, tail-batched
+``rounds``, the run ``summary`` and the timeline plot ``report``), ``server`` (``build_app``:
+the app and its routers) with ``state`` (what every route shares), ``async_engine``,
+``launcher``, ``guard``, ``errors``, ``metrics``, ``sse``; the faces, each a FastAPI router:
+``openai/`` (completions, chat, models: ``routes``, ``protocol``, ``translate``, ``streams``),
+``sglang/`` (SGLang's native API, weight sync and memory routes) and ``pat_routes`` (health,
+metrics, KV, timeline, reconfigure); ``demo``.
 """

@@ -22,10 +22,20 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from pat_engine.core.engine import Engine, RequestHandle
 from pat_engine.errors import EngineClosedError, InvalidRequestError
+from pat_engine.sampling.params import SamplingParams
 from pat_engine.serve.metrics import ServerMetrics
-from pat_engine.serve.translate import EngineInput
 
 log = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class EngineInput:
+    """What a face submits for one choice (``Engine.submit``'s prompt and params)."""
+
+    prompt: Prompt
+    params: SamplingParams
 
 
 class ServerOverloaded(Exception):

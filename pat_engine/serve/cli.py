@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _batch(ns: argparse.Namespace) -> int:
-    from pat_engine.serve.batch import BatchJob, check_paths, run_batch
-    from pat_engine.serve.batch_io import SamplingDefaults
+    from pat_engine.serve.batch.job import BatchJob, check_paths, run_batch
+    from pat_engine.serve.batch.lines import SamplingDefaults
     from pat_engine.serve.engine_args import EngineArgs
 
     defaults = SamplingDefaults(ns.max_tokens, ns.temperature, ns.top_p, ns.top_k, ns.sampling_seed, ns.ignore_eos,
@@ -122,7 +122,7 @@ def _batch(ns: argparse.Namespace) -> int:
 
 def _tail_policy(ns: argparse.Namespace):
     """The tail-batching policy from the flags (None without --tail-batching), checked before the engine starts."""
-    from pat_engine.serve.batch_rounds import TailBatchPolicy
+    from pat_engine.serve.batch.rounds import TailBatchPolicy
 
     if not ns.tail_batching:
         if ns.prompts_per_round is not None or ns.tail_eta is not None:
@@ -177,7 +177,7 @@ def _server_config(ns: argparse.Namespace):
 
 
 def _plot(ns: argparse.Namespace) -> int:
-    from pat_engine.serve.report import plot_timeline
+    from pat_engine.serve.batch.report import plot_timeline
 
     try:
         timeline = json.loads(ns.timeline.read_text())

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pat_engine import env
-from pat_engine.serve.batch import BatchJob, run_batch
-from pat_engine.serve.batch_io import SamplingDefaults
+from pat_engine.serve.batch.job import BatchJob, run_batch
+from pat_engine.serve.batch.lines import SamplingDefaults
 from pat_engine.serve.engine_args import EngineArgs
-from pat_engine.serve.summary import RunSummary
+from pat_engine.serve.batch.summary import RunSummary
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
 
 PROFILE_NAME = "pat_profile.json"  # a table placed next to the demo model turns the controller on

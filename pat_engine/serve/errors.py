@@ -7,7 +7,7 @@ import json
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from pat_engine.serve.openai_protocol import ErrorInfo, ErrorResponse
+from pat_engine.serve.openai.protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {
     400: "BadRequestError",

@@ -1,9 +1,9 @@
 """The state one pat-serve app's routes share: the engine, its asyncio bridge, metrics and config.
 
-Both route sets import it, the OpenAI routes (``server.py``) and SGLang's (``sglang/``), and
-neither imports the other's module: ``build_app`` makes one ``PatServer`` and hands it to both.
-It also holds what every route does the same way: parse a body (415 / 400 in the OpenAI error
-shape), submit (503 when full, draining or dead), collect, and health.
+Every router imports it (``openai/``, ``sglang/``, ``pat_routes.py``) and none imports another's
+module: ``build_app`` makes one ``ServerState`` and puts it on the app, and each route takes it as
+the ``State`` dependency. It also holds what every route does the same way: parse a body (415 /
+400 in the OpenAI error shape), submit (503 when full, draining or dead), collect, and health.
 """
 
 from __future__ import annotations
@@ -11,15 +11,17 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import TypeVar
+import time
+from typing import Annotated, TypeVar
 
-from fastapi import Request
+from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 
 from pat_engine.core.engine import Engine
 from pat_engine.errors import EngineClosedError, EngineDeadError
 from pat_engine.serve.async_engine import (
     AsyncEngine,
+    EngineInput,
     RequestGroup,
     ServerOverloaded,
     ServerShuttingDown,
@@ -28,7 +30,6 @@ from pat_engine.serve.errors import APIError, validation_error
 from pat_engine.serve.guard import read_body_limited
 from pat_engine.serve.json_body import BadJSON, parse_json
 from pat_engine.serve.metrics import ServerMetrics
-from pat_engine.serve.translate import EngineInput
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -45,12 +46,13 @@ class ServerConfig:
     drain_timeout_s: float = 20.0  # on SIGTERM, how long running requests may go on before they are cut off
 
 
-class PatServer:
+class ServerState:
     """State shared by the routes of one app: the engine bridge, metrics and config."""
 
     def __init__(self, engine: Engine, config: ServerConfig):
         self.engine = engine
         self.config = config
+        self.started = time.time()
         self.metrics = ServerMetrics(engine, config.served_model_name)
         self.aengine = AsyncEngine(engine, config.max_queued_requests, self.metrics)
         self._drain_timer: threading.Timer | None = None
@@ -128,3 +130,11 @@ class PatServer:
         if self.aengine.closing and any(o.finish_reason == "abort" for o in outs):
             raise APIError(503, self.aengine.cut_off_message())
         return outs
+
+
+def server_state(request: Request) -> ServerState:
+    """The app's ``ServerState`` (``build_app`` sets it): what every route depends on."""
+    return request.app.state.pat
+
+
+State = Annotated[ServerState, Depends(server_state)]  # a route's parameter: ``pat: State``

@@ -35,7 +35,7 @@ from pat_engine.protocol import StepCommand, StepResult
 from pat_engine.protocol import PromptLogprobs
 from pat_engine.sampling.sampler import sample_batch
 from pat_engine.worker.graph_capture import DecodeGraphs, GraphSettings
-from pat_engine.spec.verify import accept
+from pat_engine.speculative.verify import accept
 from pat_engine.worker.kv_pool import PagedKVPool
 from pat_engine.worker.logprob_outputs import prompt_logprobs
 from pat_engine.worker.step_inputs import SeqState, StepInputBuilder

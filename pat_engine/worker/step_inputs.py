@@ -36,7 +36,8 @@ from pat_engine.config import graph_ladder
 from pat_engine.model import cpu_gemm
 from pat_engine.model.layers.attention import AttentionMetadata
 from pat_engine.protocol import StepCommand
-from pat_engine.sampling.sampler import SamplingBatch, SamplingSpec
+from pat_engine.sampling.sampler import SamplingBatch
+from pat_engine.sampling.spec import SamplingSpec
 
 _PREFILL_GROUP_RATIO = 1.5  # a prefill row joins a padded group if its length is within this factor of the longest
 _GPU_SIZES = graph_ladder(512)  # decode batch sizes on a GPU: the graph ladder's rule (one home, config.py)

@@ -29,7 +29,6 @@ from pat_engine.parallel.layout import Layout
 from pat_engine.parallel.p2p import exchange
 from pat_engine.parallel.reshard_plan import allgather_bytes, plan_moves
 from pat_engine.protocol import SwitchPlan, SwitchReport
-from pat_engine.worker.faults import FaultInjector
 from pat_engine.worker.infer_executor import InferExecutor
 from pat_engine.worker.step_inputs import SeqState
 from pat_engine.worker.kv_pool import PagedKVPool
@@ -71,16 +70,14 @@ class SwitchExecutor:
     """One rank's switch. It owns no model state: it reshapes the executor's weights in place and
     hands the executor its new group, pool and tables through ``InferExecutor.install``."""
 
-    def __init__(self, rank: int, cpu_world: object, groups: CommGroupPool, faults: FaultInjector) -> None:
+    def __init__(self, rank: int, cpu_world: object, groups: CommGroupPool) -> None:
         self.rank = rank
         self.cpu_world = cpu_world  # gloo group of every rank, for the pause/resume barriers
         self.groups = groups
-        self.faults = faults
 
     def run(self, plan: SwitchPlan, executor: InferExecutor) -> SwitchReport:
         meter = MemoryMeter()
         t0 = time.perf_counter()
-        self.faults.check("switch_start")
         dist.barrier(group=self.cpu_world)  # every rank has paused
         executor.graphs.drop()  # they hold the old pool's layers, which the KV phase reuses or frees
         t = time.perf_counter()
@@ -122,52 +119,58 @@ class SwitchExecutor:
     @torch.no_grad()
     def _reshard_weights(self, model, old: Layout, new: Layout, meter: MemoryMeter) -> tuple[int, int, int]:
         """Returns (bytes sent, bytes copied locally, bytes an all-gather-and-slice would have received)."""
-        me = self.rank
         load: dict[int, int] = {}  # keeps senders balanced across parameters
+        totals = (0, 0, 0)
+        for index, params in enumerate(params_by_layer(model)):
+            moved = self.reshard_unit(index, params, old, new, load, meter)
+            totals = tuple(a + b for a, b in zip(totals, moved))
+        return totals
+
+    def reshard_unit(self, index: int, params: list[tuple[str, torch.nn.Parameter]], old: Layout, new: Layout,
+                     load: dict[int, int], meter: MemoryMeter) -> tuple[int, int, int]:
+        """Reshard one unit (``params_by_layer``'s ``index``-th) in place: (sent, local, all-gather) bytes."""
+        me = self.rank
         sent = local = allgather = 0
-        for layer_index, params in enumerate(params_by_layer(model)):
-            if layer_index == 1:
-                self.faults.check("reshard")
-            fresh: dict[str, torch.Tensor] = {}
-            outgoing: dict[int, list[torch.Tensor]] = defaultdict(list)  # dst -> flattened row slices
-            incoming: dict[int, list[torch.Tensor]] = defaultdict(list)  # src -> views of fresh to fill
-            for name, p in params:
-                spec = p.shard_spec
-                if spec.replicated:
-                    continue
-                dim = spec.split_dim
-                row_bytes = _nbytes(p.data) // p.data.shape[dim]
-                allgather += allgather_bytes(spec, old, new, row_bytes, dst=me)
-                target = torch.zeros(spec.local_shape(new.tp), dtype=p.dtype, device=p.device)
-                meter.add(_nbytes(target))
-                fresh[name] = target
-                for mv in plan_moves(spec, old, new, load):
-                    rows = mv.stop - mv.start
-                    if mv.dst == me and mv.src == me:
-                        target.narrow(dim, mv.dst_local, rows).copy_(p.data.narrow(dim, mv.src_local, rows))
-                        local += rows * row_bytes
-                    elif mv.src == me:
-                        outgoing[mv.dst].append(p.data.narrow(dim, mv.src_local, rows).reshape(-1))
-                    elif mv.dst == me:
-                        incoming[mv.src].append(target.narrow(dim, mv.dst_local, rows))
-            # one packed message per peer and layer; both sides list pieces in plan order
-            sends = {dst: torch.cat(parts) for dst, parts in outgoing.items()}
-            recvs = {src: torch.empty(sum(v.numel() for v in views), dtype=views[0].dtype, device=views[0].device)
-                     for src, views in incoming.items()}
-            buffers = sum(_nbytes(b) for b in [*sends.values(), *recvs.values()])
-            meter.add(buffers)
-            exchange(sends, recvs)
-            sent += sum(_nbytes(b) for b in sends.values())
-            for src, views in incoming.items():
-                offset = 0
-                for view in views:
-                    view.copy_(recvs[src][offset : offset + view.numel()].view(view.shape))
-                    offset += view.numel()
-            meter.sub(buffers)
-            for name, p in params:
-                if name in fresh:
-                    p.data = fresh[name]  # the old shard is freed here
-                    meter.sub(_nbytes(p.data))
+        fresh: dict[str, torch.Tensor] = {}
+        outgoing: dict[int, list[torch.Tensor]] = defaultdict(list)  # dst -> flattened row slices
+        incoming: dict[int, list[torch.Tensor]] = defaultdict(list)  # src -> views of fresh to fill
+        for name, p in params:
+            spec = p.shard_spec
+            if spec.replicated:
+                continue
+            dim = spec.split_dim
+            row_bytes = _nbytes(p.data) // p.data.shape[dim]
+            allgather += allgather_bytes(spec, old, new, row_bytes, dst=me)
+            target = torch.zeros(spec.local_shape(new.tp), dtype=p.dtype, device=p.device)
+            meter.add(_nbytes(target))
+            fresh[name] = target
+            for mv in plan_moves(spec, old, new, load):
+                rows = mv.stop - mv.start
+                if mv.dst == me and mv.src == me:
+                    target.narrow(dim, mv.dst_local, rows).copy_(p.data.narrow(dim, mv.src_local, rows))
+                    local += rows * row_bytes
+                elif mv.src == me:
+                    outgoing[mv.dst].append(p.data.narrow(dim, mv.src_local, rows).reshape(-1))
+                elif mv.dst == me:
+                    incoming[mv.src].append(target.narrow(dim, mv.dst_local, rows))
+        # one packed message per peer and unit; both sides list pieces in plan order
+        sends = {dst: torch.cat(parts) for dst, parts in outgoing.items()}
+        recvs = {src: torch.empty(sum(v.numel() for v in views), dtype=views[0].dtype, device=views[0].device)
+                 for src, views in incoming.items()}
+        buffers = sum(_nbytes(b) for b in [*sends.values(), *recvs.values()])
+        meter.add(buffers)
+        exchange(sends, recvs)
+        sent += sum(_nbytes(b) for b in sends.values())
+        for src, views in incoming.items():
+            offset = 0
+            for view in views:
+                view.copy_(recvs[src][offset : offset + view.numel()].view(view.shape))
+                offset += view.numel()
+        meter.sub(buffers)
+        for name, p in params:
+            if name in fresh:
+                p.data = fresh[name]  # the old shard is freed here
+                meter.sub(_nbytes(p.data))
         return sent, local, allgather
 
     # ---- KV ------------------------------------------------------------------------------------

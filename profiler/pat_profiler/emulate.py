@@ -57,7 +57,7 @@ from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.deployment import make_deployment, model_shape, reshard_bytes
 from pat_engine.predictor.table import ProfilePoint, ProfileTable, SwitchCost
 from pat_engine.protocol import SeqStep, StepCommand
-from pat_engine.sampling.sampler import SamplingSpec
+from pat_engine.sampling.spec import SamplingSpec
 from pat_engine.worker.graph_capture import GraphSettings
 from pat_engine.worker.infer_executor import InferExecutor
 from pat_profiler.grid import GridPoint

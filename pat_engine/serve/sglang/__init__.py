@@ -1,6 +1,3 @@
 """SGLang's native server API for pat-serve (``/generate``, control, weight sync, info), so slime, AReaL and
-sglang-router can drive pat-engine unchanged. ``register_sglang_routes`` adds it to the app."""
-
-from pat_engine.serve.sglang.routes import register_sglang_routes
-
-__all__ = ["register_sglang_routes"]
+sglang-router can drive pat-engine unchanged: ``routes.router`` and ``weight_routes.router``, which
+``serve/server.py`` includes in the app."""

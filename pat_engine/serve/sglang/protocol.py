@@ -153,10 +153,3 @@ class UpdateFromTensorRequest(_WeightUpdateCommon):
 
 class MemoryTagsRequest(_Strict):
     tags: Optional[list[Literal["weights", "kv_cache", "cuda_graph"]]] = None
-
-
-class ReconfigureRequest(_Strict):
-    """``POST /pat/reconfigure``: change the TP degree live (dp = world / tp)."""
-
-    tp: StrictInt = Field(ge=1)
-    kv_transfer: Optional[Literal["migrate", "recompute"]] = None

@@ -1,7 +1,7 @@
 """Between SGLang's ``/generate`` body and the engine: prompts and sampling parameters in, SGLang's
 response objects (``text``, ``output_ids``, ``meta_info``) out.
 
-Sampling parameters go through pat-engine's one translator (``pat_engine.sampling_options``:
+Sampling parameters go through pat-engine's one translator (``pat_engine.sampling.options``:
 SGLang's names, e.g. ``sampling_seed`` and ``no_stop_trim``, are aliases there, and its
 ``REFUSED`` table says which sampling fields pat-engine lacks; ``UNSUPPORTED_SAMPLING`` is
 the part of it SGLang's schema has). Request fields pat-engine does not support are listed in
@@ -24,13 +24,13 @@ from typing import Any, Callable
 
 from pydantic import ValidationError
 
-from pat_engine import sampling_options
+from pat_engine.sampling import options as sampling_options
 from pat_engine.core.request_handle import RequestHandle, RequestProgress
 from pat_engine.errors import InvalidRequestError
-from pat_engine.sampling_options import REFUSED
-from pat_engine.sampling_params import SamplingParams
+from pat_engine.sampling.options import REFUSED
+from pat_engine.sampling.params import SamplingParams
 from pat_engine.serve.sglang.protocol import GenerateRequest, SGLSamplingParams
-from pat_engine.serve.translate import EngineInput
+from pat_engine.serve.async_engine import EngineInput
 
 UNSUPPORTED_SAMPLING = {name: off for name, off in REFUSED.items() if name in SGLSamplingParams.model_fields}
 UNSUPPORTED_REQUEST: dict[str, tuple] = {

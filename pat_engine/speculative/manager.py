@@ -8,7 +8,7 @@ sees, so the tail that makes the controller move to a higher TP is also where sp
 turns on, and the controller prices the remaining steps with the measured tokens per step
 (``LatencyPredictor.set_speculation``).
 
-Draft lengths (``adaptive``, spec/budget.py): each request's proposal is cut where one more
+Draft lengths (``adaptive``, speculative/budget.py): each request's proposal is cut where one more
 token would lower the step's expected tokens per second, given the request's measured
 acceptance and the measured cost per token of a step. A request is not drafted for while
 tokens are suppressed (before ``min_new_tokens``: the verify step samples a row's positions
@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 from pat_engine.core.request import Sequence
 from pat_engine.predictor.policy import SpeculationStatus
-from pat_engine.spec.budget import AcceptanceEstimate, StepCostFit, allocate
-from pat_engine.spec.config import SpeculativeConfig
-from pat_engine.spec.proposer import DraftProposer, NgramProposer
+from pat_engine.protocol import SeqStep
+from pat_engine.speculative.budget import AcceptanceEstimate, StepCostFit, allocate
+from pat_engine.speculative.config import SpeculativeConfig
+from pat_engine.speculative.proposer import DraftProposer, NgramProposer
 
 _ALPHA = 0.2  # EMA weight of the newest step in the status figures
 
@@ -49,6 +50,12 @@ class SpeculationStats:
     @property
     def tokens_per_step(self) -> float:
         return self.produced_tokens / self.drafted_rows if self.drafted_rows else 1.0
+
+    def to_dict(self) -> dict:
+        """What ``Engine.speculation_stats`` reports."""
+        return {"verify_steps": self.verify_steps, "drafted_rows": self.drafted_rows,
+                "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
+                "acceptance_rate": self.acceptance_rate, "tokens_per_step": self.tokens_per_step}
 
 
 class Speculation:
@@ -131,6 +138,17 @@ class Speculation:
         self._batch = _ema(self._batch, batch)
         self._context = _ema(self._context, context_tokens)
         self._tp = tp
+
+    def observe_decode(self, tp: int, batch: list[Sequence], steps: list[SeqStep], counts: list[int], seconds: float,
+                       speculating: bool, verify: bool) -> None:
+        """A decode step's result: its cost, always; when it was dispatched while speculating, each
+        drafted request's acceptance and the step's speed, for the draft budget and the policy."""
+        self.observe_cost(tp, sum(len(s.token_ids) for s in steps), seconds)
+        if not speculating:
+            return
+        for seq, step, n in zip(batch, steps, counts):
+            self.observe(seq, len(step.token_ids) - 1, n)
+        self.observe_step(tp, len(batch), sum(s.start_pos + 1 for s in steps), seconds, sum(counts), verify)
 
     def status(self) -> SpeculationStatus | None:
         if not self.config.enabled:

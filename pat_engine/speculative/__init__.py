@@ -4,6 +4,6 @@ The worker imports ``spec.verify``; the driver ``spec.manager`` and ``spec.propo
 (which import ``pat_engine.core``): this package's own import stays light for workers.
 """
 
-from pat_engine.spec.config import SpeculativeConfig
+from pat_engine.speculative.config import SpeculativeConfig
 
 __all__ = ["SpeculativeConfig"]

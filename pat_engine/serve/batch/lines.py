@@ -23,8 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pat_engine.errors import InvalidRequestError
 from pat_engine.outputs import RequestOutput
-from pat_engine.sampling_options import to_sampling_params
-from pat_engine.serve.openai_protocol import (
+from pat_engine.sampling.options import to_sampling_params
+from pat_engine.serve.async_engine import EngineInput
+from pat_engine.serve.openai.protocol import (
     BatchRequestInput,
     BatchRequestOutput,
     BatchResponseData,
@@ -35,8 +36,7 @@ from pat_engine.serve.openai_protocol import (
     CompletionResponse,
     random_id,
 )
-from pat_engine.serve.translate import (
-    EngineInput,
+from pat_engine.serve.openai.translate import (
     apply_chat_template,
     chat_choice,
     chat_input,

@@ -13,7 +13,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pat_engine.spec.ngram import NgramIndex
+from pat_engine.speculative.ngram import NgramIndex
 
 
 @dataclass

@@ -35,10 +35,10 @@ from pat_engine.rollout.config import RolloutConfig, TailBatchingConfig
 from pat_engine.rollout.runner import RolloutRunner, derived_seed
 from pat_engine.rollout.scheduler import RolloutScheduler
 from pat_engine.rollout.tail_batching import PromptEntry
-from pat_engine.sampling.sampler import sample_seed
-from pat_engine.sampling_params import SamplingParams
-from pat_engine.serve.batch_io import BatchItem, error_record, result_record
-from pat_engine.serve.summary import RoundCounts
+from pat_engine.sampling.seeds import sample_seed
+from pat_engine.sampling.params import SamplingParams
+from pat_engine.serve.batch.lines import BatchItem, error_record, result_record
+from pat_engine.serve.batch.summary import RoundCounts
 
 
 class RecordSink(Protocol):

@@ -6,15 +6,15 @@ answer whichever way it arrives.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from pat_engine.core.inputs import max_prompt_chars
 from pat_engine.errors import InvalidRequestError
 from pat_engine.outputs import RequestOutput
-from pat_engine.sampling_options import OPTION_NAMES, to_sampling_params
-from pat_engine.sampling_params import SamplingParams
-from pat_engine.serve.openai_protocol import (
+from pat_engine.sampling.options import OPTION_NAMES, to_sampling_params
+from pat_engine.sampling.params import SamplingParams
+from pat_engine.serve.async_engine import EngineInput
+from pat_engine.serve.openai.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatLogprobs,
@@ -26,17 +26,6 @@ from pat_engine.serve.openai_protocol import (
     TopLogprob,
     UsageInfo,
 )
-
-Prompt = str | list[int]
-
-
-@dataclass(frozen=True)
-class EngineInput:
-    """What ``Engine.submit`` takes for one choice."""
-
-    prompt: Prompt
-    params: SamplingParams
-
 
 def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     """Token ids of a chat, rendered with the tokenizer's own template (no extra BOS: the template has it)."""

@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pat_engine.sampling_options import best_of_refusal
-from pat_engine.sampling_params import MAX_SAMPLES, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN
+from pat_engine.sampling.options import best_of_refusal
+from pat_engine.sampling.params import MAX_SAMPLES, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN
 
 MAX_MESSAGES = 2048  # per chat request; a chat of 200k messages peaked the driver at 2.8 GB
 MAX_PROMPTS = 256  # prompts per completion request (one choice each)

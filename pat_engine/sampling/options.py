@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pat_engine.errors import InvalidRequestError
-from pat_engine.sampling_params import SamplingParams
+from pat_engine.sampling.params import SamplingParams
 
 ALIASES: dict[str, str] = {
     "max_tokens": "max_new_tokens",  # vLLM, OpenAI

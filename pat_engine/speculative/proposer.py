@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Protocol
 
 from pat_engine.core.request import Sequence
-from pat_engine.spec.config import SpeculativeConfig
-from pat_engine.spec.ngram import NgramIndex
-from pat_engine.spec.store import ResponseStore
+from pat_engine.speculative.config import SpeculativeConfig
+from pat_engine.speculative.ngram import NgramIndex
+from pat_engine.speculative.store import ResponseStore
 
 
 class DraftProposer(Protocol):

@@ -2,7 +2,7 @@
 
 By default every request is queued at once so continuous batching and the switch
 policy see the whole long-tail batch; with ``tail_batching`` the lines run as
-tail-batched rounds instead (``batch_rounds.py``). Results are appended in the
+tail-batched rounds instead (``rounds.py``). Results are appended in the
 order they are done, one flushed line each, so a killed job keeps what it
 finished; ``--resume`` skips the keys already written. A bad line becomes an
 error record naming the line and the problem, and the job goes on.
@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from pat_engine.core.engine import Engine, RequestHandle
 from pat_engine.errors import InvalidRequestError
-from pat_engine.serve.batch_io import (
+from pat_engine.serve.batch.lines import (
     BatchItem,
     LineError,
     SamplingDefaults,
@@ -32,8 +32,8 @@ from pat_engine.serve.batch_io import (
     parse_line,
     result_record,
 )
-from pat_engine.serve.batch_rounds import TailBatchPolicy, run_rounds
-from pat_engine.serve.summary import RunSummary
+from pat_engine.serve.batch.rounds import TailBatchPolicy, run_rounds
+from pat_engine.serve.batch.summary import RunSummary
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class BatchJob:
     progress: bool = True
     timeline: Path | None = None  # write the layout timeline (JSON) here
     report: Path | None = None  # draw the timeline plot (PNG) here
-    tail_batching: TailBatchPolicy | None = None  # run the lines as tail-batched rounds (batch_rounds.py)
+    tail_batching: TailBatchPolicy | None = None  # run the lines as tail-batched rounds (rounds.py)
 
 
 def load_items(job: BatchJob, engine: Engine, done: set[str]) -> tuple[list[BatchItem], list[LineError], int]:
@@ -215,6 +215,6 @@ def _write_artifacts(engine: Engine, job: BatchJob, summary: RunSummary) -> None
         job.timeline.parent.mkdir(parents=True, exist_ok=True)
         job.timeline.write_text(json.dumps(timeline, indent=1))
     if job.report is not None:
-        from pat_engine.serve.report import plot_timeline  # matplotlib only when a report is asked for
+        from pat_engine.serve.batch.report import plot_timeline  # matplotlib only when a report is asked for
 
         plot_timeline(timeline, job.report)

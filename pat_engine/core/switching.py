@@ -1,0 +1,168 @@
+"""``Switching``: when and how the layout changes, and the record of each change.
+
+It holds the switch policy and the cost source switches are priced with, consults the
+policy every ``switch_check_interval`` decode steps (it is the steps' ``StepWatcher``),
+runs a switch at a step boundary (docs/switch.md: ``check_target``, drain, ``plan_switch``,
+every rank's ``SwitchExecutor``, the requests seated in the new groups), starts
+generation stages, and records status points and switches on the timeline.
+
+Runs in the loop thread: methods marked ``on_loop`` may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pat_engine.config import EngineConfig, check_kv_transfer
+from pat_engine.core.layout_switch import PlannedSwitch, check_target, plan_switch
+from pat_engine.core.loop_thread import LoopThread, on_loop
+from pat_engine.core.memory import MemoryPlan
+from pat_engine.core.sleep_state import SleepState
+from pat_engine.core.stepping import Stepping
+from pat_engine.core.timeline import SwitchEvent, Timeline
+from pat_engine.errors import LayoutError
+from pat_engine.parallel.layout import Layout
+from pat_engine.predictor.cost_source import CostSource
+from pat_engine.predictor.measured_rates import MeasuredRates
+from pat_engine.predictor.policy import ScheduledSwitches, SwitchDecision, SwitchPolicy
+from pat_engine.protocol import SwitchReport
+from pat_engine.protocol.calls import Switch
+
+log = logging.getLogger(__name__)
+
+
+class Switching:
+    def __init__(self, config: EngineConfig, memory_plan: MemoryPlan, stepping: Stepping, sleep: SleepState,
+                 timeline: Timeline, thread: LoopThread):
+        self.config, self.memory_plan, self.stepping, self.thread = config, memory_plan, stepping, thread
+        self.sleep = sleep  # a switch reads the weights and the KV it moves: refused while they are released
+        self.timeline = timeline
+        self.cost_source: CostSource = MeasuredRates()  # replaced by the predictor when a profile table is loaded
+        self.policy: SwitchPolicy | None = None
+        self.pending: SwitchDecision | None = None  # the policy's decision, run at the next step boundary
+        self._last_point = (time.monotonic(), 0)  # (when, generated tokens) of the last status point
+
+    # ---- policy and stages -------------------------------------------------------------------
+
+    @on_loop
+    def set_policy(self, policy: SwitchPolicy | None, cost_source: CostSource | None = None) -> None:
+        """Install the switch policy (None: static) and, when given, the cost source switches are priced
+        with (the predictor that comes with a controller)."""
+        self.policy = policy
+        if cost_source is not None:
+            self.cost_source = cost_source
+
+    def scheduled_policy(self, switch_schedule: list[tuple[int, int]], kv_transfer: str | None = None) -> ScheduledSwitches:
+        """A fixed switch schedule ``[(decode_step, tp), ...]``, every target checked against this
+        model and world first (``LayoutError`` names a bad one)."""
+        check_kv_transfer(kv_transfer, allow_auto=False)
+        for _, tp in switch_schedule:
+            self.memory_plan.arch.layout(self.config.world, tp)
+        return ScheduledSwitches(list(switch_schedule), kv_transfer)
+
+    def stage_policy(self, switch_schedule: list[tuple[int, int]] | None, kv_transfer: str | None,
+                     policy: SwitchPolicy | None) -> SwitchPolicy | None:
+        """A stage's policy, its options checked now (None: keep the installed one)."""
+        return self.scheduled_policy(switch_schedule, kv_transfer) if switch_schedule is not None else policy
+
+    @on_loop
+    def start_stage(self, policy: SwitchPolicy | None, base_layout: Layout | None = None) -> None:
+        """A new generation stage: back to ``base_layout`` first when given (an idle switch when nothing
+        runs), then ``policy`` (None: the installed one) counts decode steps from 0."""
+        if base_layout is not None and self.stepping.layout != base_layout:
+            self.switch(SwitchDecision(base_layout.tp, "new stage: base layout"))
+        self.policy = policy if policy is not None else self.policy
+        self.stepping.start_stage()
+
+    # ---- what steps teach (Stepping's StepWatcher) --------------------------------------------
+
+    def prefill_done(self, tp: int, tokens: int, seconds: float) -> None:
+        self.cost_source.record_prefill(tp, tokens, seconds)
+
+    def decode_steps_grew(self, steps: int) -> None:
+        """Every ``switch_check_interval`` decode steps (the policy's own interval when it has one): a
+        status point on the timeline, and the policy's decision, to run at the next step boundary."""
+        interval = getattr(self.policy, "interval", None) or self.config.switch_check_interval
+        if steps % interval:
+            return
+        self._record_point()
+        if self.policy is not None and self.pending is None and self.stepping.seqs:
+            decision = self.policy.decide(self.stepping.status())
+            if decision is not None and decision.tp != self.stepping.layout.tp:
+                self.pending = decision
+
+    def _record_point(self) -> None:
+        now, tokens = time.monotonic(), self.stepping.generated_tokens
+        rate = (tokens - self._last_point[1]) / max(now - self._last_point[0], 1e-9)
+        self.timeline.add_point(str(self.stepping.layout), len(self.stepping.seqs), rate)
+        self._last_point = (now, tokens)
+
+    # ---- switching ---------------------------------------------------------------------------
+
+    def run_pending(self) -> None:
+        """At a step boundary (nothing in flight): run the switch the policy asked for, if any. A target
+        that cannot hold the batch is refused and recorded; the batch goes on where it is."""
+        if self.pending is None or self.stepping.inflight:
+            return
+        decision, self.pending = self.pending, None
+        try:
+            self.switch(decision)
+        except LayoutError as exc:  # a policy asked for a layout that cannot hold the batch
+            log.warning("switch to tp=%d refused: %s", decision.tp, exc)
+            self.timeline.add_switch(SwitchEvent(self.timeline.now(), str(self.stepping.layout), f"tp={decision.tp}",
+                                                 decision.reason, "none", 0.0, decision=dict(decision.details),
+                                                 ok=False, error=f"refused: {exc}"))
+
+    def reconfigure(self, tp: int, kv_transfer: str | None, timeout: float | None) -> SwitchEvent:
+        """``Engine.reconfigure``: the switch to TP ``tp`` at the next step boundary, from any thread."""
+        check_kv_transfer(kv_transfer, allow_auto=False)
+        decision = SwitchDecision(tp, "reconfigure() call", kv_transfer)
+        return self.thread.run(self.switch, decision, timeout=timeout)  # the target is checked there
+
+    def switch(self, decision: SwitchDecision) -> SwitchEvent:
+        """Change layout now (docs/switch.md); returns the switch's record.
+
+        The target is checked before anything moves; then in-flight steps drain, every unfinished
+        request is taken out of its group, ``plan_switch`` decides where each goes and whether its KV
+        migrates, every rank runs the plan, and the requests join the new groups.
+        """
+        if self.sleep.asleep:  # the reshard reads the weights and the KV it would move
+            raise LayoutError(f"cannot change the layout while {self.sleep.describe()} is released; wake_up() first")
+        stepping = self.stepping
+        started = time.perf_counter()
+        new = check_target(self.memory_plan, stepping.layout, decision.tp, stepping.unfinished())
+        stepping.drain()
+        old = stepping.layout
+        if new == old:
+            return SwitchEvent(self.timeline.now(), str(old), str(new), decision.reason, "none", 0.0)
+        seqs = stepping.take_unfinished()
+        planned = plan_switch(decision, seqs, old, new, stepping.schedulers, stepping.new_schedulers,
+                              self.memory_plan, self.config.kv_transfer, stepping.placement, self.cost_source)
+        report = stepping.pool.ask(Switch(planned.plan))
+        planned.seat(seqs)
+        stepping.install_layout(new, planned.schedulers)
+        return self._record_switch(decision, planned, report, len(seqs), started)
+
+    def _record_switch(self, decision: SwitchDecision, planned: PlannedSwitch, report: SwitchReport, requests: int,
+                       started: float) -> SwitchEvent:
+        """Feed the measured costs back to the cost source and add the switch to the timeline."""
+        old, new = planned.plan.old, planned.plan.new
+        if planned.path == "migrate":
+            self.cost_source.record_kv_transfer(report.busiest_kv_bytes, report.busiest_kv_s)
+        self.cost_source.record_weight_reshard(old.tp, new.tp, report.weights_s)
+        costs = {**report.to_dict(), "migrated_requests": len(planned.tables), "requests": requests}
+        del costs["rank"]
+        if planned.estimate is not None:
+            costs.update(predicted_migrate_s=planned.estimate.migrate_s,
+                         predicted_recompute_s=planned.estimate.recompute_s)
+        event = SwitchEvent(self.timeline.now(), str(old), str(new), decision.reason, planned.path,
+                            time.perf_counter() - started, costs, dict(decision.details))
+        self.timeline.add_switch(event)
+        return event
+
+    def record_failure(self, message: str) -> None:
+        """A worker failure: the world goes back to the base layout, recomputing (the loop restarts it)."""
+        self.timeline.add_switch(SwitchEvent(self.timeline.now(), str(self.stepping.layout),
+                                             str(self.memory_plan.base), f"worker failure: {message}", "recompute",
+                                             0.0, ok=False, error=message))

@@ -1,0 +1,64 @@
+"""The OpenAI-compatible routes: completions, chat completions and the model list.
+
+Bodies are parsed by ``ServerState.parse`` rather than by FastAPI, so every failure
+(content type, JSON syntax, schema, size) comes back as a 4xx in the OpenAI error shape.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from pat_engine.serve.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    random_id,
+)
+from pat_engine.serve.openai.streams import chat_stream, completion_stream
+from pat_engine.serve.openai.translate import chat_choice, chat_input, completion_choice, completion_inputs, usage
+from pat_engine.serve.sse import event_stream
+from pat_engine.serve.state import State
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, pat: State) -> Response:
+    req = await pat.parse(request, CompletionRequest)
+    pat.check_model(req.model)
+    rid = random_id("cmpl")
+    group = await pat.submit(completion_inputs(req), rid)
+    tokenizer = pat.engine.tokenizer
+    if req.stream:
+        return event_stream(completion_stream(group, req, tokenizer, pat.model, rid))
+    outs = await pat.collect(group, request)
+    resp = CompletionResponse(id=rid, model=pat.model, usage=usage(outs),
+                              choices=[completion_choice(i, o, req, tokenizer) for i, o in enumerate(outs)])
+    return JSONResponse(resp.model_dump())
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, pat: State) -> Response:
+    req = await pat.parse(request, ChatCompletionRequest)
+    pat.check_model(req.model)
+    rid = random_id("chatcmpl")
+    engine = pat.engine
+    inp = chat_input(req, engine.tokenizer, engine.max_model_len)  # refuses over-long chats first
+    group = await pat.submit([inp], rid)
+    if req.stream:
+        return event_stream(chat_stream(group, req, engine.tokenizer, pat.model, rid))
+    outs = await pat.collect(group, request)
+    resp = ChatCompletionResponse(id=rid, model=pat.model, usage=usage(outs),
+                                  choices=[chat_choice(i, o, req, engine.tokenizer) for i, o in enumerate(outs)],
+                                  prompt_token_ids=list(outs[0].prompt_token_ids) if req.return_token_ids else None)
+    return JSONResponse(resp.model_dump())
+
+
+@router.get("/v1/models")
+async def models(pat: State) -> dict:
+    card = ModelCard(id=pat.model, root=pat.engine.config.model, max_model_len=pat.engine.max_model_len)
+    return ModelList(data=[card]).model_dump()

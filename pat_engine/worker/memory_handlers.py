@@ -1,0 +1,37 @@
+"""Control calls about device memory: release and restore for a colocated trainer, and on a GPU the
+KV budget and the first KV pool (sized once the driver knows what every rank can hold)."""
+
+from __future__ import annotations
+
+import torch
+
+from pat_engine.config import EngineConfig
+from pat_engine.protocol.calls import AllocateKV, KVBudget, ReleaseMemory, RestoreMemory
+from pat_engine.worker.infer_executor import InferExecutor
+
+
+class MemoryHandlers:
+    def __init__(self, config: EngineConfig, executor: InferExecutor):
+        self.config, self.executor = config, executor
+
+    def release_memory(self, call: ReleaseMemory) -> int:
+        return self.executor.release_memory(call.kv, call.weights)
+
+    def restore_memory(self, call: RestoreMemory) -> None:
+        self.executor.restore_memory(call.kv_blocks, call.weights)
+
+    def allocate_kv(self, call: AllocateKV) -> None:
+        self.executor.allocate_kv(call.num_blocks)
+        self.executor.capture_graphs()
+
+    def kv_budget(self, call: KVBudget) -> int:
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        ex, cfg = self.executor, self.config
+        arch, tp = ex.arch, ex.tp.size
+        elt = torch.empty((), dtype=ex.dtype).element_size()
+        # activations of the largest prefill step, plus full-vocab logits of a decode batch (float32)
+        reserve = cfg.max_num_batched_tokens * (4 * arch.hidden_size + 2 * arch.intermediate_size // tp) * elt
+        reserve += cfg.max_num_seqs * arch.vocab_size * 4
+        reserve += ex.graphs.reserve_bytes(arch.hidden_size, arch.intermediate_size // tp, elt)
+        return max(0, int(free - total * (1 - call.utilization) - reserve))
