@@ -26,20 +26,17 @@ where each tile's dot runs in numpy.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from pat_kernels.triton_support import INTERPRETED  # the interpreter's bf16 dot is wrong: tiles widened there
 
 # One tiling for every call (see the contract). 64 x 64 output tiles keep a decode step's GEMMs
 # (M of 1-64) spread over many programs; K in steps of 64. Not tuned: no GPU was available here.
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
 NUM_WARPS, NUM_STAGES = 4, 3
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # tl.dot's; float64 is not covered
-# Triton's CPU interpreter keeps bfloat16 as uint16 and its dot multiplies those integers (Triton 3.9):
-# there the tiles are widened first (exact; float32 sums as the GPU's MMA accumulates them)
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -105,7 +102,7 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         x, weight, bias if bias is not None else x, out,
         M, N, K // chunks,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, WIDEN=_INTERPRETED and x.dtype != torch.float32,
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, WIDEN=INTERPRETED and x.dtype != torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out[0] if chunks == 1 else out
