@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from pat_engine.model.arch import load_model_arch
-from pat_engine.model.footprint import device_bytes_per_rank
+from pat_engine.model.footprint import weight_bytes_per_rank
 from pat_engine.parallel.group_pool import CommGroupPool
 from pat_engine.protocol import StepCommand, StepResult, WorkerArgs
 from pat_engine.protocol.calls import Call, Reply, Shutdown, WorkerCall
@@ -55,7 +55,7 @@ class Worker:
         if cfg.device == "cuda":
             self.device = torch.device("cuda", placement.device_index(args.rank))
             torch.cuda.set_device(self.device)
-            weights = device_bytes_per_rank(arch, args.layout.tp, cfg.torch_dtype(), cfg.numerics, args.world)
+            weights = weight_bytes_per_rank(arch, args.layout.tp, cfg.torch_dtype())
             self.memory = RankMemory.at_start(cfg, placement, args.rank, self.device, weights)
         backend = placement.device_backend
         timeout = datetime.timedelta(seconds=cfg.collective_timeout_s)
@@ -68,7 +68,7 @@ class Worker:
         self.executor = InferExecutor(arch, args.layout, tp_group, cfg.torch_dtype(), self.device,
                                       cfg.block_size, args.num_blocks, lazy_kv=cfg.kv_cache_bytes is None,
                                       numerics=cfg.numerics, attention=cfg.attention_backend,
-                                      graphs=GraphSettings.from_config(cfg, arch.max_position))
+                                      graphs=GraphSettings.from_config(cfg, arch.max_position), max_tp=cfg.max_tp)
         self.executor.load_weights(args.weights_path)
         if args.num_blocks > 0:  # on a GPU sized from free memory the pool comes later (AllocateKV)
             self.executor.capture_graphs()
