@@ -147,31 +147,35 @@ def test_a_cpu_profile_charges_ops_to_steps_and_layers():
     assert t.by_piece["GEMM"][2] == 1 and t.by_piece["activation"][2] == 1
 
 
-def test_a_cuda_profile_links_each_kernel_to_the_range_that_launched_it():
-    """The GPU branch on stand-ins for torch.profiler's events: device events count for the step; a kernel is
-    in a layer when the op or range its ``linked_correlation_id`` names lies inside a layer range."""
+def test_a_cuda_profile_charges_each_kernel_to_the_range_it_ran_in():
+    """The GPU branch on stand-ins for torch.profiler's events: a device event counts for the step and the
+    layer whose CPU range holds its start (the profiled steps synchronise at each range's end); a Triton
+    kernel, which torch links to no op, counts like any other."""
     from types import SimpleNamespace
 
     CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
-    def cpu(id_, name, parent=None, annotation=False):
-        return SimpleNamespace(id=id_, name=name, cpu_parent=parent, is_user_annotation=annotation, device_type=CPU,
-                               linked_correlation_id=0, kernels=[])
+    def span(a, b):
+        return SimpleNamespace(start=a, end=b, elapsed_us=lambda: b - a)
 
-    def gpu(name, link, us):
-        return SimpleNamespace(id=0, name=name, cpu_parent=None, is_user_annotation=False, device_type=CUDA,
-                               linked_correlation_id=link, time_range=SimpleNamespace(elapsed_us=lambda: us))
+    def cpu(name, a, b, annotation=False):
+        return SimpleNamespace(name=name, cpu_parent=None, is_user_annotation=annotation, device_type=CPU,
+                               time_range=span(a, b))
 
-    step = cpu(1, kernels.STEP, annotation=True)
-    layer = cpu(2, kernels.LAYER, step, annotation=True)
-    mm = cpu(3, "aten::mm", layer)
-    final = cpu(4, "aten::add", step)
-    events = [step, layer, mm, final, gpu("nvjet_x", 3, 10.0), gpu("_rotary_kv_kernel", 2, 2.0),  # a Triton launch
-              gpu("_rms_norm_kernel", 4, 1.0), gpu("Memcpy HtoD", 0, 1.0), gpu(kernels.LAYER, 0, 13.0)]  # GPU shadow
-    records, steps, layers, unlinked = kernels.profiled_records(events, cuda=True)
-    assert (steps, layers, unlinked) == (1, 1, 1)
-    assert [(r.name, r.in_layer) for r in records] == [("nvjet_x", True), ("_rotary_kv_kernel", True),
-                                                       ("_rms_norm_kernel", False), ("Memcpy HtoD", False)]
+    def gpu(name, a, b):
+        return SimpleNamespace(name=name, cpu_parent=None, is_user_annotation=False, device_type=CUDA,
+                               time_range=span(a, b))
+
+    events = [cpu(kernels.STEP, 0, 100, True), cpu(kernels.LAYER, 10, 50, True), cpu("aten::mm", 12, 14),
+              gpu("nvjet_x", 15, 25), gpu("_rotary_kv_kernel", 30, 32),  # in the layer
+              gpu("_rms_norm_kernel", 60, 61), gpu("Memcpy HtoD", 90, 91),  # in the step, after the layer
+              gpu(kernels.LAYER, 15, 45),  # a range's GPU shadow: not a kernel
+              gpu("nvjet_prefill", 120, 220)]  # before or after the profiled steps
+    records, steps, layers, outside = kernels.profiled_records(events, cuda=True)
+    assert (steps, layers, outside) == (1, 1, 1)
+    assert [(r.name, r.in_step, r.in_layer) for r in records] == [
+        ("nvjet_x", True, True), ("_rotary_kv_kernel", True, True), ("_rms_norm_kernel", True, False),
+        ("Memcpy HtoD", True, False), ("nvjet_prefill", False, False)]
     t = kernels.kernel_table(records, steps, layers)
     assert t.per_step == 4 and t.per_layer == 2 and t.ms_per_step == pytest.approx(0.014)
 
@@ -246,6 +250,10 @@ def test_pytest_summary_line_and_the_gpu_test_files():
     assert gpu_tests.pytest_summary("x\n1 failed, 2 passed in 1.0s\n") == "1 failed, 2 passed in 1.0s"
     assert gpu_tests.pytest_summary("collected 0 items\n\nno tests ran in 0.01s\n") == "no tests ran in 0.01s"
     assert gpu_tests.pytest_summary("") == "(no output)"
+    stopped = ("tests/a.py::test_x PASSED [ 10%]\ntests/a.py::test_y[f32] FAILED [ 20%]\n"
+               "tests/a.py::test_z[bf16] PASSED [ 30%]\ntests/b.py::test_slow ")
+    assert gpu_tests.outcomes_so_far(stopped) == "2 passed, 1 failed; last started: tests/b.py::test_slow"
+    assert gpu_tests.outcomes_so_far("") == "none finished"
     files = [p.name for p in gpu_tests.gpu_test_files(Path(gc.__file__).resolve().parent.parent / "tests")]
     assert "test_triton_kernel.py" in files and "test_gpu_check.py" in files and "test_sampler.py" not in files
 

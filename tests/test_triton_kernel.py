@@ -22,6 +22,7 @@ from pat_engine.model.layers.attention import AttentionBackend, AttentionMetadat
 from pat_engine.model.layers.triton_attention import (
     INVARIANT_TOKENS_PER_SPLIT,
     MIN_TOKENS_PER_SPLIT,
+    PROGRAMS_PER_SM,
     DecodeSplit,
     TritonAttention,
     decode_split,
@@ -74,16 +75,17 @@ def test_invariant_rule_is_one_constant_for_every_step():
 
 
 def test_fast_rule_adds_splits_until_the_grid_fills_the_device():
-    assert decode_split(64, 8, 4096, 132, "fast") == DecodeSplit(None, 2)  # 512 programs -> 1024 >= 528
-    assert decode_split(256, 8, 4096, 132, "fast") == DecodeSplit(None, 1)  # 2048 programs fill 132 SMs
-    assert decode_split(1, 8, 32768, 132, "fast") == DecodeSplit(None, 66)  # the tail: 8 -> 528 programs
+    goal = PROGRAMS_PER_SM * 132
+    assert decode_split(32, 8, 4096, 132, "fast") == DecodeSplit(None, 2)  # 256 programs -> 512 >= 396
+    assert decode_split(64, 8, 4096, 132, "fast") == DecodeSplit(None, 1)  # 512 programs fill 132 SMs
+    assert decode_split(1, 8, 32768, 132, "fast") == DecodeSplit(None, -(-goal // 8))  # the tail: 8 programs
     assert decode_split(1, 8, 4096, 132, "fast") == DecodeSplit(None, 4096 // MIN_TOKENS_PER_SPLIT)  # capped
     assert decode_split(1, 8, 100, 132, "fast") == DecodeSplit(None, 1)  # too short for two splits
     assert decode_split(0, 8, 4096, 132, "fast") == DecodeSplit(None, 1)
     for batch in (1, 2, 4, 8, 16, 32, 64, 128):
         split = decode_split(batch, 8, 20_000, 132, "fast")
         assert split.tokens_per_split is None and 1 <= split.num_splits <= 20_000 // MIN_TOKENS_PER_SPLIT
-        assert batch * 8 * split.num_splits >= 528 or split.num_splits == 20_000 // MIN_TOKENS_PER_SPLIT
+        assert batch * 8 * split.num_splits >= goal or split.num_splits == 20_000 // MIN_TOKENS_PER_SPLIT
     with pytest.raises(ValueError, match="numerics"):
         decode_split(1, 8, 4096, 132, "exact")
 

@@ -6,7 +6,7 @@ attention "auto" and its Triton layer kernels), as the first H100 run's ``decode
 prefilled, then decode steps run with CUDA graphs and eagerly in turn (wall ms per step, synchronised), then
 eager steps under ``torch.profiler`` (CPU + CUDA) with each step and each decoder layer labelled. Each
 kernel is charged to the piece its name says (``classify``), to the step and to the layer whose range
-launched it. Target: <= 12 kernels per layer. On the CPU (smoke) there are no kernels: the table counts the
+it ran in (the profiled steps synchronise at the end of each layer, so a kernel runs inside its own). Target: <= 12 kernels per layer. On the CPU (smoke) there are no kernels: the table counts the
 torch ops the step calls instead.
 """
 
@@ -105,58 +105,52 @@ def _labels(evt) -> set[str]:
 
 
 def profiled_records(events, cuda: bool) -> tuple[list[KernelRecord], int, int, int]:
-    """(records, step ranges, layer ranges, kernels not linked to a launching op) of a profile taken around
-    the profiled decode steps only.
+    """(records, step ranges, layer ranges, device events outside every step) of a profile taken around the
+    profiled decode steps only.
 
-    CUDA: every device event (kernels, copies; not the ranges' GPU shadows) belongs to a step; a kernel is in
-    a layer when the op or range that launched it (its ``linked_correlation_id``, the link torch.profiler
-    itself follows) lies inside a ``LAYER`` range. CPU: the torch ops called from Python (an op whose parent
-    is a range or nothing), at their CPU time."""
+    CUDA: a device event (kernel, copy; not the ranges' GPU shadows) belongs to the step or layer whose CPU
+    range holds its start on the GPU. That holds because the profiled steps synchronise at the end of every
+    range (``labelled_layers(sync=True)``, ``STEP``): a kernel cannot start before its launch, and it ends
+    before its range does. Timestamps, not torch's op links, because Triton launches its kernels through the
+    driver API, which torch.profiler does not link to an op (the first H100 run of this part lost every
+    Triton kernel that way). CPU: the torch ops called from Python (an op whose parent is a range or nothing),
+    at their CPU time."""
     cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-    steps = sum(1 for e in cpu if e.name == STEP)
-    layers = sum(1 for e in cpu if e.name == LAYER)
+    step_ranges = [(e.time_range.start, e.time_range.end) for e in cpu if e.name == STEP]
+    layer_ranges = [(e.time_range.start, e.time_range.end) for e in cpu if e.name == LAYER]
     if not cuda:
         records = []
         for e in cpu:
             if not e.is_user_annotation and (e.cpu_parent is None or e.cpu_parent.is_user_annotation):
                 labels = _labels(e)
                 records.append(KernelRecord(e.name, e.cpu_time_total, STEP in labels, LAYER in labels))
-        return records, steps, layers, 0
+        return records, len(step_ranges), len(layer_ranges), 0
     ranges = {e.name for e in cpu if e.is_user_annotation}
     device = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU
               and not e.is_user_annotation and e.name not in ranges]
-    if device and all(getattr(d, "linked_correlation_id", None) is None for d in device):
-        return _records_from_op_kernels(cpu, len(device)), steps, layers, 0  # a torch without the link field
-    launchers = {e.id: e for e in cpu if not getattr(e, "linked_correlation_id", 0)}  # ops and ranges
-    records, unlinked = [], 0
-    for d in device:
-        owner = launchers.get(d.linked_correlation_id) if d.linked_correlation_id else None
-        unlinked += owner is None
-        records.append(KernelRecord(d.name, d.time_range.elapsed_us(), True,
-                                    owner is not None and LAYER in _labels(owner)))
-    return records, steps, layers, unlinked
 
+    def inside(t: float, spans: list[tuple[float, float]]) -> bool:
+        return any(a <= t <= b for a, b in spans)
 
-def _records_from_op_kernels(cpu: list, device_events: int) -> list[KernelRecord]:
-    """The kernels torch.profiler attached to each op (``FunctionEvent.kernels``), with the op's ranges."""
-    out = []
-    for e in cpu:
-        labels = _labels(e)
-        out += [KernelRecord(k.name, k.duration, True, LAYER in labels) for k in e.kernels]
-    log(f"kernels: {len(out)} of {device_events} device events attached to ops (no linked_correlation_id)")
-    return out
+    records = [KernelRecord(d.name, d.time_range.elapsed_us(), inside(d.time_range.start, step_ranges),
+                            inside(d.time_range.start, layer_ranges)) for d in device]
+    return records, len(step_ranges), len(layer_ranges), sum(not r.in_step for r in records)
 
 
 @contextlib.contextmanager
-def labelled_layers() -> Iterator[None]:
-    """Every decoder layer's forward inside a ``LAYER`` range (restored afterwards)."""
+def labelled_layers(sync: bool = False) -> Iterator[None]:
+    """Every decoder layer's forward inside a ``LAYER`` range (restored afterwards); ``sync``: the range
+    ends only once the layer's kernels have run, so their GPU start times fall inside it."""
     from pat_engine.model.llama import DecoderLayer
 
     inner = DecoderLayer.forward
 
     def forward(self, *args, **kwargs):
         with record_function(LAYER):
-            return inner(self, *args, **kwargs)
+            out = inner(self, *args, **kwargs)
+            if sync:
+                torch.cuda.synchronize()
+            return out
 
     DecoderLayer.forward = forward
     try:
@@ -198,15 +192,18 @@ def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
             with executor.eager(ex) if mode == "eager" else contextlib.nullcontext():
                 walls[mode] += [seqs.decode() for _ in range(p.block)]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device == "cuda" else [])
-    with executor.eager(ex), labelled_layers(), profile(activities=activities) as prof:
+    cuda = ctx.device == "cuda"
+    with executor.eager(ex), labelled_layers(sync=cuda), profile(activities=activities) as prof:
         for _ in range(p.profiled):
             with record_function(STEP):
                 seqs.decode()
+                if cuda:
+                    torch.cuda.synchronize()
     seqs.release()
-    records, steps, layers, unlinked = profiled_records(prof.events(), ctx.device == "cuda")
+    records, steps, layers, outside = profiled_records(prof.events(), cuda)
     return {"batch": batch, "graphs_ms": median(walls["graphs"]) * 1e3, "eager_ms": median(walls["eager"]) * 1e3,
             "steps_timed": len(walls["graphs"]), "table": kernel_table(records, steps, layers),
-            "unlinked": unlinked}
+            "outside": outside}
 
 
 def render(r: dict, cuda: bool) -> str:
@@ -217,8 +214,8 @@ def render(r: dict, cuda: bool) -> str:
              f"Wall ms / step (median of {r['steps_timed']} each, interleaved): graphs **{r['graphs_ms']:.3f}**, "
              f"eager {r['eager_ms']:.3f}. Profiled eager step: {t.per_step:.0f} {unit} per step, **{per_layer} "
              f"per layer**, {'GPU' if cuda else 'CPU'} time {t.ms_per_step:.3f} ms per step.", ""]
-    if r["unlinked"]:
-        lines += [f"{r['unlinked']} device kernels were not linked to a launching op (counted nowhere).", ""]
+    if r["outside"]:
+        lines += [f"{r['outside']} device events started outside every profiled step (counted nowhere).", ""]
     lines += [markdown_table(["piece", f"{unit} / step", "ms / step", f"{unit} / layer"],
                              [[piece, *vals] for piece, vals in t.by_piece.items()]), "",
               markdown_table(["kernel" if cuda else "op", "piece", "ms / step", "calls / step"],
@@ -257,8 +254,9 @@ def run(ctx: Ctx) -> PartResult:
              f"{'CUDA graphs' if cuda else 'the stand-in graphs'} and {p.block} eager, in turn (after 2 + 2 warm-up "
              f"steps), then {p.profiled} eager steps under torch.profiler with each step and decoder layer in a "
              f"range. A kernel is charged to the piece its name says (GEMM: cuBLAS / nvjet / CUTLASS; our Triton "
-             f"kernels by name; torch's own kernels by their op) and to the layer that launched it; per layer = "
-             f"kernels launched inside the layers' ranges / layers (the embedding, the final norm, the LM head and "
+             f"kernels by name; torch's own kernels by their op) and to the layer it ran in (the profiled steps "
+             f"synchronise at the end of each layer, so a kernel starts inside its own layer's range); per layer = "
+             f"kernels inside the layers' ranges / layers (the embedding, the final norm, the LM head and "
              f"sampling are outside every layer). Target: <= {KERNELS_PER_LAYER_GOAL} kernels per layer.")
     if not cuda:
         setup += (" **Smoke:** no kernels on the CPU; the table counts the torch ops the step calls from Python "

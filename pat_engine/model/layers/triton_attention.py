@@ -28,7 +28,10 @@ log = logging.getLogger(__name__)
 NUMERICS = ("fast", "invariant")  # as pat_engine.config.NUMERICS
 INVARIANT_TOKENS_PER_SPLIT = 256  # one split size for every decode of the invariant mode
 MIN_TOKENS_PER_SPLIT = 128  # fast mode: each split reads >= 128 tokens, so its partial (D + 2 floats a head) stays small
-PROGRAMS_PER_SM = 4  # fast mode: splits are added until the grid has this many programs per SM
+# fast mode: splits are added until the grid has this many programs per SM. 3, from the H100 sweep in
+# bench/results/gpu_check.md (part 1): at 4, 64 x 512 and 64 x 2048 took a second split and lost 9% and 4%
+# of their bandwidth; the tail shapes sit within 1-2% of their best anywhere between 3 and 4.
+PROGRAMS_PER_SM = 3
 DECODE_BLOCK_N = 64  # tokens per kernel iteration; a compile constant of the engine (the bits depend on it)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # float64 keeps the torch path
 
