@@ -23,6 +23,7 @@ import torch
 
 from pat_engine import Engine
 from pat_integrations.frontend import AsyncEngineFrontend
+from pat_integrations.openrlhf.colocate import seat_engine
 from pat_integrations.openrlhf.outputs import GenerationOutput, to_vllm_shape
 from pat_integrations.openrlhf.settings import PatActorSettings
 from pat_engine.model.weight_handles import DeviceHandles, serialize, serialize_reduced
@@ -60,9 +61,17 @@ class PatRolloutActor:
                  remote_rm_url: str | None = None, mm_pad_token_ids: set | None = None, **kwargs: Any):
         if args:
             raise TypeError("pass engine arguments by name (as OpenRLHF's create_vllm_engines does)")
-        self.settings = PatActorSettings.from_vllm_kwargs(kwargs)
-        s = self.settings
-        self.engine = Engine(s.model, tp=s.tp, dp=s.dp, **s.engine_kwargs)
+        # colocated (OpenRLHF's shared placement group): rank r on bundle_indices[r], its GPU
+        self._seats = seat_engine(bundle_indices, int(kwargs.get("tensor_parallel_size", 1))) \
+            if bundle_indices is not None else None
+        try:
+            self.settings = PatActorSettings.from_vllm_kwargs(kwargs)
+            s = self.settings
+            self.engine = Engine(s.model, tp=s.tp, dp=s.dp, **s.engine_kwargs)
+        except BaseException:
+            if self._seats is not None:
+                self._seats.release()
+            raise
         self.frontend = AsyncEngineFrontend(self.engine, s.plan)
         self.rounds = EngineRounds(self.engine, s.rollout, s.plan, seed=int(s.engine_kwargs.get("seed") or 0),
                                    name="openrlhf") if s.rollout is not None else None
@@ -217,7 +226,18 @@ class PatRolloutActor:
     def prefix_cache_stats(self) -> dict:
         return self.engine.prefix_cache_stats()
 
+    def placement(self) -> dict:
+        """Where the ranks sit when colocated: bundles, GPU ids and node, rank by rank; and the workers' pids."""
+        seats = self._seats
+        where = {"bundles": seats.bundles, "gpu_ids": seats.gpu_ids, "node_id": seats.node_id} if seats else {}
+        return {**where, "worker_pids": self.engine.worker_pids()}
+
+    def is_sleeping(self) -> bool:
+        return self.engine.sleeping
+
     def shutdown(self) -> None:
         if self._update_group is not None:
             self._update_group.close()
         self.engine.shutdown()
+        if self._seats is not None:
+            self._seats.release()
