@@ -22,7 +22,7 @@ from typing import Any, Hashable
 import torch
 
 from pat_engine import Engine
-from pat_integrations.frontend import AsyncEngineFrontend
+from pat_integrations.frontend import AsyncEngineFrontend, LayoutViews
 from pat_integrations.openrlhf.colocate import seat_engine
 from pat_integrations.openrlhf.outputs import GenerationOutput, to_vllm_shape
 from pat_integrations.openrlhf.settings import PatActorSettings
@@ -56,7 +56,7 @@ def _load_agent_executor(path: str):
     return executor_cls()
 
 
-class PatRolloutActor:
+class PatRolloutActor(LayoutViews):
     def __init__(self, *args: Any, bundle_indices: list | None = None, agent_func_path: str | None = None,
                  remote_rm_url: str | None = None, mm_pad_token_ids: set | None = None, **kwargs: Any):
         if args:
@@ -216,9 +216,6 @@ class PatRolloutActor:
             self.rounds.weights_updated()  # deferred partials are now stale: regenerated, not resumed
 
     # ---- introspection (not part of OpenRLHF's contract) ---------------------------------------
-
-    def layout(self) -> str:
-        return str(self.engine.layout)
 
     def num_switches(self) -> int:
         return len(self.engine.switches)

@@ -65,7 +65,8 @@ class PatServer(LayoutViews):
             raise NotImplementedError("pat-engine serves text-only models: image/video/audio data is not supported")
         prompt_ids = [int(t) for t in prompt_ids]
         s = self.settings
-        params = from_verl(sampling_params, s.default_max_tokens(len(prompt_ids)), defaults=s.sampling_defaults)
+        params = from_verl(s.within_context(sampling_params, len(prompt_ids)), s.default_max_tokens(len(prompt_ids)),
+                           defaults=s.sampling_defaults)
         params, origin = self.partials.prepare(prompt_ids, params, request_id)
         out = await self.frontend.generate(prompt_ids, params, request_id)
         self.partials.settle(origin, out)
