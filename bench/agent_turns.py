@@ -20,7 +20,8 @@ medians reported):
 - no cache: ``enable_prefix_caching=False``.
 
 Per turn index: prompt tokens, prefill tokens computed (prompt - cached at admission) and turn latency
-(submit to last token, queueing included), summed/averaged over conversations; per run: wall time.
+(submit to last token, queueing included), summed/averaged over conversations; per run: wall time and
+switches (a round's first run may switch back to the base layout the previous run left).
 
     PYTHONPATH=.:integrations:bench python bench/agent_turns.py [--repeats 3]
 """
@@ -99,13 +100,14 @@ async def one_run(frontend: AsyncEngineFrontend, args) -> Run:
 def report(runs: dict[tuple[str, str], list[Run]], args) -> str:
     rows, per_run = [], []
     for (scenario, config), these in runs.items():
-        first = these[0]
         for turn in range(1, args.turns + 1):
+            prompt = sum(these[0].prompt[turn])  # the same in every run: the same tokens
+            computed = statistics.median(sum(r.computed[turn]) for r in these)
             lat = statistics.median(statistics.mean(r.latency[turn]) for r in these)
-            rows.append([scenario, config, turn, sum(first.prompt[turn]), sum(first.computed[turn]),
-                         f"{1 - sum(first.computed[turn]) / sum(first.prompt[turn]):.0%}", round(lat * 1000, 1)])
-        per_run.append([scenario, config, sum(sum(v) for v in first.computed.values()),
-                        round(statistics.median(r.wall for r in these), 2), "/".join(str(r.switches) for r in these)])
+            rows.append([scenario, config, turn, prompt, computed, f"{1 - computed / prompt:.0%}", round(lat * 1000, 1)])
+        totals = [sum(sum(v) for v in r.computed.values()) for r in these]
+        per_run.append([scenario, config, "/".join(map(str, totals)), round(statistics.median(r.wall for r in these), 2),
+                        "/".join(str(r.switches) for r in these)])
     reference = next(iter(runs.values()))[0].tokens
     differ = sum(r.tokens[i] != reference[i] for these in runs.values() for r in these for i in reference)
     return (
@@ -115,13 +117,13 @@ def report(runs: dict[tuple[str, str], list[Run]], args) -> str:
         f"\"switching\": TP2xDP1 after {args.switch_at} decode steps of each stage (KV migrated). float32, block "
         f"size {args.block_size}, numerics invariant (the same tokens whatever the layout and the cache), "
         f"{args.repeats} interleaved rounds. Conversations whose tokens differ from the first run's: {differ}.\n\n"
-        "Per turn (tokens: sums over conversations, first round; latency: mean over conversations, median over "
-        "rounds; submit to last token, queueing included):\n\n"
+        "Per turn (tokens: sums over conversations, computed: median over rounds; latency: mean over conversations, "
+        "median over rounds; submit to last token, queueing included):\n\n"
         + markdown_table(["scenario", "config", "turn", "prompt tokens", "prefill computed", "reused",
                           "turn latency ms"], rows)
         + "\n\nPer run:\n\n"
-        + markdown_table(["scenario", "config", "prefill tokens computed", "wall s (median)", "switches per round"],
-                         per_run)
+        + markdown_table(["scenario", "config", "prefill tokens computed, each round", "wall s (median)",
+                          "switches, each round"], per_run)
         + "\n"
     )
 
