@@ -6,7 +6,9 @@ agent executor) / ``sleep``, ``get_num_unfinished_requests`` for load
 balancing, and for weight sync ``update_weight(name, dtype, shape)`` followed
 by a broadcast from the trainer (gloo: this actor receives; nccl: every worker joins OpenRLHF's
 PyNccl group on its GPU), or, colocated, ``update_weight_cuda_ipc`` with one handle per trainer GPU
-(each worker opens its own GPU's). Signatures follow OpenRLHF 0.11.2. With ``pat_rollout``
+(each worker opens its own GPU's). Colocated, ``bundle_indices`` seat the engine's ranks on the
+bundles of OpenRLHF's shared placement group, rank ``r`` on the GPU of ``bundle_indices[r]``
+(``openrlhf.colocate``). Signatures follow OpenRLHF 0.11.2. With ``pat_rollout``
 (tail batching, group sizing), ``rollout_step`` runs a step's prompts as one tail-batched round
 (``pat_integrations.rounds``): a drop-in for the sample generation of a step.
 Wrapped with ``ray.remote`` by ``create_pat_engines``.

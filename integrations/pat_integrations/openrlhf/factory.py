@@ -51,14 +51,16 @@ def create_pat_engines(
     """
     if max_images_per_prompt:
         raise ValueError("pat-engine serves text-only models (max_images_per_prompt > 0)")
-    bundles_to_node = ray.util.placement_group_table(shared_pg)["bundles_to_node_id"] if shared_pg is not None else None
+    placed: list[list[int] | None] = [None] * num_engines
+    if shared_pg is not None:  # every engine's bundles checked before any actor starts
+        table = ray.util.placement_group_table(shared_pg)["bundles_to_node_id"]
+        placed = [engine_bundles(table, i, tensor_parallel_size) for i in range(num_engines)]
     # a pat engine's worker processes are children of the actor: alone, the actor holds all the engine's GPUs
     gpus = ray.cluster_resources().get("GPU", 0)
     num_gpus = tensor_parallel_size if gpus and shared_pg is None else 0
     remote_cls = ray.remote(PatRolloutActor)
     engines = []
-    for i in range(num_engines):
-        bundles = engine_bundles(bundles_to_node, i, tensor_parallel_size) if shared_pg is not None else None
+    for i, bundles in enumerate(placed):
         where = {} if bundles is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(
             shared_pg, placement_group_bundle_index=bundles[0], placement_group_capture_child_tasks=True)}
         kwargs: dict[str, Any] = {
