@@ -53,7 +53,9 @@ def hf_greedy(path: str, prompt: list[int], max_new: int) -> list[int]:
     key = (path, tuple(prompt), max_new)
     if key not in _HF_CACHE:
         model = _hf_model(path)
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False)
+        ids = torch.tensor([prompt])
+        # every token is attended: without a mask, generate would mask out the pad id (0) inside a prompt
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False)
         _HF_CACHE[key] = out[0, len(prompt):].tolist()
     return _HF_CACHE[key]
 

@@ -72,3 +72,19 @@ class VllmLikeSamplingParams:
             if not hasattr(self, name):
                 raise TypeError(f"not a vllm.SamplingParams attribute this stand-in knows: {name}")
             setattr(self, name, value)
+
+
+def sync_by_handles(engines, model, key: str = "cpu") -> None:
+    """OpenRLHF's ``broadcast_to_vllm`` with ``colocate_all`` (``_handle_cuda_ipc``): per parameter, a
+    clone, its ``reduce_tensor`` keyed by the trainer's device (one trainer rank here: on CPU every
+    rank's key is "cpu"), the call on every engine, the last parameter marked ``empty_cache``."""
+    import ray
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    params = list(model.named_parameters())
+    for count, (name, param) in enumerate(params, start=1):
+        weight = param.data.clone()
+        refs = [e.update_weight_cuda_ipc.remote(name, dtype=param.dtype, shape=param.shape,
+                                                ipc_handles={key: reduce_tensor(weight)}, empty_cache=count == len(params))
+                for e in engines]
+        ray.get(refs)

@@ -27,7 +27,8 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'ray[
 from conftest import MAX_NEW, PROMPTS, _hf_model, hf_greedy_batch  # noqa: E402
 from pat_integrations.openrlhf.factory import create_pat_engines  # noqa: E402
 from pat_integrations.openrlhf.weight_sync import stateless_gloo_group  # noqa: E402
-from rl_helpers import CODE_PATHS, VllmLikeSamplingParams, export_code_paths, perturbed_checkpoint, restore_env  # noqa: E402
+from rl_helpers import (CODE_PATHS, VllmLikeSamplingParams, export_code_paths, perturbed_checkpoint,  # noqa: E402
+                        restore_env, sync_by_handles)
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -145,20 +146,6 @@ def test_pause_resume_and_unfinished_count(engines):
     assert len(ray.get(ref).outputs[0].token_ids) == 20
     assert ray.get(engine.get_num_unfinished_requests.remote()) == 0
     ray.get(engine.reset_prefix_cache.remote())
-
-
-def sync_by_handles(engines, model, key: str = "cpu") -> None:
-    """``broadcast_to_vllm`` with ``colocate_all`` (``_handle_cuda_ipc``): per parameter, a clone, its
-    ``reduce_tensor`` keyed by the trainer's device (one trainer rank here), the call on every engine."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    params = list(model.named_parameters())
-    for count, (name, param) in enumerate(params, start=1):
-        weight = param.data.clone()
-        refs = [e.update_weight_cuda_ipc.remote(name, dtype=param.dtype, shape=param.shape,
-                                                ipc_handles={key: reduce_tensor(weight)}, empty_cache=count == len(params))
-                for e in engines]
-        ray.get(refs)
 
 
 def test_colocated_sync_by_handles_then_generation_is_token_exact(engines, model_dir, tmp_path):

@@ -5,7 +5,11 @@ engine) wrap an ``Engine`` in this class. It adds what an RL framework expects
 from a rollout server around the plain engine API:
 
 - stages: a request (or batch) that finds the engine idle starts a new
-  generation stage, back at the base layout with a fresh switch policy;
+  generation stage, back at the base layout with a fresh switch policy, unless it
+  is a later turn of a conversation answered in this stage (``turns.TurnLedger``:
+  an agent rollout idles the engine while its tools run);
+- turns on the DP group that holds their earlier turns' KV (``turns.PrefixAffinity``,
+  installed when the engine caches prefixes);
 - an admission gate: ``abort_all`` stops and aborts everything in flight and
   holds (or rejects) new requests until ``reopen``; aborted requests return
   what they generated with finish reason "abort";
@@ -29,6 +33,7 @@ import torch
 from pat_engine import Engine, RequestHandle, RequestOutput, SamplingParams, WorkerFailure
 from pat_integrations.async_bridge import await_samples
 from pat_integrations.stage import StageCounter, StagePlan, begin_stage
+from pat_integrations.turns import PrefixAffinity, TurnLedger
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +50,9 @@ class AsyncEngineFrontend:
         self._rejecting = False
         self._idle = asyncio.Event()
         self._idle.set()
+        self.turns = TurnLedger()
+        if engine.config.enable_prefix_caching:
+            engine.set_placement(PrefixAffinity(self.turns))
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -69,7 +77,7 @@ class AsyncEngineFrontend:
                     if self._rejecting:
                         return None
                     await self._open.wait()
-                if not self._handles:  # the engine is idle: this batch opens a new stage
+                if not self._handles and not self._continues(prompts):  # idle: this batch opens a new stage
                     await asyncio.to_thread(begin_stage, self.engine, self.plan, self.stages)
                 # No await from this check to the submits below: on the actor's one event loop,
                 # abort_all either closes the gate before it (we wait again) or sees our requests.
@@ -94,11 +102,19 @@ class AsyncEngineFrontend:
         finally:
             self._forget([h for f in families for h in f])
         every = [s for o in outs for s in (o.samples or [o])]
+        version = self.engine.weight_version
+        for s in every:
+            self.turns.record(s.prompt_token_ids, s.token_ids, version)
         failed = [s for s in every if s.finish_reason == "error"]
         if failed:  # as Engine.generate: a request lost to a worker failure is an error, not a result
             raise WorkerFailure(f"{len(failed)} of {len(every)} requests failed: {failed[0].error}",
                                 partial_outputs=outs)
         return outs
+
+    def _continues(self, prompts: Sequence[Any]) -> bool:
+        """Whether every prompt continues an answer of this stage (token-id prompts only)."""
+        version = self.engine.weight_version
+        return all(isinstance(p, (list, tuple)) and self.turns.continues(p, version) for p in prompts)
 
     def _forget(self, handles: list[RequestHandle]) -> None:
         for h in handles:
@@ -154,6 +170,7 @@ class AsyncEngineFrontend:
         """Drain, then release the KV cache (level 1) or KV and weights (level 2), or exactly ``tags``;
         bytes freed (0 for what was released already)."""
         await self.drain()
+        self.turns.reset()  # sleep drops the prefix cache: no turn after it has earlier turns' KV to keep
         return await asyncio.to_thread(self.engine.sleep, level, list(tags) if tags is not None else None)
 
     async def wake_up(self, tags: Iterable[str] | None = None) -> list[str]:

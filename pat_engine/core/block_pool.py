@@ -125,8 +125,22 @@ class BlockPool:
     def match_prefix(self, tokens: list[int], namespace: Hashable | None, max_tokens: int) -> list[int]:
         """The longest run of cached full blocks holding ``tokens[:k * block_size]`` with
         ``k * block_size <= max_tokens``; each returned block gets one more reference."""
-        bs = self.block_size
         self.stats.queried_tokens += len(tokens)
+        hits = self._walk(tokens, namespace, max_tokens)
+        self.share(hits)
+        for b in hits:  # recently used: last to be evicted
+            if b in self._evictable:
+                self._evictable.move_to_end(b)
+        self.stats.hit_tokens += len(hits) * self.block_size
+        return hits
+
+    def cached_prefix(self, tokens: list[int], namespace: Hashable | None, max_tokens: int) -> int:
+        """How many leading tokens ``match_prefix`` would find cached now; references, LRU order and
+        stats are left as they are (for an admission placement weighing the groups)."""
+        return len(self._walk(tokens, namespace, max_tokens)) * self.block_size
+
+    def _walk(self, tokens: list[int], namespace: Hashable | None, max_tokens: int) -> list[int]:
+        bs = self.block_size
         hits: list[int] = []
         parent = ROOT
         for start in range(0, max_tokens - bs + 1, bs):
@@ -140,11 +154,6 @@ class BlockPool:
                 break  # a hash collision: a miss
             hits.append(block)
             parent = key
-        self.share(hits)
-        for b in hits:  # recently used: last to be evicted
-            if b in self._evictable:
-                self._evictable.move_to_end(b)
-        self.stats.hit_tokens += len(hits) * bs
         return hits
 
     def register(self, table: list[int], tokens: list[int], first: int, count: int,

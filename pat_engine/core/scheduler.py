@@ -20,7 +20,7 @@ tokens go back to the pool and the workers cut their tables to match
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from typing import Callable, Hashable
 
 from pat_engine.core.block_pool import BlockPool, blocks_needed
 from pat_engine.core.request import Sequence, SeqStatus
@@ -255,11 +255,21 @@ class GroupScheduler:
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Referenced blocks holding the longest cached prefix of ``seq`` (none when it cannot share)."""
+        can_share, namespace = self._prefix_namespace(seq)
+        # the last token always runs again: its logits are what the next token is sampled from
+        return self.blocks.match_prefix(seq.tokens, namespace, seq.length - 1) if can_share else []
+
+    def cached_tokens(self, seq: Sequence) -> int:
+        """Leading tokens of ``seq`` an admission to this group would find cached now (read-only)."""
+        can_share, namespace = self._prefix_namespace(seq)
+        return self.blocks.cached_prefix(seq.tokens, namespace, seq.length - 1) if can_share else 0
+
+    def _prefix_namespace(self, seq: Sequence) -> tuple[bool, Hashable | None]:
+        """Whether ``seq`` may take cached blocks, and from which namespace."""
         namespace = seq.prefix_namespace(self.blocks.enable_caching)
         if (namespace is None and not self.blocks.enable_caching) or seq.wants_prompt_logprobs():
-            return []  # prompt log-probs need the whole prompt run through the model
-        # the last token always runs again: its logits are what the next token is sampled from
-        return self.blocks.match_prefix(seq.tokens, namespace, seq.length - 1)
+            return False, None  # prompt log-probs need the whole prompt run through the model
+        return True, namespace
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         """Blocks whose KV is now complete become findable by later requests with the same prefix."""

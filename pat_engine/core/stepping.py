@@ -37,6 +37,11 @@ from pat_engine.speculative.manager import Speculation
 PAUSE_MODES = ("in_place", "retract", "abort")
 
 
+def fewest_outstanding(seq: Sequence, schedulers: list[GroupScheduler]) -> int:
+    """The default admission placement: the DP group with the fewest outstanding tokens (lowest on ties)."""
+    return min(range(len(schedulers)), key=lambda g: (schedulers[g].outstanding_tokens(), g))
+
+
 class Stepping:
     def __init__(self, config: EngineConfig, memory_plan: MemoryPlan, pool: WorkerPool, layout: Layout,
                  thread: LoopThread, timeline: Timeline):
@@ -109,10 +114,8 @@ class Stepping:
         """Queue the samples of one prompt on one DP group, so they can share the prompt's KV blocks:
         the group the admission placement picks for the first (``placement``), else the one with the
         fewest outstanding tokens."""
-        if self.placement is not None:
-            group = self.placement(seqs[0], self.schedulers)
-        else:
-            group = min(range(self.layout.dp), key=lambda g: (self.schedulers[g].outstanding_tokens(), g))
+        rule = self.placement or fewest_outstanding
+        group = rule(seqs[0], self.schedulers)
         for seq in seqs:
             self.schedulers[group].add(seq)
             self.seqs[seq.seq_id] = seq

@@ -6,7 +6,9 @@ agent executor) / ``sleep``, ``get_num_unfinished_requests`` for load
 balancing, and for weight sync ``update_weight(name, dtype, shape)`` followed
 by a broadcast from the trainer (gloo: this actor receives; nccl: every worker joins OpenRLHF's
 PyNccl group on its GPU), or, colocated, ``update_weight_cuda_ipc`` with one handle per trainer GPU
-(each worker opens its own GPU's). Signatures follow OpenRLHF 0.11.2. With ``pat_rollout``
+(each worker opens its own GPU's). Colocated, ``bundle_indices`` seat the engine's ranks on the
+bundles of OpenRLHF's shared placement group, rank ``r`` on the GPU of ``bundle_indices[r]``
+(``openrlhf.colocate``). Signatures follow OpenRLHF 0.11.2. With ``pat_rollout``
 (tail batching, group sizing), ``rollout_step`` runs a step's prompts as one tail-batched round
 (``pat_integrations.rounds``): a drop-in for the sample generation of a step.
 Wrapped with ``ray.remote`` by ``create_pat_engines``.
@@ -22,7 +24,8 @@ from typing import Any, Hashable
 import torch
 
 from pat_engine import Engine
-from pat_integrations.frontend import AsyncEngineFrontend
+from pat_integrations.frontend import AsyncEngineFrontend, LayoutViews
+from pat_integrations.openrlhf.colocate import seat_engine
 from pat_integrations.openrlhf.outputs import GenerationOutput, to_vllm_shape
 from pat_integrations.openrlhf.settings import PatActorSettings
 from pat_engine.model.weight_handles import DeviceHandles, serialize, serialize_reduced
@@ -55,14 +58,22 @@ def _load_agent_executor(path: str):
     return executor_cls()
 
 
-class PatRolloutActor:
+class PatRolloutActor(LayoutViews):
     def __init__(self, *args: Any, bundle_indices: list | None = None, agent_func_path: str | None = None,
                  remote_rm_url: str | None = None, mm_pad_token_ids: set | None = None, **kwargs: Any):
         if args:
             raise TypeError("pass engine arguments by name (as OpenRLHF's create_vllm_engines does)")
-        self.settings = PatActorSettings.from_vllm_kwargs(kwargs)
-        s = self.settings
-        self.engine = Engine(s.model, tp=s.tp, dp=s.dp, **s.engine_kwargs)
+        # colocated (OpenRLHF's shared placement group): rank r on bundle_indices[r], its GPU
+        self._seats = seat_engine(bundle_indices, int(kwargs.get("tensor_parallel_size", 1))) \
+            if bundle_indices is not None else None
+        try:
+            self.settings = PatActorSettings.from_vllm_kwargs(kwargs)
+            s = self.settings
+            self.engine = Engine(s.model, tp=s.tp, dp=s.dp, **s.engine_kwargs)
+        except BaseException:
+            if self._seats is not None:
+                self._seats.release()
+            raise
         self.frontend = AsyncEngineFrontend(self.engine, s.plan)
         self.rounds = EngineRounds(self.engine, s.rollout, s.plan, seed=int(s.engine_kwargs.get("seed") or 0),
                                    name="openrlhf") if s.rollout is not None else None
@@ -208,16 +219,24 @@ class PatRolloutActor:
 
     # ---- introspection (not part of OpenRLHF's contract) ---------------------------------------
 
-    def layout(self) -> str:
-        return str(self.engine.layout)
-
     def num_switches(self) -> int:
         return len(self.engine.switches)
 
     def prefix_cache_stats(self) -> dict:
         return self.engine.prefix_cache_stats()
 
+    def placement(self) -> dict:
+        """Where the ranks sit when colocated: bundles, GPU ids and node, rank by rank; and the workers' pids."""
+        seats = self._seats
+        where = {"bundles": seats.bundles, "gpu_ids": seats.gpu_ids, "node_id": seats.node_id} if seats else {}
+        return {**where, "worker_pids": self.engine.worker_pids()}
+
+    def is_sleeping(self) -> bool:
+        return self.engine.sleeping
+
     def shutdown(self) -> None:
         if self._update_group is not None:
             self._update_group.close()
         self.engine.shutdown()
+        if self._seats is not None:
+            self._seats.release()

@@ -12,8 +12,10 @@ import logging
 from typing import Any, Optional
 
 import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pat_integrations.openrlhf.actor import PatRolloutActor
+from pat_integrations.openrlhf.colocate import engine_bundles
 
 log = logging.getLogger(__name__)
 
@@ -41,18 +43,26 @@ def create_pat_engines(
     pat_rollout: Optional[dict[str, Any]] = None,
     num_cpus_per_engine: float = 0,
 ) -> list:
-    """One pat-engine of ``tensor_parallel_size`` devices per OpenRLHF engine; returns Ray actor handles."""
-    if shared_pg is not None:
-        raise NotImplementedError("hybrid placement (shared_pg) is not implemented: a pat engine needs all its "
-                                  "devices in one actor, but OpenRLHF's shared placement group has one GPU per bundle")
+    """One pat-engine of ``tensor_parallel_size`` devices per OpenRLHF engine; returns Ray actor handles.
+
+    ``shared_pg`` (OpenRLHF's hybrid engine): engine ``i`` takes the bundles OpenRLHF's
+    ``get_bundle_indices`` gives it, one rank per bundle on one node (``openrlhf.colocate``); its actor
+    sits on the first of them and holds no GPU itself. Otherwise each actor holds its engine's GPUs.
+    """
     if max_images_per_prompt:
         raise ValueError("pat-engine serves text-only models (max_images_per_prompt > 0)")
-    # a pat engine's worker processes are children of the actor: the actor holds all the engine's GPUs
+    placed: list[list[int] | None] = [None] * num_engines
+    if shared_pg is not None:  # every engine's bundles checked before any actor starts
+        table = ray.util.placement_group_table(shared_pg)["bundles_to_node_id"]
+        placed = [engine_bundles(table, i, tensor_parallel_size) for i in range(num_engines)]
+    # a pat engine's worker processes are children of the actor: alone, the actor holds all the engine's GPUs
     gpus = ray.cluster_resources().get("GPU", 0)
-    num_gpus = tensor_parallel_size if gpus else 0
+    num_gpus = tensor_parallel_size if gpus and shared_pg is None else 0
     remote_cls = ray.remote(PatRolloutActor)
     engines = []
-    for i in range(num_engines):
+    for i, bundles in enumerate(placed):
+        where = {} if bundles is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+            shared_pg, placement_group_bundle_index=bundles[0], placement_group_capture_child_tasks=True)}
         kwargs: dict[str, Any] = {
             "model": pretrain,
             "tensor_parallel_size": tensor_parallel_size,
@@ -69,8 +79,8 @@ def create_pat_engines(
             "pat_engine_kwargs": pat_engine_kwargs,
             "pat_rollout": pat_rollout,
         }
-        engines.append(remote_cls.options(num_cpus=num_cpus_per_engine, num_gpus=num_gpus).remote(
-            agent_func_path=agent_func_path, remote_rm_url=remote_rm_url, **kwargs))
+        engines.append(remote_cls.options(num_cpus=num_cpus_per_engine, num_gpus=num_gpus, **where).remote(
+            bundle_indices=bundles, agent_func_path=agent_func_path, remote_rm_url=remote_rm_url, **kwargs))
     if vllm_enable_sleep:
         ray.get([e.sleep.remote() for e in engines])
     return engines

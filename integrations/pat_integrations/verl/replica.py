@@ -17,6 +17,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from verl.workers.rollout.replica import RolloutReplica
 
+from pat_integrations.ray_cluster.placement import here
 from pat_integrations.verl.server import PatServer
 
 SERVER_PREFIX = "pat_server"
@@ -27,8 +28,7 @@ def server_name(replica_rank: int, node_rank: int = 0, suffix: str = "") -> str:
 
 
 def _where(_worker) -> tuple[str, list[str]]:
-    ctx = ray.get_runtime_context()
-    return ctx.get_node_id(), [str(i) for i in ctx.get_accelerator_ids().get("GPU", [])]
+    return here()  # run in each trainer worker (``__ray_call__``): its node and GPUs
 
 
 class PatReplica(RolloutReplica):

@@ -15,7 +15,6 @@ Partial rollout: an aborted request's answer is recorded so that veRL's resubmis
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Hashable
 
 import torch
@@ -24,6 +23,7 @@ from verl.workers.rollout.replica import RolloutMode, TokenOutput
 from pat_engine import Engine
 from pat_integrations.frontend import AsyncEngineFrontend, LayoutViews
 from pat_integrations.partials import PartialLedger
+from pat_integrations.ray_cluster.placement import expose_gpus
 from pat_integrations.rounds import EngineRounds, RoundResult
 from pat_integrations.sampling import from_verl
 from pat_integrations.verl.outputs import token_output
@@ -36,7 +36,7 @@ class PatServer(LayoutViews):
     def __init__(self, config: Any, model_config: Any, rollout_mode: RolloutMode, replica_rank: int,
                  devices_per_node: int, visible_devices: str | None = None):
         if visible_devices:  # the hybrid workers' GPUs: the engine's worker processes inherit them
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+            expose_gpus(visible_devices.split(","))
         self.settings = PatRolloutSettings.from_verl(config, model_config, devices_per_node)
         self.free_cache_engine = bool(config.free_cache_engine)
         self.rollout_mode = rollout_mode
@@ -65,7 +65,8 @@ class PatServer(LayoutViews):
             raise NotImplementedError("pat-engine serves text-only models: image/video/audio data is not supported")
         prompt_ids = [int(t) for t in prompt_ids]
         s = self.settings
-        params = from_verl(sampling_params, s.default_max_tokens(len(prompt_ids)), defaults=s.sampling_defaults)
+        params = from_verl(s.within_context(sampling_params, len(prompt_ids)), s.default_max_tokens(len(prompt_ids)),
+                           defaults=s.sampling_defaults)
         params, origin = self.partials.prepare(prompt_ids, params, request_id)
         out = await self.frontend.generate(prompt_ids, params, request_id)
         self.partials.settle(origin, out)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from pat_engine.config import EngineConfig
 from pat_engine.rollout.config import RolloutConfig
@@ -120,6 +120,16 @@ class PatRolloutSettings:
             sampling_defaults={name: getattr(config, name) for name in ("repetition_penalty", "ignore_eos")
                                if getattr(config, name, None) is not None},
         )
+
+    def within_context(self, sampling_params: Mapping[str, Any], prompt_len: int) -> dict[str, Any]:
+        """veRL's servers (vLLM's, SGLang's) clamp a request's ``max_tokens`` to the room its context leaves
+        rather than refuse it: ``FullyAsyncLLMServerClient`` asks for ``response_length`` on every turn of
+        a multi-turn rollout, whose later prompts leave less."""
+        out = dict(sampling_params)
+        for key in ("max_tokens", "max_new_tokens"):
+            if out.get(key) is not None:
+                out[key] = max(1, min(int(out[key]), self.max_model_len - prompt_len))
+        return out
 
     def default_max_tokens(self, prompt_len: int) -> int:
         """veRL's rule when a request names no max_tokens: the response budget, within the context."""

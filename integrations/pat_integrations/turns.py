@@ -1,0 +1,106 @@
+"""Multi-turn agent rollouts: every later turn reuses the KV of the turns before it.
+
+An agent loop (veRL's ``ToolAgentLoop``, OpenRLHF's ``MultiTurnAgentExecutor``) sends each turn as a
+new request whose prompt is the whole conversation so far: the previous turn's prompt, its response,
+then the tool's (or environment's) answer. The engine's prefix cache keeps the full KV blocks of the
+previous turn, prompt and response alike (a generated block is registered as it fills), so a turn
+prefills only what is new, provided two things the plain engine does not ensure:
+
+- the turn lands on the DP group that holds those blocks (``PrefixAffinity``): the engine's own rule
+  places a request on the group with the fewest outstanding tokens, which need not be the group where
+  the previous turn ran;
+- no layout switch comes between the turns: the adapters start a new stage, back at the base layout,
+  when a request finds the engine idle, and a switch keeps only the blocks running requests hold
+  (cached blocks no request uses are not moved). While its tool runs a trajectory has no request in
+  the engine, so an agent rollout often leaves the engine idle between turns. A request that continues
+  an answer of this stage under the same weights (``TurnLedger``) therefore joins the stage instead
+  (``frontend.AsyncEngineFrontend``).
+
+A mid-stage switch (the schedule's or the controller's) still drops the cached blocks of trajectories
+that are between turns at that moment: their next turn prefills in full.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any, Sequence
+
+from pat_engine.core.stepping import fewest_outstanding
+
+HEAD = 64  # prompt tokens that index a record (the conversation's start: its system prompt and question)
+
+
+class PrefixAffinity:
+    """Admission placement (``Engine.set_placement``): a later turn of a conversation of this stage (the
+    ``ledger`` says so) goes to the DP group holding the longest cached prefix of it, as veRL's sticky
+    sessions keep a conversation on one server; any other request, or a turn whose earlier turns are
+    cached nowhere, is placed by the engine's own rule (fewest outstanding tokens). Conversations are
+    balanced over the groups at their first turn; the cache alone does not attract requests (a system
+    prompt every request shares would send them all to one group)."""
+
+    def __init__(self, ledger: "TurnLedger"):
+        self.ledger = ledger
+
+    def __call__(self, seq: Any, schedulers: Sequence[Any]) -> int:
+        if self.ledger.continues(seq.prompt_ids, self.ledger.version):
+            cached = [sched.cached_tokens(seq) for sched in schedulers]
+            if max(cached) > 0:
+                return max(range(len(schedulers)), key=lambda g: (cached[g], -g))
+        return fewest_outstanding(seq, schedulers)
+
+
+class TurnLedger:
+    """Answers of the current stage, remembered as (prompt + first response token) under one weight version.
+
+    ``continues(prompt)``: the prompt starts with such a sequence (a later turn of that conversation, or
+    an aborted answer resubmitted with its tokens so far). Only the first response token is required:
+    an agent loop may re-render the end of a response (a stop string, a trailing special token).
+    Records are (length, hash) pairs; those of ``HEAD`` tokens or more are indexed by their first
+    ``HEAD`` tokens, so a lookup checks only the records of its own conversation. The oldest records
+    go first beyond ``capacity``.
+    """
+
+    def __init__(self, capacity: int = 1 << 16):
+        self.capacity = capacity
+        self.version: str | None = None
+        self._records: OrderedDict[tuple[int, int], int | None] = OrderedDict()  # (length, hash) -> head, oldest first
+        self._by_head: dict[int, set[tuple[int, int]]] = {}
+        self._lock = threading.Lock()  # recorded by the frontend, read by the engine's placement too
+
+    def reset(self, version: str | None = None) -> None:
+        with self._lock:
+            self._reset(version)
+
+    def _reset(self, version: str | None) -> None:
+        self.version = version
+        self._records.clear()
+        self._by_head.clear()
+
+    def record(self, prompt: Sequence[int], response: Sequence[int], version: str) -> None:
+        if not response:
+            return
+        seq = tuple(prompt) + (response[0],)
+        rec = (len(seq), hash(seq))
+        head = hash(seq[:HEAD]) if len(seq) >= HEAD else None
+        with self._lock:
+            if version != self.version:
+                self._reset(version)
+            self._records[rec] = head
+            self._records.move_to_end(rec)
+            if head is not None:
+                self._by_head.setdefault(head, set()).add(rec)
+            while len(self._records) > self.capacity:
+                old, old_head = self._records.popitem(last=False)
+                if old_head is not None:
+                    self._by_head[old_head].discard(old)
+
+    def continues(self, prompt: Sequence[int], version: str) -> bool:
+        tokens = tuple(prompt)
+        with self._lock:
+            if version != self.version or not self._records:
+                return False
+            lengths = set(range(1, min(HEAD, len(tokens) + 1)))  # short records: any length below HEAD
+            if len(tokens) >= HEAD:
+                lengths |= {n for n, _ in self._by_head.get(hash(tokens[:HEAD]), ()) if n <= len(tokens)}
+            return any((n, hash(tokens[:n])) in self._records for n in lengths)
