@@ -53,6 +53,9 @@ def test_verl_default_compute_score_and_a_custom_reward_function_file(tmp_path):
     spec = {"path": str(tmp_path / "my_reward.py"), "name": "my_score", "reward_kwargs": {"scale": 2.0}}
     fn = verl_reward(spec)
     assert verl_reward(dict(spec)) is fn  # the same spec every step: the same reward, the stage is kept
+    from omegaconf import OmegaConf
+
+    assert verl_reward(OmegaConf.create(spec)) is fn  # config.reward.custom_reward_function as Hydra gives it
     assert score(fn, item("it is 42", GSM8K)) == (2.0, {"acc": True, "split": "train", "source": "openai/gsm8k"})
 
 
@@ -171,9 +174,11 @@ def test_openrlhf_rollout_step_scores_with_remote_rm_url(model_dir, tmp_path):
 
     try:
         prompts = [(f"u{i}", ids, labels[f"u{i}"]) for i, ids in enumerate(PROMPT_IDS)]
-        scored = sum(check_rewards(asyncio.run(actor.rollout_step(prompts[k:k + 3], params)), expected)
-                     for k in (0, 3))
-        assert scored == 8  # two rounds of 2 prompts x 2 responses
+        stages = []
+        for k in (0, 3):  # two rounds of 2 prompts x 2 responses
+            assert check_rewards(asyncio.run(actor.rollout_step(prompts[k:k + 3], params)), expected) == 4
+            stages.append(actor.rounds._rewards)
+        assert stages[0] is stages[1] is not None  # one stage across steps: the adaptive timeouts carry over
     finally:
         actor.shutdown()
 

@@ -42,6 +42,7 @@ def verl_reward(spec: Mapping[str, Any] | Callable) -> Callable[[RewardInput], A
     """veRL's ``custom_reward_function`` mapping, or a ``compute_score`` callable, as a pat reward."""
     if callable(spec):
         return _verl_wrapped(spec, "{}")
+    spec = _plain(spec)
     if not isinstance(spec, Mapping):
         raise ValueError(f"reward must be veRL's custom_reward_function ({sorted(VERL_KEYS)}) or a "
                          f"compute_score callable, got {type(spec).__name__}")
@@ -73,6 +74,15 @@ def _verl_wrapped(compute_score: Callable, kwargs: str) -> Callable[[RewardInput
         def scored(item: RewardInput) -> Any:
             return _verl_value(compute_score(**_verl_args(item), **extra))
     return scored
+
+
+def _plain(spec: Any) -> Any:
+    """``config.reward.custom_reward_function`` as it stands in veRL's Hydra config, as plain data."""
+    try:
+        from omegaconf import OmegaConf
+    except ImportError:  # no veRL here: the spec is plain already
+        return spec
+    return OmegaConf.to_container(spec, resolve=True) if OmegaConf.is_config(spec) else spec
 
 
 def _verl_args(item: RewardInput) -> dict:

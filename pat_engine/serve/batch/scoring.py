@@ -2,7 +2,7 @@
 
 Between the engine and the output file: without a reward a finished line is written at once; with
 one, each of its answers goes to the reward stage (``pat_engine.rollout.rewards``: a bounded pool,
-RollPacker's adaptive timeouts, the line's key anchoring them) and the line is written when the last
+RollPacker's adaptive timeouts, each line anchoring its own) and the line is written when the last
 of its rewards is in. A failed reward never loses the line: its record keeps the answers and says
 which reward failed (``lines.result_record``).
 """
@@ -39,8 +39,8 @@ class LineScorer:
 
     def finished(self, item: BatchItem, outs: list[RequestOutput]) -> None:
         """A line's answers are all generated: write it, or score them first."""
-        if self.stage is None:
-            self.write(item, outs, None)
+        if self.stage is None or any(o.finish_reason == "error" for o in outs):
+            self.write(item, outs, None)  # a failed generation is the line's error: nothing to score
             return
         self._waiting[item.line] = (item, outs, {})
         for i, out in enumerate(outs):
