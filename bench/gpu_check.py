@@ -2,7 +2,7 @@
 (issues 23 and 30). The parts live in ``bench/gpucheck/`` (one file each, listed in ``registry.py``).
 
     python bench/gpu_check.py --quick                 # every headline row, ~5 min on an H100
-    python bench/gpu_check.py --only graphs weightsync tests   # the rest, ~3 min
+    python bench/gpu_check.py --only graphs weightsync tests invariant   # the rest, ~5 min
     python bench/gpu_check.py                         # every part (> 10 min: split it under the device tool)
     python bench/gpu_check.py --smoke [--quick]       # toy sizes on the CPU, into a temp file (never the results)
 
@@ -26,12 +26,13 @@ what they took, so the next run can correct them):
 | graphs | CUDA graph capture per ladder size, recapture after an emulated switch | skipped | 30 s |
 | weightsync | update_weights GB/s, update_weights_from_distributed (gloo; NCCL attempted) | skipped | 60 s |
 | tests | ``pytest -m gpu`` over the files holding gpu tests | skipped | 70 s |
+| invariant | decode ms per step, numerics fast vs invariant, batch 1 and 64 (issue 31) | skipped | 90 s |
 
 ``--quick`` (about 300 s with the ~5 s environment probe; a reused checkpoint saves 30): one engine in
 ``decode`` (graphs on; no eager engine: the kernels part times eager against graph steps in process at
 batch 1 and 64), one round of 64 (batch 1) or 32 (long prompts) tokens; ``attention`` with 20 calls per
 case and splits up to 64; ``prefill`` with 2 runs per row; ``profile`` on TP 1/2/4/8 x batch 1/64 x
-context 512, 8 steps a point. It skips ``graphs``, ``weightsync`` and ``tests`` (their figures are not
+context 512, 8 steps a point. It skips ``graphs``, ``weightsync``, ``tests`` and ``invariant`` (their figures are not
 headlines; run them as the second command above). ``--budget-s`` (default 540 with ``--quick``) caps
 each part's timeout by what is left of it and skips the parts it cannot start, so the command ends
 inside the device tool's 10 minutes.

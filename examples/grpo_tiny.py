@@ -150,7 +150,8 @@ def run(cfg: GRPOConfig, workdir: Path) -> list[dict]:
             rewards = rewards_of(outs, target)
             # the trainer's side of the same numbers: one process, the engine's kernels (docs/numerics.md)
             reference = reference_logprobs(str(served), [(o.prompt_token_ids, o.token_ids) for o in outs],
-                                           dtype="float32", world=engine.config.world)
+                                           dtype="float32", world=engine.config.world,
+                                           max_tp=engine.config.max_tp)
             mismatch = max(abs(a - b) for o, ref in zip(outs, reference) for a, b in zip(o.logprobs, ref))
             t1 = time.perf_counter()
             drift = grpo_step(model, optimizer, outs, group_advantages(rewards, cfg.group), cfg.clip)

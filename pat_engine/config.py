@@ -20,7 +20,8 @@ from pat_engine.speculative.config import SpeculativeConfig
 
 KV_PATHS = ("migrate", "recompute")  # how a switch carries unfinished requests' KV
 NUMERICS = ("invariant", "fast")  # docs/numerics.md
-DEFAULT_NUMERICS = "fast"  # invariant costs more than 5% in bfloat16 (bench/results/invariance.md, docs/numerics.md)
+DEFAULT_NUMERICS = "fast"  # invariant: up to +10% per CPU prefill, unmeasured on a GPU (docs/numerics.md, the cost)
+DEFAULT_MAX_TP = 8  # the invariant mode's declared reduction width: one node of 8 GPUs (docs/numerics.md)
 GRAPH_BACKENDS = ("auto", "standin")  # docs/hot-path.md, worker/graph_capture.py
 DEFAULT_MAX_GRAPH_BATCH = 256
 
@@ -86,10 +87,15 @@ class EngineConfig:
     switch_check_interval: int = 8  # decode steps between policy evaluations
     profile_table: str | None = None  # latency table for the automatic switch controller
 
-    # numerics (docs/numerics.md): "invariant" gives the same bits at every layout and across live switches
-    # (row-parallel products summed over max_tp fixed chunks by one tree, prefill attention through the
-    # decode kernel); "fast" lets the layout decide the rounding (one GEMM + all-reduce, SDPA prefill)
+    # numerics (docs/numerics.md): "invariant" gives the same bits at every layout, across live switches,
+    # batches and deployment sizes (row-parallel products summed over fixed chunks by one tree, GEMMs whose
+    # reduction order ignores the row count, prefill attention through the decode kernel); "fast" lets the
+    # layout and the batch decide the rounding (one GEMM + all-reduce, SDPA prefill)
     numerics: str = DEFAULT_NUMERICS
+    # invariant: the largest TP any deployment of this model may use, a power of two; the row-parallel
+    # chunk count is the largest TP up to it the model allows (ModelArch.reduction_width), whatever the
+    # world: engines of 1, 2, 4 or 8 ranks and reference_logprobs agree when they declare the same
+    max_tp: int = DEFAULT_MAX_TP
     # attention kernels (docs/attention.md): "auto" (Triton on CUDA, torch + the C++ decode kernel on the
     # CPU), "torch", "triton" or "flashinfer" (pip install -e ".[gpu]")
     attention_backend: str = "auto"
@@ -126,6 +132,11 @@ class EngineConfig:
         check_kv_transfer(self.kv_transfer, allow_auto=True)
         if self.numerics not in NUMERICS:
             raise InvalidRequestError(f"numerics must be one of {', '.join(NUMERICS)}, got {self.numerics!r}")
+        if self.max_tp < 1 or self.max_tp & (self.max_tp - 1):
+            raise InvalidRequestError(f"max_tp must be a power of two, got {self.max_tp}")
+        if self.numerics == "invariant" and self.tp > self.max_tp:
+            raise InvalidRequestError(f"numerics='invariant' with max_tp={self.max_tp} cannot run tp={self.tp}: "
+                                      "declare max_tp >= the largest TP the deployment uses")
         if self.attention_backend not in BACKEND_NAMES:
             raise InvalidRequestError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, "
                                       f"got {self.attention_backend!r}")

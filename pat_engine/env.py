@@ -5,9 +5,9 @@ never caching: benchmarks flip a switch between A/B runs in one process, tests m
 and worker processes inherit the driver's environment. A leaf module (it imports nothing of
 pat_engine), so any layer may read it.
 
-The CPU kernel switches ``PAT_CPU_ATTENTION``, ``PAT_CPU_NORM`` and ``PAT_CPU_ROTARY`` (``torch``
-turns a kernel family off) belong to ``pat_kernels`` (``csrc/pat_kernels/cpu_extension.py``),
-which pat_engine imports and which imports nothing of pat_engine.
+The CPU kernel switches ``PAT_CPU_ATTENTION``, ``PAT_CPU_NORM``, ``PAT_CPU_ROTARY`` and
+``PAT_CPU_CHUNK_GEMM`` (``torch`` turns a kernel family off) belong to ``pat_kernels``
+(``csrc/pat_kernels/cpu_extension.py``), which pat_engine imports and which imports nothing of pat_engine.
 """
 
 from __future__ import annotations

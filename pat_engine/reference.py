@@ -2,12 +2,13 @@
 
 ``reference_logprobs`` runs each (prompt, response) pair as one prefill through an
 ``InferExecutor`` built as an engine in ``numerics="invariant"`` builds a rank: the row-parallel
-chunk count follows from the engine's world size, prefill attention goes through the decode kernel
-(docs/numerics.md). That prefill gives every position the hidden state, to the bit, that the
-engine's prefill or decode step gave it at any layout of that world, and the log-probs come
-from the same logits by the sampler's own rule (sampling/logprobs.py). So a response's
-reference log-probs equal the ``RequestOutput.logprobs`` the invariant engine returned (raw
-log-probs, the default ``logprobs_mode``) for the same model, dtype and world.
+chunk count follows from the declared ``max_tp`` (not from any world size), every GEMM is the
+invariant one, prefill attention goes through the decode kernel (docs/numerics.md). That prefill
+gives every position the hidden state, to the bit, that the engine's prefill or decode step gave
+it at any layout and deployment size, in any batch, and the log-probs come from the same logits
+by the sampler's own rule (sampling/logprobs.py). So a response's reference log-probs equal the
+``RequestOutput.logprobs`` the invariant engine returned (raw log-probs, the default
+``logprobs_mode``) for the same model, dtype and ``max_tp``.
 
 CPU only, and the GEMMs must see the engine workers' thread count (``EngineConfig.worker_threads``,
 the default here): on this project's machine oneDNN's rows do not depend on it, elsewhere they may.
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pat_engine.config import EngineConfig
+from pat_engine.config import DEFAULT_MAX_TP, EngineConfig
 from pat_engine.errors import InvalidRequestError
 from pat_engine.model.arch import load_model_arch
 from pat_engine.parallel.comm import TPGroup
@@ -31,23 +32,24 @@ from pat_engine.worker.infer_executor import InferExecutor
 
 def reference_logprobs(model: str, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], dtype: str = "auto",
                        world: int = 1, block_size: int = 16, threads: int | None = None, device: str = "cpu",
-                       attention_backend: str = "auto") -> list[list[float]]:
+                       attention_backend: str = "auto", max_tp: int = DEFAULT_MAX_TP) -> list[list[float]]:
     """The log-prob of every response token given the tokens before it, for each (prompt, response).
 
     Args:
         model: the checkpoint directory the engine serves.
         sequences: (prompt token ids, response token ids) pairs; the prompt must not be empty.
         dtype: as ``Engine(dtype=...)``.
-        world: the engine's world size (tp * dp): it fixes the row-parallel reduction tree.
+        world: the engine's world size (tp * dp): only the default thread count follows it.
         block_size: KV block size (the engine's ``block_size``; it does not change the bits).
         threads: torch threads; default the engine workers' (``EngineConfig.worker_threads``).
         device, attention_backend: as the engine's (``EngineConfig``): the same kernels give the same bits,
             so a trainer next to a GPU engine passes "cuda" (its "auto" backend is then the Triton one).
+        max_tp: as the engine's (``EngineConfig.max_tp``): it fixes the row-parallel reduction tree.
     Returns:
         one list per pair, ``len(response)`` log-probs.
     """
     cfg = EngineConfig(model=str(model), tp=1, dp=world, dtype=dtype, block_size=block_size, numerics="invariant",
-                       device=device, attention_backend=attention_backend)
+                       device=device, attention_backend=attention_backend, max_tp=max_tp)
     if any(len(prompt) == 0 for prompt, _ in sequences):
         raise InvalidRequestError("reference_logprobs: every prompt needs at least one token")
     arch = load_model_arch(cfg.model)
@@ -58,7 +60,7 @@ def reference_logprobs(model: str, sequences: Sequence[tuple[Sequence[int], Sequ
     try:
         ex = InferExecutor(arch, Layout(1, world), TPGroup(rank=0, size=1, ranks=(0,)), cfg.torch_dtype(),
                            torch.device(cfg.device), block_size, blocks + 1, numerics="invariant",
-                           attention=cfg.attention_backend)
+                           attention=cfg.attention_backend, max_tp=cfg.max_tp)
         ex.load_weights(cfg.model)
         out = []
         for i, (prompt, response) in enumerate(sequences):

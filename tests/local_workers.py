@@ -21,6 +21,7 @@ from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import StepCommand, StepResult
 from pat_engine.sampling.params import SamplingParams
+from pat_engine.worker.graph_capture import GraphSettings
 from pat_engine.worker.infer_executor import InferExecutor
 
 
@@ -32,8 +33,10 @@ class LocalPool:
         self.executors = []
         for g in range(layout.dp):
             ex = InferExecutor(arch, layout, TPGroup(0, 1, (g,)), config.torch_dtype(), torch.device("cpu"),
-                               config.block_size, num_blocks, numerics=config.numerics)
+                               config.block_size, num_blocks, numerics=config.numerics, max_tp=config.max_tp,
+                               graphs=GraphSettings.from_config(config, arch.max_position))
             ex.load_weights(config.model)
+            ex.capture_graphs()  # as a worker does (nothing when graphs are off)
             self.executors.append(ex)
         self.pending: list[tuple[int, StepCommand]] = []
         self.steps: list[StepCommand] = []

@@ -88,28 +88,16 @@ def test_pool_layers_are_zero_in_every_dtype():
             assert pool.regeometry(1, 600).lazy is lazy  # a switch's pool keeps the policy
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_invariant_mode_plans_the_chunk_pieces_it_builds(tmp_path, dtype):
-    """The bytes footprint.py plans for the invariant mode's chunk pieces are the bytes the executor builds,
-    and a GPU plan's KV budget moves with them across layouts."""
+def test_only_the_cpu_derives_chunk_pieces_so_a_gpu_plan_counts_the_weights_alone(tmp_path):
+    """The invariant mode's chunk pieces are a CPU thing (model/chunk_weights.py: on CUDA the Triton GEMM
+    reads the weights in place), so a GPU plan's KV budget moves across layouts by the weights' bytes only."""
     from pat_engine.model import chunk_weights
-    from pat_engine.model.footprint import derived_bytes_per_rank, weight_bytes_per_rank
-    from pat_engine.parallel.comm import TPGroup
-    from pat_engine.worker.infer_executor import InferExecutor
+    from pat_engine.model.footprint import weight_bytes_per_rank
+    from pat_engine.model.llama import CausalLM
 
-    path = write_tiny_model(tmp_path / "m", TinyModelSpec(num_kv_heads=2))
-    arch = load_model_arch(path)
-    ex = InferExecutor(arch, Layout(1, 2), TPGroup(rank=0, size=1, ranks=(0,)), dtype, torch.device("cpu"),
-                       block_size=4, num_blocks=8, numerics="invariant")  # world 2: two chunks per row-parallel weight
-    ex.load_weights(str(path))
-    built = sum(piece.numel() * piece.element_size() for p in ex.model.parameters()
-                for piece in getattr(p, chunk_weights.PIECES_ATTR, (None, []))[1])
-    assert built > 0 and derived_bytes_per_rank(arch, 1, dtype, "invariant", 2) == built
-    assert derived_bytes_per_rank(arch, 1, dtype, "fast", 2) == 0
-
-    fast = MemoryPlan(arch, dtype, 16, 1 << 30, Layout(1, 2), device_budget=True)
-    inv = MemoryPlan(arch, dtype, 16, 1 << 30, Layout(1, 2), device_budget=True, numerics="invariant")
-    freed = weight_bytes_per_rank(arch, 1, dtype) - weight_bytes_per_rank(arch, 2, dtype)
-    assert fast.kv_budget(Layout(2, 1)) - (1 << 30) == freed
-    derived_freed = derived_bytes_per_rank(arch, 1, dtype, "invariant", 2) - derived_bytes_per_rank(arch, 2, dtype, "invariant", 2)
-    assert derived_freed > 0 and inv.kv_budget(Layout(2, 1)) - (1 << 30) == freed + derived_freed
+    arch = load_model_arch(write_tiny_model(tmp_path / "m", TinyModelSpec(num_kv_heads=2)))
+    assert chunk_weights.pack(CausalLM(arch, 1, torch.bfloat16, "cpu", row_chunks=8)) == 2 * arch.num_layers
+    assert chunk_weights.pack(CausalLM(arch, 1, torch.bfloat16, "meta", row_chunks=8)) == 0  # not a CPU tensor
+    plan = MemoryPlan(arch, torch.bfloat16, 16, 1 << 30, Layout(1, 2), device_budget=True)
+    freed = weight_bytes_per_rank(arch, 1, torch.bfloat16) - weight_bytes_per_rank(arch, 2, torch.bfloat16)
+    assert freed > 0 and plan.kv_budget(Layout(2, 1)) - (1 << 30) == freed

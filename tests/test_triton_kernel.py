@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from triton_markers import DEV, gpu, needs_triton
 
 from pat_engine.model.layers.attention import AttentionBackend, AttentionMetadata, attention_backend, gather_attention
 from pat_engine.model.layers.triton_attention import (
@@ -28,10 +29,6 @@ from pat_engine.model.layers.triton_attention import (
 from pat_engine.protocol import SeqStep, StepCommand
 from pat_engine.worker.step_inputs import StepInputBuilder
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="Triton is not installed (optional GPU extra)")
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 LONG_TAIL = [1, 3, 17, 70]
 
 

@@ -25,14 +25,16 @@ def blocks_for(tokens: int) -> int:
     return -(-tokens // BLOCK_SIZE)
 
 
-def build(ctx: Ctx, num_blocks: int, ladder: tuple[int, ...] = (), max_context: int = 0) -> InferExecutor:
-    """The checkpoint's TP1 shard with the engine's defaults (attention "auto", numerics "fast"); decode
-    graphs for the ``ladder`` sizes (CUDA graphs; the stand-in on the CPU), none when it is empty."""
+def build(ctx: Ctx, num_blocks: int, ladder: tuple[int, ...] = (), max_context: int = 0,
+          numerics: str = "fast") -> InferExecutor:
+    """The checkpoint's TP1 shard with the engine's defaults (attention "auto", numerics "fast" unless
+    given); decode graphs for the ``ladder`` sizes (CUDA graphs; the stand-in on the CPU), none when it
+    is empty."""
     ckpt = ctx.checkpoint()
     settings = GraphSettings("standin" if ctx.smoke else "cuda", ladder, max_context) if ladder else None
     t = time.perf_counter()
     ex = InferExecutor(load_model_arch(str(ckpt)), Layout(1, 1), TPGroup(rank=0, size=1, ranks=(0,)), ctx.dtype,
-                       torch.device(ctx.device), BLOCK_SIZE, num_blocks, graphs=settings)
+                       torch.device(ctx.device), BLOCK_SIZE, num_blocks, graphs=settings, numerics=numerics)
     ex.load_weights(str(ckpt))
     synchronize(ctx.device)
     log(f"in-process executor ({num_blocks} blocks, graphs {list(ladder) or 'off'}) loaded in "

@@ -42,6 +42,7 @@ PARTS: tuple[Part, ...] = (
     Part("graphs", "CUDA graph capture and recapture", "graphs", None, 30, 120, 300),
     Part("weightsync", "Weight sync", "weightsync", None, 60, 120, 400),
     Part("tests", "gpu-marked tests", "gpu_tests", None, 70, 120, 480),
+    Part("invariant", "Invariant numerics' cost per decode step (issue 31)", "invariant", None, 90, 180, 300),
 )
 NAMES = tuple(p.name for p in PARTS)
 CHECKPOINT_S, CHECKPOINT_TIMEOUT_S = 30, 300  # writing the 16 GB checkpoint (reused: ~0)

@@ -14,8 +14,8 @@ was killed, which would make torch wait forever) is removed before loading.
 
 Where the build fails, the torch paths serve and one warning names the reason. Each kernel family
 has its own accessor and off switch, read on every call for A/B runs: ``cpu_attention``
-(``PAT_CPU_ATTENTION=torch``), ``cpu_norm`` (``PAT_CPU_NORM=torch``) and ``cpu_rotary``
-(``PAT_CPU_ROTARY=torch``).
+(``PAT_CPU_ATTENTION=torch``), ``cpu_norm`` (``PAT_CPU_NORM=torch``), ``cpu_rotary``
+(``PAT_CPU_ROTARY=torch``) and ``cpu_chunk_gemm`` (``PAT_CPU_CHUNK_GEMM=torch``).
 """
 
 from __future__ import annotations

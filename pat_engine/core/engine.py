@@ -68,8 +68,7 @@ class Engine:
         measure = on_gpu and cfg.kv_cache_bytes is None  # GPU: size the KV pool from free memory
         kv_bytes = cfg.kv_cache_bytes or (0 if measure else default_cpu_kv_bytes(
             self.arch, dtype, cfg.block_size, self.base_layout, cfg.max_num_seqs, max_len))
-        self.memory = MemoryPlan(self.arch, dtype, cfg.block_size, kv_bytes, self.base_layout, device_budget=on_gpu,
-                                 numerics=cfg.numerics)
+        self.memory = MemoryPlan(self.arch, dtype, cfg.block_size, kv_bytes, self.base_layout, device_budget=on_gpu)
         pool = self._start_pool(kv_blocks=0 if measure else None)
         if measure:
             try:

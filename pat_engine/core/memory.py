@@ -4,8 +4,7 @@ On CPU the KV budget per rank is configured, or by default a share of the memory
 start-up (``default_cpu_kv_bytes``, as vLLM's CPU build sizes its pool). On GPU each
 worker measures what is left after loading its weights; the ranks agree on
 the minimum. A layout with smaller TP holds bigger weight shards, so its KV
-budget shrinks by the difference (derived copies of the weights included: the invariant numerics
-mode's chunk pieces, model/footprint.py); fewer KV heads per rank make each block
+budget shrinks by the difference (model/footprint.py); fewer KV heads per rank make each block
 smaller, so a higher TP fits more blocks in the same bytes.
 """
 
@@ -17,7 +16,7 @@ import torch
 
 from pat_engine.core.block_pool import blocks_needed
 from pat_engine.model.arch import ModelArch
-from pat_engine.model.footprint import device_bytes_per_rank
+from pat_engine.model.footprint import weight_bytes_per_rank
 from pat_engine.parallel.layout import Layout
 
 CPU_KV_MEMORY_FRACTION = 0.25  # of the memory available at start-up, shared by the world's ranks
@@ -57,9 +56,8 @@ def available_memory_bytes() -> int:
 
 class MemoryPlan:
     def __init__(self, arch: ModelArch, dtype: torch.dtype, block_size: int, kv_budget_bytes: int, base: Layout,
-                 device_budget: bool, numerics: str = "fast"):
+                 device_budget: bool):
         self.arch, self.dtype, self.block_size = arch, dtype, block_size
-        self.numerics = numerics  # the invariant mode's derived weight copies shrink the KV budget too
         self.kv_budget_base = kv_budget_bytes
         self.base = base
         self.device_budget = device_budget  # True: weights and KV share one memory budget (GPU)
@@ -67,9 +65,8 @@ class MemoryPlan:
     def kv_budget(self, layout: Layout) -> int:
         if not self.device_budget:
             return self.kv_budget_base
-        world = self.base.world
-        delta = (device_bytes_per_rank(self.arch, self.base.tp, self.dtype, self.numerics, world)
-                 - device_bytes_per_rank(self.arch, layout.tp, self.dtype, self.numerics, world))
+        delta = (weight_bytes_per_rank(self.arch, self.base.tp, self.dtype)
+                 - weight_bytes_per_rank(self.arch, layout.tp, self.dtype))
         return max(0, self.kv_budget_base + delta)
 
     def block_bytes(self, layout: Layout) -> int:

@@ -93,10 +93,12 @@ class ModelArch:
                 pass
         return out
 
-    def max_tp(self, world: int) -> int:
-        """The largest TP any layout of ``world`` gives this model (every valid TP divides it, being a
-        smaller power of two): the invariant numerics mode's row-parallel chunk count (docs/numerics.md)."""
-        return self.valid_layouts(world)[-1].tp
+    def reduction_width(self, max_tp: int) -> int:
+        """The invariant numerics mode's row-parallel chunk count (docs/numerics.md): the largest TP up to
+        the declared ``max_tp`` (a power of two) this model can be sharded in. Every TP it allows up to
+        ``max_tp`` divides it (a smaller power of two), so deployments of any size up to ``max_tp`` ranks
+        and the trainer cut the same chunks."""
+        return self.valid_layouts(max_tp)[-1].tp
 
     def kv_heads_per_rank(self, tp: int) -> int:
         return kv_heads_per_rank(self.num_kv_heads, tp)

@@ -18,15 +18,27 @@ reorders the weight on every call (vLLM's CPU build prepacks it too). Not float6
 float64 GEMM (the exactness suite's dtype). The plain weights stay resident (the resharder and the weight loaders
 write into them), so packing doubles the weight bytes a CPU worker holds; ``PAT_CPU_GEMM=torch``
 turns it off (also how the benchmark measures the unpacked path).
+
+``padded_rows`` is the one home of how many rows a CPU GEMM is handed (``layers/linear.py`` pads
+to it; ``worker/step_inputs.py`` pads decode batches by the same rule). In the invariant numerics
+mode it also keeps the GEMM on one kernel whatever the row count: oneDNN multiplies one row
+with another kernel than two or more, which sums the input dim in another order once it is over
+1024 wide (a row alone differs from the same row among others: float32 at every output width,
+bfloat16 at some), and torch's unpacked float32 GEMM does so for one and two rows at every width
+(measured on this project's AVX-512 machine, ``tests/test_invariant_numerics.py`` sweeps it). That
+was why a single worker (TP1, one chunk of 1408 per ``down_proj``) was not batch invariant.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pat_engine import env
 
+ROW_ALIGN = 4  # torch's unpacked GEMM runs row counts off a multiple of 4 through a slower remainder path
+PAD_BELOW = 256  # ... which stops mattering beyond a few hundred rows
 PACKED_ATTR = "cpu_packed"  # on a weight Parameter: (address of the plain data, packed tensor)
 GEMM_ATTR = "is_gemm_weight"  # set by the layers whose weight is multiplied through ``linear``
 
@@ -36,6 +48,30 @@ def packing_enabled(device: torch.device | str, dtype: torch.dtype) -> bool:
     if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available() or not env.cpu_gemm_packing():
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def padded_rows(rows: int, packed: bool, invariant: bool) -> int:
+    """How many rows a CPU GEMM of ``rows`` input rows runs with (zero rows appended; each output row
+    depends only on its own input row). Unpacked: a multiple of ``ROW_ALIGN`` from 3 to ``PAD_BELOW``
+    rows (float64, 2048x6144 weight, one thread: 7 rows take 21 ms, 8 rows 10 ms; bench/cpu_gemm_rows.py);
+    packed: as many as given. ``invariant``: never fewer than ``ROW_ALIGN``, so that no row count
+    reaches the one- and two-row kernels (module docstring)."""
+    if invariant and rows < ROW_ALIGN:
+        return ROW_ALIGN
+    if packed or rows < 3 or rows >= PAD_BELOW:
+        return rows
+    return -(-rows // ROW_ALIGN) * ROW_ALIGN
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, invariant: bool) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for a 2-D CPU ``x``: through the weight's pack when it has a current one,
+    else ``F.linear``; rows padded to ``padded_rows`` (the padding rows are cut off again)."""
+    rows, packed = x.shape[0], current_pack(weight) is not None
+    padded = padded_rows(rows, packed, invariant)
+    if padded != rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))
+    out = packed_linear(x, weight, bias) if packed else F.linear(x, weight, bias)
+    return out if padded == rows else out[:rows]
 
 
 def pack(model: nn.Module) -> int:
@@ -60,12 +96,16 @@ def drop(model: nn.Module) -> None:
             delattr(p, PACKED_ATTR)
 
 
+def current_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight``'s pack, or None when it has none made from its current data."""
+    entry = getattr(weight, PACKED_ATTR, None)
+    return None if entry is None or entry[0] != weight.data_ptr() else entry[1]
+
+
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """``x @ weight.T + bias`` through the weight's pack, or None when it has no current pack."""
-    entry = getattr(weight, PACKED_ATTR, None)
-    if entry is None or entry[0] != weight.data_ptr():
-        return None
-    return torch.ops.mkldnn._linear_pointwise(x, entry[1], bias, "none", [], "")
+    pack = current_pack(weight)
+    return None if pack is None else torch.ops.mkldnn._linear_pointwise(x, pack, bias, "none", [], "")
 
 
 def _gemm_weights(model: nn.Module) -> list[nn.Parameter]:

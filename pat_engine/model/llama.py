@@ -6,7 +6,8 @@ switch only has to replace parameter data and pass a different handle.
 
 Differences between the families are flags on ``ModelArch``: bias on q/k/v
 (Qwen2) and per-head RMSNorm on q and k (Qwen3). ``row_chunks`` (the invariant numerics
-mode, docs/numerics.md) is handed to the two row-parallel products of every layer.
+mode, docs/numerics.md) is handed to the two row-parallel products of every layer; set, it also
+puts the column-parallel products and the LM head on the invariant GEMM (layers/linear.py).
 
 Where the Triton layer kernels serve (a GPU: ``layers/triton_ops.py``) a layer is nine or ten
 kernels: add + RMSNorm, QKV GEMM, (q/k norm +) rotary + KV write, attention (one or two), o GEMM,
@@ -61,7 +62,8 @@ class Attention(nn.Module):
             Component(arch.kv_size, unit=hd, replicate=True),
             Component(arch.kv_size, unit=hd, replicate=True),
         )
-        self.qkv_proj = ColumnParallelLinear(arch.hidden_size, qkv, arch.qkv_bias, tp, dtype, device)
+        self.qkv_proj = ColumnParallelLinear(arch.hidden_size, qkv, arch.qkv_bias, tp, dtype, device,
+                                             row_chunks is not None)
         self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, hd, tp, dtype, device, row_chunks)
         self.q_norm = RMSNorm(hd, arch.rms_eps, dtype, device) if arch.qk_norm else None
         self.k_norm = RMSNorm(hd, arch.rms_eps, dtype, device) if arch.qk_norm else None
@@ -96,7 +98,8 @@ class MLP(nn.Module):
     def __init__(self, arch: ModelArch, tp: int, dtype, device, row_chunks: int | None = None):
         super().__init__()
         inter = arch.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(arch.hidden_size, (Component(inter), Component(inter)), False, tp, dtype, device)
+        self.gate_up_proj = ColumnParallelLinear(arch.hidden_size, (Component(inter), Component(inter)), False, tp, dtype,
+                                                 device, row_chunks is not None)
         self.down_proj = RowParallelLinear(inter, arch.hidden_size, 1, tp, dtype, device, row_chunks)
         self.triton = triton_ops.kernels_for(device, dtype)
 
@@ -141,7 +144,8 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, tp, dtype, device, row_chunks) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_eps, dtype, device)
         tied = self.embed_tokens.weight if arch.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp, dtype, device, tied_to=tied)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp, dtype, device, tied_to=tied,
+                                      invariant=row_chunks is not None)
         self.rotary = RotaryEmbedding(arch.rope, arch.head_dim, arch.max_position, dtype, device)
         self.triton = triton_ops.kernels_for(device, dtype)
 

@@ -1,23 +1,21 @@
 """The fixed summation tree of a row-parallel product (``numerics="invariant"``, docs/numerics.md).
 
 A row-parallel weight ``(out, in)`` has its input dim cut into ``chunks`` equal pieces, chunks =
-``max_tp``, the largest TP any layout of the world can give the model (``ModelArch.max_tp``: the
-world size when it is a power of two the heads divide), so every TP ``t`` of the world gives each
-rank ``chunks / t`` whole, consecutive chunks. Each chunk's partial product
-(float32, float64 for float64 models) is a leaf of one binary tree over ``[0, chunks)``: node
-``[lo, hi)`` = node ``[lo, mid)`` + node ``[mid, hi)``, ``mid = (lo + hi) // 2``. Every layout
-evaluates exactly this tree on exactly these leaves, so the sum has the same bits at every TP:
-
-- a rank whose chunks form a node of the tree (always, when ``chunks / t`` is a power of two
-  dividing ``chunks``) sums them itself and the group all-gathers one partial per rank;
-- otherwise the group all-gathers every chunk's partial and each rank sums the whole tree.
-
-The upper levels are summed by every rank from the gathered partials, in the tree's order:
-the collective only moves bits, it never adds (an all-reduce's order is its own business).
+the declared reduction width (``ModelArch.reduction_width(max_tp)``: the largest TP up to
+``EngineConfig.max_tp`` the model allows, a power of two, whatever the world), so every TP ``t``
+a deployment may use gives each rank ``chunks / t`` whole, consecutive chunks. Each chunk's
+partial product (float32, float64 for float64 models) is a leaf of one binary tree over
+``[0, chunks)``: node ``[lo, hi)`` = node ``[lo, mid)`` + node ``[mid, hi)``, ``mid = (lo + hi) // 2``.
+Every layout of every deployment size evaluates exactly this tree on exactly these leaves, so
+the sum has the same bits at every TP and world: a rank's chunks form a node, which it sums
+itself (model/chunk_weights.py), the group all-gathers one node per rank, and every rank sums the
+upper levels from the gathered nodes, in the tree's order: the collective only moves bits, it
+never adds (an all-reduce's order is its own business).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -67,17 +65,37 @@ class ReductionTree:
         mid = (lo + hi) // 2
         return self.sum(known, lo, mid) + self.sum(known, mid, hi)
 
-    def reduce(self, partials: list[torch.Tensor], tp: TPGroup) -> torch.Tensor:
-        """``partials``: this rank's ``chunks / tp.size`` chunk partials, in chunk order.
-        Returns the tree's root (the full sum), the same bits on every rank and at every TP."""
-        n = len(partials)
-        first = tp.rank * n
-        leaves = {(first + i, first + i + 1): partials[i] for i in range(n)}
+    def reduce(self, node: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        """``node``: this rank's chunks summed, the tree node they form (``sum_stacked``). Returns the
+        tree's root (the full sum), the same bits on every rank and at every TP: the group all-gathers
+        one node per rank and every rank sums the upper levels in the tree's order."""
         if tp.size == 1:
-            return self.sum(leaves)
-        if self.ranks_are_nodes(tp.size):
-            mine = self.sum(leaves, first, first + n)
-            gathered = tp.all_gather(mine)  # (size, ...) in rank order
-            return self.sum({(r * n, (r + 1) * n): gathered[r] for r in range(tp.size)})
-        gathered = tp.all_gather(torch.stack(partials))  # (size, n, ...)
-        return self.sum({(c, c + 1): gathered[c // n, c % n] for c in range(self.chunks)})
+            return node
+        if not self.ranks_are_nodes(tp.size):
+            raise ValueError(f"TP {tp.size}: a rank's chunks of the {self.chunks}-chunk tree are not one node")
+        gathered = tp.all_gather(node)  # (size, ...) in rank order
+        return self.sum_stacked(gathered, 0, span=self.local_chunks(tp.size))
+
+    def sum_stacked(self, nodes: torch.Tensor, first: int, span: int = 1) -> torch.Tensor:
+        """The node covering ``nodes``: (count, ...) consecutive tree nodes of ``span`` chunks each, the
+        first starting at chunk ``first``. Where pairing adjacent nodes level by level is the tree's own
+        order (a power-of-two count whose every pair is a node), summed so, a level at a time; otherwise
+        node by node."""
+        count = nodes.shape[0]
+        if self._pairs_are_nodes(first, count, span):
+            while nodes.shape[0] > 1:
+                nodes = nodes[0::2] + nodes[1::2]
+            return nodes[0]
+        known = {(first + i * span, first + (i + 1) * span): nodes[i] for i in range(count)}
+        return self.sum(known, first, first + count * span)
+
+    @functools.lru_cache(maxsize=256)
+    def _pairs_are_nodes(self, first: int, count: int, span: int) -> bool:
+        if count & (count - 1):
+            return False
+        while True:
+            if not all(self.is_node((first + i * span, first + (i + 1) * span)) for i in range(count)):
+                return False
+            if count == 1:
+                return True
+            count, span = count // 2, span * 2

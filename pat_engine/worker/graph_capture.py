@@ -126,7 +126,7 @@ def _weights_key(model: torch.nn.Module) -> tuple[int, ...] | None:
     """Where every tensor the forward reads lives; None where derived copies exist (they are rebuilt
     on every write, so graphs never survive one)."""
     params = list(model.parameters())
-    if any(hasattr(p, cpu_gemm.PACKED_ATTR) or hasattr(p, chunk_weights.PIECES_ATTR) for p in params):
+    if any(hasattr(p, cpu_gemm.PACKED_ATTR) or hasattr(p, chunk_weights.DERIVED_ATTR) for p in params):
         return None
     return tuple(t.data_ptr() for t in [*params, *model.buffers()])
 

@@ -7,9 +7,11 @@ messages stay small. Only the executor writes its own state: a layout switch
 hands it the new group, pool and tables through ``install``. A decode step replays a captured
 graph where one holds it (``self.graphs``, worker/graph_capture.py).
 
-``numerics="invariant"`` (docs/numerics.md) builds the model with the largest TP of the world
-as the row-parallel chunk count (a fixed reduction tree for every layout of this world) and runs
-prefill attention through the decode kernel (prefilled KV = decoded KV, bit for bit).
+``numerics="invariant"`` (docs/numerics.md) builds the model with the declared reduction width
+(``max_tp``, ``ModelArch.reduction_width``) as the row-parallel chunk count (one fixed reduction
+tree for every layout and deployment size up to it), puts every GEMM on the invariant one
+(layers/linear.py) and runs prefill attention through the decode kernel (prefilled KV = decoded
+KV, bit for bit).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Iterator
 import torch
 from torch.profiler import record_function
 
+from pat_engine.config import DEFAULT_MAX_TP
 from pat_engine.model import chunk_weights, cpu_gemm
 from pat_engine.model.arch import ModelArch
 from pat_engine.model.layers.attention import attention_backend
@@ -41,14 +44,15 @@ from pat_engine.worker.step_inputs import SeqState, StepInputBuilder
 class InferExecutor:
     def __init__(self, arch: ModelArch, layout: Layout, tp: TPGroup, dtype: torch.dtype, device: torch.device,
                  block_size: int, num_blocks: int, lazy_kv: bool = False, numerics: str = "fast",
-                 attention: str = "auto", graphs: GraphSettings | None = None):
+                 attention: str = "auto", graphs: GraphSettings | None = None, max_tp: int = DEFAULT_MAX_TP):
         self.arch, self.layout, self.tp = arch, layout, tp
         self.lazy_kv = lazy_kv  # KV memory committed as it fills (the default-sized CPU pool; worker/kv_pool.zeroed)
         self.dtype, self.device = dtype, device
         self.block_size = block_size
         self.numerics = numerics
-        self.model = CausalLM(arch, layout.tp, dtype, device,
-                              row_chunks=arch.max_tp(layout.world) if numerics == "invariant" else None)
+        self.row_chunks = arch.reduction_width(max_tp) if numerics == "invariant" else None
+        self._check_tp(layout)
+        self.model = CausalLM(arch, layout.tp, dtype, device, row_chunks=self.row_chunks)
         self.attention = attention_backend(attention, numerics, device)
         self.attention.load(device, dtype)  # kernels built now, not in a DP group's first step
         self.graphs = DecodeGraphs(graphs, device, block_size, attention=self.attention)  # worker/graph_capture.py
@@ -95,9 +99,15 @@ class InferExecutor:
     def install(self, layout: Layout, tp: TPGroup, pool: PagedKVPool, tables: dict[int, SeqState]) -> None:
         """Adopt a new layout after a switch: its TP group, its KV pool and the block tables of the
         sequences this rank now serves (their KV already sits in ``pool``)."""
+        self._check_tp(layout)
         self.layout, self.tp, self.kv = layout, tp, pool
         self.inputs.seqs = dict(tables)
         self.graphs.drop()  # captured over the old group and pool; the switch recaptures (capture_graphs)
+
+    def _check_tp(self, layout: Layout) -> None:
+        if self.row_chunks is not None and self.row_chunks % layout.tp:
+            raise ValueError(f"numerics='invariant': TP {layout.tp} does not divide the {self.row_chunks} "
+                             "row-parallel chunks (declare a larger max_tp)")
 
     def capture_graphs(self, upto: int | None = None) -> tuple[int, float]:
         """Capture the decode graphs a batch of at most ``upto`` sequences can use (all for None), over

@@ -33,22 +33,20 @@ import torch
 import torch.nn.functional as F
 
 from pat_engine.config import graph_ladder
+from pat_engine.model import cpu_gemm
 from pat_engine.model.layers.attention import AttentionMetadata
 from pat_engine.protocol import StepCommand
 from pat_engine.sampling.sampler import SamplingBatch
 from pat_engine.sampling.spec import SamplingSpec
 
 _PREFILL_GROUP_RATIO = 1.5  # a prefill row joins a padded group if its length is within this factor of the longest
-_CPU_ALIGN, _CPU_PAD_BELOW = 4, 256  # same rule as the CPU GEMM row padding in model/layers/linear.py
 _GPU_SIZES = graph_ladder(512)  # decode batch sizes on a GPU: the graph ladder's rule (one home, config.py)
 
 
 def padded_batch_size(n: int, device: torch.device) -> int:
     """The decode batch size ``n`` real rows run as."""
     if device.type == "cpu":
-        if n < 3 or n >= _CPU_PAD_BELOW:
-            return n
-        return -(-n // _CPU_ALIGN) * _CPU_ALIGN
+        return cpu_gemm.padded_rows(n, packed=False, invariant=False)  # the CPU GEMMs' row padding
     return next((s for s in _GPU_SIZES if s >= n), n)
 
 

@@ -32,14 +32,16 @@ class ParallelLMHead(nn.Module):
 
     is_gemm_weight = True  # packed for the CPU GEMM (model/cpu_gemm.py)
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: int, dtype, device, tied_to: nn.Parameter | None = None):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: int, dtype, device, tied_to: nn.Parameter | None = None,
+                 invariant: bool = False):
         super().__init__()
         self.vocab_size = vocab_size
+        self.invariant = invariant  # the invariant numerics mode's GEMM (layers/linear.py ``linear``)
         if tied_to is not None:
             self.weight = tied_to  # same Parameter object: loaded and resharded once
         else:
             self.weight = sharded_parameter(vocab_parallel(vocab_size, hidden_size), tp, dtype, device)
 
     def forward(self, hidden: torch.Tensor, tp: TPGroup) -> torch.Tensor | None:
-        logits = tp.gather_to_leader(linear(hidden, self.weight), dim=-1)
+        logits = tp.gather_to_leader(linear(hidden, self.weight, invariant=self.invariant), dim=-1)
         return None if logits is None else logits[:, : self.vocab_size]
