@@ -57,7 +57,8 @@ def lengths_of(uid: int, r: int) -> int:
 
 def make_runner(engine, eta=0.5, seed=0):
     counter = itertools.count()
-    draw = lambda n: [PromptEntry(u, PROMPTS[u % len(PROMPTS)]) for u in (next(counter) for _ in range(n))]
+    draw = lambda n: [PromptEntry(u, PROMPTS[u % len(PROMPTS)], metadata={"uid": u})
+                      for u in (next(counter) for _ in range(n))]
     cfg = RolloutConfig(responses_per_step=4, group_size=2, tail_batching=TailBatchingConfig(eta=eta))
     sched = RolloutScheduler(cfg, draw, default_length=10)
 
@@ -130,7 +131,10 @@ def test_engine_uses_the_placement_hook_and_outputs_do_not_change(engine):
 def test_rewards_stream_during_the_round_and_score_resumed_responses_whole(engine):
     from pat_engine.rollout.rewards import RewardConfig, RewardStage
 
-    def score(out) -> float:  # a function of the whole response; prompt 4's verifier crashes
+    def score(item) -> float:  # a function of the whole response; prompt 4's verifier crashes
+        out = item.output
+        if item.prompt != out.prompt_token_ids or PROMPTS[item.metadata["uid"] % len(PROMPTS)] != item.prompt:
+            raise AssertionError("the reward got another prompt's prompt or metadata")
         if out.prompt_token_ids == PROMPTS[4]:
             raise RuntimeError("sandbox error")
         return float(len(out.token_ids) + sum(out.token_ids) % 7)

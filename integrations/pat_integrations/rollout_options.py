@@ -8,7 +8,8 @@ veRL's ``engine_kwargs.pat`` and OpenRLHF's ``pat_rollout`` take the same keys:
 - ``group_sizing``: ``true`` or a dict of ``GroupSizingConfig`` fields (``sizes``, ``straggler_threshold``, ...).
 
 The values are checked by the dataclasses of ``pat_engine.rollout.config`` (one home for each
-rule); this module only maps names and says which key was wrong.
+rule); this module only maps names and says which key was wrong. ``reward_config`` does the same
+for the reward stage's options a ``rollout_step`` call takes (``RewardConfig`` fields).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from pat_engine.errors import InvalidRequestError
 from pat_engine.rollout.config import GroupSizingConfig, RolloutConfig, TailBatchingConfig
+from pat_engine.rollout.rewards import RewardConfig
 
 KEYS = {"responses_per_step", "group_size", "tail_batching", "group_sizing"}
 
@@ -38,7 +40,7 @@ def _policy(cls, value: Any, where: str):
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
     try:
         return cls(**kwargs)
-    except (InvalidRequestError, TypeError) as exc:
+    except (ValueError, TypeError) as exc:  # InvalidRequestError is a ValueError
         raise ValueError(f"{where}: {exc}") from None
 
 
@@ -68,3 +70,8 @@ def rollout_config(options: Mapping[str, Any], default_group_size: int | None, w
         return RolloutConfig(responses_per_step=n, group_size=g, tail_batching=tail, group_sizing=sizing)
     except InvalidRequestError as exc:
         raise ValueError(f"{where}: {exc}") from None
+
+
+def reward_config(options: Mapping[str, Any] | None, where: str = "reward_options") -> RewardConfig:
+    """The reward stage's settings from a dict of ``RewardConfig`` fields (None: the defaults)."""
+    return _policy(RewardConfig, options, where) or RewardConfig()

@@ -8,17 +8,25 @@ partial outputs, for a later step's long round: resumed exactly (prompt + partia
 seed, budget lowered) when the weights did not change since, regenerated from the prompt when
 they did (``weights_updated()`` after every weight sync). Fresh prompts not drawn yet stay
 pending for the next step. Nothing of the policies is decided here.
+
+With a reward (a framework's reward function, already in pat's contract: ``reward_conventions.py``)
+each response is scored as soon as it finishes, while the round still generates
+(``pat_engine.rollout.rewards.RewardStage``); a prompt's metadata (its label, ground truth) comes
+with it as ``(uid, prompt, metadata)``. The stage, and so RollPacker's adaptive timeouts, lasts
+across steps as long as the same reward comes with each step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
 from pat_engine.outputs import RequestOutput
 from pat_engine.rollout.config import RolloutConfig
+from pat_engine.rollout.rewards import RewardConfig, RewardFn, RewardResult, RewardStage
 from pat_engine.rollout.runner import RolloutRunner, derived_seed
 from pat_engine.rollout.scheduler import RolloutScheduler
 from pat_engine.rollout.tail_batching import PromptEntry, overprovision
@@ -41,6 +49,8 @@ class RoundResult:
     stale_regenerated: int  # deferred responses run again from the prompt (the weights changed)
     seconds: float
     start_tp: int
+    rewards: list[list[RewardResult]] = field(default_factory=list)  # with a reward: per group, per output
+    reward_wait_s: float = 0.0  # waited for rewards after the last token
 
     def with_outputs(self, convert: Callable[[RequestOutput], Any]) -> "RoundResult":
         """The same result with every output converted to a framework's shape."""
@@ -62,6 +72,7 @@ class EngineRounds:
         self._pending: deque[PromptEntry] = deque()
         self._params: SamplingParams | None = None
         self._runner: RolloutRunner | None = None  # built at the first step, when the token budget is known
+        self._rewards: RewardStage | None = None  # kept across steps while the reward stays the same
 
     def weights_updated(self) -> None:
         """After every weight sync: partials from before it are stale (regenerated, not resumed)."""
@@ -74,14 +85,17 @@ class EngineRounds:
         p0 = self.config.responses_per_step // min(sizes)
         return overprovision(p0, self.config.tail_batching.eta) if self.config.tail_batching else p0
 
-    def step(self, prompts: Sequence[tuple[Hashable, Any]], params: SamplingParams) -> RoundResult:
-        """Queue ``prompts`` ((uid, prompt) pairs, uid stable across steps) and run one round."""
+    def step(self, prompts: Sequence[tuple], params: SamplingParams, reward: RewardFn | None = None,
+             reward_config: RewardConfig | None = None) -> RoundResult:
+        """Queue ``prompts`` ((uid, prompt) or (uid, prompt, metadata); uid stable across steps) and run one
+        round, scoring each response with ``reward`` as it finishes."""
         if params.n != 1:
             raise ValueError(f"a tail-batched step sends one request per response: n must be 1, got {params.n} "
                              "(responses per prompt come from group_size / group_sizing)")
         self._params = params
-        self._pending.extend(PromptEntry(uid, prompt) for uid, prompt in prompts)
+        self._pending.extend(_entry(p) for p in prompts)
         runner = self._runner or self._start(params)
+        runner.rewards = self._reward_stage(reward, reward_config or RewardConfig())
         plan = runner.scheduler.next_round()
         if not plan.prompts:
             raise ValueError("no prompts to run: send fresh prompts with the step")
@@ -89,7 +103,21 @@ class EngineRounds:
         s = res.summary
         return RoundResult(s.kind, s.group_size, [(e.uid, outs) for e, outs in res.groups], s.prompts_deferred,
                            s.queue_after, len(self._pending), max(self.most_drawn() - len(self._pending), 0),
-                           res.resumed, res.stale_regenerated, res.seconds, res.start_tp)
+                           res.resumed, res.stale_regenerated, res.seconds, res.start_tp, res.rewards,
+                           res.reward_wait_s)
+
+    def close(self) -> None:
+        if self._rewards is not None:
+            self._rewards.close()
+            self._rewards = None
+
+    def _reward_stage(self, reward: RewardFn | None, config: RewardConfig) -> RewardStage | None:
+        if reward is None:
+            return None
+        if self._rewards is None or self._rewards.fn is not reward or self._rewards.config != config:
+            self.close()
+            self._rewards = RewardStage(reward, config)
+        return self._rewards
 
     def _start(self, params: SamplingParams) -> RolloutRunner:
         sched = RolloutScheduler(self.config, self._draw, default_length=params.max_new_tokens / 2)
@@ -105,3 +133,25 @@ class EngineRounds:
         # a framework's one seed would give every response of a prompt the same draws: one per response
         p = self._params
         return dataclasses.replace(p, seed=derived_seed(p.seed, entry.uid, r)) if p.seed is not None else p
+
+
+def _entry(prompt: Sequence) -> PromptEntry:
+    """``(uid, prompt)`` or ``(uid, prompt, metadata)``."""
+    if len(prompt) == 2:
+        return PromptEntry(prompt[0], prompt[1])
+    if len(prompt) == 3 and isinstance(prompt[2], Mapping):
+        return PromptEntry(prompt[0], prompt[1], metadata=dict(prompt[2]))
+    raise ValueError(f"each prompt is (uid, prompt) or (uid, prompt, metadata dict), got {len(prompt)} items")
+
+
+def token_prompts(prompts: Sequence[Sequence], metadata: Callable[[Any], Mapping] = dict) -> list[tuple]:
+    """A framework's ``(uid, prompt token ids[, extra])`` as ``step`` takes them: the ids as ints, the extra
+    (veRL's row fields, OpenRLHF's label) turned into the prompt's metadata."""
+    out = []
+    for p in prompts:
+        if len(p) not in (2, 3):
+            raise ValueError(f"each prompt is (uid, prompt token ids) or (uid, prompt token ids, extra), "
+                             f"got {len(p)} items")
+        ids = [int(t) for t in p[1]]
+        out.append((p[0], ids) if len(p) == 2 else (p[0], ids, metadata(p[2])))
+    return out

@@ -1,39 +1,44 @@
 """The reward stage: each response scored as soon as it finishes, while the rest still generate.
 
-A reward is a plain callable ``fn(output) -> float``, an ``async def`` one, or a
-``SubprocessReward`` (a command that reads the response on stdin and prints its score, the way
-code and math verifiers run). ``RewardStage`` runs them in a bounded pool of ``max_workers``
-threads, concurrently with generation, and streams ``RewardResult``s as they complete. A
-timeout or a crash becomes that response's recorded failure (``error``, reward None): never a
-lost response, a hung step or a dead engine.
+What a reward is (a callable, an ``async def``, a verifier command) and what it receives and returns
+is ``reward_fns.py``'s contract. ``RewardStage`` runs rewards in a bounded pool of ``max_workers``
+threads, concurrently with generation, and streams ``RewardResult``s as they complete. A timeout,
+a crash or a result that is not a reward becomes that response's recorded failure (``error``,
+reward None): never a lost response, a hung step or a dead engine.
 
 Timeouts follow RollPacker's adaptive rule per task (a test case, a prompt): with ``T_anchor``
 the longest evaluation so far that succeeded (reward above ``success_above``), the limit is
 ``min(max(t_min, factor * T_anchor), t_max)``, and ``t_max`` until one has succeeded. Doomed
 executions (an infinite loop, a slow wrong answer) fail fast once correct ones are known.
 
-What can be stopped: a subprocess is killed with its whole process group at its limit; an async
-reward is cancelled; a plain callable cannot be interrupted in Python, so at its limit it is
-recorded as timed out and left to finish in a daemon thread that holds no pool slot (use a
+What can be stopped, at the limit or when the stage closes: a subprocess is killed with its whole
+process group; an async reward is cancelled; a plain callable cannot be interrupted in Python, so
+it is recorded as timed out and left to finish in a daemon thread that holds no pool slot (use a
 subprocess for code that may never return).
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-import json
-import os
 import queue
-import signal
-import subprocess
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Hashable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from pat_engine.outputs import RequestOutput
+from pat_engine.rollout.reward_fns import (
+    RewardCancelled,
+    RewardFn,
+    RewardInput,
+    RewardValueError,
+    SubprocessReward,
+    call_reward,
+)
+
+__all__ = ["AdaptiveTimeout", "RewardConfig", "RewardFn", "RewardInput", "RewardResult", "RewardStage",
+           "SubprocessReward"]
 
 
 @dataclass(frozen=True)
@@ -80,48 +85,13 @@ class AdaptiveTimeout:
 
 
 @dataclass(frozen=True)
-class SubprocessReward:
-    """``argv`` run once per response with ``stdin_for(output)`` on its stdin; its stdout parsed by
-    ``parse`` (default: the last line as a float). A non-zero exit is a crash."""
-
-    argv: tuple[str, ...]
-    stdin_for: Callable[[RequestOutput], str] = field(
-        default=lambda out: json.dumps({"text": out.text, "token_ids": out.token_ids}))
-    parse: Callable[[str], float] = field(default=lambda stdout: float(stdout.strip().splitlines()[-1]))
-
-    def run(self, output: RequestOutput, timeout: float) -> float:
-        proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-        try:
-            stdout, stderr = proc.communicate(self.stdin_for(output), timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            raise TimeoutError(f"timed out after {timeout:.1f} s") from None
-        except BaseException:
-            _kill_group(proc)
-            raise
-        if proc.returncode != 0:
-            tail = (stderr.strip().splitlines() or [""])[-1][:200]
-            raise RuntimeError(f"exit code {proc.returncode}: {tail}")
-        return self.parse(stdout)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """The command and everything it started (a sandbox's children)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-@dataclass(frozen=True)
 class RewardResult:
     key: Hashable  # what the caller submitted the response under
     task: Hashable  # what its timeout is anchored by
     reward: float | None  # None when it failed
     seconds: float
-    error: str | None = None  # "timed out after 3.0 s", "crashed: ValueError: ...", "exit code 1: ..."
+    error: str | None = None  # "timed out after 3.0 s", "crashed: ValueError: ...", "exit code 1: ...", "bad result: ..."
+    info: dict = field(default_factory=dict)  # what a mapping result held besides "reward"
 
     @property
     def ok(self) -> bool:
@@ -130,9 +100,6 @@ class RewardResult:
     @property
     def timed_out(self) -> bool:
         return self.error is not None and self.error.startswith("timed out")
-
-
-RewardFn = Callable[[RequestOutput], float] | SubprocessReward
 
 
 class RewardStage:
@@ -148,6 +115,7 @@ class RewardStage:
         self._submitted = 0
         self._delivered = 0
         self._lock = threading.Lock()
+        self._stop = threading.Event()  # set by close: running evaluations end as cancelled
 
     def __enter__(self) -> "RewardStage":
         return self
@@ -155,13 +123,18 @@ class RewardStage:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def submit(self, key: Hashable, output: RequestOutput, task: Hashable | None = None) -> None:
+    def submit(self, key: Hashable, output: RequestOutput, task: Hashable | None = None, *, prompt: Any = None,
+               metadata: Mapping[str, Any] | None = None) -> None:
         """Score ``output`` in the background; its result comes back under ``key``. ``task`` anchors
-        the adaptive timeout (default: the response's prompt)."""
+        the adaptive timeout (default: the response's prompt); ``prompt`` (default: the output's prompt
+        text, else its token ids) and ``metadata`` are handed to the reward with the response."""
+        if prompt is None:
+            prompt = output.prompt if output.prompt is not None else list(output.prompt_token_ids)
+        item = RewardInput(prompt, output.text or "", output, dict(metadata or {}))
         task = tuple(output.prompt_token_ids) if task is None else task
         with self._lock:
             self._submitted += 1
-        self._pool.submit(self._evaluate, key, task, output)
+        self._pool.submit(self._evaluate, key, task, item)
 
     @property
     def pending(self) -> int:
@@ -198,50 +171,26 @@ class RewardStage:
         return list(self.results())
 
     def close(self) -> None:
+        """Stop: evaluations not started are dropped, running ones end as cancelled (a verifier's
+        process group is killed)."""
+        self._stop.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     # ---- one evaluation, on a pool thread ---------------------------------------------------------------
 
-    def _evaluate(self, key: Hashable, task: Hashable, output: RequestOutput) -> None:
+    def _evaluate(self, key: Hashable, task: Hashable, item: RewardInput) -> None:
         limit = self.timeouts.limit(task)
         start = time.perf_counter()
+        reward, info, error = None, {}, None
         try:
-            reward, error = float(self._call(output, limit)), None
-        except TimeoutError as exc:
-            reward, error = None, str(exc) or f"timed out after {limit:.1f} s"
+            reward, info = call_reward(self.fn, item, limit, self._stop)
+        except (TimeoutError, RewardCancelled) as exc:
+            error = str(exc)
+        except RewardValueError as exc:
+            error = f"bad result: {exc}"
         except Exception as exc:  # the reward's own failure: recorded for this response, the stage goes on
-            reward, error = None, f"crashed: {type(exc).__name__}: {exc}"
+            error = f"crashed: {type(exc).__name__}: {exc}"
         seconds = time.perf_counter() - start
         self.timeouts.observe(task, seconds, reward)
-        self._done.put(RewardResult(key, task, reward, seconds, error))
+        self._done.put(RewardResult(key, task, reward, seconds, error, info))
 
-    def _call(self, output: RequestOutput, limit: float) -> float:
-        fn = self.fn
-        if isinstance(fn, SubprocessReward):
-            return fn.run(output, limit)
-        if inspect.iscoroutinefunction(fn):
-            try:
-                return asyncio.run(asyncio.wait_for(fn(output), limit))
-            except asyncio.TimeoutError:
-                raise TimeoutError(f"timed out after {limit:.1f} s") from None
-        return _with_deadline(fn, output, limit)
-
-
-def _with_deadline(fn: Callable[[RequestOutput], float], output: RequestOutput, limit: float) -> float:
-    """``fn(output)`` in a daemon thread; past ``limit`` it is abandoned (Python cannot stop it)."""
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn(output)
-        except BaseException as exc:  # handed to the caller below
-            box["error"] = exc
-
-    worker = threading.Thread(target=run, name="pat-reward-call", daemon=True)
-    worker.start()
-    worker.join(limit)
-    if worker.is_alive():
-        raise TimeoutError(f"timed out after {limit:.1f} s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]

@@ -170,9 +170,12 @@ class RolloutRunner:
     # ---- rewards ----------------------------------------------------------------------------------------
 
     def _score(self, plan: RoundPlan, step: int, key: tuple[int, int], out: RequestOutput) -> None:
-        """Hand a finished response to the reward stage; its prompt anchors the adaptive timeout."""
+        """Hand a finished response to the reward stage with its prompt and the prompt's metadata; the
+        prompt anchors the adaptive timeout."""
         if self.rewards is not None:
-            self.rewards.submit((step, key), out, task=plan.prompts[key[0]].uid)
+            entry = plan.prompts[key[0]]
+            prompt = entry.prompt if isinstance(entry.prompt, str) else list(out.prompt_token_ids)
+            self.rewards.submit((step, key), out, task=entry.uid, prompt=prompt, metadata=entry.metadata)
 
     def _collect_rewards(self, step: int, accepted) -> tuple[list[list[RewardResult]], float]:
         """Wait for what is still being scored; the returned groups' results, in the groups' order.

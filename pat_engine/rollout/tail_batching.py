@@ -49,6 +49,7 @@ class PromptEntry:
     deferrals: int = 0  # how many short rounds aborted it
     responses: int | None = None  # its own R0 (a pat-serve batch line's n); None: the step's
     partials: dict[int, Partial] = field(default_factory=dict)  # response index -> partial output
+    metadata: dict[str, Any] = field(default_factory=dict)  # handed to the reward with each response (ground truth, ...)
 
 
 @dataclass(frozen=True)

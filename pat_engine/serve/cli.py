@@ -2,6 +2,7 @@
 
     pat-serve batch --model M --input prompts.jsonl --output results.jsonl --world 4 --switch-schedule 32:4
     pat-serve batch --model M --input prompts.jsonl --output results.jsonl --tail-batching --prompts-per-round 64
+    pat-serve batch --model M --input prompts.jsonl --output results.jsonl --reward "python verify.py"
     pat-serve serve --model M --world 2 --port 8000
     pat-serve plot timeline.json -o timeline.png
     pat-serve demo
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from pat_engine import env
 from pat_engine.errors import PatEngineError
+from pat_engine.rollout.rewards import RewardConfig
 
 
 def _terminate(signum, frame) -> None:
@@ -64,6 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tail-eta", type=float, default=None, metavar="ETA",
                    help="short rounds launch ceil(P0*(1+ETA)) lines x ceil(n*(1+ETA)) responses (default 0.25)")
 
+    r = b.add_argument_group("rewards, scored while the rest still generate (docs/pat-serve.md)")
+    r.add_argument("--reward", default=None, metavar="CMD|MODULE:FUNCTION",
+                   help="score every answer as it finishes: a command run once per answer (the answer as JSON on "
+                        "stdin, its reward as the last stdout line) or a Python function module:function")
+    r.add_argument("--reward-workers", type=int, default=None, metavar="N",
+                   help=f"rewards running at once (default {RewardConfig.max_workers})")
+    r.add_argument("--reward-timeout", type=float, default=None, metavar="S",
+                   help=f"a fixed limit per reward (default: RollPacker's adaptive limit per line, "
+                        f"{RewardConfig.t_min:g}-{RewardConfig.t_max:g} s)")
+
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
@@ -107,7 +119,7 @@ def _batch(ns: argparse.Namespace) -> int:
     defaults = SamplingDefaults(ns.max_tokens, ns.temperature, ns.top_p, ns.top_k, ns.sampling_seed, ns.ignore_eos,
                                 ns.logprobs)
     job = BatchJob(ns.input, ns.output, ns.served_model_name or ns.model, defaults, ns.resume, ns.overwrite,
-                   not ns.no_progress, ns.timeline, ns.report, _tail_policy(ns))
+                   not ns.no_progress, ns.timeline, ns.report, _tail_policy(ns), _reward(ns))
     check_paths(job)
     engine = EngineArgs.from_namespace(ns).build()
     try:
@@ -132,6 +144,23 @@ def _tail_policy(ns: argparse.Namespace):
         raise PatEngineError("--tail-batching needs --prompts-per-round P0")
     eta = TailBatchPolicy.eta if ns.tail_eta is None else ns.tail_eta
     return TailBatchPolicy(ns.prompts_per_round, eta)
+
+
+def _reward(ns: argparse.Namespace):
+    """The reward from the flags (None without --reward), loaded and checked before the engine starts."""
+    from pat_engine.rollout.reward_fns import reward_from_spec
+    from pat_engine.serve.batch.scoring import BatchReward
+
+    if ns.reward is None:
+        if ns.reward_workers is not None or ns.reward_timeout is not None:
+            raise PatEngineError("--reward-workers and --reward-timeout need --reward")
+        return None
+    options = {"max_workers": ns.reward_workers, "timeout_s": ns.reward_timeout}
+    try:
+        config = RewardConfig(**{k: v for k, v in options.items() if v is not None})
+    except ValueError as exc:
+        raise PatEngineError(f"--reward-workers / --reward-timeout: {exc}") from None
+    return BatchReward(reward_from_spec(ns.reward), config)
 
 
 def _serve(ns: argparse.Namespace) -> int:

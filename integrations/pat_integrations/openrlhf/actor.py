@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
-from typing import Any, Hashable
+from typing import Any
 
 import torch
 
@@ -31,7 +31,9 @@ from pat_integrations.openrlhf.settings import PatActorSettings
 from pat_engine.model.weight_handles import DeviceHandles, serialize, serialize_reduced
 from pat_engine.parallel.update_group import STATELESS_NCCL
 from pat_integrations.openrlhf.weight_sync import LocalRanks
-from pat_integrations.rounds import EngineRounds, RoundResult
+from pat_integrations.reward_conventions import openrlhf_reward
+from pat_integrations.rollout_options import reward_config
+from pat_integrations.rounds import EngineRounds, RoundResult, token_prompts
 from pat_integrations.sampling import from_vllm_like
 
 log = logging.getLogger(__name__)
@@ -102,19 +104,24 @@ class PatRolloutActor(LayoutViews):
         skip = getattr(sampling_params, "skip_special_tokens", True)
         return to_vllm_shape(out, lambda ids: tokenizer.decode(ids, skip_special_tokens=skip))
 
-    async def rollout_step(self, prompts: list[tuple[Hashable, list[int]]], sampling_params: Any) -> RoundResult:
-        """One RL step as a tail-batched round over this step's fresh (uid, prompt token ids); the
-        result's groups hold ``vllm.RequestOutput``-shaped outputs (one sample each), ``wants`` how
-        many fresh prompts to send next time. ``sampling_params``: the step's ``vllm.SamplingParams``
-        with ``n=1`` (responses per prompt come from ``pat_rollout``)."""
+    async def rollout_step(self, prompts: list[tuple], sampling_params: Any,
+                           reward_options: dict[str, Any] | None = None) -> RoundResult:
+        """One RL step as a tail-batched round over this step's fresh (uid, prompt token ids), or (uid, prompt
+        token ids, label); the result's groups hold ``vllm.RequestOutput``-shaped outputs (one sample each),
+        ``wants`` how many fresh prompts to send next time. ``sampling_params``: the step's
+        ``vllm.SamplingParams`` with ``n=1`` (responses per prompt come from ``pat_rollout``). With
+        ``remote_rm_url`` (OpenRLHF's reward: a ``reward_func`` file or reward-model URLs) each response is
+        scored as it finishes, while the round still generates, and ``result.rewards`` holds the results
+        group by group (``reward_conventions.py``); ``reward_options``: ``RewardConfig`` fields."""
         if self.rounds is None:
             raise RuntimeError("rollout_step needs pat_rollout with tail_batching or group_sizing")
         await self._apply_pending()
-        prompts = [(uid, [int(t) for t in ids]) for uid, ids in prompts]
-        longest = max((len(ids) for _, ids in prompts), default=0)
+        prompts = token_prompts(prompts, lambda label: {"label": label})
+        longest = max((len(p[1]) for p in prompts), default=0)
         params = from_vllm_like(sampling_params, default_max_tokens=self.engine.max_model_len - longest,
                                 logprobs_mode=self.settings.logprobs_mode)
-        res = await self.frontend.exclusive(self.rounds.step, prompts, params)
+        fn = openrlhf_reward(self._remote_rm_url, self.engine.tokenizer) if self._remote_rm_url else None
+        res = await self.frontend.exclusive(self.rounds.step, prompts, params, fn, reward_config(reward_options))
         return res.with_outputs(to_vllm_shape)
 
     def get_num_unfinished_requests(self) -> int:

@@ -15,7 +15,7 @@ Partial rollout: an aborted request's answer is recorded so that veRL's resubmis
 from __future__ import annotations
 
 import logging
-from typing import Any, Hashable
+from typing import Any
 
 import torch
 from verl.workers.rollout.replica import RolloutMode, TokenOutput
@@ -24,7 +24,9 @@ from pat_engine import Engine
 from pat_integrations.frontend import AsyncEngineFrontend, LayoutViews
 from pat_integrations.partials import PartialLedger
 from pat_integrations.ray_cluster.placement import expose_gpus
-from pat_integrations.rounds import EngineRounds, RoundResult
+from pat_integrations.reward_conventions import verl_reward
+from pat_integrations.rollout_options import reward_config
+from pat_integrations.rounds import EngineRounds, RoundResult, token_prompts
 from pat_integrations.sampling import from_verl
 from pat_integrations.verl.outputs import token_output
 from pat_integrations.verl.settings import PatRolloutSettings
@@ -72,18 +74,25 @@ class PatServer(LayoutViews):
         self.partials.settle(origin, out)
         return token_output(out, params.prompt_logprobs, self.global_steps)
 
-    async def rollout_step(self, prompts: list[tuple[Hashable, list[int]]],
-                           sampling_params: dict[str, Any]) -> RoundResult:
-        """One RL step as a tail-batched round: ``prompts`` are this step's fresh (uid, prompt ids);
-        the result's groups hold ``TokenOutput``s (in finish order; ``extra_fields["sample_index"]`` is the
-        response's index within its prompt, which its seed depends on); ``wants``: how many to send next time."""
+    async def rollout_step(self, prompts: list[tuple], sampling_params: dict[str, Any],
+                           reward: Any = None, reward_options: dict[str, Any] | None = None) -> RoundResult:
+        """One RL step as a tail-batched round: ``prompts`` are this step's fresh (uid, prompt ids), or
+        (uid, prompt ids, fields) with the dataset row's fields (``data_source``, ``reward_model``,
+        ``extra_info``); the result's groups hold ``TokenOutput``s (in finish order;
+        ``extra_fields["sample_index"]`` is the response's index within its prompt, which its seed depends
+        on); ``wants``: how many to send next time. ``reward``: veRL's ``custom_reward_function``
+        (``{"path", "name", "reward_kwargs"}``; no path: veRL's ``default_compute_score``) or a
+        ``compute_score`` callable: each response is scored as it finishes, while the round still generates,
+        and ``result.rewards`` holds the results group by group (``reward_conventions.py``);
+        ``reward_options``: ``RewardConfig`` fields (workers, timeouts)."""
         if self.rounds is None:
             raise RuntimeError("rollout_step needs rollout.engine_kwargs.pat.tail_batching or .group_sizing")
         s = self.settings
-        prompts = [(uid, [int(t) for t in ids]) for uid, ids in prompts]
-        longest = max((len(ids) for _, ids in prompts), default=0)
+        prompts = token_prompts(prompts)  # veRL's row fields are the metadata
+        longest = max((len(p[1]) for p in prompts), default=0)
         params = from_verl(sampling_params, s.default_max_tokens(longest), defaults=s.sampling_defaults)
-        res = await self.frontend.exclusive(self.rounds.step, prompts, params)
+        fn = verl_reward(reward) if reward is not None else None
+        res = await self.frontend.exclusive(self.rounds.step, prompts, params, fn, reward_config(reward_options))
         return res.with_outputs(lambda out: token_output(out, params.prompt_logprobs, self.global_steps,
                                                          sample_index=out.sample_index))
 

@@ -2,10 +2,12 @@
 
 By default every request is queued at once so continuous batching and the switch
 policy see the whole long-tail batch; with ``tail_batching`` the lines run as
-tail-batched rounds instead (``rounds.py``). Results are appended in the
-order they are done, one flushed line each, so a killed job keeps what it
-finished; ``--resume`` skips the keys already written. A bad line becomes an
-error record naming the line and the problem, and the job goes on.
+tail-batched rounds instead (``rounds.py``). With ``reward`` each answer is
+scored as soon as it is generated, while the rest still generate
+(``scoring.py``). Results are appended in the order they are done, one
+flushed line each, so a killed job keeps what it finished; ``--resume`` skips
+the keys already written. A bad line becomes an error record naming the line
+and the problem, and the job goes on.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from pat_engine.serve.batch.lines import (
     result_record,
 )
 from pat_engine.serve.batch.rounds import TailBatchPolicy, run_rounds
-from pat_engine.serve.batch.summary import RunSummary
+from pat_engine.serve.batch.scoring import BatchReward, LineScorer
+from pat_engine.serve.batch.summary import RewardCounts, RunSummary
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class BatchJob:
     timeline: Path | None = None  # write the layout timeline (JSON) here
     report: Path | None = None  # draw the timeline plot (PNG) here
     tail_batching: TailBatchPolicy | None = None  # run the lines as tail-batched rounds (rounds.py)
+    reward: BatchReward | None = None  # score every answer as it finishes (scoring.py)
 
 
 def load_items(job: BatchJob, engine: Engine, done: set[str]) -> tuple[list[BatchItem], list[LineError], int]:
@@ -98,6 +102,11 @@ class _Writer:
     def __init__(self, f: IO[str], summary: RunSummary, bar: Any):
         self.f, self.summary, self.bar = f, summary, bar
 
+    def line(self, item: BatchItem, outs: list, rewards: list | None, tokenizer: Any, model: str) -> None:
+        """One input line's result record."""
+        self.write(result_record(item, outs, tokenizer, model, rewards),
+                   prompt_tokens=len(outs[0].prompt_token_ids), tokens=sum(len(o.token_ids) for o in outs))
+
     def write(self, record: dict, prompt_tokens: int = 0, tokens: int = 0) -> None:
         self.f.write(json.dumps(record, ensure_ascii=False) + "\n")
         self.f.flush()
@@ -140,9 +149,10 @@ def run_batch(engine: Engine, job: BatchJob) -> RunSummary:
             for err in bad:
                 out.write(error_record(err))
             if job.tail_batching is None:
-                _queue_all(engine, job, items, out, progress)
+                summary.rewards = _queue_all(engine, job, items, out, progress)
             else:
-                summary.rounds = run_rounds(engine, items, job.tail_batching, out, job.model_name, progress)
+                summary.rounds, summary.rewards = run_rounds(engine, items, job.tail_batching, out, job.model_name,
+                                                             progress, job.reward)
     except KeyboardInterrupt:
         bar.close()
         print(f"\ninterrupted: {summary.requests} results written to {job.output}, "
@@ -156,10 +166,13 @@ def run_batch(engine: Engine, job: BatchJob) -> RunSummary:
 
 
 def _queue_all(engine: Engine, job: BatchJob, items: list[BatchItem], out: _Writer,
-               progress: Callable[[], None]) -> None:
-    """Submit every line at once; write each as its samples finish. Ctrl-C aborts what is in flight."""
+               progress: Callable[[], None]) -> RewardCounts | None:
+    """Submit every line at once; write each as its samples finish (and, with a reward, are scored).
+    Ctrl-C aborts what is in flight."""
     finished: queue.Queue[tuple[BatchItem, list[RequestHandle]]] = queue.Queue()
     outstanding: dict[int, tuple[BatchItem, list[RequestHandle]]] = {}
+    scorer = LineScorer(job.reward, lambda item, outs, rewards: out.line(item, outs, rewards, engine.tokenizer,
+                                                                        job.model_name))
     try:
         for item in items:
             try:
@@ -174,27 +187,30 @@ def _queue_all(engine: Engine, job: BatchJob, items: list[BatchItem], out: _Writ
                                     and finished.put(pair))
             if all(h.done() for h in handles):
                 finished.put((item, handles))
-            _drain(finished, outstanding, out, engine, job, block=False)
+            _drain(finished, outstanding, scorer, block=False)
         while outstanding:
-            _drain(finished, outstanding, out, engine, job, block=True)
+            _drain(finished, outstanding, scorer, block=True)
             progress()
+        scorer.finish()
     except KeyboardInterrupt:
         engine.abort([hs[0].request_id for _, hs in outstanding.values()])
         raise
+    finally:
+        scorer.close()
+    return scorer.counts if scorer.stage is not None else None
 
 
-def _drain(finished: queue.Queue, outstanding: dict, out: _Writer, engine: Engine, job: BatchJob, block: bool) -> None:
+def _drain(finished: queue.Queue, outstanding: dict, scorer: LineScorer, block: bool) -> None:
     while outstanding:
         try:
-            item, handles = finished.get(timeout=0.5) if block else finished.get_nowait()
+            item, handles = finished.get(timeout=scorer.poll_s if scorer.stage else 0.5) if block else finished.get_nowait()
         except queue.Empty:
-            return
+            break
         if outstanding.pop(item.line, None) is None:
-            continue  # already written (the listener and the done() check both reported it)
-        outs = [h.output() for h in handles]
-        out.write(result_record(item, outs, engine.tokenizer, job.model_name),
-                  prompt_tokens=len(outs[0].prompt_token_ids), tokens=sum(len(o.token_ids) for o in outs))
+            continue  # already handed on (the listener and the done() check both reported it)
+        scorer.finished(item, [h.output() for h in handles])
         block = False  # after one result, take whatever else is ready without waiting
+    scorer.poll()
 
 
 def _postfix(bar: Any, summary: RunSummary, engine: Engine, start: float, switches_before: int) -> None:

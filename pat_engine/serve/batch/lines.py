@@ -8,6 +8,10 @@ Two input styles, told apart per line:
 - OpenAI Batch API: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
   "body": {...}}``, answered with OpenAI Batch output lines.
 
+Either style may carry ``"metadata": {...}`` (any JSON object), handed to ``--reward`` with each answer;
+with a reward the record adds each answer's reward (``reward_fields``), and a failed reward makes the
+record an error that still carries the answers.
+
 Every record carries a key (the line's ``id`` / ``custom_id``, else ``line-N``) so
 ``--resume`` can skip what a previous run already wrote.
 """
@@ -15,7 +19,7 @@ Every record carries a key (the line's ``id`` / ``custom_id``, else ``line-N``) 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pat_engine.errors import InvalidRequestError
 from pat_engine.outputs import RequestOutput
+from pat_engine.rollout.rewards import RewardResult
 from pat_engine.sampling.options import to_sampling_params
 from pat_engine.serve.async_engine import EngineInput
 from pat_engine.serve.openai.protocol import (
@@ -79,6 +84,7 @@ class PatLine(BaseModel):
     logprobs: bool | None = None
     min_tokens: int = Field(default=0, ge=0)
     n: int = Field(default=1, ge=1)
+    metadata: dict[str, Any] | None = None  # for --reward
 
     @model_validator(mode="after")
     def _one_prompt(self):
@@ -96,6 +102,7 @@ class BatchItem:
     pat: PatLine | None = None
     openai: BatchRequestInput | None = None
     request: CompletionRequest | ChatCompletionRequest | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)  # the line's "metadata", for --reward
 
     def error(self, message: str, status: int = 400) -> "LineError":
         """This line's error record, in its own style."""
@@ -137,7 +144,7 @@ def parse_line(line: int, obj: Any, tokenizer: Any, max_model_len: int, defaults
     except ValidationError as exc:
         raise LineError(line, _pydantic_message(exc), key=key) from None
     try:
-        options = pat.model_dump(exclude={"id", "prompt", "messages", "input_ids"})
+        options = pat.model_dump(exclude={"id", "prompt", "messages", "input_ids", "metadata"})
         params = to_sampling_params(options, defaults=asdict(defaults))
         if pat.messages is not None:
             prompt: Any = apply_chat_template(tokenizer, [{"role": m.role, "content": m.text()} for m in pat.messages])
@@ -145,12 +152,16 @@ def parse_line(line: int, obj: Any, tokenizer: Any, max_model_len: int, defaults
             prompt = pat.prompt if pat.prompt is not None else pat.input_ids
     except InvalidRequestError as exc:
         raise LineError(line, str(exc), key=key) from None
-    return BatchItem(line, key, EngineInput(prompt, params), pat=pat)
+    return BatchItem(line, key, EngineInput(prompt, params), pat=pat, metadata=pat.metadata or {})
 
 
 def _parse_openai(line: int, obj: dict, tokenizer: Any, max_model_len: int) -> BatchItem:
     cid = obj.get("custom_id") if isinstance(obj.get("custom_id"), str) else None
     err = dict(openai=True, custom_id=cid, key=cid)
+    obj = dict(obj)
+    metadata = obj.pop("metadata", None)  # pat's addition to the OpenAI line, for --reward
+    if metadata is not None and not isinstance(metadata, dict):
+        raise LineError(line, f"metadata must be a JSON object, got {type(metadata).__name__}", **err)
     try:
         req_line = BatchRequestInput.model_validate(obj)
         model = ChatCompletionRequest if req_line.url == "/v1/chat/completions" else CompletionRequest
@@ -169,23 +180,27 @@ def _parse_openai(line: int, obj: dict, tokenizer: Any, max_model_len: int) -> B
             inp = inputs[0]
     except InvalidRequestError as exc:
         raise LineError(line, str(exc), **err) from None
-    return BatchItem(line, req_line.custom_id, inp, openai=req_line, request=req)
+    return BatchItem(line, req_line.custom_id, inp, openai=req_line, request=req, metadata=metadata or {})
 
 
 # ---- output records ------------------------------------------------------------------------------
 
 
-def result_record(item: BatchItem, outs: list[RequestOutput], tokenizer: Any, model: str) -> dict:
-    """The output line of one input line; ``outs``: its samples (one unless it asked for n > 1)."""
+def result_record(item: BatchItem, outs: list[RequestOutput], tokenizer: Any, model: str,
+                  rewards: list[RewardResult] | None = None) -> dict:
+    """The output line of one input line; ``outs``: its samples (one unless it asked for n > 1), ``rewards``
+    their rewards in the same order (with ``--reward``)."""
     failed = [o for o in outs if o.finish_reason == "error"]
     if failed:
         return error_record(item.error(f"generation failed: {failed[0].error}", status=500))
     if item.openai is None:
+        fields = reward_fields(rewards)
+        samples = [{**_pat_sample(o), **f} for o, f in zip(outs, fields or [{}] * len(outs))]
         rec = {"id": item.pat.id if item.pat.id is not None else item.key, "line": item.line,
-               **_pat_sample(outs[0]), "usage": usage(outs).model_dump(exclude={"prompt_tokens_details"})}
+               **samples[0], "usage": usage(outs).model_dump(exclude={"prompt_tokens_details"})}
         if len(outs) > 1:
-            rec["samples"] = [_pat_sample(o) for o in outs]
-        rec["error"] = None
+            rec["samples"] = samples
+        rec["error"] = _reward_error(item, rewards)
         return rec
     req = item.request
     if isinstance(req, ChatCompletionRequest):
@@ -195,7 +210,33 @@ def result_record(item: BatchItem, outs: list[RequestOutput], tokenizer: Any, mo
         choices = [completion_choice(i, o, req, tokenizer) for i, o in enumerate(outs)]
         body = CompletionResponse(model=model, choices=choices, usage=usage(outs))
     response = BatchResponseData(status_code=200, request_id=random_id("pat-batch"), body=body.model_dump())
-    return BatchRequestOutput(custom_id=item.openai.custom_id, response=response).model_dump()
+    rec = BatchRequestOutput(custom_id=item.openai.custom_id, response=response).model_dump()
+    if rewards is not None:  # one per choice, by index
+        fields = reward_fields(rewards)
+        rec["rewards"] = [f["reward"] for f in fields]
+        if any("reward_info" in f for f in fields):
+            rec["reward_info"] = [f.get("reward_info", {}) for f in fields]
+        message = _reward_error(item, rewards)
+        if message is not None:  # the answers stay in "response"; the line still reports the failure
+            rec["error"] = {"message": message, "type": "RewardError", "param": None, "code": 500, "line": item.line}
+    return rec
+
+
+def reward_fields(rewards: list[RewardResult] | None) -> list[dict] | None:
+    """Per answer: ``{"reward": float or null, "reward_info": {...} when the reward returned more}``."""
+    if rewards is None:
+        return None
+    return [{"reward": r.reward, **({"reward_info": r.info} if r.info else {})} for r in rewards]
+
+
+def _reward_error(item: BatchItem, rewards: list[RewardResult] | None) -> str | None:
+    """The line's error when a reward failed: the first failure, named by its answer's index."""
+    bad = [(i, r) for i, r in enumerate(rewards or []) if not r.ok]
+    if not bad:
+        return None
+    i, r = bad[0]
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    return f"line {item.line}: reward of answer {i} failed: {r.error}{more}"
 
 
 def error_record(err: LineError) -> dict:

@@ -19,30 +19,35 @@ gives sample i of that line, so a deferred line's answers are token for token wh
 plain job writes for it. A line without a seed gets s derived from the engine seed and
 its key (a plain job draws one per request instead), so a rerun or ``--resume``
 reproduces it. The engine's switch policy keeps running inside every round (a fixed
-schedule counts decode steps from the start of each round).
+schedule counts decode steps from the start of each round). With ``--reward`` the runner's
+reward stage scores each answer as it finishes; a round's lines are written with their rewards.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from pat_engine.core.engine import Engine
 from pat_engine.errors import InvalidRequestError, WorkerFailure
 from pat_engine.predictor.policy import ScheduledSwitches
 from pat_engine.rollout.config import RolloutConfig, TailBatchingConfig
+from pat_engine.rollout.rewards import RewardStage
 from pat_engine.rollout.runner import RolloutRunner, derived_seed
 from pat_engine.rollout.scheduler import RolloutScheduler
 from pat_engine.rollout.tail_batching import PromptEntry
 from pat_engine.sampling.seeds import sample_seed
 from pat_engine.sampling.params import SamplingParams
-from pat_engine.serve.batch.lines import BatchItem, error_record, result_record
-from pat_engine.serve.batch.summary import RoundCounts
+from pat_engine.serve.batch.lines import BatchItem, error_record
+from pat_engine.serve.batch.scoring import BatchReward
+from pat_engine.serve.batch.summary import RewardCounts, RoundCounts
 
 
 class RecordSink(Protocol):
     def write(self, record: dict, prompt_tokens: int = 0, tokens: int = 0) -> None: ...
+
+    def line(self, item: BatchItem, outs: list, rewards: list | None, tokenizer: Any, model: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -62,15 +67,27 @@ class TailBatchPolicy:
 
 
 def run_rounds(engine: Engine, items: list[BatchItem], policy: TailBatchPolicy, out: RecordSink, model: str,
-               on_round: Callable[[], None] = lambda: None) -> RoundCounts:
+               on_round: Callable[[], None] = lambda: None,
+               reward: BatchReward | None = None) -> tuple[RoundCounts, RewardCounts | None]:
     """Answer every item through tail-batched rounds, writing one record per line to ``out``."""
+    stage = RewardStage(reward.fn, reward.config) if reward is not None else None
+    try:
+        return _rounds(engine, items, policy, out, model, on_round, stage)
+    finally:
+        if stage is not None:
+            stage.close()
+
+
+def _rounds(engine: Engine, items: list[BatchItem], policy: TailBatchPolicy, out: RecordSink, model: str,
+            on_round: Callable[[], None], stage: RewardStage | None) -> tuple[RoundCounts, RewardCounts | None]:
     lines: dict[int, BatchItem] = {}
     stream = iter(_runnable(engine, items, out))  # checked up front, at the base layout every round starts at
 
     def draw(k: int) -> list[PromptEntry]:
         taken = list(itertools.islice(stream, k))
         lines.update((it.line, it) for it in taken)
-        return [PromptEntry(it.line, it.input.prompt, responses=it.input.params.n) for it in taken]
+        return [PromptEntry(it.line, it.input.prompt, responses=it.input.params.n, metadata=it.metadata)
+                for it in taken]
 
     def params_for(entry: PromptEntry, r: int) -> SamplingParams:
         item = lines[entry.uid]
@@ -84,8 +101,9 @@ def run_rounds(engine: Engine, items: list[BatchItem], policy: TailBatchPolicy, 
     longest = max((it.input.params.max_new_tokens for it in items), default=1)
     sched = RolloutScheduler(policy.rollout_config(), draw, default_length=float(longest))
     runner = RolloutRunner(engine, sched, params_for, predictor=getattr(engine.policy, "predictor", None),
-                           seed=engine.config.seed, name="batch", stage_options=_per_round(engine.policy))
-    counts = RoundCounts()
+                           seed=engine.config.seed, name="batch", stage_options=_per_round(engine.policy),
+                           rewards=stage)
+    counts, scored = RoundCounts(), RewardCounts() if stage is not None else None
     while (plan := sched.next_round()).prompts:
         try:
             res = runner.run_round(plan)
@@ -103,14 +121,26 @@ def run_rounds(engine: Engine, items: list[BatchItem], policy: TailBatchPolicy, 
         counts.prompts += s.prompts_launched if s.kind == "short" else 0
         counts.deferred += s.prompts_deferred
         counts.resumed += res.resumed
-        for entry, outs in res.groups:
-            item = lines.pop(entry.uid)
-            # by response index, numbered as the line's samples (sample 0 carries the prompt in the usage)
-            samples = [replace(o, sample_index=i) for i, o in enumerate(sorted(outs, key=lambda o: o.sample_index))]
-            out.write(result_record(item, samples, engine.tokenizer, model),
-                      prompt_tokens=len(samples[0].prompt_token_ids), tokens=sum(len(o.token_ids) for o in samples))
+        if scored is not None:
+            scored.wait_s += res.reward_wait_s
+        for g, (entry, outs) in enumerate(res.groups):
+            _write_line(out, lines.pop(entry.uid), outs, res.rewards[g] if stage is not None else None, engine, model,
+                        scored)
         on_round()
-    return counts
+    return counts, scored
+
+
+def _write_line(out: RecordSink, item: BatchItem, outs: list, rewards: list | None, engine: Engine, model: str,
+                scored: RewardCounts | None) -> None:
+    """A returned line's record: its answers by response index, numbered as the line's samples (sample 0
+    carries the prompt in the usage), each with its reward."""
+    order = sorted(range(len(outs)), key=lambda i: outs[i].sample_index)
+    samples = [replace(outs[i], sample_index=k) for k, i in enumerate(order)]
+    if rewards is not None:
+        rewards = [rewards[i] for i in order]
+        scored.scored += len(rewards)
+        scored.failed += sum(not r.ok for r in rewards)
+    out.line(item, samples, rewards, engine.tokenizer, model)
 
 
 def _per_round(policy: object) -> dict:

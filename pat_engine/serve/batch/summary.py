@@ -34,6 +34,18 @@ class RoundCounts:
 
 
 @dataclass
+class RewardCounts:
+    """Rewards of a batch run (``pat-serve batch --reward``)."""
+
+    scored: int = 0
+    failed: int = 0
+    wait_s: float = 0.0  # spent waiting for rewards after the last answer was generated
+
+    def line(self) -> str:
+        return f"rewards: {self.scored} scored ({self.failed} failed), {self.wait_s:.1f} s after the last token"
+
+
+@dataclass
 class RunSummary:
     requests: int = 0  # results written this run (errors included)
     errors: int = 0
@@ -43,6 +55,7 @@ class RunSummary:
     wall_s: float = 0.0
     switches: list[str] = field(default_factory=list)  # "TP1xDP4->TP4xDP1 (0.41 s, migrate)" per switch made
     rounds: RoundCounts | None = None  # with --tail-batching
+    rewards: RewardCounts | None = None  # with --reward
 
     @property
     def tokens_per_s(self) -> float:
@@ -52,10 +65,12 @@ class RunSummary:
         extra = f", {self.skipped} skipped" if self.skipped else ""
         sw = f"{len(self.switches)} switches" + (f" ({'; '.join(self.switches)})" if self.switches else "")
         rounds = f"; {self.rounds.line()}" if self.rounds is not None else ""
+        rewards = f"; {self.rewards.line()}" if self.rewards is not None else ""
         return (f"{self.requests} requests ({self.errors} errors{extra}), {self.tokens} tokens, "
-                f"{self.wall_s:.1f} s wall, {self.tokens_per_s:.1f} tokens/s, {sw}{rounds}")
+                f"{self.wall_s:.1f} s wall, {self.tokens_per_s:.1f} tokens/s, {sw}{rounds}{rewards}")
 
     def to_dict(self) -> dict:
         out = {**asdict(self), "tokens_per_s": self.tokens_per_s}
         out["rounds"] = self.rounds.to_dict() if self.rounds is not None else None
+        out["rewards"] = asdict(self.rewards) if self.rewards is not None else None
         return out
