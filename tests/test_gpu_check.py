@@ -86,9 +86,12 @@ def test_split_sweep_keeps_whole_chunks_and_the_rules_count():
 
 
 def test_the_rule_splits_the_tail_shapes_on_an_h100():
-    """What the attention part times on an H100 SXM (132 SMs, 8 KV heads): the rule's split counts."""
-    assert decode_split(2, 8, 16384, 132, "fast") == DecodeSplit(None, 33)  # 16 programs -> 528
-    assert decode_split(8, 8, 4096, 132, "fast") == DecodeSplit(None, 9)
+    """What the attention part times on an H100 SXM (132 SMs, 8 KV heads): the rule's split counts at 3
+    programs per SM (the measured sweep: the batch shapes keep one split, the tail ones fill the device)."""
+    assert decode_split(2, 8, 16384, 132, "fast") == DecodeSplit(None, 25)  # 16 programs -> 400 >= 396
+    assert decode_split(8, 8, 4096, 132, "fast") == DecodeSplit(None, 7)
+    assert decode_split(64, 8, 512, 132, "fast") == DecodeSplit(None, 1)
+    assert decode_split(64, 8, 2048, 132, "fast") == DecodeSplit(None, 1)
     assert decode_split(256, 8, 1024, 132, "fast") == DecodeSplit(None, 1)
 
 
