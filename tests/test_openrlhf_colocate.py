@@ -81,6 +81,7 @@ def _visible_devices(pid: int) -> str | None:
     return value.decode() if value is not None else None
 
 
+@pytest.mark.slow  # a Ray cluster with worker processes
 def test_each_rank_runs_on_the_gpu_of_its_bundle(hybrid):
     pg, engines = hybrid
     # each engine's seats hold OpenRLHF's share of every one of its bundles (read before the probes run)
@@ -97,6 +98,7 @@ def test_each_rank_runs_on_the_gpu_of_its_bundle(hybrid):
         assert [_visible_devices(pid) for pid in where["worker_pids"]] == [",".join(where["gpu_ids"])] * TP
 
 
+@pytest.mark.slow  # a Ray cluster with worker processes
 def test_hybrid_step_syncs_by_handle_and_generates_token_exact(hybrid, model_dir, tmp_path):
     _, engines = hybrid
     assert all(ray.get([e.is_sleeping.remote() for e in engines]))  # vllm_enable_sleep: created asleep
