@@ -1,8 +1,8 @@
 """One command for a one-GPU machine: measure the engine against its targets and run the ``gpu`` tests
 (issues 23 and 30). The parts live in ``bench/gpucheck/`` (one file each, listed in ``registry.py``).
 
-    python bench/gpu_check.py --quick                 # every headline row, ~6 min on an H100
-    python bench/gpu_check.py --only graphs weightsync tests invariant   # the rest, ~7 min
+    python bench/gpu_check.py --quick                 # every headline row: 146 s on the second H100 run
+    python bench/gpu_check.py --only graphs weightsync tests invariant   # the rest, ~8 min
     python bench/gpu_check.py                         # every part (> 10 min: split it under the device tool)
     python bench/gpu_check.py --smoke [--quick]       # toy sizes on the CPU, into a temp file (never the results)
 
@@ -11,25 +11,24 @@ On a lent machine (``run`` tool), write where the files come back, then copy the
     python bench/gpu_check.py --quick --output "$OUT/gpu_check.md"     # timeout_s=600 leaves room to spare
 
 Parts (``--only`` names; each a section of ``bench/results/gpu_check.md`` with its command, machine, date
-and environment, headlines with each target's verdict at the top). Expected seconds on an H100, each
-part's process start and weight loads included (``registry.py``; the parts table prints them beside
-what they took, so the next run can correct them):
+and environment, headlines with each target's verdict at the top). Each part's expected seconds on an
+H100 are in ``registry.py``; the parts table prints them beside what they took, so a run can correct them:
 
-| part | measures | --quick | full |
-|---|---|---|---|
-| attention | decode attention GB/s vs SDPA at 6 shapes, the split sweep; fused layer kernels vs torch | 35 s | 60 s |
-| (checkpoint) | the 16 GB random checkpoint, written once per ``--workdir``, before the parts using it | 30 s | 30 s |
-| kernels | kernels per step and per layer, GPU ms by piece, batch 1 and 64, graphs vs eager step | 65 s | 90 s |
-| prefill | 64 x 512 and 8 x 4K prefill: tokens/s, model FLOP/s vs an 8192^3 bf16 GEMM | 40 s | 60 s |
-| decode | Engine decode ms / token vs roofline and floor: batch 1/16/64, 64 x 512, 64 x 2K | 75 s | 150 s |
-| profile | pat-profile --emulate-world 8, graphs on, median step; predictor error at TP1 | 50 s | 60 s |
-| switch | the live switch with 2 (full: and 4) ranks sharing the GPU, 1B shape: each phase in s and bytes, the graphs share, host-staged collectives, CUDA memory; full: the controller on a co-located pat-profile table, capture warm-ups | 60 s | 330 s |
-| graphs | CUDA graph capture per ladder size, recapture after an emulated switch | skipped | 30 s |
-| weightsync | update_weights GB/s, update_weights_from_distributed (gloo; NCCL attempted) | skipped | 60 s |
-| tests | ``pytest -m gpu`` over the files holding gpu tests | skipped | 160 s |
-| invariant | decode ms per step, numerics fast vs invariant, batch 1 and 64 (issue 31) | skipped | 90 s |
+| part | measures |
+|---|---|
+| attention | decode attention GB/s vs SDPA at 6 shapes, the split sweep; fused layer kernels vs torch |
+| (checkpoint) | the 16 GB random checkpoint, written once per ``--workdir``, before the parts using it |
+| kernels | kernels per step and per layer, GPU ms by piece, batch 1 and 64, graphs vs eager step |
+| prefill | 64 x 512 and 8 x 4K prefill: tokens/s, model FLOP/s vs an 8192^3 bf16 GEMM |
+| decode | Engine decode ms / token vs roofline and floor: batch 1/16/64, 64 x 512, 64 x 2K |
+| profile | pat-profile --emulate-world 8, graphs on, median step; predictor error at TP1 |
+| switch | the live switch with 2 (full: and 4) ranks sharing the GPU, 1B shape: each phase in s and bytes, the graphs share, host-staged collectives, CUDA memory; full: the controller on a co-located pat-profile table, capture warm-ups |
+| graphs | CUDA graph capture per ladder size, recapture after an emulated switch |
+| weightsync | update_weights GB/s, update_weights_from_distributed (gloo; NCCL attempted) |
+| tests | ``pytest -m gpu`` over the files holding gpu tests |
+| invariant | decode ms per step, numerics fast vs invariant, batch 1 and 64 (issue 31) |
 
-``--quick`` (about 360 s with the ~5 s environment probe; a reused checkpoint saves 30): one engine in
+``--quick`` (146 s on the second H100 run, the checkpoint written in 17 s of it): one engine in
 ``decode`` (graphs on; no eager engine: the kernels part times eager against graph steps in process at
 batch 1 and 64), one round of 64 (batch 1) or 32 (long prompts) tokens; ``attention`` with 20 calls per
 case and splits up to 64; ``prefill`` with 2 runs per row; ``profile`` on TP 1/2/4/8 x batch 1/64 x

@@ -1,4 +1,8 @@
-"""Part ``tests``: ``python -m pytest -q -m gpu`` over the test files that hold ``gpu``-marked tests."""
+"""Part ``tests``: ``python -m pytest -v -m gpu`` over each test file that holds ``gpu``-marked tests.
+
+One pytest process per file, so a file's failures are reported (pytest prints them when its run ends)
+before a slow file later on meets the time limit; each file's whole output is kept in the part's log
+folder. The co-located switch tests go last: they are the slowest."""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+
+from common import markdown_table
 
 from gpucheck.report import PartResult
 from gpucheck.shared import Ctx, PartFailed
@@ -30,9 +36,9 @@ def pytest_summary(output: str) -> str:
 
 def outcomes_so_far(verbose_output: str) -> str:
     """What a ``pytest -v`` run that was stopped had reported: "5 passed, 1 failed; last started: <test>"."""
-    results = re.findall(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)", verbose_output, re.M)
+    results = re.findall(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)", verbose_output, re.MULTILINE)
     counts = Counter(outcome.lower() for _, outcome in results)
-    started = re.findall(r"^(\S+::\S+)", verbose_output, re.M)
+    started = re.findall(r"^(\S+::\S+)", verbose_output, re.MULTILINE)
     done = ", ".join(f"{n} {k}" for k, n in counts.items()) or "none finished"
     return done + (f"; last started: {started[-1]}" if started else "")
 
@@ -42,37 +48,55 @@ def gpu_test_files(tests_dir: Path) -> list[Path]:
     return sorted(p for p in tests_dir.glob("test_*.py") if "pytest.mark.gpu" in p.read_text())
 
 
-def run(ctx: Ctx) -> PartResult:
-    if importlib.util.find_spec("pytest") is None:
-        return PartResult("skipped: pytest is not installed on this machine; the gpu-marked tests did not run.")
-    files = [str(p.relative_to(ROOT)) for p in gpu_test_files(ROOT / "tests")]
-    cmd = [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider", *files]
+def run_file(path: str, timeout: float, log_path: Path) -> tuple[int | None, str, float]:
+    """(exit code or None when stopped at ``timeout``, whole output, seconds) of one file's gpu tests."""
+    cmd = [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider", path]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    log_path = Path(ctx.args.workdir) / "logs" / "gpu_tests_pytest.log"  # kept whole, also when stopped
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                 start_new_session=True)  # its own group: a stop ends the test's workers too
         try:
-            returncode = proc.wait(timeout=ctx.args.tests_timeout)
+            returncode = proc.wait(timeout=max(timeout, 1.0))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             returncode = None
-    secs = time.perf_counter() - t
-    out = log_path.read_text()
-    if returncode is None:
-        raise PartFailed(f"`python -m pytest -v -m gpu {' '.join(files)}` stopped after {secs:.0f} s (--tests-timeout "
-                         f"{ctx.args.tests_timeout:.0f}): **{outcomes_so_far(out)}**\n\n```\n{out.strip()[-3000:]}\n```")
-    summary = pytest_summary(out)
-    lines = [f"`python -m pytest -v -m gpu {' '.join(files)}` ({secs:.0f} s, exit {returncode}): "
-             f"**{summary}**", "",
-             "Only the files that hold `gpu`-marked tests are collected: the full `tests/` would import the serving "
-             "extras (fastapi, httpx, ray), which a bare GPU machine lacks, and fail collection."]
+    return returncode, log_path.read_text(), time.perf_counter() - t
+
+
+def run(ctx: Ctx) -> PartResult:
+    if importlib.util.find_spec("pytest") is None:
+        return PartResult("skipped: pytest is not installed on this machine; the gpu-marked tests did not run.")
+    files = sorted((str(p.relative_to(ROOT)) for p in gpu_test_files(ROOT / "tests")),
+                   key=lambda f: ("colocated" in f, f))
+    logs = Path(ctx.args.workdir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    started, rows, failures = time.perf_counter(), [], []
+    for f in files:
+        left = ctx.args.tests_timeout - (time.perf_counter() - started)
+        if left < 5:
+            rows.append([f"`{f}`", "not run: --tests-timeout spent", 0])
+            failures.append(f"{f}: not run")
+            continue
+        returncode, out, secs = run_file(f, left, logs / f"gpu_tests_{Path(f).stem}.log")
+        if returncode is None:
+            rows.append([f"`{f}`", f"stopped at the limit: {outcomes_so_far(out)}", round(secs)])
+            failures.append(f"{f}: stopped")
+        else:
+            rows.append([f"`{f}`", pytest_summary(out), round(secs)])
+            if returncode not in (0, 5):
+                failures.append(f"{f}: exit {returncode}")
+        if returncode not in (0, 5):
+            failures.append(f"```\n{out.strip()[-3000:]}\n```")
+    total = time.perf_counter() - started
+    lines = [(f"`python -m pytest -v -m gpu FILE`, one process per file ({total:.0f} s in all, --tests-timeout "
+             f"{ctx.args.tests_timeout:.0f}; logs in {logs}):"), "",
+             markdown_table(["file", "result", "seconds"], rows), "",
+             ("Only the files that hold `gpu`-marked tests are collected: the full `tests/` would import the serving "
+             "extras (fastapi, httpx, ray), which a bare GPU machine lacks, and fail collection.")]
     if ctx.smoke:
         lines.append("\nSmoke: no CUDA here, so every gpu test is skipped; this checks the command only.")
-    if returncode not in (0, 5):
-        lines += ["", "```", out.strip()[-3000:], "```"]
-        raise PartFailed("\n".join(lines))
-    return PartResult("\n".join(lines), [f"gpu tests: {summary}"])
+    if failures:
+        raise PartFailed("\n".join(lines + [""] + failures))
+    return PartResult("\n".join(lines), [f"gpu tests: every file passed or skipped ({len(files)} files, {total:.0f} s)"])

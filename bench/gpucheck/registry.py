@@ -3,10 +3,11 @@
 
 Expected seconds are for an H100 80GB (16 CPU cores), each part in its own process, its start-up (imports,
 CUDA, Triton compiles on a fresh machine) and its weight loads included; the checkpoint is written before
-the first part that needs one (``CHECKPOINT_S``, once per workdir). They are estimates from the first H100
-run (bench/results/gpu_2026-11-26_h100_first_run/), to be replaced by what the parts table of the next GPU
-run shows. Timeouts end a part's process (and what it started); the part is then recorded as failed and the
-next one runs.
+the first part that needs one (``CHECKPOINT_S``, once per workdir). The --quick ones are what the second
+H100 run took on a fresh machine (bench/results/gpu_2026-11-26_h100_second_run/: 9, 14-20, 17, 30, 22 and
+36 s), rounded up; the others are that run's or the first run's, or estimates where a part has not run
+in full (the four-rank switch). Timeouts end a part's process (and what it started); the part is then
+recorded as failed and the next one runs.
 """
 
 from __future__ import annotations
@@ -33,21 +34,21 @@ class Part:
 
 PARTS: tuple[Part, ...] = (
     Part("attention", "Decode attention vs SDPA on contiguous K/V, and the fused layer kernels", "attention",
-         35, 60, 120, 300, needs_checkpoint=False),
+         15, 30, 120, 300, needs_checkpoint=False),
     Part("kernels", "Kernels per decode step (torch.profiler, Llama-3-8B shape, bf16)", "kernels",
          65, 90, 180, 400),
-    Part("prefill", "Packed varlen prefill vs the measured bf16 GEMM throughput", "prefill", 40, 60, 150, 300),
-    Part("decode", "TP1 decode vs the HBM roofline and the streamed-bytes floor", "decode", 75, 150, 180, 480),
-    Part("profile", "pat-profile --emulate-world 8 (graphs on, median step)", "emulated_profile", 50, 60, 150, 480),
+    Part("prefill", "Packed varlen prefill vs the measured bf16 GEMM throughput", "prefill", 25, 40, 150, 300),
+    Part("decode", "TP1 decode vs the HBM roofline and the streamed-bytes floor", "decode", 40, 150, 180, 480),
+    Part("profile", "pat-profile --emulate-world 8 (graphs on, median step)", "emulated_profile", 30, 40, 150, 480),
     Part("switch", "The live switch on one GPU, ranks sharing it: phases, collectives, controller", "switch",
-         60, 330, 150, 560, needs_checkpoint=False),  # writes its own 2.5 GB checkpoint (1B shape)
-    Part("graphs", "CUDA graph capture and recapture", "graphs", None, 30, 120, 300),
+         45, 330, 150, 560, needs_checkpoint=False),  # writes its own 2.5 GB checkpoint (1B shape)
+    Part("graphs", "CUDA graph capture and recapture", "graphs", None, 25, 120, 300),
     Part("weightsync", "Weight sync", "weightsync", None, 60, 120, 400),
-    Part("tests", "gpu-marked tests", "gpu_tests", None, 160, 120, 480),  # + the co-located switch tests (issue 32)
-    Part("invariant", "Invariant numerics' cost per decode step (issue 31)", "invariant", None, 90, 180, 300),
+    Part("tests", "gpu-marked tests", "gpu_tests", None, 400, 120, 480),  # over 200 s with the co-located switch tests
+    Part("invariant", "Invariant numerics' cost per decode step (issue 31)", "invariant", None, 25, 180, 300),
 )
 NAMES = tuple(p.name for p in PARTS)
-CHECKPOINT_S, CHECKPOINT_TIMEOUT_S = 30, 300  # writing the 16 GB checkpoint (reused: ~0)
+CHECKPOINT_S, CHECKPOINT_TIMEOUT_S = 20, 300  # writing the 16 GB checkpoint: 17 s on the second H100 run (reused: ~0)
 
 
 def part(name: str) -> Part:
