@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--only", nargs="+", choices=NAMES, help="run these parts (default: all; --quick: its own)")
     p.add_argument("--smoke", action="store_true", help="every part at toy sizes on the CPU; results to a temp file")
-    p.add_argument("--quick", action="store_true", help="the headline rows only, in about 6 minutes on an H100")
+    p.add_argument("--quick", action="store_true", help="the headline rows only, 146 s on the second H100 run")
     p.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "pat_gpu_check"),
                    help="the checkpoint (written once, reused), the parts' logs and scratch files")
     p.add_argument("--output", help="results file (default bench/results/gpu_check.md; --smoke: under --workdir)")
