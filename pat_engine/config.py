@@ -20,7 +20,7 @@ from pat_engine.speculative.config import SpeculativeConfig
 
 KV_PATHS = ("migrate", "recompute")  # how a switch carries unfinished requests' KV
 NUMERICS = ("invariant", "fast")  # docs/numerics.md
-DEFAULT_NUMERICS = "fast"  # invariant: up to +10% per CPU prefill, unmeasured on a GPU (docs/numerics.md, the cost)
+DEFAULT_NUMERICS = "fast"  # invariant: up to +10% per CPU prefill, +11-17% per H100 decode step (docs/numerics.md)
 DEFAULT_MAX_TP = 8  # the invariant mode's declared reduction width: one node of 8 GPUs (docs/numerics.md)
 GRAPH_BACKENDS = ("auto", "standin")  # docs/hot-path.md, worker/graph_capture.py
 DEFAULT_MAX_GRAPH_BATCH = 256
