@@ -90,7 +90,6 @@ class _GraphBuffers:
         self.slots = torch.zeros(rows, **long)  # (R,) the KV slot its token writes
         self.tables = torch.zeros(rows, max_blocks, **long)  # (R, W) its sequence's blocks
         self.lens = torch.ones(rows, **long)  # (R,) context length, the new token included
-        self.cols = torch.arange(max_blocks * block_size, **long)  # (W * bs,) context index, for the mask
         self.block_size = block_size
 
     def load(self, step: StepInputs, n: int, b: int, scratch_block: int) -> None:
@@ -247,13 +246,11 @@ class DecodeGraphs:
         bufs, scratch = self._bufs, self._pool.scratch_block
         bufs.pad(0, b, scratch)  # every row padding: warm-up and capture write only the scratch block
         model, tp, layers = self._model, self._tp, list(self._pool.layers)
-        ids, pos, slots, tables, lens, cols = bufs.ids[:b], bufs.pos[:b], bufs.slots[:b], bufs.tables[:b], \
-            bufs.lens[:b], bufs.cols
+        ids, pos, slots, tables, lens = bufs.ids[:b], bufs.pos[:b], bufs.slots[:b], bufs.tables[:b], bufs.lens[:b]
 
         def forward() -> torch.Tensor:
-            mask = (cols[None, :] < lens[:, None]).view(b, 1, 1, -1)  # (b, 1, 1, W*bs): row i sees lens[i] tokens
             attn = AttentionMetadata(is_prefill=False, slot_mapping=slots, query_len=1, block_tables=tables,
-                                     mask=mask, context_lens=lens)
+                                     mask=None, context_lens=lens)  # the torch path derives its mask from lens
             return model(ids, pos, ForwardContext(tp=tp, kv_caches=layers, attn=attn,
                                                   attn_backend=self.attention))  # (b, hidden)
 

@@ -178,7 +178,7 @@ class StepInputBuilder:
         table = torch.zeros(rows, width, dtype=torch.long)
         table[:n] = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables])
         slots = table[torch.arange(n), pos[:n] // bs] * bs + pos[:n] % bs
-        attn = self._decode_attention(slots, table, pos, width)  # padding rows see slot 0 only
+        attn = self._decode_attention(slots, table, pos)  # padding rows see slot 0 only
         return StepInputs(self._bufs.fill("ids", ids), self._bufs.fill("pos", pos), attn, slice(0, n),
                           self._sampling(cmd, samples))
 
@@ -194,7 +194,7 @@ class StepInputBuilder:
         pos = starts[row] + offset
         slots = table[row, pos // bs] * bs + pos % bs
         if self.prefill_as_decode:
-            attn = self._decode_attention(slots, table[row], pos, width)
+            attn = self._decode_attention(slots, table[row], pos)
         else:
             attn = self._grouped_prefill_attention(slots, table, starts, lens, row, offset)
         last = torch.cumsum(lens, 0) - 1  # verify: every token's logits are sampled
@@ -203,14 +203,12 @@ class StepInputBuilder:
         return StepInputs(self._bufs.fill("ids", ids), self._bufs.fill("pos", pos), attn, logits_rows,
                           self._sampling(cmd, samples))
 
-    def _decode_attention(self, slots: torch.Tensor, table: torch.Tensor, pos: torch.Tensor,
-                          width: int) -> AttentionMetadata:
-        """One query row per token: ``table`` (rows, width) its sequence's blocks, ``pos`` (rows,) its position."""
-        mask = torch.arange(width * self.block_size)[None, :] <= pos[:, None]
+    def _decode_attention(self, slots: torch.Tensor, table: torch.Tensor, pos: torch.Tensor) -> AttentionMetadata:
+        """One query row per token: ``table`` (rows, width) its sequence's blocks, ``pos`` (rows,) its position
+        (no mask: the torch path derives it from the context lengths, the paged kernels read those)."""
         return AttentionMetadata(
             is_prefill=False, slot_mapping=self._bufs.fill("slots", slots), query_len=1,
-            block_tables=self._bufs.fill("tables", table), mask=self._bufs.fill("mask", mask[:, None, None, :]),
-            context_lens=self._bufs.fill("lens", pos + 1),
+            block_tables=self._bufs.fill("tables", table), mask=None, context_lens=self._bufs.fill("lens", pos + 1),
         )
 
     def _grouped_prefill_attention(self, slots: torch.Tensor, table: torch.Tensor, starts: torch.Tensor,

@@ -53,8 +53,10 @@ class AttentionMetadata:
     Every sequence of the step is one row of a padded batch: ``query_len`` query slots
     (1 in decode) over its context, which is read from the pool through ``block_tables``
     (B, blocks); ``mask`` (B, 1, query_len, blocks * block_size) says which context
-    tokens each query sees (causal, and only the row's own tokens). Prefill packs its T
-    new tokens; ``pad_index`` (T,) places each in the padded (B * query_len) layout.
+    tokens each query sees (causal, and only the row's own tokens). One query a row (decode,
+    or prefill run as decode) needs no mask: the torch path derives it from ``context_lens``
+    only when it runs, so the paged kernels' steps (and their graphs) never build one. Prefill
+    packs its T new tokens; ``pad_index`` (T,) places each in the padded (B * query_len) layout.
     Gathering whole blocks copies contiguous runs of ``block_size`` tokens, several
     times faster on CPU than gathering token by token. The paged kernels read
     ``context_lens`` (decode and prefill) and ``cu_seqlens`` (prefill, the varlen kernel)
@@ -65,7 +67,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # (N,) slot of each new token; N may be below the rows (decode padding)
     query_len: int
     block_tables: torch.Tensor
-    mask: torch.Tensor | None  # None for a prefill in parts
+    mask: torch.Tensor | None  # None for a prefill in parts, and for one query a row (see above)
     pad_index: torch.Tensor | None = None  # prefill only
     context_lens: torch.Tensor | None = None  # (B,) each row's context after this step (cached + new tokens)
     cu_seqlens: torch.Tensor | None = None  # (B + 1,) prefill: row b's new tokens are packed rows cu[b] .. cu[b + 1]
@@ -193,8 +195,12 @@ def gather_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
         qb = q.view(b, n, heads, hd)
     else:
         qb = q.new_zeros(b * n, heads, hd).index_copy_(0, meta.pad_index, q).view(b, n, heads, hd)
+    mask = meta.mask
+    if mask is None and meta.pad_index is None:  # one query a row: it sees its first context_lens tokens
+        cols = torch.arange(kv.shape[-2], device=q.device)
+        mask = (cols[None, :] < meta.context_lens[:, None]).view(b, 1, 1, -1)
     out = F.scaled_dot_product_attention(
-        qb.transpose(1, 2), kv[0], kv[1], attn_mask=meta.mask, scale=scale, enable_gqa=True
+        qb.transpose(1, 2), kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=True
     )  # (B, h, n, hd)
     out = out.transpose(1, 2).reshape(b * n, heads, hd)
     return out if meta.pad_index is None else out.index_select(0, meta.pad_index)
