@@ -32,7 +32,7 @@ H100 are in ``registry.py``; the parts table prints them beside what they took, 
 ``decode`` (graphs on; no eager engine: the kernels part times eager against graph steps in process at
 batch 1 and 64), one round of 64 (batch 1) or 32 (long prompts) tokens; ``attention`` with 20 calls per
 case and splits up to 64; ``prefill`` with 2 runs per row; ``profile`` on TP 1/2/4/8 x batch 1/64 x
-context 512, 8 steps a point; ``switch`` with one measured batch (migrate) after its warm-up. It skips
+contexts 512 and 2048, 8 steps a point; ``switch`` with one measured batch (migrate) after its warm-up. It skips
 ``graphs``, ``weightsync``, ``tests`` and ``invariant`` (their figures are not
 headlines; run them as the second command above). ``--budget-s`` (default 540 with ``--quick``) caps
 each part's timeout by what is left of it and skips the parts it cannot start, so the command ends

@@ -211,3 +211,12 @@ def test_unmeasured_speculation_changes_nothing():
     a.decide(st)
     b.decide(replace(st, speculation=SpeculationStatus(8)))
     assert a.history[-1].remaining_s == b.history[-1].remaining_s
+
+
+def test_a_tail_shorter_than_the_first_deferral_is_priced_without_deferrals():
+    """Every request ends within two check intervals: the lookahead has no later step to switch at, and
+    its plans are the switch-now ones (the engine loop died here once: an empty deferral grid)."""
+    ctrl = controller(check_interval=1000)  # deferrals start at 2000 steps; 500 tokens are left
+    decision = ctrl.decide(status(1, spread(6, 4, 500)))
+    assert decision is not None and decision.tp == 2
+    assert "best_deferred" not in decision.details  # no "stay now, switch after s steps" plan was priced

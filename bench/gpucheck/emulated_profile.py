@@ -32,9 +32,9 @@ def grid(ctx: Ctx) -> list[str]:
     if ctx.smoke:
         return ["--emulate-world", "2", "--device", "cpu", "--graph-backend", "standin", "--tp", "1", "2",
                 "--batch-sizes", "1", "2", "--context-lens", "16", "--decode-window", "3"]
-    if ctx.quick:
+    if ctx.quick:  # contexts 512 and 2048: the decode part's rows (64 x 512, 64 x 2K) lie on the table
         return ["--emulate-world", "8", "--device", "cuda", "--tp", "1", "2", "4", "8", "--batch-sizes", "1", "64",
-                "--context-lens", "512", "--decode-window", "8"]
+                "--context-lens", "512", "2048", "--decode-window", "8"]
     return ["--emulate-world", "8", "--device", "cuda", "--tp", "1", "2", "4", "8", "--batch-sizes", "1", "16", "64",
             "--context-lens", "256", "2048", "--decode-window", "16"]
 

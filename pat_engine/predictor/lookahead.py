@@ -99,7 +99,10 @@ def switch_seconds(pred, src: Layout, src_groups: np.ndarray, dst: Layout, fut: 
 
 
 def deferred(pred, fut: Future, src: Layout, src_groups: np.ndarray, dst: Layout, steps: list[int]) -> np.ndarray:
-    """(m, D) total time of "stay on src for s steps, then switch to dst" for each s in ``steps``."""
+    """(m, D) total time of "stay on src for s steps, then switch to dst" for each s in ``steps``;
+    (0, D) when there is none (every request ends before the first deferral)."""
+    if not steps:
+        return np.zeros((0, *fut.rem.shape[:-1]))
     s = np.array(steps)[:, None, None]  # (m, 1, 1)
     reach = drain_groups(pred, src, np.broadcast_to(src_groups, (len(steps),) + fut.rem.shape),
                          fut.ctx, np.minimum(fut.rem[None], s))
@@ -119,7 +122,6 @@ def switch_value(pred, fut: Future, src: Layout, src_groups: np.ndarray, dst: La
     assume we knew each draw's lengths)."""
     groups = round_robin(fut.ctx, fut.rem > 0, dst.dp)
     rows = [drain_groups(pred, dst, groups, fut.ctx, fut.rem)[None]]
-    if steps:
-        rows += [deferred(pred, fut, dst, groups, nxt, steps) for nxt in onward]
+    rows += [deferred(pred, fut, dst, groups, nxt, steps) for nxt in onward]
     rows = np.concatenate(rows)  # (plans, D)
     return switch_seconds(pred, src, src_groups, dst, fut) + rows[rows.mean(axis=1).argmin()]
