@@ -13,6 +13,7 @@ torch ops the step calls instead.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from common import markdown_table
 from gpucheck import executor
 from gpucheck.report import PartResult
-from gpucheck.shared import Ctx, log, median, verdict
+from gpucheck.shared import Ctx, log, median, synchronize, verdict
 from pat_engine import env
 from pat_engine.model.layers import triton_ops
 
@@ -191,6 +192,7 @@ def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
         for mode in (("graphs", "eager") if r % 2 == 0 else ("eager", "graphs")):
             with executor.eager(ex) if mode == "eager" else contextlib.nullcontext():
                 walls[mode] += [seqs.decode() for _ in range(p.block)]
+    replay_ms = graph_replay_ms(ex, batch, p.block * p.rounds)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device == "cuda" else [])
     cuda = ctx.device == "cuda"
     with executor.eager(ex), labelled_layers(sync=cuda), profile(activities=activities) as prof:
@@ -203,17 +205,38 @@ def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
     records, steps, layers, outside = profiled_records(prof.events(), cuda)
     return {"batch": batch, "graphs_ms": median(walls["graphs"]) * 1e3, "eager_ms": median(walls["eager"]) * 1e3,
             "steps_timed": len(walls["graphs"]), "table": kernel_table(records, steps, layers),
-            "outside": outside}
+            "outside": outside, "replay_ms": replay_ms}
+
+
+@torch.inference_mode()  # the stand-in backend (CPU smoke) replays by running the forward
+def graph_replay_ms(ex, batch: int, repeats: int) -> float | None:
+    """Median ms of the batch's decode graph replayed alone (synchronised), over the last step's inputs:
+    the forward's kernels and the gaps between them, without the step's host work, LM head or sampling.
+    The replay rewrites the last token's K/V with the same values, so the sequences are unchanged."""
+    size = next((s for s in ex.graphs.ladder if s >= batch), None) if ex.graphs.enabled else None
+    graph = ex.graphs.graphs.get(size) if size is not None else None
+    if graph is None:
+        return None
+    times = []
+    for _ in range(repeats):
+        synchronize(ex.device)
+        t = time.perf_counter()
+        graph.replay()
+        synchronize(ex.device)
+        times.append(time.perf_counter() - t)
+    return median(times) * 1e3
 
 
 def render(r: dict, cuda: bool) -> str:
     t: KernelTable = r["table"]
     unit = "kernels" if cuda else "torch ops"
     per_layer = f"{t.per_layer:.1f}" if t.per_layer is not None else "n/a (no kernel linked to a layer)"
+    replay = "n/a (no graph)" if r["replay_ms"] is None else f"{r['replay_ms']:.3f}"
     lines = [f"### Batch {r['batch']}", "",
              f"Wall ms / step (median of {r['steps_timed']} each, interleaved): graphs **{r['graphs_ms']:.3f}**, "
-             f"eager {r['eager_ms']:.3f}. Profiled eager step: {t.per_step:.0f} {unit} per step, **{per_layer} "
-             f"per layer**, {'GPU' if cuda else 'CPU'} time {t.ms_per_step:.3f} ms per step.", ""]
+             f"eager {r['eager_ms']:.3f}; the decode graph replayed alone {replay} (the rest of a graphs step is "
+             f"its host work, LM head and sampling). Profiled eager step: {t.per_step:.0f} {unit} per step, "
+             f"**{per_layer} per layer**, {'GPU' if cuda else 'CPU'} time {t.ms_per_step:.3f} ms per step.", ""]
     if r["outside"]:
         lines += [f"{r['outside']} device events started outside every profiled step (counted nowhere).", ""]
     lines += [markdown_table(["piece", f"{unit} / step", "ms / step", f"{unit} / layer"],
@@ -226,9 +249,10 @@ def render(r: dict, cuda: bool) -> str:
 def headline(r: dict, cuda: bool) -> str:
     t: KernelTable = r["table"]
     per_layer = "n/a" if t.per_layer is None else f"{t.per_layer:.1f}"
+    replay = "" if r["replay_ms"] is None else f" (its graph replayed alone: {r['replay_ms']:.2f} ms)"
     return (f"batch {r['batch']}: {t.per_step:.0f} {'kernels' if cuda else 'torch ops'} per step, {per_layer} per "
             f"layer, {t.ms_per_step:.2f} ms of {'GPU' if cuda else 'CPU'} time; in-process step {r['graphs_ms']:.2f} "
-            f"ms with graphs, {r['eager_ms']:.2f} ms eager")
+            f"ms with graphs{replay}, {r['eager_ms']:.2f} ms eager")
 
 
 def run(ctx: Ctx) -> PartResult:
@@ -263,6 +287,7 @@ def run(ctx: Ctx) -> PartResult:
                   "(their CPU time), to check the machinery only.")
     body = "\n\n".join([setup, *[render(r, cuda) for r in results]])
     data = {"rows": [{"batch": r["batch"], "graphs_ms": r["graphs_ms"], "eager_ms": r["eager_ms"],
+                      "replay_ms": r["replay_ms"],
                       "per_step": r["table"].per_step, "per_layer": r["table"].per_layer,
                       "ms_per_step": r["table"].ms_per_step} for r in results]}
     return PartResult(body, headlines, data)
