@@ -1,7 +1,7 @@
 """One command for a one-GPU machine: measure the engine against its targets and run the ``gpu`` tests
 (issues 23 and 30). The parts live in ``bench/gpucheck/`` (one file each, listed in ``registry.py``).
 
-    python bench/gpu_check.py --quick                 # every headline row: 146 s on the second H100 run
+    python bench/gpu_check.py --quick                 # every headline row (146 s on the second H100 run) + 2 test selections
     python bench/gpu_check.py --only graphs weightsync tests invariant   # the rest, ~8 min
     python bench/gpu_check.py                         # every part (> 10 min: split it under the device tool)
     python bench/gpu_check.py --smoke [--quick]       # toy sizes on the CPU, into a temp file (never the results)
@@ -28,12 +28,13 @@ H100 are in ``registry.py``; the parts table prints them beside what they took, 
 | tests | ``pytest -m gpu`` over the files holding gpu tests |
 | invariant | decode ms per step, numerics fast vs invariant, batch 1 and 64 (issue 31) |
 
-``--quick`` (146 s on the second H100 run, the checkpoint written in 17 s of it): one engine in
+``--quick`` (146 s on the second H100 run before the tests selections joined it, the checkpoint written in
+17 s of it; with them about 5 minutes, an estimate): one engine in
 ``decode`` (graphs on; no eager engine: the kernels part times eager against graph steps in process at
 batch 1 and 64), one round of 64 (batch 1) or 32 (long prompts) tokens; ``attention`` with 20 calls per
 case and splits up to 64; ``prefill`` with 2 runs per row; ``profile`` on TP 1/2/4/8 x batch 1/64 x
-contexts 512 and 2048, 8 steps a point; ``switch`` with one measured batch (migrate) after its warm-up. It skips
-``graphs``, ``weightsync``, ``tests`` and ``invariant`` (their figures are not
+contexts 512 and 2048, 8 steps a point; ``switch`` with one measured batch (migrate) after its warm-up;
+``tests`` with two selections (``gpu_tests.QUICK``). It skips ``graphs``, ``weightsync`` and ``invariant`` (their figures are not
 headlines; run them as the second command above). ``--budget-s`` (default 540 with ``--quick``) caps
 each part's timeout by what is left of it and skips the parts it cannot start, so the command ends
 inside the device tool's 10 minutes.
@@ -82,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--only", nargs="+", choices=NAMES, help="run these parts (default: all; --quick: its own)")
     p.add_argument("--smoke", action="store_true", help="every part at toy sizes on the CPU; results to a temp file")
-    p.add_argument("--quick", action="store_true", help="the headline rows only, 146 s on the second H100 run")
+    p.add_argument("--quick", action="store_true", help="the headline rows and two gpu test selections (~5 min)")
     p.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "pat_gpu_check"),
                    help="the checkpoint (written once, reused), the parts' logs and scratch files")
     p.add_argument("--output", help="results file (default bench/results/gpu_check.md; --smoke: under --workdir)")

@@ -199,7 +199,7 @@ def test_report_keeps_the_registry_order_headlines_and_earlier_runs():
     assert text.index("## 1. Decode attention") < text.index("## 2. TP1 decode") < text.index("## 3. gpu-marked")
     assert "SMOKE RUN" in text and "- environment: torch x" in text and "- command: `now`" in text
     assert "_From `earlier` at d0 on box._" in text and text.count("_From") == 1
-    assert "| 3. gpu-marked tests | failed | 2 | skipped | this command |" in text  # --quick skips tests
+    assert "| 3. gpu-marked tests | failed | 2 | ~150 | this command |" in text  # its --quick selections
     assert "- decode: **batch 1: 9 ms: NOT met**" in text and "- tests: FAILED: x" in text
     assert "SMOKE" not in report.render_report(sections, "now", "box", "d1", smoke=False)
 
@@ -231,7 +231,8 @@ def test_the_registry_and_quicks_selection():
     for p in registry.PARTS:
         assert callable(p.runner()) and p.quick_timeout_s > 0 and p.full_timeout_s > 0
     quick = [p.name for p in gc.selected(gc.parse_args(["--quick"]))]
-    assert quick == ["attention", "kernels", "prefill", "decode", "profile", "switch"]  # headlines; not graphs etc.
+    # the headlines and two test selections; not graphs, weightsync, invariant
+    assert quick == ["attention", "kernels", "prefill", "decode", "profile", "switch", "tests"]
     planned = sum(registry.part(n).quick_s for n in quick) + registry.CHECKPOINT_S
     assert planned <= 360 < gc.QUICK_BUDGET_S - 120  # ~6 min planned, well inside the budget the device tool allows
     assert [p.name for p in gc.selected(gc.parse_args(["--only", "tests", "attention"]))] == ["attention", "tests"]

@@ -2,7 +2,9 @@
 
 One pytest process per file, so a file's failures are reported (pytest prints them when its run ends)
 before a slow file later on meets the time limit; each file's whole output is kept in the part's log
-folder. The co-located switch tests go last: they are the slowest."""
+folder. The co-located switch tests go last: they are the slowest. ``--quick`` runs two selections only
+(``QUICK``): issue 30's tokens-unchanged test and the float32 co-located switch, which failed on the second
+H100 run with its message lost."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from common import markdown_table
 
+from gpucheck import registry
 from gpucheck.report import PartResult
 from gpucheck.shared import Ctx, PartFailed
 
@@ -43,14 +46,20 @@ def outcomes_so_far(verbose_output: str) -> str:
     return done + (f"; last started: {started[-1]}" if started else "")
 
 
+QUICK = (("tests/test_triton_layer_kernels.py", "fused_unfused_graphs"),  # (file, pytest -k): about 150 s
+         ("tests/test_colocated_gpu.py", "float32"))
+
+
 def gpu_test_files(tests_dir: Path) -> list[Path]:
     """Test files that hold a ``gpu``-marked test (collecting the others would import the serving extras)."""
     return sorted(p for p in tests_dir.glob("test_*.py") if "pytest.mark.gpu" in p.read_text())
 
 
-def run_file(path: str, timeout: float, log_path: Path) -> tuple[int | None, str, float]:
-    """(exit code or None when stopped at ``timeout``, whole output, seconds) of one file's gpu tests."""
+def run_file(path: str, timeout: float, log_path: Path, keyword: str | None = None) -> tuple[int | None, str, float]:
+    """(exit code or None when stopped at ``timeout``, whole output, seconds) of one file's gpu tests
+    (those matching ``keyword``, pytest's ``-k``, when given)."""
     cmd = [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider", path]
+    cmd += ["-k", keyword] if keyword else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     t = time.perf_counter()
     with open(log_path, "w") as log_file:
@@ -70,28 +79,32 @@ def run(ctx: Ctx) -> PartResult:
         return PartResult("skipped: pytest is not installed on this machine; the gpu-marked tests did not run.")
     files = sorted((str(p.relative_to(ROOT)) for p in gpu_test_files(ROOT / "tests")),
                    key=lambda f: ("colocated" in f, f))
+    selection: list[tuple[str, str | None]] = list(QUICK) if ctx.quick else [(f, None) for f in files]
     logs = Path(ctx.args.workdir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     started, rows, failures = time.perf_counter(), [], []
-    for f in files:
-        left = ctx.args.tests_timeout - (time.perf_counter() - started)
+    limit = ctx.args.tests_timeout  # --quick: inside the part's own timeout, so the table is written
+    limit = min(limit, registry.part("tests").quick_timeout_s - 20) if ctx.quick else limit
+    for f, keyword in selection:
+        label = f if keyword is None else f"{f} -k {keyword}"
+        left = limit - (time.perf_counter() - started)
         if left < 5:
-            rows.append([f"`{f}`", "not run: --tests-timeout spent", 0])
-            failures.append(f"{f}: not run")
+            rows.append([f"`{label}`", "not run: --tests-timeout spent", 0])
+            failures.append(f"{label}: not run")
             continue
-        returncode, out, secs = run_file(f, left, logs / f"gpu_tests_{Path(f).stem}.log")
+        returncode, out, secs = run_file(f, left, logs / f"gpu_tests_{Path(f).stem}.log", keyword)
         if returncode is None:
-            rows.append([f"`{f}`", f"stopped at the limit: {outcomes_so_far(out)}", round(secs)])
-            failures.append(f"{f}: stopped")
+            rows.append([f"`{label}`", f"stopped at the limit: {outcomes_so_far(out)}", round(secs)])
+            failures.append(f"{label}: stopped")
         else:
-            rows.append([f"`{f}`", pytest_summary(out), round(secs)])
+            rows.append([f"`{label}`", pytest_summary(out), round(secs)])
             if returncode not in (0, 5):
-                failures.append(f"{f}: exit {returncode}")
+                failures.append(f"{label}: exit {returncode}")
         if returncode not in (0, 5):
             failures.append(f"```\n{out.strip()[-3000:]}\n```")
     total = time.perf_counter() - started
-    lines = [(f"`python -m pytest -v -m gpu FILE`, one process per file ({total:.0f} s in all, --tests-timeout "
-             f"{ctx.args.tests_timeout:.0f}; logs in {logs}):"), "",
+    lines = [(f"`python -m pytest -v -m gpu FILE`, one process per file{' (--quick: two selections)' if ctx.quick else ''} "
+              f"({total:.0f} s in all, limit {limit:.0f} s; logs in {logs}):"), "",
              markdown_table(["file", "result", "seconds"], rows), "",
              ("Only the files that hold `gpu`-marked tests are collected: the full `tests/` would import the serving "
              "extras (fastapi, httpx, ray), which a bare GPU machine lacks, and fail collection.")]
@@ -99,4 +112,4 @@ def run(ctx: Ctx) -> PartResult:
         lines.append("\nSmoke: no CUDA here, so every gpu test is skipped; this checks the command only.")
     if failures:
         raise PartFailed("\n".join(lines + [""] + failures))
-    return PartResult("\n".join(lines), [f"gpu tests: every file passed or skipped ({len(files)} files, {total:.0f} s)"])
+    return PartResult("\n".join(lines), [f"gpu tests: every selection passed or skipped ({len(selection)}, {total:.0f} s)"])

@@ -36,7 +36,7 @@ PARTS: tuple[Part, ...] = (
     Part("attention", "Decode attention vs SDPA on contiguous K/V, and the fused layer kernels", "attention",
          15, 30, 120, 300, needs_checkpoint=False),
     Part("kernels", "Kernels per decode step (torch.profiler, Llama-3-8B shape, bf16)", "kernels",
-         65, 90, 180, 400),
+         25, 40, 180, 400),
     Part("prefill", "Packed varlen prefill vs the measured bf16 GEMM throughput", "prefill", 25, 40, 150, 300),
     Part("decode", "TP1 decode vs the HBM roofline and the streamed-bytes floor", "decode", 40, 150, 180, 480),
     Part("profile", "pat-profile --emulate-world 8 (graphs on, median step)", "emulated_profile", 40, 40, 150, 480),
@@ -44,7 +44,7 @@ PARTS: tuple[Part, ...] = (
          45, 330, 150, 560, needs_checkpoint=False),  # writes its own 2.5 GB checkpoint (1B shape)
     Part("graphs", "CUDA graph capture and recapture", "graphs", None, 25, 120, 300),
     Part("weightsync", "Weight sync", "weightsync", None, 60, 120, 400),
-    Part("tests", "gpu-marked tests", "gpu_tests", None, 400, 120, 480),  # over 200 s with the co-located switch tests
+    Part("tests", "gpu-marked tests", "gpu_tests", 150, 400, 240, 480),  # --quick: gpu_tests.QUICK; full: over 200 s
     Part("invariant", "Invariant numerics' cost per decode step (issue 31)", "invariant", None, 25, 180, 300),
 )
 NAMES = tuple(p.name for p in PARTS)
