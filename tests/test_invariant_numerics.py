@@ -152,6 +152,30 @@ def test_numerics_is_validated():
     assert EngineConfig(model="m", tp=4, numerics="fast", max_tp=2).tp == 4  # fast mode has no chunks
 
 
+def test_invariant_mode_refuses_a_device_without_a_paged_decode_kernel(tmp_path, monkeypatch):
+    """With the CPU kernels off, decode falls back to torch's SDPA over the batch's widest row, whose
+    sums follow the batch (measured: 0 of 6 requests alone equal to batched, float32): the invariant
+    mode says so at start-up instead of breaking its promise in silence; fast mode runs the fallback."""
+    from pat_engine.model.arch import load_model_arch
+    from pat_engine.parallel.comm import TPGroup
+    from pat_engine.parallel.layout import Layout
+    from pat_engine.worker.infer_executor import InferExecutor
+
+    arch = load_model_arch(str(write_tiny_model(tmp_path, SPEC)))
+
+    def executor(dtype: torch.dtype, numerics: str) -> InferExecutor:
+        return InferExecutor(arch, Layout(1, 1), TPGroup(rank=0, size=1, ranks=(0,)), dtype, torch.device("cpu"),
+                             block_size=16, num_blocks=8, numerics=numerics, attention="torch")
+
+    assert executor(torch.float32, "invariant").numerics == "invariant"  # the C++ kernel serves
+    monkeypatch.setenv("PAT_CPU_ATTENTION", "torch")
+    for dtype in (torch.float32, torch.bfloat16):
+        with pytest.raises(ValueError, match="needs a paged decode kernel for torch.(float32|bfloat16) on cpu"):
+            executor(dtype, "invariant")
+    assert executor(torch.float32, "fast").numerics == "fast"
+    assert executor(torch.float64, "invariant").numerics == "invariant"  # float64 claims no bits
+
+
 def test_the_reduction_width_is_the_models_and_the_declarations_not_the_worlds(tmp_path):
     """The chunk count: the largest TP up to ``max_tp`` the model allows, at every world size."""
     import dataclasses

@@ -112,10 +112,10 @@ class TritonAttention(AttentionBackend):
         self._torch = TorchAttention()  # the KV write and the float64 / no-kernel paths
 
     def load(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether the Triton kernels serve this device and dtype (CUDA, or CPU under the interpreter)."""
+        """Whether a decode kernel serves this device and dtype: the Triton ones (CUDA, or CPU under the
+        interpreter), else the torch backend's."""
         if dtype not in _KERNEL_DTYPES or not (device.type == "cuda" or _interpreting()):
-            self._torch.load(device, dtype)
-            return False
+            return self._torch.load(device, dtype)  # its paths serve these steps
         if device.type == "cuda" and self.sm_count is None:
             self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         _kernels()  # import (and fail) now, not mid-step
