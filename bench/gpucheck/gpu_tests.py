@@ -47,7 +47,7 @@ def outcomes_so_far(verbose_output: str) -> str:
 
 
 QUICK = (("tests/test_triton_layer_kernels.py", "fused_unfused_graphs"),  # (file, pytest -k): about 150 s
-         ("tests/test_colocated_gpu.py", "float32"))
+         ("tests/test_colocated_gpu.py", "tp1xdp2_to_tp2_and_back_mid_batch_float32"))  # 2 ranks, both KV paths
 
 
 def gpu_test_files(tests_dir: Path) -> list[Path]:
