@@ -53,6 +53,7 @@ def device_path(monkeypatch):
 def test_a_decode_step_reads_nothing_back_until_its_one_transfer(device_path, dtype):
     specs = _specs(12)
     logits = (3 * torch.randn(12, 1000, generator=torch.Generator().manual_seed(0))).to(dtype)
+    logits[0, 7] = 50.0  # row 0's certain pick, unless the suppression below holds
     batch = SamplingBatch.build(specs, list(range(40, 52)), [(7,)] + [()] * 11)
     with NoHostReads() as watch:
         out = sample_on_device(logits, batch)

@@ -282,7 +282,7 @@ def test_gpu_layer_kernels_keep_the_formulas_bits(dtype):
 def test_gpu_fused_unfused_graphs_and_eager_give_the_same_greedy_tokens(model_dir, monkeypatch, arch):
     """Issue 30's bar on the device, float32: the Triton layer kernels with CUDA graphs, the same eagerly,
     and the torch formulas (``PAT_TRITON_LAYERS=off``) give the same greedy tokens."""
-    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # restored after the test
     path = model_dir(arch)
     new = min(MAX_NEW)
     fused_graphs = _greedy(_executor(path, torch.float32, "triton", graphs=True), new)

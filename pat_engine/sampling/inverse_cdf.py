@@ -124,12 +124,17 @@ def log_norm(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.gather(1, first.unsqueeze(1)).squeeze(1).float(), z_sum
 
 
+def prefix_kernel_serves(x: torch.Tensor) -> bool:
+    """Whether the C++ prefix kernel draws from ``x`` (a CPU tensor it supports, the switch on, built)."""
+    return cpu_sample is not None and cpu_sample.usable(x)
+
+
 def inverse_cdf_in_prefix(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor, u: torch.Tensor,
                           top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``inverse_cdf`` among each row's top_k / top_p prefix, by the C++ kernel (it sorts only the
     highest logits holding the prefix); None where the kernel does not serve ``x`` (the caller then
     masks the row to its prefix and calls ``inverse_cdf``: the same bits)."""
-    if cpu_sample is None or not cpu_sample.usable(x):
+    if not prefix_kernel_serves(x):
         return None
     return cpu_sample.inverse_cdf_prefix(x.contiguous(), inv_temp.to(torch.float32).contiguous(),
                                          floor.to(torch.float32).contiguous(), u.contiguous(),

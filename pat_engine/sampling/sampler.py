@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pat_engine.sampling.inverse_cdf import first_max, inverse_cdf, inverse_cdf_in_prefix, weights
+from pat_engine.sampling.inverse_cdf import first_max, inverse_cdf, inverse_cdf_in_prefix, prefix_kernel_serves, weights
 from pat_engine.sampling.logprobs import greedy_logprobs, log_z, token_logprobs, top_logprobs
 from pat_engine.sampling.prefix import masked, prefixes
 from pat_engine.sampling.processors import ProcessorRows
@@ -66,12 +66,10 @@ class SamplingBatch:
     top_p: torch.Tensor | None  # float64 (S, 1)
     seeds: torch.Tensor | None  # int64 (S,): the seeds' 64 bits
     positions: torch.Tensor | None  # int64 (S,): index the new token takes in its sequence
-    max_top_k: int  # largest top_k among sampled rows, 0 when some row has none (needs a full sort)
     suppressed: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) that may not be drawn
     logprobs: bool  # any row wants log-probs
     processed_rows: torch.Tensor | None  # int64: sampled rows (indices into ``sampled``) reporting processed log-probs
     processors: ProcessorRows | None = None  # penalties and logit bias of the rows that have them
-    min_p: torch.Tensor | None = None  # float64 (S, 1) for sampled rows, when any has min_p
     top_logprobs: int = 0  # the most alternatives any row asked for
     greedy_processed: torch.Tensor | None = None  # int64: greedy rows reporting processed log-probs
     # known from the settings, so that no step reads a value back to find them (sampling/host.py)
@@ -91,6 +89,7 @@ class SamplingBatch:
         chosen = [specs[i] for i in rows]
         top_ks = [s.top_k for s in chosen]
         limited = [j for j, s in enumerate(chosen) if s.top_k > 0 or s.top_p < 1.0]
+        limited_set = set(limited)
         raw = [j for j, s in enumerate(chosen) if s.temperature == 1.0 and s.top_k <= 0 and s.top_p >= 1.0
                and s.min_p <= 0.0 and not s.has_penalties]
         banned_rows = [i for i, ids in enumerate(suppressed or ()) for _ in ids]
@@ -106,24 +105,21 @@ class SamplingBatch:
             top_p=tensor([s.top_p for s in chosen], torch.float64).view(-1, 1) if rows else None,
             seeds=tensor([s.seed & MASK64 for s in chosen], torch.uint64).view(torch.long) if rows else None,
             positions=tensor([positions[i] for i in rows], torch.long) if rows else None,
-            max_top_k=0 if any(k <= 0 for k in top_ks) else max(top_ks, default=0),
             suppressed=(tensor(banned_rows, torch.long), tensor(banned_ids, torch.long)) if banned_ids else None,
             logprobs=any(s.logprobs for s in specs),
             processed_rows=_rows_or_none([j for j, s in enumerate(chosen) if s.processed_logprobs], device),
             processors=_processor_rows(specs, histories, vocab, device),
-            min_p=tensor([s.min_p for s in chosen], torch.float64).view(-1, 1)
-            if any(s.min_p > 0 for s in chosen) else None,
             top_logprobs=max((s.top_logprobs for s in specs), default=0),
             greedy_processed=_rows_or_none([i for i, s in enumerate(specs) if s.temperature == 0.0
                                             and s.processed_logprobs and s.has_penalties], device),
             limited=_rows_or_none(limited, device),
-            unlimited=_rows_or_none([j for j in range(len(chosen)) if j not in set(limited)], device)
+            unlimited=_rows_or_none([j for j in range(len(chosen)) if j not in limited_set], device)
             if limited else None,
             any_top_p=any(chosen[j].top_p < 1.0 for j in limited),
             raw_rows=_rows_or_none(raw, device),
             not_raw=_rows_or_none(sorted(set(range(len(specs))) - {rows[j] for j in raw}), device),
-            floor=tensor([math.log(s.min_p) if s.min_p > 0 else float("-inf") for s in chosen], torch.float64)
-            .to(torch.float32) if rows else None,
+            floor=tensor([math.log(s.min_p) if s.min_p > 0 else float("-inf") for s in chosen], torch.float32)
+            if rows else None,  # log on the host in float64, rounded once to float32 as before
         )
 
     def suppress(self, logits: torch.Tensor) -> torch.Tensor:
@@ -164,8 +160,8 @@ def _draw_by_kernel(logits: torch.Tensor, batch: SamplingBatch, inv_temp: torch.
                     u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The draw with top_k / top_p rows in the C++ prefix kernel; None where it does not serve (float64
     logits keep the general path, whose float64 log-probs need the masked rows)."""
-    if logits.dtype == torch.float64 or batch.limited is None:
-        return None
+    if logits.dtype == torch.float64 or batch.limited is None or not prefix_kernel_serves(logits):
+        return None  # decided before any row is gathered: on a GPU nothing is copied for nothing
     rows, free = batch.limited, batch.unlimited
     top_k, top_p = batch.top_k, batch.top_p.squeeze(1)
     part = inverse_cdf_in_prefix(_rows(logits, rows), inv_temp[rows], floor[rows], u[rows], top_k[rows], top_p[rows])

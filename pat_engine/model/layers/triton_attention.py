@@ -16,12 +16,17 @@ kernels only under ``TRITON_INTERPRET=1`` (the tests); otherwise the torch path 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
-from pat_engine.model.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention, gather_attention
+from pat_engine.model.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    TorchAttention,
+    gather_attention,
+)
+from pat_engine.model.layers.triton_ops import interpreting
 
 log = logging.getLogger(__name__)
 
@@ -86,12 +91,9 @@ def decode_split(batch: int, kv_heads: int, width_tokens: int, sm_count: int, nu
     return DecodeSplit(None, max(1, min(wanted, width_tokens // MIN_TOKENS_PER_SPLIT)))
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 class TritonAttention(AttentionBackend):
-    """Paged attention through the Triton kernels (decode: one-program or split-KV; prefill: varlen)."""
+    """Paged attention through the Triton kernels (decode: the grouped paged kernel, split by ``decode_split``;
+    prefill: varlen, or as decode in the invariant mode)."""
 
     name = "triton"
 
@@ -114,7 +116,7 @@ class TritonAttention(AttentionBackend):
     def load(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether a decode kernel serves this device and dtype: the Triton ones (CUDA, or CPU under the
         interpreter), else the torch backend's."""
-        if dtype not in _KERNEL_DTYPES or not (device.type == "cuda" or _interpreting()):
+        if dtype not in _KERNEL_DTYPES or not (device.type == "cuda" or interpreting()):
             return self._torch.load(device, dtype)  # its paths serve these steps
         if device.type == "cuda" and self.sm_count is None:
             self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
@@ -125,7 +127,7 @@ class TritonAttention(AttentionBackend):
         self._torch.write_kv(kv_cache, k, v, slots)
 
     def _serves(self, q: torch.Tensor) -> bool:
-        return q.dtype in _KERNEL_DTYPES and (q.is_cuda or _interpreting())
+        return q.dtype in _KERNEL_DTYPES and (q.is_cuda or interpreting())
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.context_lens is None or not self._serves(q):
