@@ -121,8 +121,8 @@ def identity(args, paths: dict[str, str]) -> list[list]:
 def worker_cpu_seconds(engine: Engine) -> float:
     """User + system CPU seconds the engine's worker processes have used so far."""
     total = 0
-    for proc in engine.coordinator.pool.procs:
-        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    for pid in engine.worker_pids():
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of the line)
     return total / os.sysconf("SC_CLK_TCK")
 

@@ -104,6 +104,36 @@ def test_the_scorer_writes_a_line_once_all_its_answers_are_scored():
     assert (scorer.counts.scored, scorer.counts.failed) == (3, 0) and scorer.counts.wait_s > 0.1
 
 
+class _ChatTokenizer:
+    """A stand-in with a chat template: renders "<role>content" pieces, one id per character."""
+
+    chat_template = "stand-in"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_a_chat_lines_reward_gets_the_text_its_template_rendered():
+    """The prompt a reward sees for a chat line is the rendered chat (its docstring's promise), not the
+    token ids the engine ran, in the pat style and the OpenAI batch style alike."""
+    seen = []
+    scorer = LineScorer(BatchReward(lambda item: seen.append(item.prompt) or 1.0, RewardConfig(max_workers=1)),
+                        lambda item, outs, rewards: None)
+    pat = parse_line(1, {"messages": [{"role": "user", "content": "2+2?"}]}, _ChatTokenizer(), 64, DEFAULTS)
+    openai = parse_line(2, {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+                            "body": {"model": "m", "messages": [{"role": "user", "content": "3+3?"}],
+                                     "max_tokens": 4}}, _ChatTokenizer(), 64, DEFAULTS)
+    assert pat.input.prompt == [ord(c) for c in "<user>2+2?<assistant>"]
+    for item in (pat, openai):
+        scorer.finished(item, [out([5])])
+    scorer.finish()
+    scorer.close()
+    assert sorted(seen) == ["<user>2+2?<assistant>", "<user>3+3?<assistant>"]
+
+
 def test_reward_flags_are_checked_before_any_engine_starts(tmp_path, capsys):
     base = ["batch", "--model", str(tmp_path), "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o")]
     assert main(base + ["--reward-workers", "4"]) == 1

@@ -113,6 +113,7 @@ class EngineRounds:
 
     def _reward_stage(self, reward: RewardFn | None, config: RewardConfig) -> RewardStage | None:
         if reward is None:
+            self.close()  # a step without a reward ends the last one's stage
             return None
         if self._rewards is None or self._rewards.fn is not reward or self._rewards.config != config:
             self.close()

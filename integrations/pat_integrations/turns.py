@@ -68,9 +68,10 @@ class TurnLedger:
         self._by_head: dict[int, set[tuple[int, int]]] = {}
         self._lock = threading.Lock()  # recorded by the frontend, read by the engine's placement too
 
-    def reset(self, version: str | None = None) -> None:
+    def reset(self) -> None:
+        """Forget every conversation (the prefix cache was dropped)."""
         with self._lock:
-            self._reset(version)
+            self._reset(None)
 
     def _reset(self, version: str | None) -> None:
         self.version = version

@@ -254,24 +254,24 @@ class Stepping:
         self.last_step_at = time.monotonic()
         sched = self.schedulers[msg.group]
         is_prefill = flight.cmd.is_prefill
-        if is_prefill and self.watcher is not None:
-            self.watcher.prefill_done(self.layout.tp, sum(len(s.token_ids) for s in flight.cmd.seqs),
-                                      msg.forward_seconds)
+        elapsed = time.monotonic() - flight.sent_at
+        new_tokens = sum(len(s.token_ids) for s in flight.cmd.seqs)
+        if is_prefill:  # a prefill's time never enters the decode average, watcher or not
+            if self.watcher is not None:
+                self.watcher.prefill_done(self.layout.tp, new_tokens, msg.forward_seconds)
         else:
-            elapsed = time.monotonic() - flight.sent_at
             prev = self._decode_ema.get(msg.group)
             self._decode_ema[msg.group] = elapsed if prev is None else 0.8 * prev + 0.2 * elapsed
         if self.step_log is not None:
             self.step_log.append(StepRecord(
                 self.timeline.now(), self.layout.tp, self.layout.dp, msg.group, is_prefill, len(flight.batch),
-                sum(s.start_pos + len(s.token_ids) for s in flight.cmd.seqs), sum(len(s.token_ids) for s in flight.cmd.seqs),
-                time.monotonic() - flight.sent_at, msg.forward_seconds, flight.busy_groups, msg.head_seconds,
-                msg.sample_seconds))
+                sum(s.start_pos + len(s.token_ids) for s in flight.cmd.seqs), new_tokens,
+                elapsed, msg.forward_seconds, flight.busy_groups, msg.head_seconds, msg.sample_seconds))
         finished = sched.on_result(flight.batch, is_prefill, msg)
         counts = msg.counts or [1] * len(flight.batch)  # tokens each request gained (more after a verify step)
         if self.speculation is not None and not is_prefill:
             self.speculation.observe_decode(self.layout.tp, flight.batch, flight.cmd.seqs, counts,
-                                            time.monotonic() - flight.sent_at, flight.speculative, flight.cmd.verify)
+                                            elapsed, flight.speculative, flight.cmd.verify)
         for seq, n in zip(flight.batch, counts):
             if seq.seq_id in self.seqs:
                 _notify(seq, n)

@@ -36,6 +36,7 @@ class EngineInput:
 
     prompt: Prompt
     params: SamplingParams
+    rendered: str | None = None  # a chat's text as its template rendered it (``prompt`` holds its token ids)
 
 
 class ServerOverloaded(Exception):

@@ -244,6 +244,8 @@ class PatRolloutActor(LayoutViews):
     def shutdown(self) -> None:
         if self._update_group is not None:
             self._update_group.close()
+        if self.rounds is not None:
+            self.rounds.close()  # the reward stage's threads and running verifiers end with the engine
         self.engine.shutdown()
         if self._seats is not None:
             self._seats.release()

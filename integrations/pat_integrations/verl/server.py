@@ -176,4 +176,6 @@ class PatServer(LayoutViews):
         return self.frontend.num_in_flight
 
     def shutdown(self) -> None:
+        if self.rounds is not None:
+            self.rounds.close()  # the reward stage's threads and running verifiers end with the engine
         self.engine.shutdown()

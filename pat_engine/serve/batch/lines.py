@@ -42,11 +42,12 @@ from pat_engine.serve.openai.protocol import (
     random_id,
 )
 from pat_engine.serve.openai.translate import (
-    apply_chat_template,
     chat_choice,
     chat_input,
+    chat_tokens,
     completion_choice,
     completion_inputs,
+    render_chat,
     usage,
 )
 
@@ -146,13 +147,15 @@ def parse_line(line: int, obj: Any, tokenizer: Any, max_model_len: int, defaults
     try:
         options = pat.model_dump(exclude={"id", "prompt", "messages", "input_ids", "metadata"})
         params = to_sampling_params(options, defaults=asdict(defaults))
+        rendered = None
         if pat.messages is not None:
-            prompt: Any = apply_chat_template(tokenizer, [{"role": m.role, "content": m.text()} for m in pat.messages])
+            rendered = render_chat(tokenizer, [{"role": m.role, "content": m.text()} for m in pat.messages])
+            prompt: Any = chat_tokens(tokenizer, rendered)
         else:
             prompt = pat.prompt if pat.prompt is not None else pat.input_ids
     except InvalidRequestError as exc:
         raise LineError(line, str(exc), key=key) from None
-    return BatchItem(line, key, EngineInput(prompt, params), pat=pat, metadata=pat.metadata or {})
+    return BatchItem(line, key, EngineInput(prompt, params, rendered), pat=pat, metadata=pat.metadata or {})
 
 
 def _parse_openai(line: int, obj: dict, tokenizer: Any, max_model_len: int) -> BatchItem:

@@ -77,5 +77,7 @@ class LineScorer:
 
 
 def _prompt(item: BatchItem, out: RequestOutput) -> object:
-    """What the engine ran: the line's text (a chat rendered by its template), else the token ids."""
+    """What the engine ran: the line's text (a chat as its template rendered it), else the token ids."""
+    if item.input.rendered is not None:
+        return item.input.rendered
     return item.input.prompt if isinstance(item.input.prompt, str) else list(out.prompt_token_ids)

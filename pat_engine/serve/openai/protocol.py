@@ -255,8 +255,6 @@ class ModelList(BaseModel):
 
 # ---- OpenAI Batch API lines ---------------------------------------------------------------------
 
-BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
-
 
 class BatchRequestInput(_Request):
     custom_id: str

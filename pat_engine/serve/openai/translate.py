@@ -27,8 +27,19 @@ from pat_engine.serve.openai.protocol import (
     UsageInfo,
 )
 
+
 def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     """Token ids of a chat, rendered with the tokenizer's own template (no extra BOS: the template has it)."""
+    return chat_tokens(tokenizer, render_chat(tokenizer, messages, add_generation_prompt))
+
+
+def chat_tokens(tokenizer: Any, text: str) -> list[int]:
+    """A rendered chat's token ids (no extra BOS: the template has it)."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """A chat as the tokenizer's own template renders it; clear errors for a missing tokenizer or template."""
     if tokenizer is None:
         raise InvalidRequestError("chat needs a tokenizer but the model has none; send token ids to /v1/completions")
     if not getattr(tokenizer, "chat_template", None):
@@ -37,7 +48,7 @@ def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_pro
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # a template may raise on roles it does not know
         raise InvalidRequestError(f"the chat template rejected the messages: {exc}") from None
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return text
 
 
 def sampling_params(req: Any, max_new_tokens: int, logprobs: bool, top_logprobs: int = 0,
@@ -66,11 +77,13 @@ def chat_input(req: ChatCompletionRequest, tokenizer: Any, max_model_len: int) -
     if chars > limit:  # refuse before rendering and tokenizing, as for text prompts
         raise InvalidRequestError(f"messages hold {chars} characters, more than the {limit} that can fit a context "
                                   f"of {max_model_len} tokens; shorten the chat")
-    ids = apply_chat_template(tokenizer, messages, req.add_generation_prompt)
+    text = render_chat(tokenizer, messages, req.add_generation_prompt)
+    ids = chat_tokens(tokenizer, text)
     max_new = req.max_new_tokens()
     if max_new is None:  # OpenAI's default for chat: whatever room the context leaves
         max_new = max(1, max_model_len - len(ids))
-    return EngineInput(ids, sampling_params(req, max_new, req.logprobs, req.top_logprobs or 0 if req.logprobs else 0))
+    return EngineInput(ids, sampling_params(req, max_new, req.logprobs, req.top_logprobs or 0 if req.logprobs else 0),
+                       rendered=text)
 
 
 # ---- outputs -----------------------------------------------------------------------------------
