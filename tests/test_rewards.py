@@ -232,3 +232,21 @@ def test_reward_specs_are_an_entry_point_or_a_command_and_bad_ones_are_named(tmp
                           ("python 'unclosed", "No closing quotation"), ("  ", "the reward is empty")]:
         with pytest.raises(InvalidRequestError, match=message):
             reward_from_spec(spec)
+
+
+def test_a_verifier_that_prints_megabytes_is_read_through_a_bounded_tail(tmp_path):
+    """Model-written code may print without end: the verifier's output is kept as its last TAIL_BYTES only,
+    and its result (the last line) still comes through; stdin need not be read at all."""
+    from pat_engine.rollout import reward_fns
+
+    script = tmp_path / "noisy.py"
+    script.write_text("import sys\nfor _ in range(64):\n    sys.stdout.write('x' * 65536 + '\\n')\nprint(0.25)\n")
+    reward = SubprocessReward((sys.executable, str(script)))
+    assert reward.run(RewardInput([1, 2], "ignored", response("ignored")), 30.0, threading.Event()) == 0.25
+    r, w = __import__("os").pipe()
+    tail = reward_fns._Tail(open(r, "rb"))
+    with open(w, "wb") as sink:
+        for i in range(40):
+            sink.write(bytes([65 + i % 26]) * 65536)
+    tail.join(5)
+    assert len(tail.kept) == reward_fns.TAIL_BYTES and tail.kept == bytes([65 + 39 % 26]) * reward_fns.TAIL_BYTES

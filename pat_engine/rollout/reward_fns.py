@@ -106,24 +106,58 @@ class SubprocessReward:
 
     def run(self, item: RewardInput, timeout: float, stop: threading.Event) -> Any:
         proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+                                start_new_session=True)
+        data = json.dumps(item.to_json()).encode()
+        stdout, stderr = _Tail(proc.stdout), _Tail(proc.stderr)  # bounded: the result is the last line
+        feeder = threading.Thread(target=_feed, args=(proc.stdin, data), daemon=True)
+        feeder.start()
         deadline = time.monotonic() + timeout
-        data: str | None = json.dumps(item.to_json())
         try:
             while True:
                 try:
-                    stdout, stderr = proc.communicate(data, timeout=max(min(POLL_S, deadline - time.monotonic()), 0))
+                    proc.wait(timeout=max(min(POLL_S, deadline - time.monotonic()), 0))
                     break
                 except subprocess.TimeoutExpired:
-                    data = None  # sent already: a retried communicate goes on where it stopped
                     _check(deadline, timeout, stop)
         except BaseException:
             _kill_group(proc)
             raise
+        finally:
+            for t in (feeder, stdout, stderr):
+                t.join(POLL_S * 20)
         if proc.returncode != 0:
-            tail = (stderr.strip().splitlines() or [""])[-1][:200]
+            tail = (stderr.text().strip().splitlines() or [""])[-1][:200]
             raise RuntimeError(f"exit code {proc.returncode}: {tail}")
-        return parse_verifier_output(stdout)
+        return parse_verifier_output(stdout.text())
+
+
+TAIL_BYTES = 64 << 10  # what is kept of a verifier's stdout and stderr: whatever it prints, memory stays bounded
+
+
+class _Tail(threading.Thread):
+    """Reads a pipe to its end, keeping only its last ``TAIL_BYTES``."""
+
+    def __init__(self, pipe):
+        super().__init__(daemon=True)
+        self.pipe, self.kept = pipe, b""
+        self.start()
+
+    def run(self) -> None:
+        with self.pipe:
+            for chunk in iter(lambda: self.pipe.read1(TAIL_BYTES), b""):
+                self.kept = (self.kept + chunk)[-TAIL_BYTES:]
+
+    def text(self) -> str:
+        return self.kept.decode(errors="replace")
+
+
+def _feed(pipe, data: bytes) -> None:
+    """The response to stdin; a verifier that exits without reading it all is no error."""
+    try:
+        with pipe:
+            pipe.write(data)
+    except (BrokenPipeError, OSError):
+        pass
 
 
 RewardFn = Callable[[RewardInput], Any] | SubprocessReward
