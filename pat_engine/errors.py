@@ -44,6 +44,9 @@ class WorkerFailure(PatEngineError, RuntimeError):
         self.rank = rank
         self.partial_outputs = partial_outputs or []
         self.error_type = error_type  # class name of the worker-side exception, when one was raised
+        # the workers are in no state to go on (a switch failed half-way): the engine loop rebuilds them,
+        # also when the failure reached a caller's thread first (LoopThread.run_posted)
+        self.world_broken = False
 
 
 def last_traceback_line(tb: str | None) -> str:

@@ -80,3 +80,34 @@ def test_reconfigure_from_another_thread_mid_batch(engine, model_dir):
     event = result["event"]
     assert event.ok and event.to_layout == "TP4xDP1" and event.costs["migrated_requests"] > 0
     assert engine.switches[before:] == [event]
+
+
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_a_reconfigure_that_fails_mid_batch_loses_no_request(engine, model_dir, how):
+    """reconfigure() from another thread whose switch fails on a worker: the caller gets the failure, and
+    the batch, whose requests the switch had already taken out of their queues, is recovered and completes
+    with the same tokens (before, the failure stopped at the caller and generate() waited forever)."""
+    engine.reconfigure(tp=1)
+    inject(engine, 1, "reshard", how)
+    outcome: dict = {}
+
+    def switch_when_started():
+        stepping = engine.coordinator.stepping
+        while not (stepping.seqs and stepping.stage_decode_steps >= 3):
+            time.sleep(0.002)
+        try:
+            engine.reconfigure(tp=2, kv_transfer="migrate")
+        except WorkerFailure as exc:
+            outcome["error"] = str(exc)
+
+    def generate():
+        outcome["outs"] = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+    switcher, generator = threading.Thread(target=switch_when_started), threading.Thread(target=generate)
+    switcher.start()
+    generator.start()
+    switcher.join(120)
+    generator.join(120)
+    assert not generator.is_alive(), "generate() never returned after the failed switch"
+    assert "rank 1" in outcome["error"]
+    assert [o.token_ids for o in outcome["outs"]] == hf_greedy_batch(model_dir("llama"))

@@ -6,7 +6,7 @@ installed admission placement's rebalancing, else balanced by context tokens),
 reserves migrated requests' blocks in fresh schedulers for the new layout,
 and chooses KV migration or recompute with the cost source. It returns a
 ``PlannedSwitch``: the ``SwitchPlan`` the workers run, the new schedulers and the
-estimate. The coordinator does the rest (``GlobalCoordinator.switch``): drain,
+estimate. The driver does the rest (``Switching.switch``): drain,
 take the requests, call the workers, seat the requests, install the layout.
 
 Blocks that requests share (the n samples of a prompt, a cached prefix) move
@@ -14,8 +14,9 @@ once per target group and stay shared there, with their prefix-cache entries.
 Cached blocks no request uses are not moved: the new groups start without them.
 A recompute switch drops every block and the whole cache.
 
-If any rank fails, ``WorkerFailure`` propagates to the engine loop, which
-rebuilds a consistent world and recomputes the unfinished requests; the
+If any rank fails, ``WorkerFailure`` (marked ``world_broken``) reaches the engine loop, also
+when a caller's thread asked for the switch, and the loop rebuilds a consistent world and
+recomputes the unfinished requests; the
 schedulers planned here are dropped with their blocks, so nothing leaks.
 """
 

@@ -135,22 +135,27 @@ class EngineLoop:
 
     def _run(self) -> None:
         thread = self.thread
-        while not thread.stopping:
-            thread.run_posted()
-            if thread.stopping:
-                break
-            try:
-                if self.dead is None:
-                    self._admit_held()
-                    self.coordinator.tick(0.5, thread.wake_handle)
-                else:
-                    thread.wake_handle.poll(0.5)
-            except WorkerFailure as exc:
-                self._on_failure(exc)
-            except Exception as exc:  # a bug in the driver: fail requests loudly rather than hang
-                log.exception("engine loop error")
-                self._on_failure(WorkerFailure(f"engine loop error: {exc!r}"))
-        thread.close()
+        try:
+            while not thread.stopping:
+                thread.run_posted(self._on_failure)  # e.g. reconfigure()'s switch failing on a worker
+                if thread.stopping:
+                    break
+                try:
+                    if self.dead is None:
+                        self._admit_held()
+                        self.coordinator.tick(0.5, thread.wake_handle)
+                    else:
+                        thread.wake_handle.poll(0.5)
+                except WorkerFailure as exc:
+                    self._on_failure(exc)
+                except Exception as exc:  # a bug in the driver: fail requests loudly rather than hang
+                    log.exception("engine loop error")
+                    self._on_failure(WorkerFailure(f"engine loop error: {exc!r}"))
+        except BaseException as exc:  # the recovery itself failed: say so to every later caller
+            self.dead = self.dead or f"the engine loop stopped: {exc!r}"
+            raise
+        finally:
+            thread.close()  # what is still posted fails as the engine being shut down
 
     def _admit_held(self) -> None:
         seq = self.quarantine.next_to_admit()

@@ -18,7 +18,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable, TypeVar
 
-from pat_engine.errors import EngineClosedError
+from pat_engine.errors import EngineClosedError, WorkerFailure
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -59,8 +59,11 @@ class LoopThread:
         except OSError:
             pass
 
-    def run_posted(self) -> None:
-        """In the loop thread: run what was posted, until the inbox is empty or a call stopped the loop."""
+    def run_posted(self, on_worker_failure: Callable[[WorkerFailure], None] | None = None) -> None:
+        """In the loop thread: run what was posted, until the inbox is empty or a call stopped the loop.
+        A call's exception goes to its caller; a ``WorkerFailure`` that left the world broken (a switch that
+        failed half-way, holding the requests it took) also to ``on_worker_failure``. A worker's clean refusal
+        (a bad weight payload) stays the caller's alone."""
         while self.wake_handle.poll():
             self.wake_handle.recv_bytes()
         while self._inbox and not self.stopping:
@@ -70,6 +73,8 @@ class LoopThread:
                     fut.set_result(fn(*args))
                 except BaseException as exc:  # delivered to the caller
                     fut.set_exception(exc)
+                    if isinstance(exc, WorkerFailure) and exc.world_broken and on_worker_failure is not None:
+                        on_worker_failure(exc)
 
     def close(self) -> None:
         """In the loop thread, as it ends: whatever is still posted fails as the engine being shut down."""

@@ -21,7 +21,7 @@ from pat_engine.core.memory import MemoryPlan
 from pat_engine.core.sleep_state import SleepState
 from pat_engine.core.stepping import Stepping
 from pat_engine.core.timeline import SwitchEvent, Timeline
-from pat_engine.errors import LayoutError
+from pat_engine.errors import LayoutError, WorkerFailure
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.cost_source import CostSource
 from pat_engine.predictor.measured_rates import MeasuredRates
@@ -125,8 +125,17 @@ class Switching:
 
         The target is checked before anything moves; then in-flight steps drain, every unfinished
         request is taken out of its group, ``plan_switch`` decides where each goes and whether its KV
-        migrates, every rank runs the plan, and the requests join the new groups.
-        """
+        migrates, every rank runs the plan, and the requests join the new groups. A worker failing on the
+        way leaves the world half switched and the requests out of their groups: its ``WorkerFailure``
+        says the engine loop must rebuild the world (``world_broken``), also when a caller's thread
+        asked for the switch (``reconfigure``)."""
+        try:
+            return self._switch(decision)
+        except WorkerFailure as exc:
+            exc.world_broken = True
+            raise
+
+    def _switch(self, decision: SwitchDecision) -> SwitchEvent:
         if self.sleep.asleep:  # the reshard reads the weights and the KV it would move
             raise LayoutError(f"cannot change the layout while {self.sleep.describe()} is released; wake_up() first")
         stepping = self.stepping

@@ -96,29 +96,41 @@ class WeightSync:
     def from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
                      version: str | None) -> int:
         self.check_resident()
-        applied = 0
-        for bucket in _buckets(named_tensors, bucket_bytes, self.name_check()):
-            applied += self._at_step_boundary(LoadWeights(bucket))
-            self.weights.updated_in_memory()
+        applied = self._in_buckets(_buckets(named_tensors, bucket_bytes, self.name_check()),
+                                   lambda bucket: self._at_step_boundary(LoadWeights(bucket)))
         self.new_version(version)
         return applied
 
     def from_handles(self, buckets: Iterable[HandleBucket], version: str | None, final: bool) -> int:
         """Buckets of tensors shared by handle, one in flight; ``final``: the update is whole, count a version."""
         self.check_resident()
-        applied = 0
-        for i, bucket in enumerate(buckets):
+
+        def send(bucket: HandleBucket) -> int:
             one = isinstance(bucket, (bytes, bytearray, memoryview))
-            payloads = [bytes(bucket)] if one else [bytes(p) for p in bucket]
             try:
-                applied += self._at_step_boundary(LoadWeightsFromHandles(payloads))
+                return self._at_step_boundary(LoadWeightsFromHandles([bytes(bucket)] if one else
+                                                                     [bytes(p) for p in bucket]))
             except WorkerFailure as exc:
-                if i > 0:  # earlier buckets are in: the model is part old, part new
-                    self.weights.update_failed()
                 raise _refused(exc) from None
-            self.weights.updated_in_memory()
+
+        applied = self._in_buckets(buckets, send)
         if final:
             self.new_version(version)
+        return applied
+
+    def _in_buckets(self, buckets: Iterable, send) -> int:
+        """Apply ``buckets`` one at a time (``send`` returns the tensors applied); a failure after the first
+        bucket, in the workers or in checking a later bucket, leaves the model part old, part new: marked."""
+        applied = done = 0
+        try:
+            for bucket in buckets:
+                applied += send(bucket)
+                done += 1
+                self.weights.updated_in_memory()
+        except BaseException:
+            if done:
+                self.weights.update_failed()
+            raise
         return applied
 
     def from_disk(self, path: str, version: str | None) -> None:

@@ -1,6 +1,6 @@
 """``CostSource``: what a layout switch asks for its KV path estimate, and tells after it ran.
 
-The coordinator holds one (``coordinator.cost_source``): ``MeasuredRates`` by default, the
+The switching service holds one (``coordinator.switching.cost_source``): ``MeasuredRates`` by default, the
 ``LatencyPredictor`` once a profile table is loaded (``Engine.set_policy(..., cost_source=...)``).
 The switch prices migrate against recompute with it (``kv_path_cost.estimate_kv_paths``) and
 reports what each switch and prefill measured, so the next estimate is better.
