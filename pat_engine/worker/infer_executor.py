@@ -54,14 +54,8 @@ class InferExecutor:
         self._check_tp(layout)
         self.model = CausalLM(arch, layout.tp, dtype, device, row_chunks=self.row_chunks)
         self.attention = attention_backend(attention, numerics, device)
-        served = self.attention.load(device, dtype)  # kernels built now, not in a DP group's first step
-        if numerics == "invariant" and dtype != torch.float64 and not served:
-            raise ValueError(
-                f"numerics='invariant' needs a paged decode kernel for {dtype} on {device.type}, and the "
-                f"{self.attention.name!r} attention backend has none here (on the CPU: the C++ kernels are "
-                f"switched off by PAT_CPU_ATTENTION or were not built: g++ and ninja, see csrc/README.md). "
-                f"The fallback, torch's SDPA over the batch's widest row, would make a request's bits follow "
-                f"its batch")
+        self.attention.load(device, dtype)  # kernels built now, not in a DP group's first step (refuses an
+        # invariant mode no decode kernel can keep)
         self.graphs = DecodeGraphs(graphs, device, block_size, attention=self.attention)  # worker/graph_capture.py
         self.kv = self.new_pool(layout, num_blocks)  # with the graphs' scratch block when they are on
         # also keeps each sequence's table; invariant: prefill attention through the decode kernel (bit-equal KV)

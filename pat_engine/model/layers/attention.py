@@ -144,9 +144,23 @@ class TorchAttention(AttentionBackend):
 
     name = "torch"
 
+    def __init__(self, numerics: str = "fast"):
+        self.numerics = numerics
+
     def load(self, device: torch.device, dtype: torch.dtype) -> bool:
         """The CPU kernels build in about 15 s on a cold cache, 0.2-1 s warm; on CUDA the Triton decode
-        kernel serves every dtype but float64."""
+        kernel serves every dtype but float64. The invariant mode needs one: the fallback, torch's SDPA
+        over the batch's widest row, would make a request's bits follow its batch (float64 claims none)."""
+        served = self._decode_kernel_serves(device, dtype)
+        if self.numerics == "invariant" and dtype != torch.float64 and not served:
+            raise ValueError(
+                f"numerics='invariant' needs a paged decode kernel for {dtype} on {device.type}, and there is "
+                f"none here (on the CPU: the C++ kernels are switched off by PAT_CPU_ATTENTION or were not "
+                f"built: g++ and ninja, see csrc/README.md). The fallback, torch's SDPA over the batch's widest "
+                f"row, would make a request's bits follow its batch")
+        return served
+
+    def _decode_kernel_serves(self, device: torch.device, dtype: torch.dtype) -> bool:
         if device.type == "cuda":
             return dtype != torch.float64 and _triton_decode() is not None
         if device.type != "cpu":
@@ -210,7 +224,7 @@ def gather_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
 
 
 def _torch_backend(numerics: str = "fast") -> AttentionBackend:
-    return TorchAttention()  # its decode kernels compute each (row, head) whole; prefill_as_decode does the rest
+    return TorchAttention(numerics)  # its decode kernels compute each (row, head) whole; prefill_as_decode does the rest
 
 
 def _triton_backend(numerics: str = "fast") -> AttentionBackend:

@@ -111,7 +111,7 @@ class TritonAttention(AttentionBackend):
         self.invariant_tokens_per_split = invariant_tokens_per_split
         self.prefill_tiles = prefill_tiles  # (BLOCK_M, BLOCK_N) of the varlen kernel
         self.block_n = block_n  # the decode kernel's tokens per iteration
-        self._torch = TorchAttention()  # the KV write and the float64 / no-kernel paths
+        self._torch = TorchAttention(numerics)  # the KV write and the float64 / no-kernel paths
 
     def load(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether a decode kernel serves this device and dtype: the Triton ones (CUDA, or CPU under the
