@@ -110,6 +110,8 @@ def test_bfloat16_invariant_switches_give_the_same_bits(model_dir, kv):
         for params in (_greedy(), _sampled()):
             plain = _run(engine, params)
             switched = _run(engine, params, [(3, 2), (20, 1)], kv)
+            # a switch that failed is recovered from with the same bits: check that both ran
+            assert [(s.to_layout, s.kv_path) for s in engine.switches[-2:]] == [("TP2xDP1", kv), ("TP1xDP2", kv)]
             _assert_same_bits(plain, switched)
 
 

@@ -262,6 +262,33 @@ def test_pytest_summary_line_and_the_gpu_test_files():
     assert "test_triton_kernel.py" in files and "test_gpu_check.py" in files and "test_sampler.py" not in files
 
 
+@pytest.mark.slow  # a pytest subprocess stopped at its limit
+def test_a_gpu_test_file_stopped_at_its_limit_keeps_the_failures_it_saw(tmp_path):
+    """The second H100 run lost two failures' messages: pytest prints them in its final summary, which a
+    run stopped at its limit never reaches. They are printed as they happen now."""
+    (tmp_path / "test_two.py").write_text(
+        "import time\nimport pytest\n\n@pytest.mark.gpu\ndef test_fails():\n    assert 1 + 1 == 3, 'the message kept'\n\n"
+        "@pytest.mark.gpu\ndef test_outlives_the_limit():\n    time.sleep(120)\n")
+    code, out, _ = gpu_tests.run_file(str(tmp_path / "test_two.py"), 15.0, tmp_path / "log.txt")
+    assert code is None and "the message kept" in out
+    assert gpu_tests.outcomes_so_far(out).startswith("1 failed; last started:")
+
+
+def test_the_emulated_profile_grids_hold_every_batch_and_context_they_name():
+    """pat-profile's default KV budget dropped 64 x 2048 from the quick grid (the decode part's row), so the
+    third H100 run's predictor had no knot there and erred by -40%."""
+    from pat_profiler.cli import parse_args
+    from pat_profiler.grid import build_grid
+    from gpucheck.shared import Ctx
+
+    for quick in (True, False):
+        args = parse_args(["--model", "m", "--output", "t.json",
+                           *emulated_profile.grid(Ctx(gc.parse_args(["--quick"] if quick else []), {}))])
+        points = {(p.batch, p.context) for p in build_grid(args.tp, args.batch_sizes, args.context_lens,
+                                                              args.decode_window, args.kv_budget_tokens, 131072, 256)}
+        assert points == {(b, c) for b in args.batch_sizes for c in args.context_lens}, quick
+
+
 def test_emulated_profile_helpers():
     assert emulated_profile.falls_with_tp({1: 9.0, 2: 6.0, 4: 4.5, 8: 4.0})
     assert not emulated_profile.falls_with_tp({1: 9.0, 2: 6.0, 4: 6.5, 8: 4.0})

@@ -88,6 +88,34 @@ def test_pool_layers_are_zero_in_every_dtype():
             assert pool.regeometry(1, 600).lazy is lazy  # a switch's pool keeps the policy
 
 
+def test_a_switch_layer_reuses_the_old_memory_or_frees_it_before_allocating(monkeypatch):
+    """A layer is handed from the old pool to the new one: re-viewed when large enough, else freed before the
+    new layer is allocated. On the co-located H100 run the old layer stayed referenced while a slightly larger
+    one (TP2's freed weight bytes) was allocated beside it: 16.5 GiB more than the ranks' shares held."""
+    import weakref
+
+    from pat_engine.worker import kv_pool
+
+    old = PagedKVPool(2, 100, 16, 2, 8, torch.float32, "cpu")
+    first = old.layers[0].data_ptr()
+    smaller = PagedKVPool.filled_later(150, 16, 1, 8, torch.float32, "cpu")  # fewer bytes: a view of the old
+    assert smaller.append_layer_from(old, 0).data_ptr() == first and old.layers[0] is None
+
+    alive_at_allocation = []
+    real_zeroed = kv_pool.zeroed
+    donor = weakref.ref(old.layers[1])
+
+    def watching_zeroed(*args, **kw):
+        alive_at_allocation.append(donor() is not None)
+        return real_zeroed(*args, **kw)
+
+    monkeypatch.setattr(kv_pool, "zeroed", watching_zeroed)
+    larger = PagedKVPool.filled_later(101, 16, 2, 8, torch.float32, "cpu")
+    layer = larger.append_layer_from(old, 1)
+    assert alive_at_allocation == [False] and layer.shape == larger.layer_shape and not layer.any()
+    assert old.layers == [None, None]
+
+
 def test_only_the_cpu_derives_chunk_pieces_so_a_gpu_plan_counts_the_weights_alone(tmp_path):
     """The invariant mode's chunk pieces are a CPU thing (model/chunk_weights.py: on CUDA the Triton GEMM
     reads the weights in place), so a GPU plan's KV budget moves across layouts by the weights' bytes only."""

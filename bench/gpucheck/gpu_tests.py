@@ -58,7 +58,8 @@ def gpu_test_files(tests_dir: Path) -> list[Path]:
 def run_file(path: str, timeout: float, log_path: Path, keyword: str | None = None) -> tuple[int | None, str, float]:
     """(exit code or None when stopped at ``timeout``, whole output, seconds) of one file's gpu tests
     (those matching ``keyword``, pytest's ``-k``, when given)."""
-    cmd = [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider", path]
+    cmd = [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider", "-p", "gpucheck.failures_at_once",
+           path]
     cmd += ["-k", keyword] if keyword else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     t = time.perf_counter()

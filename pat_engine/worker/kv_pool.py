@@ -28,7 +28,7 @@ class PagedKVPool:
     @classmethod
     def filled_later(cls, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device,
                      lazy: bool = False, scratch: bool = False) -> "PagedKVPool":
-        """A pool with no layers yet; ``append_layer`` adds them one by one (a switch does, so two
+        """A pool with no layers yet; ``append_layer_from`` adds them one by one (a switch does, so two
         pools never hold every layer at once)."""
         return cls(0, num_blocks, block_size, kv_heads, head_dim, dtype, device, lazy, scratch)
 
@@ -41,37 +41,37 @@ class PagedKVPool:
     def layer_shape(self) -> tuple[int, ...]:
         return (2, self.num_blocks + int(self.scratch), self.block_size, self.kv_heads, self.head_dim)
 
-    def new_layer(self, reuse: torch.Tensor | None = None) -> torch.Tensor:
-        """A zeroed layer, or a view of ``reuse``'s memory when it is large enough.
-
-        A layout switch keeps the per-rank byte budget, so the old layer's memory
-        usually fits the new geometry: re-viewing it skips a free, an allocation
-        and page faults. Stale values in reused slots are never read unmasked
-        (every slot is written before a query reaches it) and are finite.
-        """
-        numel = math.prod(self.layer_shape)
-        if reuse is not None and reuse.is_contiguous() and reuse.numel() >= numel and reuse.dtype == self.dtype:
-            return reuse.view(-1)[:numel].view(self.layer_shape)
+    def new_layer(self) -> torch.Tensor:
+        """A zeroed layer of this pool's geometry."""
         return zeroed(self.layer_shape, self.dtype, self.device, self.lazy)
 
-    def append_layer(self, reuse: torch.Tensor | None = None) -> torch.Tensor:
-        layer = self.new_layer(reuse)
-        self.layers.append(layer)
-        return layer
+    def append_layer_from(self, donor: "PagedKVPool", index: int) -> torch.Tensor:
+        """Add a layer made of ``donor``'s layer ``index``, which the donor forgets.
 
-    def take_layer(self, index: int) -> torch.Tensor:
-        """Hand layer ``index`` over (its memory becomes another pool's layer); this pool forgets it."""
-        layer, self.layers[index] = self.layers[index], None
+        A layout switch keeps the per-rank byte budget, so the old layer's memory usually fits the new
+        geometry: re-viewing it skips a free, an allocation and page faults. Stale values in reused slots
+        are never read unmasked (every slot is written before a query reaches it) and are finite. When
+        it is too small (a higher TP frees weight bytes, so its layers are a little larger), the old
+        layer is freed before the new one is allocated: on a GPU whose ranks hold most of its memory,
+        a second layer beside the first does not fit (a 2-layer model's layer is half the pool).
+        """
+        old = donor.layers[index]
+        donor.layers[index] = None
+        numel = math.prod(self.layer_shape)
+        if old.is_contiguous() and old.numel() >= numel and old.dtype == self.dtype:
+            layer = old.view(-1)[:numel].view(self.layer_shape)
+        else:
+            del old  # the only reference: the caching allocator may hand its memory back for the new layer
+            layer = self.new_layer()
+        self.layers.append(layer)
         return layer
 
     def regeometry(self, kv_heads: int, num_blocks: int) -> "PagedKVPool":
         """The same memory seen with another number of heads per rank and blocks (contents dropped)."""
         pool = PagedKVPool.filled_later(num_blocks, self.block_size, kv_heads, self.head_dim, self.dtype, self.device,
                                         self.lazy, self.scratch)
-        for index in range(len(self.layers)):
-            layer = self.take_layer(index)  # dropped before the next layer is made, so two pools never coexist
-            pool.append_layer(reuse=layer)
-            del layer
+        for index in range(len(self.layers)):  # one layer at a time, so two pools never coexist
+            pool.append_layer_from(self, index)
         self.layers = []
         return pool
 

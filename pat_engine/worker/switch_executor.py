@@ -212,16 +212,13 @@ class SwitchExecutor:
                 if m.src != me:
                     n = 2 * plan.runs[m.run].num_tokens * len(m.heads) * arch.head_dim
                     recvs[m.src] = recvs.get(m.src, 0) + n
-            recvs = {s: torch.empty(n, dtype=old_layer.dtype, device=old_layer.device) for s, n in recvs.items()}
+            recvs = {s: torch.empty(n, dtype=old_pool.dtype, device=old_layer.device) for s, n in recvs.items()}
             live = sum(_nbytes(b) for b in list(bufs.values()) + list(recvs.values())) + (_nbytes(local) if local is not None else 0)
             meter.add(live)
-            # the old layer is no longer needed once packed: its memory becomes the new layer
-            old_pool.take_layer(layer)
-            del flat
+            del flat, old_layer  # packed: the old layer's memory becomes the new layer (the pool's is the last reference)
             exchange(bufs, recvs, self.groups.host_staged)
             sent += sum(_nbytes(b) for b in bufs.values())
-            new_layer = new_pool.append_layer(reuse=old_layer)
-            del old_layer
+            new_layer = new_pool.append_layer_from(old_pool, layer)
             new_flat = new_layer.view(2, -1, new_layer.shape[-2], new_layer.shape[-1])
             offsets: dict[int, int] = defaultdict(int)
             for m in incoming:
