@@ -14,7 +14,7 @@ from pat_engine.core.served_weights import INITIAL_WEIGHT_VERSION, ServedWeights
 from pat_engine.errors import InvalidRequestError
 from pat_engine.serve.sglang.protocol import GenerateRequest
 from pat_engine.serve.sglang.translate import UNSUPPORTED_SAMPLING, generate_items
-from pat_engine.serve.sglang.named_tensors import decode_named_tensors, handle_payloads
+from pat_engine.serve.sglang.named_tensors import TensorPayload, parse_payload
 
 
 def items(body: dict):
@@ -90,23 +90,22 @@ def _b64(obj) -> str:
 
 def test_tensor_payloads():
     t = torch.ones(2, 3)
-    assert [(n, x.shape) for n, x in decode_named_tensors([_b64([("w", t)]), _b64([("v", t)])])] == [
-        ("w", (2, 3)), ("v", (2, 3))]
+    payload = parse_payload([_b64([("w", t)]), _b64([("v", t)])], None)
+    assert payload.handles is None and [(n, x.shape) for n, x in payload.named] == [("w", (2, 3)), ("v", (2, 3))]
     with pytest.raises(InvalidRequestError, match="not base64"):
-        decode_named_tensors(["%%%"])
+        parse_payload(["%%%"], None)
     with pytest.raises(InvalidRequestError, match="pairs"):
-        decode_named_tensors([_b64({"w": t})])
+        parse_payload([_b64({"w": t})], None)
     with pytest.raises(InvalidRequestError, match="not a torch.save"):
-        decode_named_tensors([base64.b64encode(b"garbage").decode()])
+        parse_payload([base64.b64encode(b"garbage").decode()], None)
 
 
 def test_handle_payloads_are_told_from_torch_save_files():
     from pat_engine.model.weight_handles import serialize_named_tensors
 
     handle = base64.b64encode(serialize_named_tensors([("w", torch.ones(2))])).decode()
-    assert handle_payloads([_b64([("w", torch.ones(2))])], None) is None  # by value: the old path
-    assert handle_payloads([handle, handle], "direct") == [base64.b64decode(handle)] * 2
+    assert parse_payload([handle, handle], "direct") == TensorPayload(handles=[base64.b64decode(handle)] * 2)
     with pytest.raises(InvalidRequestError, match="mixes"):
-        handle_payloads([handle, _b64([("w", torch.ones(2))])], None)
+        parse_payload([handle, _b64([("w", torch.ones(2))])], None)
     with pytest.raises(InvalidRequestError, match="flattened_bucket"):
-        handle_payloads([handle], "flattened_bucket")
+        parse_payload([handle], "flattened_bucket")

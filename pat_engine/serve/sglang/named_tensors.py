@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+from dataclasses import dataclass
 
 import torch
 
@@ -30,11 +31,26 @@ def decode_entries(serialized: list[str]) -> list[bytes]:
     return out
 
 
-def handle_payloads(serialized: list[str], load_format: str | None) -> list[bytes] | None:
+@dataclass(frozen=True)
+class TensorPayload:
+    """What ``serialized_named_tensors`` holds: handle pickles (one per rank) or named tensors by value."""
+
+    handles: list[bytes] | None = None
+    named: list[tuple[str, torch.Tensor]] | None = None
+
+
+def parse_payload(serialized: list[str], load_format: str | None) -> TensorPayload:
+    """Decode the entries once and tell the two forms apart. CPU work proportional to the payload (a
+    by-value update can be gigabytes): the server runs it off its event loop."""
+    raw = decode_entries(serialized)
+    handles = handle_payloads(raw, load_format)
+    return TensorPayload(handles=handles) if handles is not None else TensorPayload(named=load_named_tensors(raw))
+
+
+def handle_payloads(raw: list[bytes], load_format: str | None) -> list[bytes] | None:
     """SGLang's by-handle form (``MultiprocessingSerializer`` pickles of CUDA IPC / shared-memory handles,
     one entry per rank): the payloads for ``Engine.update_weights_from_handles``, which rebuilds them on
     the workers with an allowlisting unpickler. None: the entries are ``torch.save`` files (by value)."""
-    raw = decode_entries(serialized)
     kinds = {_is_pickle(r) for r in raw}
     if kinds != {True}:
         if True in kinds:
@@ -46,13 +62,13 @@ def handle_payloads(serialized: list[str], load_format: str | None) -> list[byte
     return raw
 
 
-def decode_named_tensors(serialized: list[str]) -> list[tuple[str, torch.Tensor]]:
-    """Each entry: base64 of ``torch.save([(name, tensor), ...])``; loaded with ``weights_only=True``
+def load_named_tensors(raw: list[bytes]) -> list[tuple[str, torch.Tensor]]:
+    """Each entry: a ``torch.save([(name, tensor), ...])`` file; loaded with ``weights_only=True``
     (plain tensors only: no code runs). Handle pickles go through ``handle_payloads`` instead."""
     out = []
-    for i, raw in enumerate(decode_entries(serialized)):
+    for i, entry in enumerate(raw):
         try:
-            obj = torch.load(io.BytesIO(raw), weights_only=True)
+            obj = torch.load(io.BytesIO(entry), weights_only=True)
         except Exception as exc:
             raise InvalidRequestError(
                 f"serialized_named_tensors[{i}] is not a torch.save'd list of (name, tensor) pairs ({exc})") from None

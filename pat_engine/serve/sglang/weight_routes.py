@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from pat_engine.core.sleep_state import MEMORY_TAGS
 from pat_engine.errors import InvalidRequestError, ModelLoadError, WorkerFailure
 from pat_engine.serve.sglang.body import parse_optional
-from pat_engine.serve.sglang.named_tensors import decode_named_tensors, handle_payloads
+from pat_engine.serve.sglang.named_tensors import parse_payload
 from pat_engine.serve.sglang.protocol import (
     DestroyUpdateGroupRequest,
     InitUpdateGroupRequest,
@@ -72,21 +72,18 @@ async def update_weights_from_tensor(request: Request, pat: State) -> JSONRespon
     req = await pat.parse(request, UpdateFromTensorRequest)
     engine = pat.engine
     try:
-        handles = handle_payloads(req.serialized_named_tensors, req.load_format)
-    except InvalidRequestError as exc:
-        return _answer(False, str(exc))
-    if handles is not None:  # by handle: each worker rebuilds its entry (r % len) and checks it whole
-        await _abort_first(pat, req.abort_all_requests)
-        return _answer(*await _run(engine.update_weights_from_handles, [handles],
-                                   weight_version=req.weight_version, ok="Succeeded to update model weights."))
-    try:
-        named = decode_named_tensors(req.serialized_named_tensors)
-        engine.check_weight_update([n for n, _ in named], [tuple(t.shape) for _, t in named],
-                                   [t.dtype for _, t in named])
+        payload = await asyncio.to_thread(parse_payload, req.serialized_named_tensors, req.load_format)
+        if payload.named is not None:
+            named = payload.named
+            engine.check_weight_update([n for n, _ in named], [tuple(t.shape) for _, t in named],
+                                       [t.dtype for _, t in named])
     except InvalidRequestError as exc:
         return _answer(False, str(exc))
     await _abort_first(pat, req.abort_all_requests)
-    return _answer(*await _run(engine.update_weights, named, weight_version=req.weight_version,
+    if payload.handles is not None:  # by handle: each worker rebuilds its entry (r % len) and checks it whole
+        return _answer(*await _run(engine.update_weights_from_handles, [payload.handles],
+                                   weight_version=req.weight_version, ok="Succeeded to update model weights."))
+    return _answer(*await _run(engine.update_weights, payload.named, weight_version=req.weight_version,
                                ok="Succeeded to update model weights."))
 
 
