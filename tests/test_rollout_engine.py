@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 import threading
 
 import pytest
@@ -131,8 +132,11 @@ def test_engine_uses_the_placement_hook_and_outputs_do_not_change(engine):
 def test_rewards_stream_during_the_round_and_score_resumed_responses_whole(engine):
     from pat_engine.rollout.rewards import RewardConfig, RewardStage
 
+    scored = []
+
     def score(item) -> float:  # a function of the whole response; prompt 4's verifier crashes
         out = item.output
+        scored.append(out.request_id)
         if item.prompt != out.prompt_token_ids or PROMPTS[item.metadata["uid"] % len(PROMPTS)] != item.prompt:
             raise AssertionError("the reward got another prompt's prompt or metadata")
         if out.prompt_token_ids == PROMPTS[4]:
@@ -140,10 +144,15 @@ def test_rewards_stream_during_the_round_and_score_resumed_responses_whole(engin
         return float(len(out.token_ids) + sum(out.token_ids) % 7)
 
     with RewardStage(score, RewardConfig(max_workers=2, timeout_s=30)) as stage:
-        runner, _ = make_runner(engine)
+        runner, params_for = make_runner(engine)
         runner.rewards = stage
+        # a long-tail prompt's first response is short: it finishes in the round that defers its prompt
+        runner.params_for = lambda e, r: (replace(params_for(e, r), max_new_tokens=3) if e.uid % 3 == 2 and r == 0
+                                          else params_for(e, r))
         steps = [runner.step() for _ in range(3)]  # short, short, long (resumes the deferred partials)
     assert steps[2].summary.kind == "long" and steps[2].resumed >= 1
+    # a deferred prompt's finished response comes back as it was: scored once, when it finished
+    assert len(scored) == sum(len(outs) for s in steps for _, outs in s.groups)
     for s in steps:
         returned = [o for _, outs in s.groups for o in outs]
         assert [len(r) for r in s.rewards] == [len(outs) for _, outs in s.groups]  # every response has its result

@@ -12,7 +12,8 @@ regenerated from the prompt otherwise.
 
 With a ``RewardStage`` each response is scored as soon as it finishes (resumed ones once joined),
 while the round still generates; the step waits only for the rewards still running when
-generation ends, so it costs max(generation, last reward) rather than their sum.
+generation ends, so it costs max(generation, last reward) rather than their sum. A deferred prompt's
+finished response is scored once: its result is kept for the round that returns it unchanged.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import hashlib
 import queue
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Hashable
 
 from pat_engine.errors import PatEngineError, WorkerFailure
 from pat_engine.outputs import RequestOutput
@@ -80,10 +81,14 @@ class RolloutRunner:
         self.seed = seed
         self.name = name
         self.weights_version = 0
+        # a deferred prompt's finished responses' rewards, by (prompt uid, response): the response comes back
+        # as it was in a later round (a finished partial under the same weights), so its reward does too
+        self._kept_rewards: dict[tuple[Hashable, int], RewardResult] = {}
 
     def weights_updated(self) -> None:
-        """Call after every ``update_weights``: partials from before become stale."""
+        """Call after every ``update_weights``: partials from before become stale (their rewards with them)."""
         self.weights_version += 1
+        self._kept_rewards.clear()
 
     # ---- one round ------------------------------------------------------------------------------------
 
@@ -106,7 +111,8 @@ class RolloutRunner:
         t0 = time.perf_counter()
         handles: dict = {}
         for key, out in instant.items():
-            self._score(plan, step, key, out)
+            if self._kept_key(plan, key) not in self._kept_rewards:
+                self._score(plan, step, key, out)
         try:
             self._follow(tracker, jobs, instant, handles, plan, step)
         except BaseException:
@@ -127,7 +133,7 @@ class RolloutRunner:
         summary = sched.finish_round(plan, tracker, lengths, partials)
         accepted = tracker.accepted()
         groups = [(plan.prompts[p], [outputs[(p, r)] for r in rs]) for p, rs in accepted]
-        rewards, waited = self._collect_rewards(step, accepted)
+        rewards, waited = self._collect_rewards(plan, step, accepted, tracker.deferred())
         return RolloutStep(summary, groups, seconds, start_tp, resumed, stale, self.weights_version, rewards, waited)
 
     def _follow(self, tracker: RoundTracker, jobs: list[_Job], instant: dict, handles: dict, plan: RoundPlan,
@@ -177,14 +183,27 @@ class RolloutRunner:
             prompt = entry.prompt if isinstance(entry.prompt, str) else list(out.prompt_token_ids)
             self.rewards.submit((step, key), out, task=entry.uid, prompt=prompt, metadata=entry.metadata)
 
-    def _collect_rewards(self, step: int, accepted) -> tuple[list[list[RewardResult]], float]:
-        """Wait for what is still being scored; the returned groups' results, in the groups' order.
-        Rewards of deferred prompts' responses are dropped (those responses come back later)."""
+    def _collect_rewards(self, plan: RoundPlan, step: int, accepted,
+                         deferred: list[int]) -> tuple[list[list[RewardResult]], float]:
+        """Wait for what is still being scored; the returned groups' results, in the groups' order (a
+        response that came back as it was takes the result kept when it was scored). Deferred prompts'
+        results are kept for the round that returns them."""
         if self.rewards is None:
             return [], 0.0
         t = time.perf_counter()
         got = {r.key[1]: r for r in self.rewards.drain() if r.key[0] == step}
-        return [[got[(p, r)] for r in rs] for p, rs in accepted], time.perf_counter() - t
+        for p in deferred:
+            self._kept_rewards.update({self._kept_key(plan, k): r for k, r in got.items() if k[0] == p})
+        groups = [[got.get((p, r)) or replace(self._kept_rewards.pop(self._kept_key(plan, (p, r))), key=(step, (p, r)))
+                   for r in rs] for p, rs in accepted]
+        for p, rs in accepted:  # nothing of a returned prompt stays kept
+            for r in range(plan.launch_of(p)):
+                self._kept_rewards.pop(self._kept_key(plan, (p, r)), None)
+        return groups, time.perf_counter() - t
+
+    @staticmethod
+    def _kept_key(plan: RoundPlan, key: tuple[int, int]) -> tuple[Hashable, int]:
+        return plan.prompts[key[0]].uid, key[1]
 
     # ---- helpers ----------------------------------------------------------------------------------------
 
