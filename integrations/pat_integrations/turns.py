@@ -22,7 +22,9 @@ that are between turns at that moment: their next turn prefills in full.
 
 from __future__ import annotations
 
+import hashlib
 import threading
+from array import array
 from collections import OrderedDict
 from typing import Any, Sequence
 
@@ -56,16 +58,18 @@ class TurnLedger:
     ``continues(prompt)``: the prompt starts with such a sequence (a later turn of that conversation, or
     an aborted answer resubmitted with its tokens so far). Only the first response token is required:
     an agent loop may re-render the end of a response (a stop string, a trailing special token).
-    Records are (length, hash) pairs; those of ``HEAD`` tokens or more are indexed by their first
-    ``HEAD`` tokens, so a lookup checks only the records of its own conversation. The oldest records
-    go first beyond ``capacity``.
+    Records are (length, digest) pairs; those of ``HEAD`` tokens or more are indexed by their first
+    ``HEAD`` tokens, so a lookup checks only the records of its own conversation. A lookup digests the
+    prompt once, incrementally, at each candidate length, outside the lock (a long conversation has
+    many records, each a prefix of the next turn's prompt). The oldest records go first beyond
+    ``capacity``.
     """
 
     def __init__(self, capacity: int = 1 << 16):
         self.capacity = capacity
         self.version: str | None = None
-        self._records: OrderedDict[tuple[int, int], int | None] = OrderedDict()  # (length, hash) -> head, oldest first
-        self._by_head: dict[int, set[tuple[int, int]]] = {}
+        self._records: OrderedDict[tuple[int, bytes], bytes | None] = OrderedDict()  # (length, digest) -> head
+        self._by_head: dict[bytes, set[tuple[int, bytes]]] = {}
         self._lock = threading.Lock()  # recorded by the frontend, read by the engine's placement too
 
     def reset(self) -> None:
@@ -81,9 +85,11 @@ class TurnLedger:
     def record(self, prompt: Sequence[int], response: Sequence[int], version: str) -> None:
         if not response:
             return
-        seq = tuple(prompt) + (response[0],)
-        rec = (len(seq), hash(seq))
-        head = hash(seq[:HEAD]) if len(seq) >= HEAD else None
+        seq = [*prompt, response[0]]
+        lengths = [HEAD, len(seq)] if len(seq) >= HEAD else [len(seq)]
+        digests = _prefix_digests(seq, lengths)
+        rec = (len(seq), digests[len(seq)])
+        head = digests.get(HEAD) if len(seq) >= HEAD else None
         with self._lock:
             if version != self.version:
                 self._reset(version)
@@ -97,11 +103,25 @@ class TurnLedger:
                     self._by_head[old_head].discard(old)
 
     def continues(self, prompt: Sequence[int], version: str) -> bool:
-        tokens = tuple(prompt)
+        tokens = list(prompt)
         with self._lock:
             if version != self.version or not self._records:
                 return False
-            lengths = set(range(1, min(HEAD, len(tokens) + 1)))  # short records: any length below HEAD
-            if len(tokens) >= HEAD:
-                lengths |= {n for n, _ in self._by_head.get(hash(tokens[:HEAD]), ()) if n <= len(tokens)}
-            return any((n, hash(tokens[:n])) in self._records for n in lengths)
+        head = _prefix_digests(tokens, [HEAD])[HEAD] if len(tokens) >= HEAD else None
+        with self._lock:
+            recorded = [n for n, _ in self._by_head.get(head, ())] if head is not None else []
+        lengths = sorted({*range(1, min(HEAD, len(tokens) + 1)), *(n for n in recorded if n <= len(tokens))})
+        keys = _prefix_digests(tokens, lengths).items()
+        with self._lock:  # a record made or dropped meanwhile: the answer of a moment earlier or later
+            return version == self.version and any(key in self._records for key in keys)
+
+
+def _prefix_digests(tokens: Sequence[int], lengths: Sequence[int]) -> dict[int, bytes]:
+    """The digest of ``tokens[:n]`` for each n in ``lengths`` (each <= len(tokens)), in one pass."""
+    data = array("q", tokens).tobytes()
+    h, done, out = hashlib.blake2b(digest_size=16), 0, {}
+    for n in sorted(set(lengths)):
+        h.update(data[done * 8: n * 8])
+        done = n
+        out[n] = h.copy().digest()
+    return out
