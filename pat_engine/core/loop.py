@@ -67,7 +67,7 @@ class EngineLoop:
 
     def _shutdown(self) -> None:
         stepping = self.coordinator.stepping
-        stepping.abort([s.seq_id for s in stepping.unfinished()], "abort", "engine shut down")
+        stepping.finish_unfinished("abort", "engine shut down")
         self.finish_parked(self.quarantine.take_parked(), "abort", "engine shut down")
         stepping.pool.shutdown()
         self.thread.stopping = True
@@ -196,7 +196,7 @@ class EngineLoop:
                 self.dead = (f"the engine cannot serve: workers failed more often than the restart budget allows "
                              f"({self.budget.describe()}); last failure: {message}")
             reason = "worker failure" if can_restart else "worker failure (restart budget used up)"
-            stepping.abort([s.seq_id for s in stepping.unfinished()], "error", f"{reason}: {message}")
+            stepping.finish_unfinished("error", f"{reason}: {message}")
             self.finish_parked(self.quarantine.take_parked(), "error", f"{reason}: {message}")
         if not can_restart:
             return
@@ -204,7 +204,7 @@ class EngineLoop:
             pool = self._make_pool()
         except Exception as start_exc:
             self.dead = f"the engine cannot serve: could not restart workers after a failure: {start_exc}"
-            stepping.abort([s.seq_id for s in stepping.unfinished()], "error", self.dead)
+            stepping.finish_unfinished("error", self.dead)
             self.finish_parked(self.quarantine.take_parked(), "error", self.dead)
             return
         coord.restart(pool)

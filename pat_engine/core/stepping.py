@@ -145,9 +145,13 @@ class Stepping:
             _notify(seq, 0)
         return out
 
+    def finish_unfinished(self, reason: str, error: str) -> int:
+        """End every request not finished yet with ``reason`` (their tokens kept); how many."""
+        return len(self.abort([s.seq_id for s in self.unfinished()], reason, error))
+
     @on_loop
     def abort_all(self, message: str) -> int:
-        return len(self.abort([s.seq_id for s in self.unfinished()], "abort", message))
+        return self.finish_unfinished("abort", message)
 
     def withdraw(self, seq_ids: list[int]) -> list[Sequence]:
         """Take requests out of the queues without finishing them (held back after a crash); KV dropped."""
@@ -195,7 +199,7 @@ class Stepping:
         if mode == "retract":
             return self.retract_all()
         if mode == "abort":
-            return len(self.abort([s.seq_id for s in self.unfinished()], "abort", "aborted by pause (mode abort)"))
+            return self.finish_unfinished("abort", "aborted by pause (mode abort)")
         return len(self.unfinished())
 
     @on_loop
