@@ -269,7 +269,7 @@ def test_a_gpu_test_file_stopped_at_its_limit_keeps_the_failures_it_saw(tmp_path
     (tmp_path / "test_two.py").write_text(
         "import time\nimport pytest\n\n@pytest.mark.gpu\ndef test_fails():\n    assert 1 + 1 == 3, 'the message kept'\n\n"
         "@pytest.mark.gpu\ndef test_outlives_the_limit():\n    time.sleep(120)\n")
-    code, out, _ = gpu_tests.run_file(str(tmp_path / "test_two.py"), 15.0, tmp_path / "log.txt")
+    code, out, _ = gpu_tests.run_file(str(tmp_path / "test_two.py"), 10.0, tmp_path / "log.txt")
     assert code is None and "the message kept" in out
     assert gpu_tests.outcomes_so_far(out).startswith("1 failed; last started:")
 
