@@ -74,3 +74,25 @@ def test_the_device_path_draws_what_the_cpu_path_draws(monkeypatch, dtype):
     assert dev.tokens == cpu.tokens
     assert dev.logprobs == pytest.approx(cpu.logprobs, rel=0, abs=1e-12)  # a library log vs math.log
     assert [[i for i, _ in row] for row in dev.top] == [[i for i, _ in row] for row in cpu.top]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_step_builds_its_batch_and_draws_without_waiting_for_the_stream():
+    """``torch.tensor(values, device="cuda")`` copies from pageable memory and waits for every queued
+    kernel; the batch's host lists go through ``host.to_device`` instead (pinned, non-blocking). Checked
+    with CUDA's sync debug mode, which raises on any synchronising call."""
+    from pat_engine.sampling.spec import SamplingSpec as Spec
+
+    specs = _specs(11) + [Spec(1.0, -1, 1.0, 16, True, repetition_penalty=1.2, frequency_penalty=0.5,
+                               logit_bias=((3, 2.0),), prompt_len=2)]
+    histories = [None] * 11 + [[5, 6, 7, 7, 9]]
+    logits = 3 * torch.randn(12, 1000, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batch = SamplingBatch.build(specs, list(range(40, 52)), [(7,)] + [()] * 11, "cuda", histories, 1000)
+        out = sample_on_device(logits, batch)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert out.to_host().tokens == out.tokens.tolist() and len(out.tokens) == 12

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pat_engine.sampling.host import to_device
+
 
 @dataclass
 class ProcessorRows:
@@ -36,28 +38,28 @@ class ProcessorRows:
         n = len(rows)
 
         def column(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float64, device=device).view(n, 1)
+            return to_device(values, torch.float64, device).view(n, 1)
 
         seen = counts = None
         if any(r != 1.0 for r in repetition):
             seen = torch.zeros(n, vocab, dtype=torch.bool, device=device)
             for i, h in enumerate(histories):
                 if h:
-                    seen[i, torch.tensor(h, device=device)] = True
+                    seen[i, to_device(h, torch.long, device)] = True
         if any(f != 0.0 for f in frequency) or any(p != 0.0 for p in presence):
             counts = torch.zeros(n, vocab, dtype=torch.float64, device=device)
             for i, (h, start) in enumerate(zip(histories, prompt_lens)):
                 out = h[start:]
                 if out:
-                    ids = torch.tensor(out, device=device)
+                    ids = to_device(out, torch.long, device)
                     counts[i].index_add_(0, ids, torch.ones(len(out), dtype=torch.float64, device=device))
         bias = None
         entries = [(i, t, b) for i, pairs in enumerate(biases) for t, b in pairs]
         if entries:
             r, t, b = zip(*entries)
-            bias = (torch.tensor(r, device=device), torch.tensor(t, device=device),
-                    torch.tensor(b, dtype=torch.float64, device=device))
-        return cls(torch.tensor(rows, dtype=torch.long, device=device), column(repetition), column(frequency),
+            bias = (to_device(r, torch.long, device), to_device(t, torch.long, device),
+                    to_device(b, torch.float64, device))
+        return cls(to_device(rows, torch.long, device), column(repetition), column(frequency),
                    column(presence), seen, counts, bias)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
