@@ -5,7 +5,9 @@ from __future__ import annotations
 import datetime
 import os
 import shlex
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,3 +66,13 @@ def settled_kv(url: str, headers: dict | None = None, timeout: float = 30.0) -> 
             if kv["unfinished"] == 0 or time.monotonic() > deadline:
                 return kv
             time.sleep(0.2)
+
+
+def tree_at(commit: str, paths: list[str]) -> Path:
+    """``paths`` of the repository at ``commit`` (``git archive``) in a temporary folder: a baseline tree
+    that a benchmark imports in its own process beside this one."""
+    folder = Path(tempfile.mkdtemp(prefix=f"pat-{commit}-"))
+    archive = subprocess.run(["git", "archive", commit, *paths], cwd=Path(__file__).resolve().parent.parent,
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder

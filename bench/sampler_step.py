@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from common import markdown_table, write_result
+from common import markdown_table, tree_at, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 VOCABS = (16384, 151936)
@@ -57,15 +57,6 @@ def make_logits(shape: str, rows: int, vocab: int, g: torch.Generator) -> torch.
         return torch.randn(rows, vocab, generator=g) * 3
     ranks = torch.stack([torch.randperm(vocab, generator=g) for _ in range(rows)]).float() + 1
     return -1.5 * torch.log(ranks) + 0.5 * torch.randn(rows, vocab, generator=g)
-
-
-def base_tree(commit: str) -> Path:
-    """The engine and kernels of ``commit`` in a temporary folder."""
-    folder = Path(tempfile.mkdtemp(prefix="sampler-base-"))
-    archive = subprocess.run(["git", "archive", commit, "pat_engine", "csrc"], cwd=REPO, check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
-    return folder
 
 
 def batch_for(module, case: dict, rows: int, vocab: int):
@@ -123,7 +114,7 @@ def main() -> None:
     if ns.measure:
         print(json.dumps(measure(ns.batch, ns.repeats)))
         return
-    trees = {"base": base_tree(ns.base), "new": REPO}
+    trees = {"base": tree_at(ns.base, ["pat_engine", "csrc"]), "new": REPO}
     scratch = Path(tempfile.mkdtemp(prefix="sampler-ext-"))
     runs: dict[str, list[dict]] = {"base": [], "new": []}
     for _ in range(ns.rounds):

@@ -46,9 +46,8 @@ def decode_case(lengths: list[int], heads: int, kv_heads: int, head_dim: int, bl
     lens = torch.tensor(lengths + [1] * padding_rows)
     pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g, dtype=torch.float64).to(dtype)
     q = torch.randn(len(lens), heads, head_dim, generator=g, dtype=torch.float64).to(dtype)
-    mask = (torch.arange(width * block_size)[None, :] < lens[:, None])[:, None, None, :]
     meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(0, dtype=torch.long), query_len=1,
-                             block_tables=tables, mask=mask, context_lens=lens)
+                             block_tables=tables, context_lens=lens)
     return q, pool, meta
 
 

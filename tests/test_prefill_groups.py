@@ -70,3 +70,29 @@ def test_grouped_prefill_equals_one_padded_call(model_dir, monkeypatch, dtype):
         tol = 1e-4 if dtype == torch.float32 else 5e-2
         torch.testing.assert_close(torch.tensor(grouped[1]), torch.tensor(single[1]), rtol=0, atol=tol)
         torch.testing.assert_close(grouped[2].float(), single[2].float(), rtol=tol, atol=tol)
+
+
+def test_the_torch_paths_mask_is_derived_on_the_device_as_the_host_built_it():
+    """Prefill steps no longer build their mask on the host (an 8 x 4K prefill's was 134 MB, copied to the GPU
+    for kernels that never read it); the torch path derives it from the lengths. Same booleans as the host
+    formula: query i of row b sees context j <= min(start_b + i, last_b), padding queries the last token's view."""
+    starts, lens, bs = torch.tensor([0, 5, 17, 3]), torch.tensor([7, 1, 4, 7]), 4
+    builder = step_inputs.StepInputBuilder(bs, torch.device("cpu"), 32)
+    seqs = [SeqStep(i, [1] * int(n), int(s), block_table=list(range(8 * i, 8 * i + 8)),
+                    sampling=SamplingSpec(0.0, -1, 1.0, 0, False))
+            for i, (s, n) in enumerate(zip(starts, lens))]
+    meta = builder.build(StepCommand(1, True, seqs), samples=False).attn
+    width = -(-int((starts + lens).max()) // bs)
+    query_len = int(lens.max())
+    last = starts + lens - 1
+    query_pos = torch.minimum(starts[:, None] + torch.arange(query_len)[None, :], last[:, None])
+    host = (torch.arange(width * bs)[None, None, :] <= query_pos[:, :, None])[:, None]  # the builder's old formula
+    parts = meta.parts or [meta]
+    assert len(parts) > 1  # ragged: groups, each its own mask
+    for part in parts:
+        rows = [int(r) for r in part.cached_lens.tolist()]  # a part's rows, told apart by their starts
+        idx = [starts.tolist().index(r) for r in rows]
+        got = part.torch_mask(part.block_tables.shape[1] * bs)
+        want = host[idx][:, :, : part.query_len, : got.shape[-1]]
+        assert torch.equal(got, want)
+        assert part.torch_mask(got.shape[-1]) is got  # built once, kept for the step's other layers

@@ -50,8 +50,7 @@ def _pool(lens: list[int], bs: int, kvh: int, d: int, dtype: torch.dtype, seed: 
 
 def _decode_meta(tables: torch.Tensor, lens: list[int], bs: int) -> AttentionMetadata:
     ctx = torch.tensor(lens, device=tables.device)
-    mask = (torch.arange(tables.shape[1] * bs, device=tables.device)[None, :] < ctx[:, None])[:, None, None, :]
-    return AttentionMetadata(False, torch.zeros(0, dtype=torch.long, device=tables.device), 1, tables, mask,
+    return AttentionMetadata(False, torch.zeros(0, dtype=torch.long, device=tables.device), 1, tables,
                              context_lens=ctx)
 
 

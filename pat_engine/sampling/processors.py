@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pat_engine.sampling.host import to_device
+from pat_engine.host_tensors import to_device
 
 
 @dataclass

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pat_engine.sampling import host
+from pat_engine.host_tensors import to_device
 from pat_engine.sampling.inverse_cdf import first_max, inverse_cdf, inverse_cdf_in_prefix, prefix_kernel_serves, weights
 from pat_engine.sampling.logprobs import greedy_logprobs, log_z, token_logprobs, top_logprobs
 from pat_engine.sampling.prefix import masked, prefixes
@@ -97,7 +97,7 @@ class SamplingBatch:
         banned_ids = [t for ids in (suppressed or ()) for t in ids]
 
         def tensor(values, dtype):
-            return host.to_device(values, dtype, device)
+            return to_device(values, dtype, device)
 
         return cls(
             sampled=tensor(rows, torch.long),
@@ -135,7 +135,7 @@ class SamplingBatch:
 
 
 def _rows_or_none(rows: list[int], device: torch.device | str) -> torch.Tensor | None:
-    return host.to_device(rows, torch.long, device) if rows else None
+    return to_device(rows, torch.long, device) if rows else None
 
 
 def _processor_rows(specs: list[SamplingSpec], histories: list[list[int] | None] | None, vocab: int,

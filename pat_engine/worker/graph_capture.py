@@ -250,7 +250,7 @@ class DecodeGraphs:
 
         def forward() -> torch.Tensor:
             attn = AttentionMetadata(is_prefill=False, slot_mapping=slots, query_len=1, block_tables=tables,
-                                     mask=None, context_lens=lens)  # the torch path derives its mask from lens
+                                     context_lens=lens)  # the torch path derives its mask from lens
             return model(ids, pos, ForwardContext(tp=tp, kv_caches=layers, attn=attn,
                                                   attn_backend=self.attention))  # (b, hidden)
 

@@ -2,7 +2,8 @@
 
 Prefill and decode share one geometry: each sequence of the step is one row of a padded
 batch with ``query_len`` query slots (1 in decode) over its whole context in the paged
-pool; ``mask[b, i, j]`` says that query ``i`` of row ``b`` sees context token ``j``.
+pool; query ``i`` of row ``b`` sees context token ``j`` when ``j <= cached_b + i`` (the torch
+path derives that mask on the device: ``AttentionMetadata.torch_mask``; no step builds it here).
 Decode batches are padded to a fixed set of sizes (``padded_batch_size``): the shapes a
 step can take are then few and known in advance (what CUDA-graph capture needs), and on
 the CPU the padding to a multiple of 4 rows happens once here instead of in every GEMM.
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from pat_engine.config import graph_ladder
+from pat_engine.host_tensors import host_table, host_tensor
 from pat_engine.model import cpu_gemm
 from pat_engine.model.layers.attention import AttentionMetadata
 from pat_engine.protocol import StepCommand
@@ -171,12 +173,10 @@ class StepInputBuilder:
         bs = self.block_size
         starts = [s.start_pos for s in cmd.seqs]
         width = -(-(max(starts) + 1) // bs)
-        ids = torch.zeros(rows, dtype=torch.long)
-        ids[:n] = torch.tensor([s.token_ids[0] for s in cmd.seqs])
-        pos = torch.zeros(rows, dtype=torch.long)
-        pos[:n] = torch.tensor(starts)
-        table = torch.zeros(rows, width, dtype=torch.long)
-        table[:n] = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables])
+        padding = [0] * (rows - n)
+        ids = host_tensor([s.token_ids[0] for s in cmd.seqs] + padding, torch.long)
+        pos = host_tensor(starts + padding, torch.long)
+        table = host_table(tables, width, rows)
         slots = table[torch.arange(n), pos[:n] // bs] * bs + pos[:n] % bs
         attn = self._decode_attention(slots, table, pos)  # padding rows see slot 0 only
         return StepInputs(self._bufs.fill("ids", ids), self._bufs.fill("pos", pos), attn, slice(0, n),
@@ -184,11 +184,11 @@ class StepInputBuilder:
 
     def _prefill(self, cmd: StepCommand, tables: list[list[int]], samples: bool) -> StepInputs:
         bs = self.block_size
-        lens = torch.tensor([len(s.token_ids) for s in cmd.seqs])
-        starts = torch.tensor([s.start_pos for s in cmd.seqs])
+        lens = host_tensor([len(s.token_ids) for s in cmd.seqs], torch.long)
+        starts = host_tensor([s.start_pos for s in cmd.seqs], torch.long)
         n = len(cmd.seqs)
         width = -(-int((starts + lens).max()) // bs)
-        table = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.long)
+        table = host_table(tables, width)
         row = torch.repeat_interleave(torch.arange(n), lens)  # (T,) the sequence of each packed token
         offset = torch.arange(row.numel()) - (torch.cumsum(lens, 0) - lens)[row]  # index inside its sequence
         pos = starts[row] + offset
@@ -199,7 +199,7 @@ class StepInputBuilder:
             attn = self._grouped_prefill_attention(slots, table, starts, lens, row, offset)
         last = torch.cumsum(lens, 0) - 1  # verify: every token's logits are sampled
         logits_rows = self._bufs.fill("logits_rows", torch.arange(row.numel()) if cmd.verify else last)
-        ids = torch.tensor([t for s in cmd.seqs for t in s.token_ids], dtype=torch.long)
+        ids = host_tensor([t for s in cmd.seqs for t in s.token_ids], torch.long)
         return StepInputs(self._bufs.fill("ids", ids), self._bufs.fill("pos", pos), attn, logits_rows,
                           self._sampling(cmd, samples))
 
@@ -208,7 +208,7 @@ class StepInputBuilder:
         (no mask: the torch path derives it from the context lengths, the paged kernels read those)."""
         return AttentionMetadata(
             is_prefill=False, slot_mapping=self._bufs.fill("slots", slots), query_len=1,
-            block_tables=self._bufs.fill("tables", table), mask=None, context_lens=self._bufs.fill("lens", pos + 1),
+            block_tables=self._bufs.fill("tables", table), context_lens=self._bufs.fill("lens", pos + 1),
         )
 
     def _grouped_prefill_attention(self, slots: torch.Tensor, table: torch.Tensor, starts: torch.Tensor,
@@ -219,7 +219,7 @@ class StepInputBuilder:
         unpadded = {"context_lens": self._bufs.fill("prefill_lens", starts + lens),  # for the varlen kernels
                     "cu_seqlens": self._bufs.fill("cu_seqlens", F.pad(torch.cumsum(lens, 0), (1, 0)))}
         if len(groups) == 1:
-            meta = self._prefill_attention(slots, table[:, :width], starts, lens, row, offset, width)
+            meta = self._prefill_attention(slots, table[:, :width], starts, lens, row, offset)
             return replace(meta, **unpadded)
         parts = []
         first = torch.cumsum(lens, 0) - lens  # each row's first packed token
@@ -229,26 +229,25 @@ class StepInputBuilder:
             tokens = torch.cat([torch.arange(int(first[r]), int(first[r] + lens[r])) for r in rows])
             local_row = torch.repeat_interleave(torch.arange(len(rows)), lens[idx])
             part = self._prefill_attention(slots, table[idx, :part_width], starts[idx], lens[idx], local_row,
-                                           offset[tokens], part_width, name=f"p{k}")
+                                           offset[tokens], name=f"p{k}")
             part.tokens = self._bufs.fill(f"p{k}tokens", tokens)
             parts.append(part)
         query_len = int(lens.max())  # the whole step's geometry, for the varlen kernels (no mask: nothing pads to it)
         return AttentionMetadata(is_prefill=True, slot_mapping=self._bufs.fill("slots", slots), query_len=query_len,
-                                 block_tables=self._bufs.fill("tables", table[:, :width]), mask=None,
+                                 block_tables=self._bufs.fill("tables", table[:, :width]),
                                  pad_index=self._bufs.fill("pad_index", row * query_len + offset), parts=parts,
                                  **unpadded)
 
     def _prefill_attention(self, slots: torch.Tensor, table: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
-                           row: torch.Tensor, offset: torch.Tensor, width: int, name: str = "") -> AttentionMetadata:
+                           row: torch.Tensor, offset: torch.Tensor, name: str = "") -> AttentionMetadata:
         """Each sequence one row of ``max(lens)`` query slots; ``pad_index`` places the packed tokens
-        (``row`` and ``offset``: each token's row and index inside it). ``name`` keeps a group's buffers apart."""
-        bs, query_len = self.block_size, int(lens.max())
-        # query i of row b sees context j <= start_b + i (padding queries: the row's last token's view)
-        last = starts + lens - 1
-        query_pos = torch.minimum(starts[:, None] + torch.arange(query_len)[None, :], last[:, None])  # (B, n)
-        mask = torch.arange(width * bs)[None, None, :] <= query_pos[:, :, None]  # (B, n, ctx)
+        (``row`` and ``offset``: each token's row and index inside it). ``name`` keeps a group's buffers apart.
+        No mask: the torch path derives it from ``cached_lens`` and ``context_lens`` on the device."""
+        query_len = int(lens.max())
         return AttentionMetadata(
             is_prefill=True, slot_mapping=self._bufs.fill("slots", slots), query_len=query_len,
-            block_tables=self._bufs.fill(name + "tables", table), mask=self._bufs.fill(name + "mask", mask[:, None]),
+            block_tables=self._bufs.fill(name + "tables", table),
             pad_index=self._bufs.fill(name + "pad_index", row * query_len + offset),
+            context_lens=self._bufs.fill(name + "context_lens", starts + lens),
+            cached_lens=self._bufs.fill(name + "cached_lens", starts),
         )

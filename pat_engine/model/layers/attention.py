@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -52,11 +52,13 @@ class AttentionMetadata:
 
     Every sequence of the step is one row of a padded batch: ``query_len`` query slots
     (1 in decode) over its context, which is read from the pool through ``block_tables``
-    (B, blocks); ``mask`` (B, 1, query_len, blocks * block_size) says which context
-    tokens each query sees (causal, and only the row's own tokens). One query a row (decode,
-    or prefill run as decode) needs no mask: the torch path derives it from ``context_lens``
-    only when it runs, so the paged kernels' steps (and their graphs) never build one. Prefill
-    packs its T new tokens; ``pad_index`` (T,) places each in the padded (B * query_len) layout.
+    (B, blocks); which context tokens each query sees (causal, and only the row's own tokens)
+    follows from ``context_lens`` and, in a prefill, ``cached_lens``. Only the torch path needs
+    that as a mask, (B, 1, query_len, blocks * block_size): it derives it on the device when it
+    first runs and keeps it for the step's other layers (``torch_mask``), so the paged kernels'
+    steps (and their graphs) never build one, and no prefill builds one on the host (8 x 4K: a
+    134 MB mask). Prefill packs its T new tokens; ``pad_index`` (T,) places each in the padded
+    (B * query_len) layout.
     Gathering whole blocks copies contiguous runs of ``block_size`` tokens, several
     times faster on CPU than gathering token by token. The paged kernels read
     ``context_lens`` (decode and prefill) and ``cu_seqlens`` (prefill, the varlen kernel)
@@ -67,15 +69,30 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # (N,) slot of each new token; N may be below the rows (decode padding)
     query_len: int
     block_tables: torch.Tensor
-    mask: torch.Tensor | None  # None for a prefill in parts, and for one query a row (see above)
     pad_index: torch.Tensor | None = None  # prefill only
     context_lens: torch.Tensor | None = None  # (B,) each row's context after this step (cached + new tokens)
+    cached_lens: torch.Tensor | None = None  # (B,) prefill: each row's tokens cached before this step
     cu_seqlens: torch.Tensor | None = None  # (B + 1,) prefill: row b's new tokens are packed rows cu[b] .. cu[b + 1]
     # prefill of ragged prompts on the torch path: rows of similar length run as separate padded groups
     # (each part's ``tokens`` says which of the step's packed tokens it holds; the whole step's ``mask``
     # is then None, its other fields still describe the whole step for the varlen kernels)
     parts: list["AttentionMetadata"] | None = None
     tokens: torch.Tensor | None = None  # in a part: (t,) indices into the step's packed tokens
+    _mask: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    def torch_mask(self, columns: int) -> torch.Tensor:
+        """(B, 1, query_len, columns) bool: query i of row b sees context token j when j <= cached_b + i
+        (a prefill's padding queries: the row's last token's view), or, one query a row, when
+        j < context_lens_b. Built on first use, on the lengths' device, and kept for the step."""
+        if self._mask is None:
+            cols = torch.arange(columns, device=self.context_lens.device)
+            if self.pad_index is None:  # one query a row: it sees its first context_lens tokens
+                self._mask = (cols[None, :] < self.context_lens[:, None])[:, None, None, :]
+            else:
+                steps = torch.arange(self.query_len, device=cols.device)
+                seen = torch.minimum(self.cached_lens[:, None] + steps[None, :], self.context_lens[:, None] - 1)
+                self._mask = (cols[None, None, :] <= seen[:, :, None])[:, None]
+        return self._mask
 
 
 @runtime_checkable
@@ -212,12 +229,8 @@ def gather_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
         qb = q.view(b, n, heads, hd)
     else:
         qb = q.new_zeros(b * n, heads, hd).index_copy_(0, meta.pad_index, q).view(b, n, heads, hd)
-    mask = meta.mask
-    if mask is None and meta.pad_index is None:  # one query a row: it sees its first context_lens tokens
-        cols = torch.arange(kv.shape[-2], device=q.device)
-        mask = (cols[None, :] < meta.context_lens[:, None]).view(b, 1, 1, -1)
     out = F.scaled_dot_product_attention(
-        qb.transpose(1, 2), kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=True
+        qb.transpose(1, 2), kv[0], kv[1], attn_mask=meta.torch_mask(kv.shape[-2]), scale=scale, enable_gqa=True
     )  # (B, h, n, hd)
     out = out.transpose(1, 2).reshape(b * n, heads, hd)
     return out if meta.pad_index is None else out.index_select(0, meta.pad_index)

@@ -1,0 +1,121 @@
+"""A decode step's input preparation on the host: this tree's ``StepInputBuilder.build`` against a base commit's.
+
+The worker turns each ``StepCommand`` into tensors (token ids, positions, the block table, KV slots,
+context lengths) and the sampling batch before the forward starts; on a GPU that host work runs while
+the device waits (the third H100 run: a batch-1 step 7.04 ms in process, its decode graph alone 5.96).
+Here the builder runs on the CPU at batch 1, 16, 64 and 256 with a 512-token context (a 33-block
+table per row), greedy and temperature 1 with log-probs, and once for prefills of 64 x 512 and 8 x 4096. Each round
+runs one process per tree, alternating (base, new, base, new, ...); the table gives the median of
+``--rounds``, each the median of ``--steps`` builds, and checks that both trees built the same tensors.
+
+    python bench/step_prepare.py            # writes bench/results/step_prepare.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from common import markdown_table, tree_at, write_result
+
+REPO = Path(__file__).resolve().parent.parent
+BATCHES = (1, 16, 64, 256)
+PREFILLS = ((64, 512), (8, 4096))  # issue 30's prefill shapes (one build each)
+CONTEXT, BLOCK, VOCAB = 512, 16, 128256
+CASES = {"greedy": dict(temperature=0.0, logprobs=False), "t=1 logprobs": dict(temperature=1.0, logprobs=True)}
+
+
+def _digest(step) -> str:
+    """What the step's tensors hold (inputs, attention metadata, sampling batch), as one hash."""
+    h = hashlib.sha1()
+    for t in (step.input_ids, step.positions, step.attn.slot_mapping, step.attn.block_tables, step.attn.context_lens):
+        h.update(t.cpu().numpy().tobytes())
+    if step.sampling is not None:
+        for t in vars(step.sampling).values():
+            if isinstance(t, torch.Tensor):
+                h.update(t.cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def measure(steps: int) -> dict:
+    """One round in this process, with whichever ``pat_engine`` its path gives: {row: [seconds, digest]}."""
+    from pat_engine.protocol import SeqStep, StepCommand
+    from pat_engine.sampling.spec import SamplingSpec
+    from pat_engine.worker.step_inputs import StepInputBuilder
+
+    torch.set_num_threads(1)
+    width = -(-(CONTEXT + steps + 1) // BLOCK)
+    out = {}
+    for case, kw in CASES.items():
+        spec = SamplingSpec(kw["temperature"], -1, 1.0, 7, kw["logprobs"])
+        for batch, length in PREFILLS:
+            builder = StepInputBuilder(BLOCK, torch.device("cpu"), VOCAB)
+            blocks = -(-length // BLOCK)
+            cmd = StepCommand(0, True, [SeqStep(i, [5] * length, 0, block_table=list(range(i * blocks, (i + 1) * blocks)),
+                                                sampling=spec) for i in range(batch)])
+            t = time.perf_counter()
+            step = builder.build(cmd, True)
+            out[f"{case}|prefill {batch} x {length}"] = [time.perf_counter() - t, _digest(step)]
+        for batch in BATCHES:
+            builder = StepInputBuilder(BLOCK, torch.device("cpu"), VOCAB)
+            prefill = StepCommand(0, True, [SeqStep(i, [5] * CONTEXT, 0, block_table=list(range(i * width, (i + 1) * width)),
+                                                    sampling=spec) for i in range(batch)])
+            builder.build(prefill, True)
+            times, digest = [], hashlib.sha1()
+            for k in range(steps):
+                cmd = StepCommand(k + 1, False, [SeqStep(i, [(i + k) % 1000], CONTEXT + k) for i in range(batch)])
+                t = time.perf_counter()
+                step = builder.build(cmd, True)
+                times.append(time.perf_counter() - t)
+                digest.update(_digest(step).encode())
+            out[f"{case}|decode batch {batch}"] = [statistics.median(times), digest.hexdigest()]
+    return out
+
+
+def run_round(tree: Path, steps: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(Path(__file__).parent)])}
+    done = subprocess.run([sys.executable, __file__, "--measure", "--steps", str(steps)], env=env, check=True,
+                          capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=200, help="decode builds per row and round (the median counts)")
+    p.add_argument("--base", default="e347249", help="the commit whose builder is the baseline")
+    p.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one round, JSON on stdout
+    ns = p.parse_args()
+    if ns.measure:
+        print(json.dumps(measure(ns.steps)))
+        return
+    trees = {"base": tree_at(ns.base, ["pat_engine"]), "new": REPO}
+    runs: dict[str, list[dict]] = {"base": [], "new": []}
+    for _ in range(ns.rounds):
+        for label, tree in trees.items():
+            runs[label].append(run_round(tree, ns.steps))
+    rows = []
+    for key in runs["new"][0]:
+        case, row = key.split("|")
+        base, new = (statistics.median(r[key][0] for r in runs[label]) * 1e6 for label in ("base", "new"))
+        same = len({r[key][1] for label in runs for r in runs[label]}) == 1
+        rows.append([row, case, f"{base:.0f}", f"{new:.0f}", f"{base / new:.2f}x", "yes" if same else "NO"])
+    body = (f"CPU builds (one torch thread), block {BLOCK}, {CONTEXT}-token contexts; median of {ns.rounds} "
+            f"interleaved rounds (one process per tree and round), each the median of {ns.steps} decode builds "
+            f"(a prefill: one build). `base`: the builder and sampling batch at commit {ns.base}; `new`: this "
+            "tree's. `same tensors`: every round of both trees built the same values.\n\n"
+            + markdown_table(["step", "sampling", "base us", "new us", "speed-up", "same tensors"], rows))
+    write_result("step_prepare", "A step's input preparation: this tree's builder against a base commit's", body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
