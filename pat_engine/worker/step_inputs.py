@@ -28,7 +28,7 @@ and the forward reads views, so it never waits on the host.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -219,8 +219,8 @@ class StepInputBuilder:
         unpadded = {"context_lens": self._bufs.fill("prefill_lens", starts + lens),  # for the varlen kernels
                     "cu_seqlens": self._bufs.fill("cu_seqlens", F.pad(torch.cumsum(lens, 0), (1, 0)))}
         if len(groups) == 1:
-            meta = self._prefill_attention(slots, table[:, :width], starts, lens, row, offset)
-            return replace(meta, **unpadded)
+            return self._prefill_attention(slots, table[:, :width], starts, lens, row, offset,
+                                           cu_seqlens=unpadded["cu_seqlens"], context_lens=unpadded["context_lens"])
         parts = []
         first = torch.cumsum(lens, 0) - lens  # each row's first packed token
         for k, rows in enumerate(groups):
@@ -239,15 +239,18 @@ class StepInputBuilder:
                                  **unpadded)
 
     def _prefill_attention(self, slots: torch.Tensor, table: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
-                           row: torch.Tensor, offset: torch.Tensor, name: str = "") -> AttentionMetadata:
+                           row: torch.Tensor, offset: torch.Tensor, name: str = "", cu_seqlens: torch.Tensor | None = None,
+                           context_lens: torch.Tensor | None = None) -> AttentionMetadata:
         """Each sequence one row of ``max(lens)`` query slots; ``pad_index`` places the packed tokens
-        (``row`` and ``offset``: each token's row and index inside it). ``name`` keeps a group's buffers apart.
-        No mask: the torch path derives it from ``cached_lens`` and ``context_lens`` on the device."""
+        (``row`` and ``offset``: each token's row and index inside it). ``name`` keeps a group's buffers apart;
+        ``context_lens`` on the device already (the whole step's) or built here (a group's). No mask: the
+        torch path derives it from ``cached_lens`` and ``context_lens`` on the device."""
         query_len = int(lens.max())
         return AttentionMetadata(
             is_prefill=True, slot_mapping=self._bufs.fill("slots", slots), query_len=query_len,
             block_tables=self._bufs.fill(name + "tables", table),
             pad_index=self._bufs.fill(name + "pad_index", row * query_len + offset),
-            context_lens=self._bufs.fill(name + "context_lens", starts + lens),
-            cached_lens=self._bufs.fill(name + "cached_lens", starts),
+            context_lens=context_lens if context_lens is not None else self._bufs.fill(name + "context_lens",
+                                                                                          starts + lens),
+            cached_lens=self._bufs.fill(name + "cached_lens", starts), cu_seqlens=cu_seqlens,
         )
