@@ -43,9 +43,8 @@ def decode_inputs(lengths: list[int], dtype: torch.dtype, seed: int = 0):
     lens = torch.tensor(lengths)
     pos = lens - 1
     slots = tables[torch.arange(b), pos // BLOCK] * BLOCK + pos % BLOCK
-    mask = (torch.arange(width * BLOCK)[None, :] <= pos[:, None])[:, None, None, :]
-    meta = AttentionMetadata(is_prefill=False, slot_mapping=slots, query_len=1, block_tables=tables, mask=mask,
-                             context_lens=lens)
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=slots, query_len=1, block_tables=tables,
+                             context_lens=lens)  # the torch path derives its mask from the lengths
     pools = [torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(dtype) for _ in range(LAYERS)]
     q = torch.randn(b, HEADS, HEAD_DIM, generator=g).to(dtype)
     kv = torch.randn(b, 2 * KV_HEADS, HEAD_DIM, generator=g).to(dtype)
