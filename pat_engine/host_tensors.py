@@ -1,9 +1,9 @@
 """Host lists as tensors, fast, and on their way to a device without waiting for it.
 
 A step's inputs start as Python lists (token ids, positions, block tables, sampling settings).
-``torch.tensor`` checks every element of a list one by one (64 x 33 block ids: ~260 us on the CI
-host, ~11 us for a 64-element list); an ``array`` of machine integers or doubles wrapped by
-``torch.frombuffer`` gives the same values several times faster (numpy for nested lists). On CUDA,
+``torch.tensor`` checks every element of a list one by one; an ``array`` of machine integers or
+doubles wrapped by ``torch.frombuffer`` gives the same values several times faster, and numpy does
+for nested lists (``bench/step_prepare.py`` measures the builder that uses them). On CUDA,
 ``torch.tensor(values, device="cuda")`` copies from pageable memory and waits for the stream, every
 kernel queued before it; ``to_device`` copies from pinned memory without blocking.
 """

@@ -89,7 +89,7 @@ class TurnLedger:
         lengths = [HEAD, len(seq)] if len(seq) >= HEAD else [len(seq)]
         digests = _prefix_digests(seq, lengths)
         rec = (len(seq), digests[len(seq)])
-        head = digests.get(HEAD) if len(seq) >= HEAD else None
+        head = digests.get(HEAD)  # None below HEAD tokens
         with self._lock:
             if version != self.version:
                 self._reset(version)

@@ -18,4 +18,3 @@ import torch
 def reads_are_free(x: torch.Tensor) -> bool:
     """Whether reading ``x``'s values on the host costs no device synchronisation (a CPU tensor)."""
     return x.device.type == "cpu"
-

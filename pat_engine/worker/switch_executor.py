@@ -212,7 +212,7 @@ class SwitchExecutor:
                 if m.src != me:
                     n = 2 * plan.runs[m.run].num_tokens * len(m.heads) * arch.head_dim
                     recvs[m.src] = recvs.get(m.src, 0) + n
-            recvs = {s: torch.empty(n, dtype=old_pool.dtype, device=old_layer.device) for s, n in recvs.items()}
+            recvs = {s: torch.empty(n, dtype=old_layer.dtype, device=old_layer.device) for s, n in recvs.items()}
             live = sum(_nbytes(b) for b in list(bufs.values()) + list(recvs.values())) + (_nbytes(local) if local is not None else 0)
             meter.add(live)
             del flat, old_layer  # packed: the old layer's memory becomes the new layer (the pool's is the last reference)

@@ -74,8 +74,8 @@ class AttentionMetadata:
     cached_lens: torch.Tensor | None = None  # (B,) prefill: each row's tokens cached before this step
     cu_seqlens: torch.Tensor | None = None  # (B + 1,) prefill: row b's new tokens are packed rows cu[b] .. cu[b + 1]
     # prefill of ragged prompts on the torch path: rows of similar length run as separate padded groups
-    # (each part's ``tokens`` says which of the step's packed tokens it holds; the whole step's ``mask``
-    # is then None, its other fields still describe the whole step for the varlen kernels)
+    # (each part's ``tokens`` says which of the step's packed tokens it holds; the whole step's fields
+    # still describe the whole step for the varlen kernels)
     parts: list["AttentionMetadata"] | None = None
     tokens: torch.Tensor | None = None  # in a part: (t,) indices into the step's packed tokens
     _mask: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
