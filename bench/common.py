@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import shlex
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from pat_engine.platform_info import machine_summary
 from pat_engine.tiny_model import TinyModelSpec
@@ -76,3 +78,19 @@ def tree_at(commit: str, paths: list[str]) -> Path:
                              check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
     return folder
+
+
+def alternating_rounds(script: str, trees: dict[str, Path], rounds: int, args: list[str],
+                       env_for: Callable[[str, Path], dict[str, str]] | None = None) -> dict[str, list[dict]]:
+    """Run ``script --measure *args`` once per tree and round, the trees alternating (base, new, base, new,
+    ...) on this noisy shared host; each run imports its tree (``PYTHONPATH``: the tree and bench/, or what
+    ``env_for(label, tree)`` gives) and prints one JSON line last. Returns each tree's runs by label."""
+    runs: dict[str, list[dict]] = {label: [] for label in trees}
+    for _ in range(rounds):
+        for label, tree in trees.items():
+            env = {"PYTHONPATH": os.pathsep.join([str(tree), str(Path(__file__).parent)])}
+            env.update(env_for(label, tree) if env_for else {})
+            done = subprocess.run([sys.executable, script, "--measure", *args], env={**os.environ, **env},
+                                  check=True, capture_output=True, text=True)
+            runs[label].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return runs

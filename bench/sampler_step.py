@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from common import markdown_table, tree_at, write_result
+from common import alternating_rounds, markdown_table, tree_at, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 VOCABS = (16384, 151936)
@@ -95,14 +94,6 @@ def measure(batch: int, repeats: int) -> dict:
     return out
 
 
-def run_round(tree: Path, extensions: Path, batch: int, repeats: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "csrc"), str(Path(__file__).parent)]),
-           "TORCH_EXTENSIONS_DIR": str(extensions)}
-    done = subprocess.run([sys.executable, __file__, "--measure", "--batch", str(batch), "--repeats", str(repeats)],
-                          env=env, check=True, capture_output=True, text=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=96)
@@ -116,10 +107,13 @@ def main() -> None:
         return
     trees = {"base": tree_at(ns.base, ["pat_engine", "csrc"]), "new": REPO}
     scratch = Path(tempfile.mkdtemp(prefix="sampler-ext-"))
-    runs: dict[str, list[dict]] = {"base": [], "new": []}
-    for _ in range(ns.rounds):
-        for label, tree in trees.items():
-            runs[label].append(run_round(tree, scratch / label, ns.batch, ns.repeats))
+
+    def env_for(label: str, tree: Path) -> dict[str, str]:  # each tree's C++ kernel, built into its own folder
+        return {"PYTHONPATH": os.pathsep.join([str(tree), str(tree / "csrc"), str(Path(__file__).parent)]),
+                "TORCH_EXTENSIONS_DIR": str(scratch / label)}
+
+    runs = alternating_rounds(__file__, trees, ns.rounds, ["--batch", str(ns.batch), "--repeats", str(ns.repeats)],
+                              env_for)
 
     def ms(label: str, key: str) -> float:
         return statistics.median(r[key][0] for r in runs[label]) * 1e3

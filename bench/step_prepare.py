@@ -16,16 +16,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from common import markdown_table, tree_at, write_result
+from common import alternating_rounds, markdown_table, tree_at, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 BATCHES = (1, 16, 64, 256)
@@ -81,13 +79,6 @@ def measure(steps: int) -> dict:
     return out
 
 
-def run_round(tree: Path, steps: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(Path(__file__).parent)])}
-    done = subprocess.run([sys.executable, __file__, "--measure", "--steps", str(steps)], env=env, check=True,
-                          capture_output=True, text=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
@@ -99,10 +90,7 @@ def main() -> None:
         print(json.dumps(measure(ns.steps)))
         return
     trees = {"base": tree_at(ns.base, ["pat_engine"]), "new": REPO}
-    runs: dict[str, list[dict]] = {"base": [], "new": []}
-    for _ in range(ns.rounds):
-        for label, tree in trees.items():
-            runs[label].append(run_round(tree, ns.steps))
+    runs = alternating_rounds(__file__, trees, ns.rounds, ["--steps", str(ns.steps)])
     rows = []
     for key in runs["new"][0]:
         case, row = key.split("|")
