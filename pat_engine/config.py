@@ -112,6 +112,13 @@ class EngineConfig:
     graph_backend: str = "auto"
     max_graph_batch: int = DEFAULT_MAX_GRAPH_BATCH
 
+    # async scheduling (docs/async_scheduling.md, vLLM's --async-scheduling, SGLang's overlap scheduler): a
+    # decode step is sent before the one in flight is answered, its tokens taken from that step's draw on
+    # the device, so the device does not wait for the driver between steps. Decode steps only; off with
+    # speculative decoding, logit processors, and whenever a prefill could start. Tokens and log-probs are the
+    # synchronous schedule's (a row ended by a stop token runs once more and its token is dropped)
+    async_scheduling: bool = False
+
     # speculative decoding of small batches without a draft model (docs/speculative.md); off by default.
     # Engine(speculative=True) or a dict of SpeculativeConfig fields turns it on
     speculative: SpeculativeConfig = SpeculativeConfig()

@@ -19,7 +19,7 @@ from pat_engine.core.request import Sequence
 from pat_engine.model.arch import load_model_arch
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.layout import Layout
-from pat_engine.protocol import StepCommand, StepResult
+from pat_engine.protocol import AnswerHeld, StepCommand, StepResult
 from pat_engine.sampling.params import SamplingParams
 from pat_engine.worker.graph_capture import GraphSettings
 from pat_engine.worker.infer_executor import InferExecutor
@@ -41,7 +41,9 @@ class LocalPool:
         self.pending: list[tuple[int, StepCommand]] = []
         self.steps: list[StepCommand] = []
 
-    def send(self, ranks: list[int], msg: StepCommand) -> None:
+    def send(self, ranks: list[int], msg: StepCommand | AnswerHeld) -> None:
+        if isinstance(msg, AnswerHeld):  # these executors answer every step at once: nothing is held
+            return
         self.steps.append(msg)
         self.pending.append((self.layout.group_of(ranks[0]), msg))
 

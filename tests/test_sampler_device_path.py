@@ -96,3 +96,20 @@ def test_on_cuda_a_step_builds_its_batch_and_draws_without_waiting_for_the_strea
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert out.to_host().tokens == out.tokens.tolist() and len(out.tokens) == 12
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_draws_transfer_does_not_wait_for_work_queued_after_it():
+    """Async scheduling launches step N+1 before reading step N's draw: the read must wait for N's copy
+    only (``start_transfer`` queues it behind N's kernels, an event marks its end), not for N+1."""
+    logits = torch.randn(8, 1000, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    out = sample_on_device(logits, SamplingBatch.build(_specs(8), list(range(8)), device="cuda"))
+    transfer = out.start_transfer()
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(200):  # the next step: far longer than the copy
+        a = a @ a * 1e-3
+    got = transfer.result()
+    still_running = not torch.cuda.current_stream().query()
+    assert got.tokens == out.tokens.tolist()
+    assert still_running, "reading the draw waited for the work queued after its transfer"

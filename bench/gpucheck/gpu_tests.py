@@ -4,7 +4,7 @@ One pytest process per file, so a file's failures are reported (pytest prints th
 before a slow file later on meets the time limit; each file's whole output is kept in the part's log
 folder. The co-located switch tests go last: they are the slowest. ``--quick`` runs two selections only
 (``QUICK``): issue 30's tokens-unchanged test and the float32 co-located switch, which failed on the second
-H100 run with its message lost."""
+H100 run with its message lost (``--quick``'s decode part checks async scheduling's tokens)."""
 
 from __future__ import annotations
 

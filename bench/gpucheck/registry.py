@@ -38,7 +38,7 @@ PARTS: tuple[Part, ...] = (
     Part("kernels", "Kernels per decode step (torch.profiler, Llama-3-8B shape, bf16)", "kernels",
          25, 40, 180, 400),
     Part("prefill", "Packed varlen prefill vs the measured bf16 GEMM throughput", "prefill", 25, 40, 150, 300),
-    Part("decode", "TP1 decode vs the HBM roofline and the streamed-bytes floor", "decode", 40, 150, 180, 480),
+    Part("decode", "TP1 decode vs the HBM roofline and the streamed-bytes floor", "decode", 55, 200, 200, 560),
     Part("profile", "pat-profile --emulate-world 8 (graphs on, median step)", "emulated_profile", 40, 40, 150, 480),
     Part("switch", "The live switch on one GPU, ranks sharing it: phases, collectives, controller", "switch",
          45, 330, 150, 560, needs_checkpoint=False),  # writes its own 2.5 GB checkpoint (1B shape)

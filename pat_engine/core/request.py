@@ -114,7 +114,7 @@ class Sequence:
             self.finish("stop", stop_reason=token)
         elif matched is not None:
             self.finish("stop", stop_reason=matched)
-        elif n >= p.max_new_tokens or self.length >= self.max_len:
+        elif self.ends_by_length():
             self.finish("length")
 
     def finish(self, reason: str, error: str | None = None, stop_reason: int | str | None = None) -> None:
@@ -163,9 +163,16 @@ class Sequence:
                     spans.append((version, start, end))
         return spans
 
-    def suppressed_now(self) -> tuple[int, ...]:
-        """Token ids the next draw may not take (EOS and stop ids before min_new_tokens)."""
-        if len(self.output_ids) >= self.params.min_new_tokens:
+    def ends_by_length(self, pending: int = 0) -> bool:
+        """Whether it is at its length limit (``max_new_tokens`` or the context) once ``pending`` more
+        tokens are appended: known before their values are (async scheduling)."""
+        return (len(self.output_ids) + pending >= self.params.max_new_tokens
+                or self.length + pending >= self.max_len)
+
+    def suppressed_now(self, pending: int = 0) -> tuple[int, ...]:
+        """Token ids the next draw may not take (EOS and stop ids before min_new_tokens); ``pending``:
+        tokens drawn before it that are not appended yet (async scheduling)."""
+        if len(self.output_ids) + pending >= self.params.min_new_tokens:
             return ()
         return tuple(self.eos_ids) + self.params.stop_token_ids if not self.params.ignore_eos else self.params.stop_token_ids
 

@@ -15,6 +15,13 @@ its sequences (a verify step). Their draft tokens' blocks are taken only from fr
 blocks (nobody is preempted for a guess); after the result, blocks beyond the accepted
 tokens go back to the pool and the workers cut their tables to match
 (``StepCommand.truncated``), so a sequence's table always covers its length and no more.
+
+Async scheduling (docs/async_scheduling.md): while a decode step is in flight, the step after it
+can be built already (``schedule_following``): every sequence one position further, its token the
+one the step in flight draws for it. It is built only when it is the decode step the synchronous
+schedule would run next, give or take the sequences the in-flight step will end by a stop token
+(their row runs once more, its token is dropped): no prefill could start now (nobody waits, or the
+blocks and the sequence limit keep the waiting out) and no block has to be taken from anyone.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Callable, Hashable
 
 from pat_engine.core.block_pool import BlockPool, blocks_needed
 from pat_engine.core.request import Sequence, SeqStatus
-from pat_engine.protocol import SeqStep, StepCommand, StepResult
+from pat_engine.protocol import PENDING_TOKEN, SeqStep, StepCommand, StepResult
 
 DraftFn = Callable[[list[Sequence]], dict[int, list[int]]]  # a decode batch -> seq_id -> drafted tokens
 
@@ -159,6 +166,42 @@ class GroupScheduler:
                 batch.append(seq)
         return batch
 
+    def schedule_following(self, prev: StepCommand, prev_batch: list[Sequence],
+                           hold: bool = False) -> tuple[StepCommand, list[Sequence]] | None:
+        """The decode step after ``prev`` (a decode step in flight), built before its tokens are known;
+        None where it might not be the synchronous schedule's next step, or nothing would run."""
+        if sum(not s.finished for s in prev_batch) != len(self.running) or self.can_admit_now():
+            return None  # someone runs who is not in ``prev``, or a prefill may start: it goes first
+        rows = [r for r, seq in enumerate(prev_batch) if not seq.finished and not seq.ends_by_length(pending=1)]
+        if not rows:
+            return None
+        # position seq.length (the token in flight) is written by this step
+        need = [blocks_needed(prev_batch[r].length + 1, self.block_size) - len(prev_batch[r].block_table) for r in rows]
+        if not self.blocks.can_allocate(sum(n for n in need if n > 0)):
+            return None  # the synchronous schedule would preempt someone
+        steps, batch = [], []
+        for r, n in zip(rows, need):
+            seq = prev_batch[r]
+            if n > 0:
+                seq.block_table += self.blocks.allocate(n)
+            steps.append(SeqStep(seq.seq_id, [PENDING_TOKEN], seq.length, new_blocks=seq.block_table[seq.blocks_sent:],
+                                 suppressed=seq.suppressed_now(pending=1), drawn_row=r))
+            seq.blocks_sent = len(seq.block_table)
+            batch.append(seq)
+        self.decode_steps += 1
+        return self._new_command(False, steps, follows=prev.step_id, hold=hold), batch
+
+    def can_admit_now(self) -> bool:
+        """Whether a prefill step would admit a waiting sequence now (read-only): the first one not
+        held for its sibling's prefill, if the sequence limit and the free blocks allow it."""
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        seq = next((s for s in self.waiting if not s.waits_for_sibling()), None)
+        if seq is None:
+            return False
+        cached = self.cached_tokens(seq) // self.block_size
+        return self.blocks.can_allocate(blocks_needed(seq.length, self.block_size) - cached)
+
     def _reserve_drafts(self, batch: list[Sequence], drafts: dict[int, list[int]]) -> dict[int, list[int]]:
         """Blocks for the draft tokens' KV (positions length .. length + k - 1), from free blocks only;
         a draft that does not fit is shortened to what the sequence's blocks already hold. The step's
@@ -216,10 +259,14 @@ class GroupScheduler:
                 steps.append(SeqStep(seq.seq_id, [seq.last_token] + drafts.get(seq.seq_id, []), seq.length - 1,
                                      new_blocks=seq.block_table[seq.blocks_sent:], suppressed=seq.suppressed_now()))
             seq.blocks_sent = len(seq.block_table)
+        return self._new_command(is_prefill, steps, verify=bool(drafts))
+
+    def _new_command(self, is_prefill: bool, steps: list[SeqStep], **flags) -> StepCommand:
+        """The next step id, with the tables to drop and cut that the workers have not been told yet."""
         self._step_id += 1
         released, self._released = self._released, []
         truncated, self._truncated = self._truncated, []
-        return StepCommand(self._step_id, is_prefill, steps, released, verify=bool(drafts), truncated=truncated)
+        return StepCommand(self._step_id, is_prefill, steps, released, truncated=truncated, **flags)
 
     def on_result(self, batch: list[Sequence], is_prefill: bool, result: StepResult) -> list[Sequence]:
         """Apply one step's sampled tokens; returns the sequences that finished.

@@ -11,6 +11,12 @@ picked here (per group) rather than by each group's leader, and sent to every ra
 the group directly. With all request state in one place the switch needs no gathering
 of queues from leaders, and no per-step TP broadcast is needed.
 
+With ``async_scheduling`` a group may have a second decode step in flight (``ahead``): sent right
+behind the one in flight, its tokens that step's draw (``GroupScheduler.schedule_following``). When the
+first is answered the second takes its place, and the next dispatch sends the one after it, or, when
+none may go, tells the ranks to answer the step they hold (``AnswerHeld``; on a GPU a rank holds a step's
+answer until the next step is launched, so the device never waits for the driver between the two).
+
 Runs in the loop thread: methods marked ``on_loop`` may be called from any thread.
 """
 
@@ -30,7 +36,7 @@ from pat_engine.errors import WorkerFailure, last_traceback_line
 from pat_engine.parallel.dp_placement import PlacementRule
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.policy import ClusterStatus, GroupSnapshot, RequestSnapshot
-from pat_engine.protocol import StepResult
+from pat_engine.protocol import AnswerHeld, StepCommand, StepResult
 from pat_engine.protocol.calls import BandwidthProbe, Reply, Stats
 from pat_engine.speculative.manager import Speculation
 
@@ -54,6 +60,12 @@ class Stepping:
         self.stage_decode_steps = 0  # set before the first install_layout, which copies it into the groups
         self.generated_tokens = 0  # over the engine's life (the timeline's tokens/s)
         self.inflight: dict[int, InFlight] = {}
+        self.ahead: dict[int, InFlight] = {}  # async scheduling: the step sent behind a group's step in flight
+        self.async_scheduling = config.async_scheduling  # (tests run one engine both ways)
+        # ranks hold each following step's answer until their next message (a GPU never waits for the driver;
+        # a CPU rank answers at once, its draw is on the host already)
+        self.hold_answers = config.device != "cpu"
+        self._held: set[int] = set()  # groups whose step in flight is held on its ranks, not released yet
         self.install_layout(layout, self.new_schedulers(layout))
         self.seqs: dict[int, Sequence] = {}  # unfinished, by seq id
         self.step_log: list[StepRecord] | None = None  # set to a list to record every step
@@ -81,14 +93,15 @@ class Stepping:
         # are consulted only when it grows, so new groups starting at 0 would silence both for a while
         for sched in self.schedulers:
             sched.decode_steps = self.stage_decode_steps
-        self.inflight = {}
+        self.inflight, self.ahead, self._held = {}, {}, set()
         self._decode_ema: dict[int, float] = {}
+        self._answered_at: dict[int, float] = {}  # each group's last answer (a following step's start)
 
     def restart(self, pool: WorkerPool, layout: Layout) -> list[Sequence]:
         """Adopt a fresh worker world: every unfinished request is queued again for recompute."""
         self.pool = pool
         seqs = sorted(self.seqs.values(), key=lambda s: s.seq_id)
-        self.inflight = {}  # the old world's steps will never answer
+        self.inflight, self.ahead = {}, {}  # the old world's steps will never answer
         self.install_layout(layout, self.new_schedulers(layout))
         families: dict[int, list[Sequence]] = {}  # the samples of one prompt stay together
         for seq in seqs:
@@ -173,7 +186,8 @@ class Stepping:
     def step_members(self, rank: int | None) -> list[Sequence]:
         """Unfinished requests in the steps in flight on ``rank``'s DP group (every group's when None)."""
         groups = [g for g in self.inflight if rank is None or rank in self.layout.group_ranks(g)]
-        return [s for g in groups for s in self.inflight[g].batch if s.seq_id in self.seqs]
+        flights = [f for g in groups for f in (self.inflight[g], self.ahead.get(g)) if f is not None]
+        return list({s.seq_id: s for f in flights for s in f.batch if s.seq_id in self.seqs}.values())
 
     def has_work(self) -> bool:
         return bool(self.inflight) or any(s.has_work() for s in self.schedulers)
@@ -212,6 +226,7 @@ class Stepping:
         """Dispatch idle groups (when ``dispatch``), then handle whatever results arrive within ``timeout``."""
         if dispatch:
             self._dispatch()
+        self._release_held()
         for msg in self.pool.poll(timeout, [wake] if wake is not None else None):
             self._handle(msg)
         self._check_step_timeouts()
@@ -220,6 +235,7 @@ class Stepping:
         """Wait for every in-flight step and apply its results: the step boundary a switch, a pause,
         a weight update or a memory release needs."""
         while self.inflight:
+            self._release_held()
             for msg in self.pool.poll(1.0):
                 self._handle(msg)
             self._check_step_timeouts()
@@ -235,16 +251,45 @@ class Stepping:
 
     def _dispatch(self) -> None:
         for g, sched in enumerate(self.schedulers):
-            if g in self.inflight:
+            flight = self.inflight.get(g)
+            if flight is not None:  # async scheduling: the step after it, if it may go now
+                if g not in self.ahead and (follower := self._following(g, flight)) is not None:
+                    self._send_ahead(g, *follower)
                 continue
             drafts = self._draft_fn()
             item = sched.schedule(drafts)
             if item is None:
                 continue
             cmd, batch = item
+            flight = InFlight(cmd, batch, time.monotonic(), len(self.inflight) + 1,
+                              drafts is not None and not cmd.is_prefill)
+            follower = self._following(g, flight)
+            cmd.hold = follower is not None and self.hold_answers  # released by the follower, sent next
             self.pool.send(self.layout.group_ranks(g), cmd)
-            self.inflight[g] = InFlight(cmd, batch, time.monotonic(), len(self.inflight) + 1,
-                                        drafts is not None and not cmd.is_prefill)
+            self.inflight[g] = flight
+            if follower is not None:
+                self._send_ahead(g, *follower)
+
+    def _following(self, g: int, flight: InFlight) -> tuple[StepCommand, list[Sequence]] | None:
+        """The step to send behind ``flight`` (async scheduling), or None where it may not go: a prefill,
+        a verify step, speculation on, or a row with logit processors (its history lives on the host)."""
+        cmd = flight.cmd
+        if (not self.async_scheduling or cmd.is_prefill or cmd.verify or self.speculation is not None
+                or any(s.sampling.has_penalties for s in flight.batch)):
+            return None
+        return self.schedulers[g].schedule_following(cmd, flight.batch, hold=self.hold_answers)
+
+    def _send_ahead(self, g: int, cmd: StepCommand, batch: list[Sequence]) -> None:
+        """Send a following step; the rank holding the answer of the step it follows launches it, then answers."""
+        self.pool.send(self.layout.group_ranks(g), cmd)
+        self.ahead[g] = InFlight(cmd, batch, time.monotonic(), len(self.inflight))
+        self._held.discard(g)
+
+    def _release_held(self) -> None:
+        """Groups whose held step no following step will release: their ranks answer it now."""
+        for g in self._held:
+            self.pool.send(self.layout.group_ranks(g), AnswerHeld(self.inflight[g].cmd.step_id))
+        self._held.clear()
 
     def _handle(self, msg: StepResult | Reply) -> None:
         if isinstance(msg, Reply):
@@ -252,13 +297,17 @@ class Stepping:
                 raise WorkerFailure(f"rank {msg.rank} failed during a step: {last_traceback_line(msg.error)}\n{msg.error}",
                                     rank=msg.rank)
             return
-        flight = self.inflight.pop(msg.group, None)
+        flight = self.inflight.get(msg.group)
         if flight is None or flight.cmd.step_id != msg.step_id:
             return  # a stale answer from before a restart
-        self.last_step_at = time.monotonic()
+        self._promote_ahead(msg.group)
+        now = self.last_step_at = time.monotonic()
         sched = self.schedulers[msg.group]
         is_prefill = flight.cmd.is_prefill
-        elapsed = time.monotonic() - flight.sent_at
+        # a following step starts on its ranks when the step before it ends (one answer earlier)
+        started = max(flight.sent_at, self._answered_at.get(msg.group, 0.0)) if flight.cmd.follows is not None \
+            else flight.sent_at
+        elapsed, self._answered_at[msg.group] = now - started, now
         new_tokens = sum(len(s.token_ids) for s in flight.cmd.seqs)
         if is_prefill:  # a prefill's time never enters the decode average, watcher or not
             if self.watcher is not None:
@@ -271,6 +320,7 @@ class Stepping:
                 self.timeline.now(), self.layout.tp, self.layout.dp, msg.group, is_prefill, len(flight.batch),
                 sum(s.start_pos + len(s.token_ids) for s in flight.cmd.seqs), new_tokens,
                 elapsed, msg.forward_seconds, flight.busy_groups, msg.head_seconds, msg.sample_seconds))
+        applied = [not s.finished for s in flight.batch]  # a row of a request that ended meanwhile is dropped
         finished = sched.on_result(flight.batch, is_prefill, msg)
         counts = msg.counts or [1] * len(flight.batch)  # tokens each request gained (more after a verify step)
         if self.speculation is not None and not is_prefill:
@@ -282,12 +332,21 @@ class Stepping:
         for seq in finished:
             self.seqs.pop(seq.seq_id, None)
             self._left(seq)
-        self.generated_tokens += sum(counts)
+        self.generated_tokens += sum(n for n, kept in zip(counts, applied) if kept)
         steps = max(s.decode_steps for s in self.schedulers)
         if not is_prefill and steps > self.stage_decode_steps:
             self.stage_decode_steps = steps
             if self.watcher is not None:
                 self.watcher.decode_steps_grew(steps)
+
+    def _promote_ahead(self, g: int) -> None:
+        """Group ``g``'s step in flight was answered: the step sent behind it (if any) takes its place."""
+        self.inflight.pop(g)
+        ahead = self.ahead.pop(g, None)
+        if ahead is not None:
+            self.inflight[g] = ahead
+            if ahead.cmd.hold:
+                self._held.add(g)  # the next dispatch sends its follower, else _release_held
 
     @on_loop
     def set_step_log(self, step_log: list[StepRecord] | None) -> None:

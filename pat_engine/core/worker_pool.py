@@ -28,7 +28,7 @@ from pat_engine.config import EngineConfig
 from pat_engine.errors import WorkerFailure, last_traceback_line
 from pat_engine.parallel.devices import DevicePlacement, visible_devices
 from pat_engine.parallel.layout import Layout
-from pat_engine.protocol import StepCommand, StepResult, WorkerArgs
+from pat_engine.protocol import AnswerHeld, StepCommand, StepResult, WorkerArgs
 from pat_engine.protocol.calls import Call, Reply, Shutdown, WorkerCall
 import torch.multiprocessing  # noqa: F401  (registers the shared-memory pickling of tensors)
 
@@ -115,10 +115,10 @@ class WorkerPool:
 
     # ---- messaging ----------------------------------------------------------------------
 
-    def send(self, ranks: list[int], msg: StepCommand | Call) -> None:
+    def send(self, ranks: list[int], msg: StepCommand | AnswerHeld | Call) -> None:
         # A step is pickled once for the whole group. A call may carry tensors, which travel as
         # shared-memory handles that each receiver consumes once, so it is pickled per rank.
-        once = bytes(ForkingPickler.dumps(msg)) if isinstance(msg, StepCommand) else None
+        once = bytes(ForkingPickler.dumps(msg)) if isinstance(msg, (StepCommand, AnswerHeld)) else None
         for r in ranks:
             data = once if once is not None else bytes(ForkingPickler.dumps(msg))
             try:

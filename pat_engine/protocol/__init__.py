@@ -4,7 +4,7 @@ The driver (``pat_engine.core``) and the workers (``pat_engine.worker``) both
 import this package and never each other, so the boundary is visible in the
 imports: core -> protocol <- worker.
 
-- ``steps``: the hot path (``StepCommand`` out, ``StepResult`` back).
+- ``steps``: the hot path (``StepCommand`` and ``AnswerHeld`` out, ``StepResult`` back).
 - ``calls``: control calls, one dataclass each (in a ``Call`` envelope out, a ``Reply`` back from every
   addressed rank; the worker picks its handler by the call's type, and the call's ``ReplyRule`` folds
   the ranks' answers into one). Imported from ``pat_engine.protocol.calls``, their one home: a new
@@ -14,7 +14,7 @@ imports: core -> protocol <- worker.
 """
 
 from pat_engine.protocol.startup import WorkerArgs
-from pat_engine.protocol.steps import PromptLogprobs, SeqStep, StepCommand, StepResult
+from pat_engine.protocol.steps import PENDING_TOKEN, AnswerHeld, PromptLogprobs, SeqStep, StepCommand, StepResult
 from pat_engine.protocol.switch import SeqTable, SwitchPlan, SwitchReport
 
-__all__ = ["PromptLogprobs", "SeqStep", "StepCommand", "SeqTable", "StepResult", "SwitchPlan", "SwitchReport", "WorkerArgs"]
+__all__ = ["PENDING_TOKEN", "AnswerHeld", "PromptLogprobs", "SeqStep", "StepCommand", "SeqTable", "StepResult", "SwitchPlan", "SwitchReport", "WorkerArgs"]

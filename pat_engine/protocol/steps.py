@@ -7,6 +7,13 @@ sequence's table (nano-vllm sends the same minimum).
 A verify step (speculative decoding, docs/speculative.md) is a decode step whose rows
 may carry drafted tokens after the last one: every position of a row is sampled, and
 TP rank 0 answers with the accepted tokens plus one more (``StepResult.counts``).
+
+Async scheduling (docs/async_scheduling.md): a decode step may be sent before the step it
+``follows`` has been answered. Its rows' tokens are not known to the driver yet: each row names the
+row of the followed step whose draw it runs (``SeqStep.drawn_row``), and the ranks take that token from
+the draw still on the device. A step sent with ``hold`` is answered once the rank has read its next
+message (the step that follows it, launched first, or ``AnswerHeld``), so a GPU never waits for the
+driver between the two.
 """
 
 from __future__ import annotations
@@ -28,6 +35,11 @@ class SeqStep:
     suppressed: tuple[int, ...] = ()  # token ids not allowed this step (EOS before min_new_tokens)
     context: list[int] | None = None  # prefill of a sequence with penalties: its tokens before start_pos
     prompt_logprobs: int | None = None  # prefill from position 0: also return prompt log-probs (top k)
+    drawn_row: int | None = None  # a step that follows another: the row of that step whose draw is this
+    # row's token (``token_ids`` then holds ``PENDING_TOKEN``)
+
+
+PENDING_TOKEN = -1  # a token drawn by a step whose answer the driver has not read yet (``SeqStep.drawn_row``)
 
 
 @dataclass
@@ -39,6 +51,15 @@ class StepCommand:
     verify: bool = False  # a decode step sampled at every position of every row (rows with drafts)
     # (seq_id, n): cut the sequence's table to its first n blocks before this step (rejected drafts' blocks)
     truncated: list[tuple[int, int]] = field(default_factory=list)
+    follows: int | None = None  # sent before step ``follows`` of this group was answered: rows run its draw
+    hold: bool = False  # answer only after the next message for this group arrived (it follows, or releases)
+
+
+@dataclass
+class AnswerHeld:
+    """No step follows ``step_id`` for now: a rank holding its answer (``StepCommand.hold``) sends it."""
+
+    step_id: int
 
 
 @dataclass

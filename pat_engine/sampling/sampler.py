@@ -218,17 +218,46 @@ class DeviceSample:
 
     def to_host(self) -> Sampled:
         """Everything in one transfer: ids as float64 (exact below 2**53) beside the log-probs."""
+        return self.start_transfer().result()
+
+    def start_transfer(self) -> "HostTransfer":
+        """Queue the transfer now, right behind the step's kernels: a step launched after this one (async
+        scheduling) does not delay it. On a GPU the copy lands in pinned memory, an event marks its end."""
         cols = [self.tokens.double().unsqueeze(1)]
         if self.logprobs is not None:
             cols.append(self.logprobs.unsqueeze(1))
         if self.top is not None:
             cols += [self.top[1].double(), self.top[0]]
-        rows = torch.cat(cols, dim=1).tolist()
+        packed = torch.cat(cols, dim=1)
+        k = self.top[1].shape[1] if self.top is not None else None
+        if packed.device.type != "cuda":
+            return HostTransfer(packed, None, self.logprobs is not None, k)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return HostTransfer(host, done, self.logprobs is not None, k)
+
+
+@dataclass
+class HostTransfer:
+    """A step's draws on their way to host memory (``DeviceSample.start_transfer``)."""
+
+    packed: torch.Tensor  # (B, columns) float64 in host memory once ``done`` has passed
+    done: "torch.cuda.Event | None"  # None: already there (CPU)
+    has_logprobs: bool
+    top_k: int | None
+
+    def result(self) -> Sampled:
+        """Wait for the copy (not for anything queued after it) and unpack it."""
+        if self.done is not None:
+            self.done.synchronize()
+        rows = self.packed.tolist()
         tokens = [int(r[0]) for r in rows]
-        logprobs = [r[1] for r in rows] if self.logprobs is not None else None
+        logprobs = [r[1] for r in rows] if self.has_logprobs else None
         top = None
-        if self.top is not None:  # the row's tail: k ids, then their k log-probs
-            k = self.top[1].shape[1]
+        if self.top_k is not None:  # the row's tail: k ids, then their k log-probs
+            k = self.top_k
             top = [[(int(i), v) for i, v in zip(r[-2 * k : -k], r[-k:])] for r in rows]
         return Sampled(tokens, logprobs, top)
 

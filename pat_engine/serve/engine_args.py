@@ -59,13 +59,15 @@ class EngineArgs:
     numerics: str = DEFAULT_NUMERICS
     speculative: bool = False  # n-gram speculative decoding of the tail (docs/speculative.md)
     speculative_history: bool = False  # also draft from earlier responses to the same prompt
+    async_scheduling: bool = False  # send each decode step before the one in flight is answered
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":
         sched = tuple(ns.switch_schedule) if ns.switch_schedule else None
         return cls(ns.model, ns.tp, ns.dp, ns.world, ns.dtype, ns.max_model_len, ns.kv_cache_bytes, ns.seed,
                    ns.profile, sched, ns.kv_transfer, ns.threads_per_worker, ns.step_timeout, ns.start_timeout,
-                   ns.max_worker_restarts, ns.restart_window, ns.numerics, ns.speculative, ns.speculative_history)
+                   ns.max_worker_restarts, ns.restart_window, ns.numerics, ns.speculative, ns.speculative_history,
+                   ns.async_scheduling)
 
     def layout(self) -> Layout:
         """The base layout; ``--world`` and ``--dp`` must agree when both are given."""
@@ -88,7 +90,7 @@ class EngineArgs:
                       kv_cache_bytes=self.kv_cache_bytes, threads_per_worker=self.threads_per_worker,
                       step_timeout_s=self.step_timeout_s, worker_start_timeout_s=self.start_timeout_s,
                       max_worker_restarts=self.max_worker_restarts, restart_window_s=self.restart_window_s,
-                      numerics=self.numerics)
+                      numerics=self.numerics, async_scheduling=self.async_scheduling)
         if self.speculative or self.speculative_history:
             kwargs["speculative"] = {"history": self.speculative_history}
         if self.profile:
@@ -132,6 +134,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                         "invariant or float64 (docs/speculative.md)")
     g.add_argument("--speculative-history", action="store_true",
                    help="with --speculative: also draft from earlier responses to the same prompt")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="send each decode step before the one in flight is answered, so the device does not "
+                        "wait for the driver between steps (vLLM's flag; docs/async_scheduling.md)")
     g.add_argument("--threads-per-worker", type=int, default=None, help="torch threads per worker (CPU)")
     f = p.add_argument_group("failures")
     f.add_argument("--step-timeout", type=float, default=600.0, metavar="S",

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 from torch.profiler import record_function
 
 from pat_engine.config import DEFAULT_MAX_TP
+from pat_engine.host_tensors import to_device
 from pat_engine.model import chunk_weights, cpu_gemm
 from pat_engine.model.arch import ModelArch
 from pat_engine.model.layers.attention import attention_backend
@@ -33,7 +35,7 @@ from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import StepCommand, StepResult
 from pat_engine.protocol import PromptLogprobs
-from pat_engine.sampling.sampler import sample_batch
+from pat_engine.sampling.sampler import HostTransfer, sample_on_device
 from pat_engine.worker.graph_capture import DecodeGraphs, GraphSettings
 from pat_engine.speculative.verify import accept
 from pat_engine.worker.kv_pool import PagedKVPool
@@ -63,6 +65,7 @@ class InferExecutor:
         self._residency = "resident"  # where this rank's weight bytes are: "resident", "offloaded" or "discarded"
         self.kv_released = False  # the KV pool was given back (sleep); no step may run until it is restored
         self._writers = 0  # open ``writing_weights`` blocks
+        self._last_draw: tuple[int, torch.Tensor] | None = None  # TP rank 0: (step id, its drawn tokens)
 
     @contextlib.contextmanager
     def writing_weights(self) -> Iterator[None]:
@@ -177,14 +180,21 @@ class InferExecutor:
         """Each live sequence's block table, sampling spec and (with logit processors) token history."""
         return self.inputs.seqs
 
-    @torch.inference_mode()
     def execute(self, cmd: StepCommand) -> StepResult | None:
+        """Run one step and answer it (TP rank 0; other ranks return None)."""
+        launched = self.launch(cmd)
+        return launched.answer() if launched is not None else None
+
+    @torch.inference_mode()
+    def launch(self, cmd: StepCommand) -> "LaunchedStep | None":
+        """Queue one step's work: inputs, forward, LM head and the draw, nothing read back. TP rank 0
+        gets the step to answer (``LaunchedStep.answer``); the other ranks None."""
         if self.kv_released or self._residency != "resident":
             raise RuntimeError("a step arrived while this rank's memory is released (sleep); the driver must not "
                                "dispatch until wake_up restores it")
         start = time.perf_counter()
         with record_function("prepare"):
-            step = self.inputs.build(cmd, samples=self.tp.rank == 0)
+            step = self.inputs.build(cmd, samples=self.tp.rank == 0, drawn=self._drawn_tokens(cmd))
         ctx = ForwardContext(tp=self.tp, kv_caches=self.kv.layers, attn=step.attn, attn_backend=self.attention)
         with record_function("forward"):
             hidden = self.graphs.replay(cmd, step, self.model, self.tp, self.kv)  # None: no graph holds the step
@@ -198,14 +208,26 @@ class InferExecutor:
             return None
         sample_start = time.perf_counter()
         with record_function("sample"):
-            out = sample_batch(logits, step.sampling)
-        counts = None
-        if cmd.verify:  # speculative decoding: keep each row's accepted drafts and one more token
-            out, counts = accept([s.token_ids[1:] for s in cmd.seqs], out)
-        end = time.perf_counter()
-        return StepResult(cmd.step_id, self.layout.group_of(self.tp.ranks[0]), out.tokens, out.logprobs,
-                          end - start, out.top, prompts or None, head_seconds=sample_start - head_start,
-                          sample_seconds=end - sample_start, counts=counts)
+            draw = sample_on_device(logits, step.sampling)
+        self._last_draw = (cmd.step_id, draw.tokens)  # what a step that follows this one runs
+        # the copy back is queued now: a step launched before this one is answered must not delay it
+        return LaunchedStep(cmd, self.layout.group_of(self.tp.ranks[0]), draw.start_transfer(), prompts, start,
+                            sample_start - head_start, sample_start)
+
+    def _drawn_tokens(self, cmd: StepCommand) -> torch.Tensor | None:
+        """The tokens of a step that follows another (``StepCommand.follows``): each row's draw of the
+        followed step, gathered on the device; TP rank 0 drew them, the other ranks receive them."""
+        if cmd.follows is None:
+            return None
+        if self.tp.rank == 0:
+            step_id, tokens = self._last_draw if self._last_draw is not None else (None, None)
+            if step_id != cmd.follows:
+                raise RuntimeError(f"step {cmd.step_id} follows step {cmd.follows}, but this rank's last draw is "
+                                   f"step {step_id}'s")
+            ids = tokens.index_select(0, to_device([s.drawn_row for s in cmd.seqs], torch.long, self.device))
+        else:
+            ids = torch.zeros(len(cmd.seqs), dtype=torch.long, device=self.device)
+        return self.tp.all_gather(ids)[0] if self.tp.size > 1 else ids
 
     def _prompt_logprobs(self, cmd: StepCommand, hidden: torch.Tensor) -> dict[int, PromptLogprobs]:
         """Prompt log-probs of the sequences that asked (a prefill packs each one's tokens in order)."""
@@ -222,3 +244,27 @@ class InferExecutor:
                     out[s.seq_id] = result
             start = end
         return out
+
+
+@dataclass
+class LaunchedStep:
+    """A step TP rank 0 has launched and not answered: its draw is still on the device."""
+
+    cmd: StepCommand
+    group: int
+    draw: HostTransfer
+    prompts: dict[int, PromptLogprobs]
+    start: float  # perf_counter at the step's start
+    head_seconds: float
+    sample_start: float
+
+    def answer(self) -> StepResult:
+        """Read the draw back (waits for this step's kernels, not a later step's) and build the result."""
+        out = self.draw.result()
+        counts = None
+        if self.cmd.verify:  # speculative decoding: keep each row's accepted drafts and one more token
+            out, counts = accept([s.token_ids[1:] for s in self.cmd.seqs], out)
+        end = time.perf_counter()
+        return StepResult(self.cmd.step_id, self.group, out.tokens, out.logprobs, end - self.start, out.top,
+                          self.prompts or None, head_seconds=self.head_seconds,
+                          sample_seconds=end - self.sample_start, counts=counts)

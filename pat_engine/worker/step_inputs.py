@@ -118,7 +118,9 @@ class StepInputBuilder:
         self.seqs: dict[int, SeqState] = {}
         self._bufs = _Buffers(device)
 
-    def build(self, cmd: StepCommand, samples: bool) -> StepInputs:
+    def build(self, cmd: StepCommand, samples: bool, drawn: torch.Tensor | None = None) -> StepInputs:
+        """The step's tensors; ``drawn``: a step that follows another (``StepCommand.follows``), its rows'
+        tokens on the device (the followed step's draw)."""
         for seq_id, n in cmd.truncated:  # blocks of rejected drafts went back to the driver's pool
             if seq_id in self.seqs:
                 del self.seqs[seq_id].block_table[n:]
@@ -131,6 +133,9 @@ class StepInputBuilder:
                 self.seqs[s.seq_id] = SeqState(list(s.block_table), s.sampling, history)
             state = self.seqs[s.seq_id]
             if state.history is not None:  # the tokens run now take their positions in the history
+                if drawn is not None:
+                    raise ValueError(f"sequence {s.seq_id} keeps a token history (logit processors): its steps "
+                                     "cannot follow one whose draw the driver has not read")
                 del state.history[s.start_pos :]
                 state.history.extend(s.token_ids)
             state.block_table.extend(s.new_blocks)
@@ -138,8 +143,10 @@ class StepInputBuilder:
                 state.sampling = s.sampling
             tables.append(state.block_table)
         if cmd.is_prefill or cmd.verify:
+            if drawn is not None:
+                raise ValueError("only a decode step can follow an unanswered step")
             return self._prefill(cmd, tables, samples)
-        return self._decode(cmd, tables, samples)
+        return self._decode(cmd, tables, samples, drawn)
 
     def _sampling(self, cmd: StepCommand, samples: bool) -> SamplingBatch | None:
         if not samples:
@@ -167,7 +174,8 @@ class StepInputBuilder:
         return SamplingBatch.build(specs, positions, suppressed if any(suppressed) else None, self.device,
                                    histories, self.vocab_size)
 
-    def _decode(self, cmd: StepCommand, tables: list[list[int]], samples: bool) -> StepInputs:
+    def _decode(self, cmd: StepCommand, tables: list[list[int]], samples: bool,
+                drawn: torch.Tensor | None = None) -> StepInputs:
         n = len(cmd.seqs)
         rows = padded_batch_size(n, self.device)
         bs = self.block_size
@@ -179,8 +187,10 @@ class StepInputBuilder:
         table = host_table(tables, width, rows)
         slots = table[torch.arange(n), pos[:n] // bs] * bs + pos[:n] % bs
         attn = self._decode_attention(slots, table, pos)  # padding rows see slot 0 only
-        return StepInputs(self._bufs.fill("ids", ids), self._bufs.fill("pos", pos), attn, slice(0, n),
-                          self._sampling(cmd, samples))
+        ids = self._bufs.fill("ids", ids)
+        if drawn is not None:  # the real rows' tokens never came through the host
+            ids[:n].copy_(drawn)
+        return StepInputs(ids, self._bufs.fill("pos", pos), attn, slice(0, n), self._sampling(cmd, samples))
 
     def _prefill(self, cmd: StepCommand, tables: list[list[int]], samples: bool) -> StepInputs:
         bs = self.block_size

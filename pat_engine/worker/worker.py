@@ -1,7 +1,8 @@
 """Worker process: one per rank. Joins the world, holds an InferExecutor and a
 SwitchExecutor, and serves the driver's messages until told to stop.
 
-Messages arrive on a pipe: ``StepCommand`` (hot path, ``step``; only TP rank 0 answers)
+Messages arrive on a pipe: ``StepCommand`` (hot path; only TP rank 0 answers; a step sent with
+``hold`` is answered after the next message is read, see protocol/steps.py), ``AnswerHeld``
 or a ``Call`` carrying a typed control call (every addressed rank answers with a ``Reply``;
 ``handle`` picks the handler by the call's type from the handler groups: ``layout_handlers``,
 ``weight_handlers``, ``memory_handlers``). Any exception is
@@ -25,12 +26,12 @@ import torch.distributed as dist
 from pat_engine.model.arch import load_model_arch
 from pat_engine.model.footprint import weight_bytes_per_rank
 from pat_engine.parallel.group_pool import CommGroupPool
-from pat_engine.protocol import StepCommand, StepResult, WorkerArgs
+from pat_engine.protocol import AnswerHeld, StepCommand, WorkerArgs
 from pat_engine.protocol.calls import Call, Reply, Shutdown, WorkerCall
 from pat_engine.worker.graph_capture import GraphSettings
 from pat_engine.worker.device_memory import RankMemory
 from pat_engine.worker.handlers import handler_table
-from pat_engine.worker.infer_executor import InferExecutor
+from pat_engine.worker.infer_executor import InferExecutor, LaunchedStep
 from pat_engine.worker.layout_handlers import LayoutHandlers
 from pat_engine.worker.memory_handlers import MemoryHandlers
 from pat_engine.worker.weight_handlers import WeightHandlers
@@ -87,13 +88,14 @@ class Worker:
     def shutdown(self, call: Shutdown) -> None:
         return None  # answered; ``serve`` then returns
 
-    def step(self, cmd: StepCommand) -> StepResult | None:
-        """The hot path: run one step of this rank's group (TP rank 0 answers it)."""
-        return self.executor.execute(cmd)
+    def step(self, cmd: StepCommand) -> LaunchedStep | None:
+        """The hot path: launch one step of this rank's group (TP rank 0 gets the step to answer)."""
+        return self.executor.launch(cmd)
 
     # ---- loop ----------------------------------------------------------------------------
 
     def serve(self, conn) -> None:
+        held: LaunchedStep | None = None  # a step launched with ``hold``, answered at the next message
         while True:
             try:
                 msg = conn.recv()
@@ -102,13 +104,13 @@ class Worker:
             except Exception as exc:  # could not unpickle: say so rather than die silently
                 conn.send(Reply(-1, self.rank, False, error=traceback.format_exc(), error_type=type(exc).__name__))
                 continue
+            if held is not None and not (isinstance(msg, StepCommand) and msg.follows == held.cmd.step_id):
+                self._answer(conn, held)  # nothing follows it: answer before anything else runs
+                held = None
+            if isinstance(msg, AnswerHeld):
+                continue
             if isinstance(msg, StepCommand):
-                try:
-                    result = self.step(msg)
-                    if result is not None:
-                        conn.send(result)
-                except Exception:
-                    conn.send(Reply(-msg.step_id, self.rank, False, error=traceback.format_exc()))
+                held = self._run_step(conn, msg, held)
                 continue
             assert isinstance(msg, Call), f"unexpected message {type(msg).__name__}"
             try:
@@ -118,6 +120,27 @@ class Worker:
                 conn.send(Reply(msg.call_id, self.rank, False, error=traceback.format_exc(), error_type=type(exc).__name__))
             if isinstance(msg.body, Shutdown):
                 return
+
+    def _run_step(self, conn, cmd: StepCommand, held: LaunchedStep | None) -> LaunchedStep | None:
+        """Launch ``cmd``, then answer the step it follows (held until now, so the device runs the two
+        back to back); ``cmd`` itself is answered now or, sent with ``hold``, kept for the next message."""
+        try:
+            launched = self.step(cmd)
+        except Exception:
+            conn.send(Reply(-cmd.step_id, self.rank, False, error=traceback.format_exc()))
+            return None
+        if held is not None:
+            self._answer(conn, held)
+        if launched is None or cmd.hold:
+            return launched
+        self._answer(conn, launched)
+        return None
+
+    def _answer(self, conn, launched: LaunchedStep) -> None:
+        try:
+            conn.send(launched.answer())
+        except Exception:
+            conn.send(Reply(-launched.cmd.step_id, self.rank, False, error=traceback.format_exc()))
 
 
 def worker_class(path: str | None) -> type[Worker]:
