@@ -3,7 +3,8 @@
 An engine started with ``worker_class=FAULT_WORKER`` runs ``FaultInjectingWorker`` on every rank (and
 again after every restart). ``inject_fault(engine, ranks, where, how)`` arms the next pass of those
 ranks through ``where`` to raise, hang or exit: "step" (a step), "switch_start" (a switch, before its
-first barrier) or "reshard" (a switch, after the first reshard unit moved). The engine's own worker
+first barrier) or "reshard" (a switch, after the first reshard unit moved); ``after`` lets that many
+passes through first (the 11th step of a batch, not its prefill). The engine's own worker
 has no fault points: its step path is the same call with nothing to check.
 """
 
@@ -30,22 +31,27 @@ class InjectFault(WorkerCall[None]):
 
     where: str
     how: str = "raise"
+    after: int = 0  # passes through ``where`` let by first
 
 
 class FaultPoints:
-    """What is armed on one rank: where -> how; each fires once."""
+    """What is armed on one rank: where -> (how, passes to let by); each fires once."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self._armed: dict[str, str] = {}
+        self._armed: dict[str, tuple[str, int]] = {}
 
-    def arm(self, where: str, how: str) -> None:
-        if where not in FAULT_POINTS or how not in FAULT_KINDS:
-            raise ValueError(f"faults are one of {FAULT_KINDS} at one of {FAULT_POINTS}, got {how!r} at {where!r}")
-        self._armed[where] = how
+    def arm(self, where: str, how: str, after: int = 0) -> None:
+        if where not in FAULT_POINTS or how not in FAULT_KINDS or after < 0:
+            raise ValueError(f"faults are one of {FAULT_KINDS} at one of {FAULT_POINTS} after >= 0 passes, "
+                             f"got {how!r} at {where!r} after {after}")
+        self._armed[where] = (how, after)
 
     def check(self, where: str) -> None:
-        how = self._armed.pop(where, None)
+        how, after = self._armed.pop(where, (None, 0))
+        if after > 0:
+            self._armed[where] = (how, after - 1)
+            return
         if how == "exit":
             os._exit(17)
         if how == "hang":
@@ -76,16 +82,17 @@ class FaultInjectingWorker(Worker):
         self.layout_calls.switcher = FaultInjectingSwitch(self.faults, self.layout_calls.switcher)
 
     def inject_fault(self, call: InjectFault) -> None:
-        self.faults.arm(call.where, call.how)
+        self.faults.arm(call.where, call.how, call.after)
 
     def step(self, cmd):
         self.faults.check("step")
         return super().step(cmd)
 
 
-def inject_fault(engine: Engine, ranks: list[int] | None, where: str, how: str = "raise") -> None:
-    """Arm ``where`` on ``ranks`` (None: every rank) of an engine started with ``worker_class=FAULT_WORKER``."""
+def inject_fault(engine: Engine, ranks: list[int] | None, where: str, how: str = "raise", after: int = 0) -> None:
+    """Arm ``where`` on ``ranks`` (None: every rank) of an engine started with ``worker_class=FAULT_WORKER``,
+    to fire after ``after`` passes."""
     if engine.config.worker_class != FAULT_WORKER:
         raise ValueError(f"start the engine with worker_class={FAULT_WORKER!r} to inject faults")
     stepping = engine.coordinator.stepping
-    engine.coordinator.thread.run(lambda: stepping.pool.ask(InjectFault(where, how), ranks))
+    engine.coordinator.thread.run(lambda: stepping.pool.ask(InjectFault(where, how, after), ranks))

@@ -6,7 +6,8 @@ none may be built), and one in-process worker per DP group (the real driver and 
 tokens, log-probs and finish reasons bit for bit equal to the synchronous schedule in bfloat16 and
 float32 (``numerics="invariant"``), with rows ended by stop tokens run once more and dropped. Slow tier:
 worker processes, TP2 (the drawn tokens reach the other rank through the group) and DP2, ranks
-holding each answer until the next message (``hold_answers``, what a GPU does), with a live switch.
+holding each answer until the next message (``hold_answers``, what a GPU does), with a live switch,
+and a rank that fails while a following step is in flight (no request lost).
 GPU (``gpu``): one CUDA rank with graphs, bfloat16 invariant, async on and off: the same bits.
 """
 
@@ -165,6 +166,25 @@ def test_the_command_line_flag_reaches_the_engine_config():
     add_engine_args(parser)
     assert EngineArgs.from_namespace(parser.parse_args(["--model", "m", "--async-scheduling"])).async_scheduling
     assert not EngineArgs.from_namespace(parser.parse_args(["--model", "m"])).async_scheduling
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["exit", "raise"])
+def test_a_rank_failing_with_a_following_step_in_flight_loses_no_request(model_dir, how):
+    """TP2, ranks holding answers: rank 0 fails at its 12th step (a following step, its previous answer
+    held), by dying or by raising. The world restarts, every request is recomputed, and the tokens are
+    transformers' greedy ones."""
+    from conftest import MAX_NEW, PROMPTS as HF_PROMPTS, hf_greedy_batch
+    from fault_injection import FAULT_WORKER, inject_fault
+
+    path = model_dir("llama")
+    with Engine(path, tp=2, dp=1, dtype="float64", worker_class=FAULT_WORKER, async_scheduling=True) as engine:
+        stepping = engine.coordinator.stepping
+        engine.coordinator.thread.run(lambda: setattr(stepping, "hold_answers", True))
+        inject_fault(engine, [0], "step", how, after=11)
+        outs = engine.generate(HF_PROMPTS, [SamplingParams(max_new_tokens=m) for m in MAX_NEW], use_tqdm=False)
+        assert [o.token_ids for o in outs] == hf_greedy_batch(path)
+        assert len(engine.worker_failures) == 1 and "rank 0" in engine.worker_failures[0]
 
 
 @pytest.mark.gpu
