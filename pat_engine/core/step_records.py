@@ -32,7 +32,7 @@ class StepRecord:
     batch_size: int  # sequences in the step
     context_tokens: int  # sum over the batch of context length after the step
     new_tokens: int  # tokens run through the model (prefill: whole prompts)
-    seconds: float  # driver-side, dispatch to result
+    seconds: float  # driver-side, dispatch to result (a following step, async scheduling: from the previous answer)
     forward_seconds: float  # worker-side forward + sampling on TP rank 0
     busy_groups: int  # groups with a step in flight when this one was dispatched
     head_seconds: float = 0.0  # of forward_seconds: the LM head
