@@ -74,7 +74,7 @@ class StepResult:
     group: int
     tokens: list[int]
     logprobs: list[float] | None
-    forward_seconds: float  # the whole step on TP rank 0: inputs, forward, LM head, sampling
+    forward_seconds: float  # the whole step on TP rank 0: inputs, forward, LM head, sampling (held: to its answer)
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per sequence, when any asked
     prompt_logprobs: dict[int, PromptLogprobs] | None = None  # by seq_id
     head_seconds: float = 0.0  # of forward_seconds: the LM head (logits of the sampled rows)

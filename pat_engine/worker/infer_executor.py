@@ -248,7 +248,7 @@ class InferExecutor:
 
 @dataclass
 class LaunchedStep:
-    """A step TP rank 0 has launched and not answered: its draw is still on the device."""
+    """A step TP rank 0 has launched and not answered: its draw on its way to host memory."""
 
     cmd: StepCommand
     group: int
