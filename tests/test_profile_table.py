@@ -118,6 +118,7 @@ def test_tiny_profile_run_and_resume(model_dir, tmp_path):
     assert table.bandwidth_bytes_per_s > 0
     assert {(c.from_tp, c.to_tp) for c in table.switch_costs} == {(1, 2), (2, 1)}
     assert table.deployment.candidate_tps == (1, 2) and not table.deployment.emulated
+    assert table.meta["async_scheduling"] is False  # how its decode steps were run (pat-profile --async-scheduling)
     # interrupt: drop two points, then resume; only those are measured again
     data = json.loads(out.read_text())
     kept = [p for p in data["points"] if p["context_len"] != 48 or p["tp"] != 2]

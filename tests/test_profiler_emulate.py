@@ -67,11 +67,14 @@ def test_the_emulated_path_follows_the_engines_default_on_the_cpu(model_dir):
     assert [c.graphs_s_per_size for c in table.switch_costs] == []
 
 
-def test_the_cli_passes_the_graph_choice_through():
+def test_the_cli_passes_the_decode_choices_through():
     args = cli.parse_args(["--model", "m", "--world", "2"])
-    assert cli.graph_kwargs(args) == {}  # the engine's default
-    args = cli.parse_args(["--model", "m", "--world", "2", "--graph-backend", "standin", "--enforce-eager"])
-    assert cli.graph_kwargs(args) == {"graph_backend": "standin", "enforce_eager": True}
+    assert cli.decode_kwargs(args) == {}  # the engine's default
+    args = cli.parse_args(["--model", "m", "--world", "2", "--graph-backend", "standin", "--enforce-eager",
+                           "--async-scheduling"])
+    assert cli.decode_kwargs(args) == {"graph_backend": "standin", "enforce_eager": True, "async_scheduling": True}
+    with pytest.raises(SystemExit):  # an emulated profile has no driver to overlap with
+        cli.parse_args(["--model", "m", "--emulate-world", "2", "--async-scheduling"])
 
 
 class _FakeEngine:

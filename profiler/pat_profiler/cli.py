@@ -51,11 +51,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="decode graphs as the engine takes them: auto (CUDA graphs on a GPU, none on the CPU) or "
                         "standin (the CPU's eager replays over the graphs' buffers)")
     p.add_argument("--enforce-eager", action="store_true", help="time decode steps without graphs")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="time decode steps as an engine with async_scheduling runs them (each sent before the "
+                        "one in flight is answered); real runs only")
     args = p.parse_args(argv)
     if args.emulate_world is None and args.world is None:
         p.error("--world is required (or --emulate-world N)")
     if args.emulate_world is not None and args.resume:
         p.error("--resume applies to real runs; an emulated profile is one pass")
+    if args.emulate_world is not None and args.async_scheduling:
+        p.error("--async-scheduling applies to real runs: an emulated profile times one rank's steps in process, "
+                "with no driver to overlap")
     return args
 
 
@@ -74,19 +80,22 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device, batches=tuple(args.batch_sizes), contexts=tuple(args.context_lens),
             budget_tokens=args.kv_budget_tokens, window=args.decode_window, output=args.output, resume=args.resume,
             seed=args.seed, threads_per_worker=args.threads_per_worker, block_size=args.block_size,
-            passes=args.passes, engine_kwargs=graph_kwargs(args))
+            passes=args.passes, engine_kwargs=decode_kwargs(args))
         table = run_profile(opts, command)
     print(summary(table, time.perf_counter() - started, args.output))
     return 0
 
 
-def graph_kwargs(args: argparse.Namespace) -> dict:
-    """The decode-graph choice as ``Engine`` / ``EngineConfig`` keywords (empty: the engine's default)."""
+def decode_kwargs(args: argparse.Namespace) -> dict:
+    """How decode steps run (graphs, async scheduling) as ``Engine`` / ``EngineConfig`` keywords (empty:
+    the engine's defaults)."""
     out = {}
     if args.graph_backend != "auto":
         out["graph_backend"] = args.graph_backend
     if args.enforce_eager:
         out["enforce_eager"] = True
+    if args.async_scheduling:
+        out["async_scheduling"] = True
     return out
 
 
@@ -102,7 +111,7 @@ def _emulate(args: argparse.Namespace, command: str):
     bar = tqdm(total=len(grid), desc="pat-profile (emulated)", unit="pt", dynamic_ncols=True)
     table = emulate_profile(args.model, world, tps, args.dtype, args.device, grid, args.decode_window,
                             CollectiveModel(args.link_bandwidth, args.link_latency), args.block_size, args.seed,
-                            progress=lambda p: bar.update(1), **graph_kwargs(args))
+                            progress=lambda p: bar.update(1), **decode_kwargs(args))
     bar.close()
     table.meta["command"] = command
     table.save(args.output)
