@@ -13,6 +13,8 @@ GPU (``gpu``): one CUDA rank with graphs, bfloat16 invariant, async on and off: 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -171,6 +173,40 @@ def test_the_command_line_flag_reaches_the_engine_config():
     assert EngineArgs.from_namespace(parser.parse_args(["--model", "m", "--async-scheduling"])).async_scheduling
     assert not EngineArgs.from_namespace(parser.parse_args(["--model", "m"])).async_scheduling
 
+
+@pytest.mark.slow
+def test_aborts_while_following_steps_are_in_flight_leave_the_others_exact_and_free_every_block(model_path):
+    """Two long requests are aborted mid-flight (ranks holding answers, a following step out): they end
+    with a prefix of what they would have drawn, the others' bits are the synchronous run's, and every
+    KV block is free once the engine is idle."""
+    params = [_params(i) for i in range(len(PROMPTS))]
+    long = SamplingParams(max_new_tokens=300, ignore_eos=True, logprobs=True, temperature=1.0, seed=7)
+    with Engine(model_path, tp=1, dp=2, dtype="float32", numerics="invariant", max_model_len=512) as engine:
+        stepping = engine.coordinator.stepping
+        sync = _engine_run(engine, False, False, 1)
+        engine.coordinator.thread.run(lambda: setattr(stepping, "async_scheduling", True))
+        engine.coordinator.thread.run(lambda: setattr(stepping, "hold_answers", True))
+        doomed = [engine.submit([9, 8, 7, 6], long), engine.submit([5, 4, 3], long)]
+        kept = [engine.submit_samples(p, sp) for p, sp in zip(PROMPTS, params)]
+        for handle in doomed:
+            while handle.num_generated < 5:
+                time.sleep(0.005)
+        assert engine.abort([h.request_id for h in doomed]) == 2
+        for handles in kept:
+            for h in handles:
+                assert h.wait(60)
+        outs = [[(h.output().token_ids, h.output().logprobs, h.output().finish_reason) for h in hs] for hs in kept]
+        assert outs == sync
+        assert [h.output().finish_reason for h in doomed] == ["abort", "abort"]
+        assert all(5 <= len(h.output().token_ids) < 300 for h in doomed)
+        engine.coordinator.thread.run(lambda: setattr(stepping, "async_scheduling", False))
+        whole = engine.generate([[9, 8, 7, 6], [5, 4, 3]], long, use_tqdm=False)
+        for handle, out in zip(doomed, whole):
+            cut = handle.output()
+            assert (cut.token_ids, cut.logprobs) == (out.token_ids[:len(cut.token_ids)], out.logprobs[:len(cut.token_ids)])
+        kv = engine.kv_blocks()
+        assert kv["invariants"] == "ok" and kv["unfinished"] == 0
+        assert all(g["free"] == g["total"] for g in kv["groups"])  # free counts the cached ones
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["exit", "raise"])
