@@ -34,8 +34,7 @@ def _params(w: Workload) -> list[SamplingParams]:
 
 
 def _run(engine: Engine, w: Workload, on: bool) -> tuple[float, list]:
-    stepping = engine.coordinator.stepping
-    engine.coordinator.thread.run(lambda: setattr(stepping, "async_scheduling", on))
+    engine.coordinator.stepping.set_async_scheduling(on)
     t = time.perf_counter()
     outs = engine.generate(w.prompts, _params(w), use_tqdm=False)
     seconds = time.perf_counter() - t

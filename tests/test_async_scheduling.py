@@ -139,13 +139,8 @@ def test_following_steps_give_the_synchronous_schedules_bits(model_path, dtype, 
 
 
 def _engine_run(engine: Engine, on: bool, hold: bool, start_tp: int, schedule=None) -> list:
-    stepping = engine.coordinator.stepping
-
-    def configure():
-        stepping.async_scheduling, stepping.hold_answers = on, hold
-
     engine.reconfigure(tp=start_tp)
-    engine.coordinator.thread.run(configure)
+    engine.coordinator.stepping.set_async_scheduling(on, hold_answers=hold)
     outs = engine.generate(PROMPTS, [_params(i) for i in range(len(PROMPTS))], switch_schedule=schedule,
                            kv_transfer="migrate" if schedule else None, use_tqdm=False)
     return [[(s.token_ids, s.logprobs, s.finish_reason) for s in (o.samples or [o])] for o in outs]
@@ -163,15 +158,18 @@ def test_worker_processes_holding_answers_give_the_synchronous_bits_across_tp_dp
         assert [e.ok for e in engine.switches[before:]] == [True]
 
 
-def test_the_command_line_flag_reaches_the_engine_config():
+def test_the_command_line_flag_reaches_the_engine_config(model_path):
     import argparse
 
+    from pat_engine.config import EngineConfig
     from pat_engine.serve.engine_args import EngineArgs, add_engine_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert EngineArgs.from_namespace(parser.parse_args(["--model", "m", "--async-scheduling"])).async_scheduling
-    assert not EngineArgs.from_namespace(parser.parse_args(["--model", "m"])).async_scheduling
+    for argv, on in ((["--async-scheduling"], True), ([], False)):
+        args = EngineArgs.from_namespace(parser.parse_args(["--model", model_path, *argv]))
+        # what EngineArgs.build starts the engine with
+        assert EngineConfig.from_kwargs(model_path, **args.engine_kwargs()).async_scheduling is on
 
 
 @pytest.mark.slow
@@ -184,8 +182,7 @@ def test_aborts_while_following_steps_are_in_flight_leave_the_others_exact_and_f
     with Engine(model_path, tp=1, dp=2, dtype="float32", numerics="invariant", max_model_len=512) as engine:
         stepping = engine.coordinator.stepping
         sync = _engine_run(engine, False, False, 1)
-        engine.coordinator.thread.run(lambda: setattr(stepping, "async_scheduling", True))
-        engine.coordinator.thread.run(lambda: setattr(stepping, "hold_answers", True))
+        stepping.set_async_scheduling(True, hold_answers=True)
         doomed = [engine.submit([9, 8, 7, 6], long), engine.submit([5, 4, 3], long)]
         kept = [engine.submit_samples(p, sp) for p, sp in zip(PROMPTS, params)]
         for handle in doomed:
@@ -199,7 +196,7 @@ def test_aborts_while_following_steps_are_in_flight_leave_the_others_exact_and_f
         assert outs == sync
         assert [h.output().finish_reason for h in doomed] == ["abort", "abort"]
         assert all(5 <= len(h.output().token_ids) < 300 for h in doomed)
-        engine.coordinator.thread.run(lambda: setattr(stepping, "async_scheduling", False))
+        stepping.set_async_scheduling(False)
         whole = engine.generate([[9, 8, 7, 6], [5, 4, 3]], long, use_tqdm=False)
         for handle, out in zip(doomed, whole):
             cut = handle.output()
@@ -219,8 +216,7 @@ def test_a_rank_failing_with_a_following_step_in_flight_loses_no_request(model_d
 
     path = model_dir("llama")
     with Engine(path, tp=2, dp=1, dtype="float64", worker_class=FAULT_WORKER, async_scheduling=True) as engine:
-        stepping = engine.coordinator.stepping
-        engine.coordinator.thread.run(lambda: setattr(stepping, "hold_answers", True))
+        engine.coordinator.stepping.set_async_scheduling(True, hold_answers=True)
         inject_fault(engine, [0], "step", how, after=11)
         outs = engine.generate(HF_PROMPTS, [SamplingParams(max_new_tokens=m) for m in MAX_NEW], use_tqdm=False)
         assert [o.token_ids for o in outs] == hf_greedy_batch(path)

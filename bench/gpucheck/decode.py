@@ -65,8 +65,7 @@ def floor_ms(ctx: Ctx, s: Shape, bandwidth: float) -> float:
 def _run(engine, s: Shape, new_tokens: int, seed: int, vocab: int, async_on: bool = False) -> dict[str, list[float]]:
     from pat_engine import SamplingParams
 
-    stepping = engine.coordinator.stepping
-    engine.coordinator.thread.run(lambda: setattr(stepping, "async_scheduling", async_on))
+    engine.coordinator.stepping.set_async_scheduling(async_on)
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(16, min(vocab, 30000), (s.batch, s.prompt), generator=g).tolist()
     params = SamplingParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens, ignore_eos=True, temperature=0.0)

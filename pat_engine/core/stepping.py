@@ -61,7 +61,7 @@ class Stepping:
         self.generated_tokens = 0  # over the engine's life (the timeline's tokens/s)
         self.inflight: dict[int, InFlight] = {}
         self.ahead: dict[int, InFlight] = {}  # async scheduling: the step sent behind a group's step in flight
-        self.async_scheduling = config.async_scheduling  # (tests run one engine both ways)
+        self.async_scheduling = config.async_scheduling  # set_async_scheduling flips it on a live engine
         # ranks hold each following step's answer until their next message (a GPU never waits for the driver;
         # a CPU rank answers at once, its draw is on the host already)
         self.hold_answers = config.device != "cpu"
@@ -347,6 +347,14 @@ class Stepping:
             self.inflight[g] = ahead
             if ahead.cmd.hold:
                 self._held.add(g)  # the next dispatch sends its follower, else _release_held
+
+    @on_loop
+    def set_async_scheduling(self, on: bool, hold_answers: bool | None = None) -> None:
+        """Async scheduling on or off from the next dispatch (A/B runs in one engine); ``hold_answers``
+        (None: unchanged) makes ranks hold a step's answer until their next message, as a GPU rank does."""
+        self.async_scheduling = on
+        if hold_answers is not None:
+            self.hold_answers = hold_answers
 
     @on_loop
     def set_step_log(self, step_log: list[StepRecord] | None) -> None:

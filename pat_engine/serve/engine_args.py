@@ -78,14 +78,8 @@ class EngineArgs:
             return layout
         return Layout(self.tp, self.dp or 1)
 
-    def build(self) -> Engine:
-        """Start the engine and install the switch schedule (the controller comes with ``profile_table``)."""
-        if self.profile and self.switch_schedule:
-            raise InvalidRequestError("give either --profile (the controller) or --switch-schedule, not both")
-        layout = self.layout()
-        if self.switch_schedule:  # refuse a bad schedule before starting any worker
-            for _, tp in self.switch_schedule:
-                Layout.for_world(layout.world, tp)
+    def engine_kwargs(self) -> dict:
+        """The ``Engine`` / ``EngineConfig`` keywords these arguments give (the layout apart)."""
         kwargs = dict(dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed, kv_transfer=self.kv_transfer,
                       kv_cache_bytes=self.kv_cache_bytes, threads_per_worker=self.threads_per_worker,
                       step_timeout_s=self.step_timeout_s, worker_start_timeout_s=self.start_timeout_s,
@@ -95,7 +89,17 @@ class EngineArgs:
             kwargs["speculative"] = {"history": self.speculative_history}
         if self.profile:
             kwargs["profile_table"] = self.profile
-        engine = Engine(self.model, tp=layout.tp, dp=layout.dp, **kwargs)
+        return kwargs
+
+    def build(self) -> Engine:
+        """Start the engine and install the switch schedule (the controller comes with ``profile_table``)."""
+        if self.profile and self.switch_schedule:
+            raise InvalidRequestError("give either --profile (the controller) or --switch-schedule, not both")
+        layout = self.layout()
+        if self.switch_schedule:  # refuse a bad schedule before starting any worker
+            for _, tp in self.switch_schedule:
+                Layout.for_world(layout.world, tp)
+        engine = Engine(self.model, tp=layout.tp, dp=layout.dp, **self.engine_kwargs())
         try:
             if self.switch_schedule:  # e.g. a tp larger than the number of heads is refused here
                 kv = None if self.kv_transfer == "auto" else self.kv_transfer

@@ -252,7 +252,7 @@ class LaunchedStep:
 
     cmd: StepCommand
     group: int
-    draw: HostTransfer
+    transfer: HostTransfer  # its draw, on its way to host memory
     prompts: dict[int, PromptLogprobs]
     start: float  # perf_counter at the step's start
     head_seconds: float
@@ -260,7 +260,7 @@ class LaunchedStep:
 
     def answer(self) -> StepResult:
         """Read the draw back (waits for this step's kernels, not a later step's) and build the result."""
-        out = self.draw.result()
+        out = self.transfer.result()
         counts = None
         if self.cmd.verify:  # speculative decoding: keep each row's accepted drafts and one more token
             out, counts = accept([s.token_ids[1:] for s in self.cmd.seqs], out)
