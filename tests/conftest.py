@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -30,6 +32,25 @@ SPECS = {
     "qwen3": TinyModelSpec(arch="qwen3", num_kv_heads=2, seed=2),
     "llama31": TinyModelSpec(arch="llama", num_kv_heads=8, llama3_rope_scaling=True, seed=3),
 }
+
+
+def _engine_loops() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "pat-engine-loop" and t.is_alive()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_engine_left_running():
+    """Every engine a test module starts is shut down by the end of the module. A leaked engine keeps its
+    loop thread polling dead pipes until the interpreter exits, where it can crash the teardown (a CI run
+    ended in a segfault after every test had passed)."""
+    before = _engine_loops()
+    yield
+    deadline = time.monotonic() + 10.0
+    while (left := _engine_loops() - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if left:
+        pytest.fail(f"{len(left)} engine(s) started in this module are still running: shut them down "
+                    "(``with Engine(...)`` or ``engine.shutdown()``)", pytrace=False)
 
 
 @pytest.fixture(scope="session")

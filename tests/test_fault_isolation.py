@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -285,3 +286,36 @@ def test_pat_serve_step_timeout_flag_catches_a_stopped_worker(model_dir):
     assert seen_503 and ("step_timeout_s=2" in seen_503 or "restarted" in seen_503), seen_503
     assert len(result["r"].json()["choices"][0]["token_ids"]) == 600
     assert health["restarts"] == 1 and health["step_timeout_s"] == 2
+
+
+EXIT_WITHOUT_SHUTDOWN = """
+import atexit, os, sys, threading
+
+def running(pid):  # a live process, not a zombie waiting to be reaped
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+def after_the_engines_hook():  # atexit runs the last registered first
+    loops = [t for t in threading.enumerate() if t.name == "pat-engine-loop" and t.is_alive()]
+    print(f"loops={len(loops)} workers={sum(map(running, pids))}", flush=True)
+
+atexit.register(after_the_engines_hook)  # before pat_engine registers its own
+from pat_engine import Engine, SamplingParams
+
+engine = Engine(sys.argv[1], tp=1, dp=2, dtype="float64")
+pids = engine.worker_pids()
+print(engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4), use_tqdm=False)[0].token_ids, flush=True)
+engine = None  # dropped, never shut down: its loop thread keeps it alive
+"""
+
+
+def test_an_engine_never_shut_down_is_stopped_before_the_interpreter_exits(model_dir):
+    """A script that drops its engine without ``shutdown``: at exit the engine's loop thread and its workers are
+    gone before the interpreter tears down its modules (a loop thread still polling then can crash the exit)."""
+    proc = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_SHUTDOWN, model_dir("llama")], env=cli_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "loops=0 workers=0", proc.stdout + proc.stderr[-3000:]

@@ -34,8 +34,14 @@ def run(engine, start_tp, schedule, kv=None, params=GREEDY, prompts=PROMPTS):
 
 @pytest.fixture(scope="module")
 def engines(model_dir):
-    made = {}
-    yield lambda arch: made.setdefault(arch, Engine(model_dir(arch), tp=1, dp=4, dtype="float64"))
+    made: dict[str, Engine] = {}
+
+    def get(arch: str) -> Engine:  # one engine per architecture for the module (built on first use only)
+        if arch not in made:
+            made[arch] = Engine(model_dir(arch), tp=1, dp=4, dtype="float64")
+        return made[arch]
+
+    yield get
     for e in made.values():
         e.shutdown()
 

@@ -14,8 +14,10 @@ thread between steps (``loop_thread.on_loop``); Engine methods check arguments a
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
+import weakref
 from typing import Any, Iterable, Iterator, Sequence as Seq
 
 import torch
@@ -48,6 +50,17 @@ from pat_engine.protocol.calls import AllocateKV, KVBudget
 from pat_engine.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+# Engines not shut down yet. An engine dropped without ``shutdown`` stays alive (its loop thread holds it),
+# so ``__del__`` never runs: at interpreter exit these are shut down first, before the interpreter tears
+# down the modules their loop threads are still polling with (a crash at exit otherwise).
+_RUNNING: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shut_down_running_engines() -> None:
+    for engine in list(_RUNNING):
+        engine.shutdown()
 
 
 class Engine:
@@ -92,6 +105,7 @@ class Engine:
                                 RestartBudget(cfg.max_worker_restarts, cfg.restart_window_s), cfg.recover_failed_workers,
                                 self.weights)
         self._closed = False
+        _RUNNING.add(self)
         try:
             attach_controller(self)
         except BaseException:
@@ -123,6 +137,7 @@ class Engine:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        _RUNNING.discard(self)
         self._loop.stop()
 
     def __del__(self) -> None:
