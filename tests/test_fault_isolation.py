@@ -307,14 +307,22 @@ from pat_engine import Engine, SamplingParams
 
 engine = Engine(sys.argv[1], tp=1, dp=2, dtype="float64")
 pids = engine.worker_pids()
-print(engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4), use_tqdm=False)[0].token_ids, flush=True)
+params = SamplingParams(max_new_tokens=4)
+first = engine.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids
+child = os.fork()
+if child == 0:  # a forked child exits the normal way (atexit runs): it must leave its parent's engine alone
+    os.close(1)
+    sys.exit(0)
+os.waitpid(child, 0)
+assert engine.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids == first
 engine = None  # dropped, never shut down: its loop thread keeps it alive
 """
 
 
 def test_an_engine_never_shut_down_is_stopped_before_the_interpreter_exits(model_dir):
     """A script that drops its engine without ``shutdown``: at exit the engine's loop thread and its workers are
-    gone before the interpreter tears down its modules (a loop thread still polling then can crash the exit)."""
+    gone before the interpreter tears down its modules (a loop thread still polling then can crash the exit).
+    A child forked from the script and exiting normally first leaves the engine serving."""
     proc = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_SHUTDOWN, model_dir("llama")], env=cli_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

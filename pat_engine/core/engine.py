@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import weakref
 from typing import Any, Iterable, Iterator, Sequence as Seq
 
@@ -55,6 +56,7 @@ log = logging.getLogger(__name__)
 # so ``__del__`` never runs: at interpreter exit these are shut down first, before the interpreter tears
 # down the modules their loop threads are still polling with (a crash at exit otherwise).
 _RUNNING: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+os.register_at_fork(after_in_child=_RUNNING.clear)  # a forked child must not end its parent's workers
 
 
 @atexit.register
