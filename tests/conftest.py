@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from pat_engine.core.loop_thread import LOOP_THREAD_NAME
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -35,14 +36,14 @@ SPECS = {
 
 
 def _engine_loops() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t.name == "pat-engine-loop" and t.is_alive()}
+    return {t for t in threading.enumerate() if t.name == LOOP_THREAD_NAME and t.is_alive()}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def no_engine_left_running():
     """Every engine a test module starts is shut down by the end of the module. A leaked engine keeps its
-    loop thread polling dead pipes until the interpreter exits, where it can crash the teardown (a CI run
-    ended in a segfault after every test had passed)."""
+    loop thread polling until the interpreter exits, where it can crash the teardown (a CI run that had
+    leaked 17 ended in a segfault after every test had passed)."""
     before = _engine_loops()
     yield
     deadline = time.monotonic() + 10.0

@@ -299,11 +299,12 @@ def running(pid):  # a live process, not a zombie waiting to be reaped
         return False
 
 def after_the_engines_hook():  # atexit runs the last registered first
-    loops = [t for t in threading.enumerate() if t.name == "pat-engine-loop" and t.is_alive()]
+    loops = [t for t in threading.enumerate() if t.name == LOOP_THREAD_NAME and t.is_alive()]
     print(f"loops={len(loops)} workers={sum(map(running, pids))}", flush=True)
 
 atexit.register(after_the_engines_hook)  # before pat_engine registers its own
 from pat_engine import Engine, SamplingParams
+from pat_engine.core.loop_thread import LOOP_THREAD_NAME
 
 engine = Engine(sys.argv[1], tp=1, dp=2, dtype="float64")
 pids = engine.worker_pids()

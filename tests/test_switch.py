@@ -89,13 +89,14 @@ def test_randomised_schedules(engines, model_dir, seed):
 
 
 def test_group_pool_creates_each_layout_once(engines):
-    engine = engines("llama")
+    engine = engines("llama")  # shared with the module: count this test's hits, whatever ran before
+    hits_before = [s["group_hits"] for s in engine.worker_stats()]
     for tp in (1, 2, 4, 1, 4, 2, 1):
         engine.reconfigure(tp=tp)
     stats = engine.worker_stats()
-    for s in stats:
+    for s, before in zip(stats, hits_before):
         assert sorted(s["layouts"]) == ["TP1xDP4", "TP2xDP2", "TP4xDP1"]
-        assert s["group_misses"] == 3 and s["group_hits"] >= 5
+        assert s["group_misses"] == 3 and s["group_hits"] - before >= 4  # 1, 4, 2, 1 return to built layouts
     assert engine.switches[-1].costs["group_cache_hit"]
 
 

@@ -53,8 +53,8 @@ from pat_engine.sampling.params import SamplingParams
 log = logging.getLogger(__name__)
 
 # Engines not shut down yet. An engine dropped without ``shutdown`` stays alive (its loop thread holds it),
-# so ``__del__`` never runs: at interpreter exit these are shut down first, before the interpreter tears
-# down the modules their loop threads are still polling with (a crash at exit otherwise).
+# so ``__del__`` never runs: at interpreter exit these are shut down first, so that no loop thread is still
+# polling its workers while the interpreter tears down the modules it uses (which can crash the exit).
 _RUNNING: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 os.register_at_fork(after_in_child=_RUNNING.clear)  # a forked child must not end its parent's workers
 

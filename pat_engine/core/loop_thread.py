@@ -22,6 +22,8 @@ from pat_engine.errors import EngineClosedError, WorkerFailure
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+LOOP_THREAD_NAME = "pat-engine-loop"
+
 
 class LoopThread:
     def __init__(self) -> None:
@@ -31,7 +33,7 @@ class LoopThread:
         self.stopping = False
 
     def start(self, body: Callable[[], None]) -> None:
-        self._thread = threading.Thread(target=body, name="pat-engine-loop", daemon=True)
+        self._thread = threading.Thread(target=body, name=LOOP_THREAD_NAME, daemon=True)
         self._thread.start()
 
     def runs_here(self) -> bool:
