@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 # so ``__del__`` never runs: at interpreter exit these are shut down first, so that no loop thread is still
 # polling its workers while the interpreter tears down the modules it uses (which can crash the exit).
 _RUNNING: "weakref.WeakSet[Engine]" = weakref.WeakSet()
-os.register_at_fork(after_in_child=_RUNNING.clear)  # a forked child must not end its parent's workers
+os.register_at_fork(after_in_child=_RUNNING.clear)  # a forked child exiting normally leaves them alone
 
 
 @atexit.register

@@ -248,7 +248,7 @@ class InferExecutor:
 
 @dataclass
 class LaunchedStep:
-    """A step TP rank 0 has launched and not answered: its draw on its way to host memory."""
+    """A step TP rank 0 has launched and not answered yet."""
 
     cmd: StepCommand
     group: int
