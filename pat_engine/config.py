@@ -23,6 +23,7 @@ NUMERICS = ("invariant", "fast")  # docs/numerics.md
 DEFAULT_NUMERICS = "fast"  # invariant: up to +10% per CPU prefill, +11-17% per H100 decode step (docs/numerics.md)
 DEFAULT_MAX_TP = 8  # the invariant mode's declared reduction width: one node of 8 GPUs (docs/numerics.md)
 GRAPH_BACKENDS = ("auto", "standin")  # docs/hot-path.md, worker/graph_capture.py
+WORKER_LAUNCHES = ("auto", "fresh")  # core/worker_launch.py
 DEFAULT_MAX_GRAPH_BATCH = 256
 
 
@@ -135,6 +136,9 @@ class EngineConfig:
     # the Worker subclass every rank runs, as "module:Class" (vLLM's worker_cls); None: pat_engine's Worker.
     # Tests inject faults through one (bench/fault_injection.py), so the real worker's hot path has no hooks
     worker_class: str | None = None
+    # how worker processes start (core/worker_launch.py): "auto" forks CPU workers from a warm fork server (no
+    # import of torch per worker) and starts GPU workers as fresh interpreters; "fresh": CPU workers too
+    worker_launch: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.dp < 1:
@@ -159,6 +163,9 @@ class EngineConfig:
                                       f"got {self.graph_backend!r}")
         if self.max_graph_batch < 1:
             raise InvalidRequestError(f"max_graph_batch must be >= 1, got {self.max_graph_batch}")
+        if self.worker_launch not in WORKER_LAUNCHES:
+            raise InvalidRequestError(f"worker_launch must be one of {', '.join(WORKER_LAUNCHES)}, "
+                                      f"got {self.worker_launch!r}")
         if self.worker_class is not None and not all(self.worker_class.partition(":")[::2]):
             raise InvalidRequestError(f"worker_class must be 'module:Class', got {self.worker_class!r}")
         for name in ("gpu_memory_utilization", "rank_memory_fraction"):

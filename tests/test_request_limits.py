@@ -304,3 +304,24 @@ def test_engine_config_checks_failure_settings():
         EngineConfig("m", step_timeout_s=0)
     with pytest.raises(InvalidRequestError, match="restart_window_s"):
         EngineConfig("m", restart_window_s=float("nan"))
+
+
+def test_a_peer_failure_is_blamed_on_the_rank_that_died():
+    """A rank exits mid-collective; its peer's gloo error ("Connection reset by peer") is read before the
+    dead rank's closed socket. The failure raised names the rank that died, not the one that saw it go."""
+    pairs = [socket.socketpair() for _ in range(2)]
+    workers = [Connection(theirs.detach()) for _, theirs in pairs]
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.conns = [Connection(ours.detach()) for ours, _ in pairs]
+    dies_at = time.monotonic() + 0.2  # rank 1's death is seen a little after rank 0's reply
+    dead = type("P", (), {"pid": 2, "returncode": 17, "poll": lambda self: 17 if time.monotonic() > dies_at else None})()
+    alive = type("P", (), {"pid": 1, "poll": lambda self: None})()
+    pool.procs, pool.pending, pool._failed_calls, pool.world = [alive, dead], [], set(), 2
+    gloo = "Traceback ...\nRuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"
+    workers[0].send(Reply(-5, 0, False, error=gloo))
+    with pytest.raises(WorkerFailure, match="rank 1") as failure:
+        pool.poll(1.0)
+    assert failure.value.rank == 1
+    workers[0].send(Reply(-6, 0, False, error="Traceback ...\nIndexError: poisoned step"))
+    (reply,) = pool.poll(1.0)  # a failure of the rank's own: handed on as it is
+    assert reply.rank == 0 and "poisoned" in reply.error

@@ -127,6 +127,7 @@ class EngineLoop:
             "last_step_s": None if stepping.last_step_at is None else round(now - stepping.last_step_at, 3),
             "step_timeout_s": stepping.config.step_timeout_s,
             "restarts": self.restarts,
+            "last_failure": self.failures[-1] if self.failures else None,  # why the last restart happened
             "restarts_in_window": self.budget.recent(),
             "restart_budget": self.budget.describe(),
         }

@@ -1,8 +1,9 @@
 """Driver-side handle on the worker processes: start, message, watch, stop.
 
-Workers are plain subprocesses (``python -m pat_engine.worker``), each
-talking to the driver over its own socketpair, so user scripts need no
-``if __name__ == "__main__"`` guard. The driver hosts the rendezvous
+Workers are plain subprocesses (``python -m pat_engine.worker``, or on the CPU
+forks of a warm fork server: core/worker_launch.py), each talking to the driver
+over its own socketpair, so user scripts need no ``if __name__ == "__main__"``
+guard. The driver hosts the rendezvous
 ``TCPStore`` on an OS-chosen port (no fixed ports: engines run side by side).
 A worker that dies closes its socket, so every wait notices at once and
 raises ``WorkerFailure`` instead of hanging.
@@ -25,6 +26,7 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from pat_engine.config import EngineConfig
+from pat_engine.core.worker_launch import ForkedWorker, start_worker, uses_fork_server
 from pat_engine.errors import WorkerFailure, last_traceback_line
 from pat_engine.parallel.devices import DevicePlacement, visible_devices
 from pat_engine.parallel.layout import Layout
@@ -34,6 +36,9 @@ import torch.multiprocessing  # noqa: F401  (registers the shared-memory picklin
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
+# what gloo says when the other end of a collective has gone; the rank that went is the failure to report
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer")
+_PEER_DEATH_GRACE_S = 1.0  # how long such a reply waits for the death that caused it to be seen
 
 
 class WorkerPool:
@@ -43,7 +48,7 @@ class WorkerPool:
         self.world = config.world
         self.placement = DevicePlacement(self.world, visible_devices(config.device))
         self._layout, self._num_blocks = layout, num_blocks
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen | ForkedWorker] = []
         self.conns: list[Connection] = []
         self._store: dist.TCPStore | None = None
         self._call_ids = itertools.count(1)
@@ -59,16 +64,16 @@ class WorkerPool:
         for name, value in self.config.worker_env().items():  # OpenMP policy: see EngineConfig.worker_env
             env.setdefault(name, value)
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        fork = uses_fork_server(self.config.worker_launch, self.config.device)
         for rank in range(self.world):
             ours, theirs = socket.socketpair()
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "pat_engine.worker", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), env=env, close_fds=True,
-            )
-            theirs.close()
+            try:
+                proc, parent_pid = start_worker(theirs.fileno(), env, fork)
+            finally:
+                theirs.close()
             conn = Connection(ours.detach())
             args = WorkerArgs(rank, self.world, "127.0.0.1", self._store.port, self.config, self._layout,
-                              self._num_blocks, os.getpid(), self._weights_path, self.placement)
+                              self._num_blocks, parent_pid, self._weights_path, self.placement)
             self.procs.append(proc)
             self.conns.append(conn)
             # same authkey as the driver: tensors sent to workers then travel through shared memory
@@ -154,6 +159,9 @@ class WorkerPool:
                 out.extend(self._drain(self.conns.index(obj)))
         if not out:
             self._check_alive()
+        for msg in out:
+            if isinstance(msg, Reply) and not msg.ok:
+                self._blame_a_dead_peer(msg)
         return out
 
     def _drain(self, rank: int) -> list:
@@ -197,6 +205,19 @@ class WorkerPool:
                 else:
                     self.pending.append(msg)
         return got
+
+    def _blame_a_dead_peer(self, reply: Reply) -> None:
+        """Raise the death of a rank instead of ``reply``'s failure where that failure says a peer of a
+        collective went away: a rank that exits mid-collective fails the others at once, and their replies
+        can be read before its closed socket is."""
+        if not any(words in (reply.error or "") for words in _PEER_GONE):
+            return
+        deadline = time.monotonic() + _PEER_DEATH_GRACE_S
+        while True:
+            self._check_alive()
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
 
     def _check_alive(self) -> None:
         for r, p in enumerate(self.procs):
