@@ -3,10 +3,9 @@
 Workers are plain subprocesses (``python -m pat_engine.worker``, or on the CPU
 forks of a warm fork server: core/worker_launch.py), each talking to the driver
 over its own socketpair, so user scripts need no ``if __name__ == "__main__"``
-guard. The driver hosts the rendezvous
-``TCPStore`` on an OS-chosen port (no fixed ports: engines run side by side).
-A worker that dies closes its socket, so every wait notices at once and
-raises ``WorkerFailure`` instead of hanging.
+guard. The driver hosts the rendezvous ``TCPStore`` on an OS-chosen port (no
+fixed ports: engines run side by side). A worker that dies closes its socket,
+so every wait notices at once and raises ``WorkerFailure`` instead of hanging.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ class WorkerArgs:
     config: EngineConfig
     layout: Layout
     num_blocks: int  # KV blocks of the first pool (0: the driver allocates it later with ``allocate_kv``)
-    parent_pid: int
+    parent_pid: int  # its parent (the driver, or the fork server that forked it): the worker exits when it does
     weights_path: str  # where to load weights from (the model dir, or a later update_weights_from_disk)
     placement: DevicePlacement  # which device each rank runs on, and whether ranks share one
 
