@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -94,3 +96,21 @@ def alternating_rounds(script: str, trees: dict[str, Path], rounds: int, args: l
                                   check=True, capture_output=True, text=True)
             runs[label].append(json.loads(done.stdout.strip().splitlines()[-1]))
     return runs
+
+
+def tree_medians(runs: dict[str, list[dict]], key: str) -> tuple[float, float, bool]:
+    """Of ``alternating_rounds``' runs whose rows are ``[seconds, digest]``: the median seconds of row ``key``
+    in the base and the new tree, and whether every round of both gave the same digest."""
+    base, new = (statistics.median(r[key][0] for r in runs[label]) for label in ("base", "new"))
+    return base, new, len({r[key][1] for label in runs for r in runs[label]}) == 1
+
+
+def tree_comparison_args(doc: str, steps: int, steps_help: str, base: str) -> argparse.Namespace:
+    """The options of a benchmark that times this tree against commit ``--base`` with ``alternating_rounds``:
+    ``--rounds``, ``--steps``, ``--base``, and the hidden ``--measure`` (one round, JSON on stdout)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=steps, help=steps_help)
+    p.add_argument("--base", default=base, help="the commit that is the baseline")
+    p.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args()

@@ -13,7 +13,6 @@ runs one process per tree, alternating (base, new, base, new, ...); the table gi
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import statistics
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from common import alternating_rounds, markdown_table, tree_at, write_result
+from common import alternating_rounds, markdown_table, tree_at, tree_comparison_args, tree_medians, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 BATCHES = (1, 16, 64, 256)
@@ -80,12 +79,7 @@ def measure(steps: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=200, help="decode builds per row and round (the median counts)")
-    p.add_argument("--base", default="e347249", help="the commit whose builder is the baseline")
-    p.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one round, JSON on stdout
-    ns = p.parse_args()
+    ns = tree_comparison_args(__doc__, 200, "decode builds per row and round (the median counts)", "e347249")
     if ns.measure:
         print(json.dumps(measure(ns.steps)))
         return
@@ -94,9 +88,8 @@ def main() -> None:
     rows = []
     for key in runs["new"][0]:
         case, row = key.split("|")
-        base, new = (statistics.median(r[key][0] for r in runs[label]) * 1e6 for label in ("base", "new"))
-        same = len({r[key][1] for label in runs for r in runs[label]}) == 1
-        rows.append([row, case, f"{base:.0f}", f"{new:.0f}", f"{base / new:.2f}x", "yes" if same else "NO"])
+        base, new, same = tree_medians(runs, key)
+        rows.append([row, case, f"{base * 1e6:.0f}", f"{new * 1e6:.0f}", f"{base / new:.2f}x", "yes" if same else "NO"])
     body = (f"CPU builds (one torch thread), block {BLOCK}, {CONTEXT}-token contexts; median of {ns.rounds} "
             f"interleaved rounds (one process per tree and round), each the median of {ns.steps} decode builds "
             f"(a prefill: one build). `base`: the builder and sampling batch at commit {ns.base}; `new`: this "

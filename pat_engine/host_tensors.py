@@ -19,8 +19,10 @@ import torch
 _TYPECODES = {torch.long: "q", torch.float64: "d", torch.float32: "f", torch.uint64: "Q", torch.int32: "i"}
 
 
-def host_tensor(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
+def host_tensor(values: Sequence | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """A 1-D CPU tensor of ``values`` (the values and dtype ``torch.tensor(values, dtype=dtype)`` gives)."""
+    if isinstance(values, np.ndarray):  # already machine numbers: no copy where the dtype agrees
+        return torch.from_numpy(values.reshape(-1)).to(dtype)
     code = _TYPECODES.get(dtype)
     if code is None or not values:
         return torch.tensor(values, dtype=dtype)

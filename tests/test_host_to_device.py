@@ -4,6 +4,7 @@ test_sampler_device_path.py's gpu test)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pat_engine.host_tensors import host_table, host_tensor, to_device
@@ -19,6 +20,10 @@ def test_values_and_dtypes_are_those_torch_tensor_gives():
         for got in (host_tensor(values, dtype), to_device(values, dtype, "cpu")):
             assert got.dtype == want.dtype and got.device.type == "cpu" and got.shape == want.shape
             assert torch.equal(got.view(-1), want.view(-1)), (values, dtype)
+    for values, dtype in [(np.array([0.25, 1e-300]), torch.float64), (np.array([3, 4], dtype=np.int64), torch.long),
+                          (np.array([1.5, 2.0]), torch.float32)]:  # numpy arrays, already machine numbers
+        got = to_device(values, dtype, "cpu")
+        assert got.dtype == dtype and torch.equal(got, torch.tensor(values.tolist(), dtype=dtype)), (values, dtype)
 
 
 def test_a_table_is_cut_or_zero_padded_to_its_width_and_height():

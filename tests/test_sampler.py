@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from pat_engine.sampling.params import SamplingParams
-from pat_engine.sampling.sampler import sample, uniforms
-from pat_engine.sampling.seeds import uniform_for
+from pat_engine.sampling.sampler import sample
+from pat_engine.sampling.seeds import uniform_for, uniforms
 from pat_engine.sampling.spec import SamplingSpec
 from sampler_reference import reference_sample
 
@@ -65,9 +66,8 @@ def test_processed_logprobs_are_under_the_sampled_distribution():
 def test_vectorised_uniforms_equal_the_scalar_hash():
     seeds = [0, 1, 7, 2**31 - 1, 2**63 - 1, 2**63 + 5, 2**64 - 1, -3, 123456789012345]
     positions = [0, 1, 5, 1000, 2**20, 77, 3, 9, 31]
-    got = uniforms(torch.tensor([s & (2**64 - 1) for s in seeds], dtype=torch.uint64).view(torch.long),
-                   torch.tensor(positions))
-    assert got.tolist() == [uniform_for(s, p) for s, p in zip(seeds, positions)]
+    got = uniforms(seeds, positions)
+    assert got.dtype == np.float64 and got.tolist() == [uniform_for(s, p) for s, p in zip(seeds, positions)]
 
 
 def _random_specs(g: torch.Generator, n: int, vocab: int) -> list[SamplingSpec]:

@@ -29,31 +29,8 @@ from pat_engine.sampling.inverse_cdf import first_max, inverse_cdf, inverse_cdf_
 from pat_engine.sampling.logprobs import greedy_logprobs, log_z, token_logprobs, top_logprobs
 from pat_engine.sampling.prefix import masked, prefixes
 from pat_engine.sampling.processors import ProcessorRows
-from pat_engine.sampling.seeds import MASK64
+from pat_engine.sampling.seeds import uniforms
 from pat_engine.sampling.spec import SamplingSpec
-
-def _signed(c: int) -> int:
-    """A 64-bit constant as the int64 with the same bits."""
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def _splitmix64_t(x: torch.Tensor) -> torch.Tensor:
-    # int64 arithmetic wraps modulo 2**64, so the bits match seeds.splitmix64
-    x = x + _signed(0x9E3779B97F4A7C15)
-    x = (x ^ _shr(x, 30)) * _signed(0xBF58476D1CE4E5B9)
-    x = (x ^ _shr(x, 27)) * _signed(0x94D049BB133111EB)
-    return x ^ _shr(x, 31)
-
-
-def uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``uniform_for`` for every row at once; seeds and positions: int64 (B,) -> float64 (B,)."""
-    bits = _shr(_splitmix64_t(_splitmix64_t(seeds) ^ positions), 11)
-    return bits.to(torch.float64) * 2.0**-53  # < 2**53: exact
 
 
 @dataclass
@@ -65,8 +42,7 @@ class SamplingBatch:
     temperature: torch.Tensor | None  # float64 (S, 1)
     top_k: torch.Tensor | None  # int64 (S,), <= 0 means off
     top_p: torch.Tensor | None  # float64 (S, 1)
-    seeds: torch.Tensor | None  # int64 (S,): the seeds' 64 bits
-    positions: torch.Tensor | None  # int64 (S,): index the new token takes in its sequence
+    uniform: torch.Tensor | None  # float64 (S,): uniform_for(seed, index the new token takes), hashed on the host
     suppressed: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) that may not be drawn
     logprobs: bool  # any row wants log-probs
     processed_rows: torch.Tensor | None  # int64: sampled rows (indices into ``sampled``) reporting processed log-probs
@@ -104,8 +80,8 @@ class SamplingBatch:
             temperature=tensor([s.temperature for s in chosen], torch.float64).view(-1, 1) if rows else None,
             top_k=tensor(top_ks, torch.long) if rows else None,
             top_p=tensor([s.top_p for s in chosen], torch.float64).view(-1, 1) if rows else None,
-            seeds=tensor([s.seed & MASK64 for s in chosen], torch.uint64).view(torch.long) if rows else None,
-            positions=tensor([positions[i] for i in rows], torch.long) if rows else None,
+            uniform=tensor(uniforms([s.seed for s in chosen], [positions[i] for i in rows]), torch.float64)
+            if rows else None,
             suppressed=(tensor(banned_rows, torch.long), tensor(banned_ids, torch.long)) if banned_ids else None,
             logprobs=any(s.logprobs for s in specs),
             processed_rows=_rows_or_none([j for j, s in enumerate(chosen) if s.processed_logprobs], device),
@@ -183,7 +159,7 @@ def _draw(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, tor
     """Tokens and processed log-probs of the sampled rows; logits: (S, vocab), any float dtype."""
     inv_temp = (1.0 / batch.temperature.squeeze(1)).to(torch.float32)
     floor = batch.floor  # log(min_p); min_p = 0 keeps every token
-    u = uniforms(batch.seeds, batch.positions)
+    u = batch.uniform
     fast = _draw_by_kernel(logits, batch, inv_temp, floor, u)
     if fast is not None:
         return fast
