@@ -55,6 +55,7 @@ def test_forked_workers_generate_exactly_and_a_later_engine_reuses_the_server(mo
     assert [o.token_ids for o in outs] == hf_greedy_batch(path)
     (server,) = servers
     assert server != os.getpid() and _parent(server) == os.getpid()  # a fork server, child of this driver
+    assert len(os.listdir(f"/proc/{server}/task")) == 1  # single-threaded: a fork copies no other thread's locks
     with Engine(path, tp=2, dp=1, dtype="float64") as again:
         assert {_parent(pid) for pid in again.worker_pids()} == {server}
     with Engine(path, tp=2, dp=1, dtype="float64", worker_launch="fresh") as fresh:

@@ -33,6 +33,11 @@ from pat_engine.protocol.startup import FORK_MAX_MESSAGE, FORK_STATUS, LaunchReq
 
 def main(control_fd: int) -> None:
     control = socket.socket(fileno=control_fd)
+    for fd in (0, 1, 2):  # a standard stream the driver had closed: hold its number, so that no file
+        try:  # descriptor received later lands there and is overwritten by a child's dup2
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one
     import pat_engine.worker.worker  # noqa: F401  (the preload: what every forked worker would import)
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the driver; it stops the workers
