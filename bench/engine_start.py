@@ -34,19 +34,33 @@ PROMPT = [5, 6, 7, 8]
 PARAMS = SamplingParams(max_new_tokens=4)
 
 
+def memory_mb(pid: int) -> tuple[float, float]:
+    """A process's resident and proportional set (MB; proportional: shared pages split among their users)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+    return tuple(int(fields[name].split()[0]) / 1024 for name in ("Rss", "Pss"))
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def one_run(path: str, tp: int, dp: int, mode: str) -> dict:
     t0 = time.perf_counter()
     engine = Engine(path, tp=tp, dp=dp, dtype="float32", worker_launch=mode)
     t1 = time.perf_counter()
     tokens = engine.generate([PROMPT], PARAMS, use_tqdm=False)[0].token_ids
     t2 = time.perf_counter()
+    workers = [memory_mb(pid) for pid in engine.worker_pids()]
+    parents = {parent_of(pid) for pid in engine.worker_pids()} - {os.getpid()}  # the fork server, if any
+    server_rss = sum(memory_mb(pid)[0] for pid in parents)
     os.kill(engine.worker_pids()[-1], signal.SIGKILL)
     again = engine.generate([PROMPT], PARAMS, use_tqdm=False)[0].token_ids
     t3 = time.perf_counter()
     engine.shutdown()
     t4 = time.perf_counter()
     return {"start": t1 - t0, "generate": t2 - t1, "recover": t3 - t2, "shutdown": t4 - t3,
-            "tokens": (tokens, again)}
+            "tokens": (tokens, again), "worker_rss": statistics.mean(r for r, _ in workers),
+            "worker_pss": statistics.mean(p for _, p in workers), "server_rss": server_rss}
 
 
 def main() -> None:
@@ -79,7 +93,9 @@ def main() -> None:
         speed_up = med(fresh, "start") / med(fork, "start")
         rows.append([f"TP{tp} x DP{dp}", med(fresh, "start"), med(fork, "start"), speed_up,
                      med(fresh, "recover"), med(fork, "recover"), med(fresh, "shutdown"), med(fork, "shutdown"),
-                     server_start[(tp, dp)], "yes" if same else "NO"])
+                     server_start[(tp, dp)], f"{med(fresh, 'worker_rss'):.0f} / {med(fresh, 'worker_pss'):.0f}",
+                     f"{med(fork, 'worker_rss'):.0f} / {med(fork, 'worker_pss'):.0f}", f"{med(fork, 'server_rss'):.0f}",
+                     "yes" if same else "NO"])
     body = (f"Checkpoint: bench/common.py PEER_SPEC (Llama, 4 layers, hidden 512), float32; median of {args.rounds} "
             f"rounds, the two modes interleaved (order swapped every round); load average at the start: {load:.2f}.\n"
             "*start*: `Engine(...)` until it serves; *recover*: from a SIGKILL of the last rank to the end of the "
@@ -87,11 +103,15 @@ def main() -> None:
             "start with a cold server*: the engine that started its environment's fork server (timed once, "
             "before the rounds; TP1 x DP1 and TP2 x DP1 share one environment, TP2 x DP2 (4 ranks on 2 cores: "
             "OpenMP's passive wait policy) has its own). "
-            "*same tokens*: every generation of both modes, before and after the "
-            "recovery, gave the same tokens.\n\n")
+            "*worker MB*: a worker's resident / proportional set after the first generation (proportional: "
+            "pages shared with other processes, the fork server's among them, split among their users), mean "
+            "over the ranks; *server MB*: the fork server's resident set (its imports; the workers share them). "
+            "*same tokens*: every generation of both modes, before and after the recovery, gave the same "
+            "tokens.\n\n")
     body += markdown_table(["layout", "fresh start s", "fork start s", "start speed-up", "fresh recover s",
                             "fork recover s", "fresh shutdown s", "fork shutdown s",
-                            "first start with a cold server s", "same tokens"], rows)
+                            "first start with a cold server s", "fresh worker MB", "forked worker MB", "server MB",
+                            "same tokens"], rows)
     write_result("engine_start", "Engine start, shutdown and recovery: fresh worker processes vs a fork server", body)
 
 

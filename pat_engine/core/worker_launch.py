@@ -9,9 +9,9 @@ every later one and by restarts after a failure) and each worker is forked from 
 its weights); "fresh" starts CPU workers that way too. A server that fails to start or to fork is dropped
 and replaced once, then the worker starts fresh with a warning: the engine starts either way.
 
-Memory: an idle server holds what its imports take (about 230 MB resident with torch 2.13); its workers
-share those pages copy-on-write (a tiny model's forked worker: 198 MB resident, 112 MB proportional), so
-from two live workers on the server saves more memory than it holds.
+Memory: an idle server holds what its imports take (227 MB resident with torch 2.13); its workers share
+those pages copy-on-write, so a forked worker's proportional set is 80-110 MB below a fresh one's and from
+two or three workers the server pays for itself (bench/results/engine_start.md).
 
 ``ForkedWorker`` answers what ``WorkerPool`` asks of a ``subprocess.Popen`` (``pid``, ``poll``, ``wait``,
 ``kill``, ``returncode``); the exit code comes from the server, which reaps its children.
