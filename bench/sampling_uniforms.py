@@ -3,8 +3,9 @@
 Every sampled row draws with one uniform number, ``uniform_for(seed, position)`` (sampling/seeds.py). The
 base commit hashed the batch's seeds and positions with about two dozen int64 torch ops inside the step
 (on a GPU, two dozen tiny kernels per step); this tree hashes them with numpy while it builds the step's
-``SamplingBatch`` and sends one float64 vector. Timed here: what a worker does for one step's sampled
-rows, ``SamplingBatch.build`` + ``sample_on_device`` + the read back, at temperature 1 with log-probs (RL
+``SamplingBatch`` and sends one float64 vector (and the rows' float32 inverse temperatures, computed on
+the device before too). Timed here: what a worker does for one step's sampled rows,
+``SamplingBatch.build`` + ``sample_on_device`` + the read back, at temperature 1 with log-probs (RL
 rollouts), batch 1 to 256, on a 512-token vocabulary (the hash's share is largest) and on Qwen's 151,936
 (Zipf-shaped logits). One process per tree and round, alternating (base, new, ...); both trees use this
 checkout's C++ kernels (csrc/ is unchanged between them); the draws of both trees are compared.

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pat_engine.sampling.params import SamplingParams
-from pat_engine.sampling.sampler import sample
+from pat_engine.sampling.sampler import SamplingBatch, sample
 from pat_engine.sampling.seeds import uniform_for, uniforms
 from pat_engine.sampling.spec import SamplingSpec
 from sampler_reference import reference_sample
@@ -68,6 +68,15 @@ def test_vectorised_uniforms_equal_the_scalar_hash():
     positions = [0, 1, 5, 1000, 2**20, 77, 3, 9, 31]
     got = uniforms(seeds, positions)
     assert got.dtype == np.float64 and got.tolist() == [uniform_for(s, p) for s, p in zip(seeds, positions)]
+
+
+def test_host_side_settings_have_the_bits_the_device_formulas_gave():
+    """The batch's float32 inverse temperatures are computed on the host: the bits of the device formula
+    ``(1.0 / temperature_float64).to(float32)``."""
+    temps = [0.3, 0.7, 1.0, 1.3, 2.0, 1 / 3, 0.9999999, 1e-3, 7.25]
+    batch = SamplingBatch.build([SamplingSpec(t, -1, 1.0, 5, False) for t in temps], list(range(len(temps))))
+    want = (1.0 / torch.tensor(temps, dtype=torch.float64)).to(torch.float32)
+    assert torch.equal(batch.inv_temp.view(torch.int32), want.view(torch.int32))
 
 
 def _random_specs(g: torch.Generator, n: int, vocab: int) -> list[SamplingSpec]:

@@ -40,6 +40,7 @@ class SamplingBatch:
     sampled: torch.Tensor  # int64 (S,): rows drawn at random (temperature > 0); the rest are greedy
     # the rest are None when no row is sampled
     temperature: torch.Tensor | None  # float64 (S, 1)
+    inv_temp: torch.Tensor | None  # float32 (S,): 1 / temperature in float64, rounded once (as on the device before)
     top_k: torch.Tensor | None  # int64 (S,), <= 0 means off
     top_p: torch.Tensor | None  # float64 (S, 1)
     uniform: torch.Tensor | None  # float64 (S,): uniform_for(seed, index the new token takes), hashed on the host
@@ -78,6 +79,7 @@ class SamplingBatch:
         return cls(
             sampled=tensor(rows, torch.long),
             temperature=tensor([s.temperature for s in chosen], torch.float64).view(-1, 1) if rows else None,
+            inv_temp=tensor([1.0 / s.temperature for s in chosen], torch.float32) if rows else None,
             top_k=tensor(top_ks, torch.long) if rows else None,
             top_p=tensor([s.top_p for s in chosen], torch.float64).view(-1, 1) if rows else None,
             uniform=tensor(uniforms([s.seed for s in chosen], [positions[i] for i in rows]), torch.float64)
@@ -157,7 +159,7 @@ def _draw_by_kernel(logits: torch.Tensor, batch: SamplingBatch, inv_temp: torch.
 
 def _draw(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and processed log-probs of the sampled rows; logits: (S, vocab), any float dtype."""
-    inv_temp = (1.0 / batch.temperature.squeeze(1)).to(torch.float32)
+    inv_temp = batch.inv_temp
     floor = batch.floor  # log(min_p); min_p = 0 keeps every token
     u = batch.uniform
     fast = _draw_by_kernel(logits, batch, inv_temp, floor, u)
