@@ -44,7 +44,7 @@ from pathlib import Path
 
 import httpx
 
-from common import markdown_table, settled_kv, write_result
+from common import markdown_table, settled_kv, worker_processes, write_result
 from faults import AUTH, KEY, MAX_LEN, bad_inputs, send_bad
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
 
@@ -218,29 +218,13 @@ async def controllers(url: str, ns: argparse.Namespace, deadline: float, tally: 
 
         async def kill_one() -> None:
             await asyncio.sleep(max(0.0, deadline - time.monotonic()) / 2)
-            workers = worker_pids(server_pid)
+            workers = worker_processes(server_pid)
             if workers:
                 os.kill(workers[-1], signal.SIGKILL)
                 tally.kill = f"SIGKILL to worker pid {workers[-1]} at {time.strftime('%H:%M:%S')}"
 
         await asyncio.gather(every(ns.switch_every, deadline, switch), every(ns.boundary_every, deadline, boundary),
                              every(ns.resume_every, deadline, stray_resume), kill_one())
-
-
-def worker_pids(server_pid: int) -> list[int]:
-    """The server's worker processes (``python -m pat_engine.worker``), read from /proc."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmd = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == server_pid and b"pat_engine.worker" in cmd:
-            out.append(int(entry.name))
-    return sorted(out)
 
 
 def bad_input_loop(url: str, every_s: float, deadline: float, tally: Tally, stop: threading.Event) -> None:

@@ -114,3 +114,29 @@ def tree_comparison_args(doc: str, steps: int, steps_help: str, base: str) -> ar
     p.add_argument("--base", default=base, help="the commit that is the baseline")
     p.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(x) for x in f.read().split()]
+    return out
+
+
+def worker_processes(pid: int) -> list[int]:
+    """The worker processes of the engine in process ``pid`` (a pat-serve, say), from /proc: its children
+    running ``pat_engine.worker``, or on the CPU the children of its fork server (core/worker_launch.py),
+    never the fork server itself."""
+    out = []
+    for child in _children(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        if b"pat_engine.worker.fork_server" in cmd:
+            out += _children(child)
+        elif b"pat_engine.worker" in cmd:
+            out.append(child)
+    return sorted(out)

@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import httpx
 
-from common import markdown_table, write_result
+from common import markdown_table, worker_processes, write_result
 from fault_injection import FAULT_WORKER, inject_fault
 from pat_engine import Engine, SamplingParams
 from pat_engine.core.engine import RequestHandle
@@ -439,13 +439,9 @@ def fault_sigterm(model: str, drain_s: float = 2.0, clients: int = 8) -> list:
 
 def fault_serve_dead(model: str) -> list:
     proc, url = _serve(model, "--max-worker-restarts", "0")
-    pid = proc.pid
-    children = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        children += [int(x) for x in open(f"/proc/{pid}/task/{task}/children").read().split()]
     t = time.monotonic()
-    for c in children:
-        os.kill(c, signal.SIGKILL)
+    for worker in worker_processes(proc.pid):
+        os.kill(worker, signal.SIGKILL)
     try:
         rc = proc.wait(60)
     except subprocess.TimeoutExpired:

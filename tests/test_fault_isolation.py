@@ -19,6 +19,7 @@ import httpx
 import pytest
 from safetensors.torch import load_file, save_file
 
+from common import worker_processes
 from conftest import hf_greedy
 from fault_injection import FAULT_WORKER, inject_fault
 from pat_engine import Engine, EngineDeadError, ModelLoadError, SamplingParams, WorkerFailure
@@ -195,25 +196,6 @@ def test_drain_ends_open_streams_with_an_error_event_and_done(model_dir):
         assert engine.num_unfinished_requests() == 0
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out += [int(x) for x in f.read().split()]
-    return out
-
-
-def _workers(pid: int) -> list[int]:
-    """The worker processes of the engine in process ``pid``: its children, or on the CPU the children of
-    its fork server (core/worker_launch.py)."""
-    out = []
-    for child in _children(pid):
-        with open(f"/proc/{child}/cmdline", "rb") as f:
-            forks = b"pat_engine.worker.fork_server" in f.read()
-        out += _children(child) if forks else [child]
-    return out
-
-
 def _start_server(path: str, *extra: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(cli_cmd("serve", "--model", path, "--port", "0", "--dtype", "float64",
                                     "--max-model-len", "1024", *extra),
@@ -256,7 +238,7 @@ def test_server_exits_nonzero_when_the_engine_cannot_recover(model_dir):
     proc, url = _start_server(model_dir("llama"), "--max-worker-restarts", "0")
     try:
         assert httpx.get(url + "/health").status_code == 200
-        for pid in _workers(proc.pid):
+        for pid in worker_processes(proc.pid):
             os.kill(pid, signal.SIGKILL)
         rc = proc.wait(30)
     finally:
@@ -267,8 +249,8 @@ def test_server_exits_nonzero_when_the_engine_cannot_recover(model_dir):
 
 def test_pat_serve_step_timeout_flag_catches_a_stopped_worker(model_dir):
     """Defect 4 under pat-serve: --step-timeout reaches the engine, /health says why the workers were
-    replaced (503 while they are, if it is asked then: with forked workers that takes ~0.2 s), the request
-    is recomputed on fresh workers and answered in full."""
+    replaced (503 while they are, if it is asked then: forked workers are back in a fraction of a second),
+    the request is recomputed on fresh workers and answered in full."""
     proc, url = _start_server(model_dir("llama"), "--step-timeout", "2")
     try:
         result: dict = {}
@@ -282,7 +264,7 @@ def test_pat_serve_step_timeout_flag_catches_a_stopped_worker(model_dir):
         th.start()
         while httpx.get(url + "/health").json()["last_step_s"] is None:  # generating
             time.sleep(0.02)
-        (worker,) = _workers(proc.pid)
+        (worker,) = worker_processes(proc.pid)
         os.kill(worker, signal.SIGSTOP)
         t = time.monotonic()
         unavailable = []

@@ -1,7 +1,8 @@
 """Starting a worker process: a fresh interpreter, or a fork of a warm one (worker/fork_server.py).
 
-A fresh ``python -m pat_engine.worker`` spends about 1.5 s of CPU importing torch and the worker's modules
-before it can join the world; an engine of four ranks on two cores waits for four of them. On the CPU the
+A fresh ``python -m pat_engine.worker`` imports torch and the worker's modules before it can join the world;
+an engine of four ranks on two cores waits for four of them (3.86 s to start, against 0.35 s forked:
+bench/results/engine_start.md). On the CPU the
 driver keeps a fork server per worker environment (started by the first engine that needs it, reused by
 every later one and by restarts after a failure) and each worker is forked from it in milliseconds.
 ``EngineConfig.worker_launch``: "auto" forks CPU workers; GPU workers always start as fresh interpreters
@@ -10,7 +11,7 @@ its weights); "fresh" starts CPU workers that way too. A server that fails to st
 and replaced once, then the worker starts fresh with a warning: the engine starts either way.
 
 Memory: an idle server holds what its imports take (227 MB resident with torch 2.13); its workers share
-those pages copy-on-write, so a forked worker's proportional set is 80-110 MB below a fresh one's and from
+those pages copy-on-write, so a forked worker's proportional set is 79-113 MB below a fresh one's and from
 two or three workers the server pays for itself (bench/results/engine_start.md).
 
 ``ForkedWorker`` answers what ``WorkerPool`` asks of a ``subprocess.Popen`` (``pid``, ``poll``, ``wait``,
@@ -42,11 +43,10 @@ _READY_TIMEOUT_S = 120.0  # a server's imports on a loaded host
 class ForkedWorker:
     """A worker forked by a fork server, with the part of ``subprocess.Popen``'s interface the pool uses."""
 
-    def __init__(self, pid: int, status_fd: int, server: "ForkServer"):
-        self.pid, self.args = pid, ["fork_server", str(server.pid)]
+    def __init__(self, pid: int, status_fd: int, server_pid: int):
+        self.pid, self.args = pid, ["fork_server", str(server_pid)]  # args: what TimeoutExpired names
         self.returncode: int | None = None
         self._status = status_fd
-        self.server_pid = server.pid
 
     def poll(self) -> int | None:
         return self._read_status(0.0)
@@ -116,7 +116,7 @@ class ForkServer:
             raise
         finally:
             os.close(status_w)
-        worker = ForkedWorker(pid, status_r, self)
+        worker = ForkedWorker(pid, status_r, self.pid)
         self.launched = [w for w in self.launched if w.returncode is None] + [worker]
         return worker
 

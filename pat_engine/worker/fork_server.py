@@ -1,8 +1,8 @@
 """The fork server: one warm interpreter that forks CPU worker processes on request.
 
 ``python -m pat_engine.worker.fork_server <socket fd>``, started by the driver (core/worker_launch.py).
-It imports what a worker imports (torch and the worker's modules: about 1.5 s of every fresh worker's
-start on a 2-core host) once, then serves launch requests until its socket closes. Each request is a
+It imports what a worker imports (torch and the worker's modules: most of a fresh worker's start) once,
+then serves launch requests until its socket closes. Each request is a
 datagram: a pickled ``LaunchRequest`` (protocol/startup.py) with its file descriptors (the worker's end
 of the driver socketpair, the write end of an exit-status pipe, and the driver's stdin, stdout and
 stderr). The forked child takes the driver's environment, working directory and standard streams, as a
