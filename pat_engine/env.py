@@ -47,7 +47,13 @@ TRITON_LAYERS = EnvSwitch("PAT_TRITON_LAYERS", "auto",
                           "auto: models built on CUDA; off: never (the torch formulas, for A/B runs); on: CPU models "
                           "too, run by TRITON_INTERPRET=1 (tests)")
 
-SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, API_KEY, ENGINE_CACHE, TRITON_LAYERS)
+SKINNY_GEMM = EnvSwitch("PAT_SKINNY_GEMM", "off",
+                        "on: fast-numerics linear layers on CUDA multiply steps of at most 16 rows (decode at small "
+                        "batch) with the Triton skinny GEMM (pat_kernels/skinny_matmul.py) instead of cuBLAS, and CPU "
+                        "layers too under TRITON_INTERPRET=1 (tests); off (the default until a GPU run shows it "
+                        "ahead, bench/gpucheck/skinny_gemm.py): cuBLAS")
+
+SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, API_KEY, ENGINE_CACHE, TRITON_LAYERS, SKINNY_GEMM)
 
 
 def cpu_gemm_packing() -> bool:
@@ -74,3 +80,8 @@ def triton_layers() -> str:
     """``PAT_TRITON_LAYERS``: "auto", "off" or "on" (anything else reads as "auto")."""
     value = TRITON_LAYERS.value().strip().lower()
     return value if value in ("off", "on") else "auto"
+
+
+def skinny_gemm() -> bool:
+    """True when ``PAT_SKINNY_GEMM=on``."""
+    return SKINNY_GEMM.says("on")

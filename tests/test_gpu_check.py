@@ -109,7 +109,8 @@ def test_the_rule_splits_the_tail_shapes_on_an_h100():
     ("void at::native::index_elementwise_kernel<128, 4, at::native::index_copy_kernel_impl<>>", "rotary/KV write"),
     ("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>", "other"),
     ("Memcpy HtoD (Pageable -> Device)", "other"), ("mkldnn::_linear_pointwise", "GEMM"),
-    ("pat_kernels::paged_decode_attention_cpu", "attention"),
+    ("pat_kernels::paged_decode_attention_cpu", "attention"), ("_skinny_matmul_kernel", "GEMM"),
+    ("_skinny_reduce_kernel", "GEMM"), ("_matmul_kernel", "GEMM"),
 ])
 def test_kernels_are_classified_by_name(name, piece):
     assert kernels.classify(name) == piece
@@ -232,9 +233,9 @@ def test_the_registry_and_quicks_selection():
         assert callable(p.runner()) and p.quick_timeout_s > 0 and p.full_timeout_s > 0
     quick = [p.name for p in gc.selected(gc.parse_args(["--quick"]))]
     # the headlines and two test selections; not graphs, weightsync, invariant
-    assert quick == ["attention", "kernels", "prefill", "decode", "profile", "switch", "tests"]
+    assert quick == ["attention", "gemm", "kernels", "prefill", "decode", "profile", "switch", "tests"]
     planned = sum(registry.part(n).quick_s for n in quick) + registry.CHECKPOINT_S
-    assert planned <= 375 < gc.QUICK_BUDGET_S - 120  # ~6 min planned, well inside the budget the device tool allows
+    assert planned <= 410 < gc.QUICK_BUDGET_S - 120  # ~7 min planned, well inside the budget the device tool allows
     assert [p.name for p in gc.selected(gc.parse_args(["--only", "tests", "attention"]))] == ["attention", "tests"]
     assert len(gc.selected(gc.parse_args([]))) == len(registry.PARTS)
     with pytest.raises(KeyError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_markers import DEV, gpu, needs_triton
+from triton_markers import DEV, gemm_data, gemm_tol, gpu, needs_triton
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -23,23 +23,11 @@ def _kernel():
     return invariant_matmul
 
 
-def _data(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g).to(dtype).to(DEV)
-    w = torch.randn(n, k, generator=g).to(dtype).to(DEV)
-    b = torch.randn(n, generator=g).to(dtype).to(DEV)
-    return x, w, b
-
-
-def _tol(dtype: torch.dtype) -> dict:
-    return dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.5, rtol=1.6e-2)
-
-
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_row_has_the_same_bits_whatever_the_rows_around_it(dtype):
     mm = _kernel().invariant_matmul
-    x, w, b = _data(130, 96, 200, dtype)  # K = 200: three full K tiles and a masked tail
+    x, w, b = gemm_data(130, 96, 200, dtype)  # K = 200: three full K tiles and a masked tail
     full = mm(x, w, b)
     assert full.dtype == dtype and full.shape == (130, 96)
     for m in (1, 2, 3, 17, 64, 65, 129):  # fewer rows, fewer tiles
@@ -49,14 +37,14 @@ def test_a_row_has_the_same_bits_whatever_the_rows_around_it(dtype):
     padded = torch.cat([x[:5], torch.full((59, 200), 7.0, dtype=dtype, device=DEV)])  # graph padding rows
     assert torch.equal(mm(padded, w, b)[:5], full[:5])
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
-    torch.testing.assert_close(full.float(), ref, **_tol(dtype))
+    torch.testing.assert_close(full.float(), ref, **gemm_tol(dtype))
 
 
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_column_has_the_same_bits_in_any_shard_of_the_output(dtype):
     mm = _kernel().invariant_matmul
-    x, w, b = _data(9, 160, 96, dtype, seed=2)
+    x, w, b = gemm_data(9, 160, 96, dtype, seed=2)
     full = mm(x, w, b)
     for lo, hi in ((0, 80), (80, 160), (40, 120)):  # TP2 shards, and one that cuts a tile
         assert torch.equal(mm(x, w[lo:hi], b[lo:hi]), full[:, lo:hi])
@@ -68,7 +56,7 @@ def test_chunk_partials_are_each_chunk_alone(dtype):
     """``chunks``: the (C, M, N) float32 leaves of a row-parallel product; chunk c's partial is what a
     rank holding only chunk c computes, and its rows do not depend on the row count either."""
     mm = _kernel().invariant_matmul
-    x, w, _ = _data(33, 48, 4 * 72, dtype, seed=3)  # four chunks of 72: a partial K tile in each
+    x, w, _ = gemm_data(33, 48, 4 * 72, dtype, seed=3)  # four chunks of 72: a partial K tile in each
     parts = mm(x, w, chunks=4)
     assert parts.shape == (4, 33, 48) and parts.dtype == torch.float32
     for c in range(4):
@@ -85,7 +73,7 @@ def test_chunk_partials_are_each_chunk_alone(dtype):
 @needs_triton
 def test_bad_arguments_are_refused():
     mm = _kernel().invariant_matmul
-    x, w, b = _data(4, 8, 96, torch.float32)
+    x, w, b = gemm_data(4, 8, 96, torch.float32)
     with pytest.raises(ValueError, match="does not match"):
         mm(x, w.bfloat16())
     with pytest.raises(ValueError, match="chunks"):
@@ -108,7 +96,7 @@ def test_gpu_linear_layers_route_through_the_invariant_gemm(dtype):
     from pat_engine.model.layers.linear import linear
 
     mm = _kernel().invariant_matmul
-    x, w, b = _data(512, 1024, 4096, dtype, seed=4)
+    x, w, b = gemm_data(512, 1024, 4096, dtype, seed=4)
     full = linear(x, w, b, invariant=True)
     assert torch.equal(full, mm(x, w, b))
     for m in (1, 2, 7, 64, 200):

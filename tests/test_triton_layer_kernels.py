@@ -193,6 +193,33 @@ def test_model_with_triton_kernels_gives_the_default_paths_tokens(model_dir, mon
         assert _greedy(graphed, new) == got and graphed.graphs.stats.replays > 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # plain, QKV bias
+def test_model_with_the_skinny_gemm_gives_the_default_paths_tokens(model_dir, monkeypatch, arch):
+    """float32, greedy, ``PAT_SKINNY_GEMM=on``: decode steps (at most 16 rows) multiply through the skinny
+    Triton GEMM and give the default path's tokens, eagerly and with stand-in decode graphs."""
+    from triton.runtime.interpreter import GridExecutor
+
+    path = model_dir(arch)
+    new = 4
+    want = _greedy(_executor(path, torch.float32, "torch"), new)
+    monkeypatch.setenv("PAT_SKINNY_GEMM", "on")
+    launched = []
+    launch = GridExecutor.__call__
+
+    def counted(self, *args, **kwargs):
+        launched.append(self.fn.__name__)
+        return launch(self, *args, **kwargs)
+
+    monkeypatch.setattr(GridExecutor, "__call__", counted)
+    eager = _executor(path, torch.float32, "torch")
+    assert eager.model.layers[0].mlp.down_proj.skinny and eager.model.lm_head.skinny
+    assert _greedy(eager, new) == want
+    assert launched.count("_skinny_matmul_kernel") >= (new - 1) * (4 * eager.arch.num_layers + 1)
+    if arch == "llama":
+        assert _greedy(_executor(path, torch.float32, "torch", graphs=True), new) == want
+
+
 class _KernelCount(TorchDispatchMode):
     """Counts what a GPU would launch: every aten op that computes (views and allocations do not) and every
     Triton kernel launch (the interpreter's own copies of the launch's arguments are not counted)."""
@@ -291,3 +318,19 @@ def test_gpu_fused_unfused_graphs_and_eager_give_the_same_greedy_tokens(model_di
     unfused = _executor(path, torch.float32, "triton")
     assert unfused.model.norm.triton is None
     assert _greedy(unfused, new) == fused_graphs
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_skinny_gemm_gives_cublas_greedy_tokens_with_graphs_and_eagerly(model_dir, monkeypatch):
+    """float32 (IEEE in both: no TF32): decode steps through the skinny GEMM (``PAT_SKINNY_GEMM=on``), with
+    CUDA graphs and eagerly, give the greedy tokens of cuBLAS's GEMMs."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # restored after the test
+    path = model_dir("llama")
+    new = min(MAX_NEW)
+    cublas = _greedy(_executor(path, torch.float32, "triton", graphs=True), new)
+    monkeypatch.setenv("PAT_SKINNY_GEMM", "on")
+    graphed = _executor(path, torch.float32, "triton", graphs=True)
+    assert graphed.model.layers[0].self_attn.o_proj.skinny
+    assert _greedy(graphed, new) == cublas and graphed.graphs.stats.replays > 0
+    assert _greedy(_executor(path, torch.float32, "triton"), new) == cublas

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import os
 import sys
 
 EXTRAS = ("fastapi", "uvicorn", "prometheus_client", "ray", "httpx", "starlette")
@@ -29,14 +30,16 @@ def describe() -> dict:
 
     import pat_engine  # noqa: F401
     from pat_engine import Engine  # noqa: F401
+    from pat_engine import env as pat_env
     from pat_engine.platform_info import machine_summary
 
     extras = sorted(m for m in EXTRAS if m in sys.modules)
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     mods = ", ".join(f"{m} {version(m)}" for m in ("triton", "transformers", "safetensors", "pytest", "flashinfer"))
+    switches = ", ".join(f"{s.name}={s.value()}" for s in pat_env.SWITCHES if s.name in os.environ) or "none"
     env = (f"Python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), {mods}; "
            f"device {gpu or 'cpu'}. Serving extras imported by `import pat_engine; from pat_engine import Engine`: "
-           f"{extras}.")
+           f"{extras}. PAT_ switches set (pat_engine/env.py; every part and engine inherits them): {switches}.")
     return {"machine": machine_summary(), "environment": env, "gpu": gpu}
 
 

@@ -4,6 +4,7 @@ and prefill parts time and profile its steps without the driver's round trip in 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,6 +53,38 @@ def eager(ex: InferExecutor) -> Iterator[None]:
         yield
     finally:
         ex.graphs = saved
+
+
+def skinny_available(ex: InferExecutor) -> bool:
+    """Whether the skinny Triton GEMM can run on the executor's device (CUDA, or the CPU interpreted)."""
+    from pat_engine.model.layers.triton_ops import interpreting
+
+    return importlib.util.find_spec("triton") is not None and (ex.device.type == "cuda" or interpreting())
+
+
+@contextlib.contextmanager
+def skinny_gemm(ex: InferExecutor, graphs: DecodeGraphs) -> Iterator[None]:
+    """Steps inside multiply as ``PAT_SKINNY_GEMM=on`` builds the layers (each fast-mode linear's ``skinny``
+    set), replaying ``graphs`` (captured over these GEMMs) in place of the executor's; restored after."""
+    layers = [m for m in ex.model.modules() if hasattr(m, "skinny")]
+    before = [m.skinny for m in layers]
+    saved = ex.graphs
+    for m in layers:
+        m.skinny = True
+    ex.graphs = graphs
+    try:
+        yield
+    finally:
+        for m, was in zip(layers, before):
+            m.skinny = was
+        ex.graphs = saved
+
+
+def more_graphs(ex: InferExecutor) -> DecodeGraphs:
+    """Another, empty set of decode graphs with the executor's ladder and width (captured lazily)."""
+    g = ex.graphs
+    settings = GraphSettings(g.backend.name, g.ladder, g.max_blocks * ex.block_size)
+    return DecodeGraphs(settings, ex.device, ex.block_size, attention=ex.attention)
 
 
 class Sequences:

@@ -3,8 +3,9 @@
 One pytest process per file, so a file's failures are reported (pytest prints them when its run ends)
 before a slow file later on meets the time limit; each file's whole output is kept in the part's log
 folder. The co-located switch tests go last: they are the slowest. ``--quick`` runs two selections only
-(``QUICK``): issue 30's tokens-unchanged test and the float32 co-located switch, which failed on the second
-H100 run with its message lost (``--quick``'s decode part checks async scheduling's tokens)."""
+(``QUICK``): issue 30's tokens-unchanged tests (the fused layer kernels, the skinny GEMM) and the float32
+co-located switch, which failed on the second H100 run with its message lost (``--quick``'s decode part
+checks async scheduling's tokens)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def outcomes_so_far(verbose_output: str) -> str:
     return done + (f"; last started: {started[-1]}" if started else "")
 
 
-QUICK = (("tests/test_triton_layer_kernels.py", "fused_unfused_graphs"),  # (file, pytest -k): about 150 s
+QUICK = (("tests/test_triton_layer_kernels.py", "fused_unfused_graphs or skinny"),  # (file, pytest -k): ~150 s
          ("tests/test_colocated_gpu.py", "tp1xdp2_to_tp2_and_back_mid_batch_float32"))  # 2 ranks, both KV paths
 
 

@@ -26,6 +26,7 @@ from gpucheck import executor
 from gpucheck.report import PartResult
 from gpucheck.shared import Ctx, log, median, synchronize, verdict
 from pat_engine import env
+from pat_engine.model.gpu_gemm import SKINNY_MAX_ROWS
 from pat_engine.model.layers import triton_ops
 
 STEP, LAYER = "pat.step", "pat.layer"  # profiler ranges around a decode step and a decoder layer
@@ -40,7 +41,8 @@ RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("norm", ("_rms_norm_kernel", "rms_norm", "rmsnorm", "rsqrt", "meanops")),
     ("rotary/KV write", ("_rotary_kv_kernel", "rotary", "rotate", "index_copy", "write_kv", "neg_kernel")),
     ("activation", ("_silu_mul_kernel", "silu", "swiglu")),
-    ("GEMM", ("nvjet", "cublas", "cutlass", "gemm", "xmma", "splitkreduce", "aten::mm", "aten::addmm",
+    ("GEMM", ("nvjet", "cublas", "cutlass", "gemm", "xmma", "splitkreduce", "_matmul_kernel", "_skinny_reduce_kernel",
+              "aten::mm", "aten::addmm",
               "aten::bmm", "linear", "aten::matmul")),
 )
 
@@ -187,12 +189,25 @@ def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
     with executor.eager(ex):
         for _ in range(2):
             seqs.decode()
-    walls: dict[str, list[float]] = {"graphs": [], "eager": []}
+    modes = {"graphs": contextlib.nullcontext, "eager": lambda: executor.eager(ex)}
+    skinny = None
+    if batch <= SKINNY_MAX_ROWS and ex.graphs.enabled and executor.skinny_available(ex):
+        graphs = executor.more_graphs(ex)  # its own captures, over the skinny GEMMs
+        modes["skinny"] = skinny = lambda: executor.skinny_gemm(ex, graphs)
+        with skinny():
+            for _ in range(2):  # warm-up: its graph's capture, the kernels' compiles
+                seqs.decode()
+    walls: dict[str, list[float]] = {mode: [] for mode in modes}
+    names = list(modes)
     for r in range(p.rounds):
-        for mode in (("graphs", "eager") if r % 2 == 0 else ("eager", "graphs")):
-            with executor.eager(ex) if mode == "eager" else contextlib.nullcontext():
+        for mode in names[r % len(names):] + names[: r % len(names)]:  # the order rotates every round
+            with modes[mode]():
                 walls[mode] += [seqs.decode() for _ in range(p.block)]
     replay_ms = graph_replay_ms(ex, batch, p.block * p.rounds)
+    skinny_replay_ms = None
+    if skinny is not None:
+        with skinny():
+            skinny_replay_ms = graph_replay_ms(ex, batch, p.block * p.rounds)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device == "cuda" else [])
     cuda = ctx.device == "cuda"
     with executor.eager(ex), labelled_layers(sync=cuda), profile(activities=activities) as prof:
@@ -205,7 +220,8 @@ def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
     records, steps, layers, outside = profiled_records(prof.events(), cuda)
     return {"batch": batch, "graphs_ms": median(walls["graphs"]) * 1e3, "eager_ms": median(walls["eager"]) * 1e3,
             "steps_timed": len(walls["graphs"]), "table": kernel_table(records, steps, layers),
-            "outside": outside, "replay_ms": replay_ms}
+            "outside": outside, "replay_ms": replay_ms,
+            "skinny_ms": median(walls["skinny"]) * 1e3 if skinny else None, "skinny_replay_ms": skinny_replay_ms}
 
 
 @torch.inference_mode()  # the stand-in backend (CPU smoke) replays by running the forward
@@ -237,6 +253,10 @@ def render(r: dict, cuda: bool) -> str:
              f"eager {r['eager_ms']:.3f}; the decode graph replayed alone {replay} (the rest of a graphs step is "
              f"its host work, LM head and sampling). Profiled eager step: {t.per_step:.0f} {unit} per step, "
              f"**{per_layer} per layer**, {'GPU' if cuda else 'CPU'} time {t.ms_per_step:.3f} ms per step.", ""]
+    if r["skinny_ms"] is not None:
+        lines += [f"With the skinny Triton GEMM (the layers as `PAT_SKINNY_GEMM=on` builds them, their own graphs, "
+                  f"interleaved with the two above): graphs **{r['skinny_ms']:.3f}** ms / step, its graph replayed "
+                  f"alone {r['skinny_replay_ms']:.3f} (cuBLAS: {r['graphs_ms']:.3f} and {replay}).", ""]
     if r["outside"]:
         lines += [f"{r['outside']} device events started outside every profiled step (counted nowhere).", ""]
     lines += [markdown_table(["piece", f"{unit} / step", "ms / step", f"{unit} / layer"],
@@ -250,9 +270,11 @@ def headline(r: dict, cuda: bool) -> str:
     t: KernelTable = r["table"]
     per_layer = "n/a" if t.per_layer is None else f"{t.per_layer:.1f}"
     replay = "" if r["replay_ms"] is None else f" (its graph replayed alone: {r['replay_ms']:.2f} ms)"
+    skinny = "" if r["skinny_ms"] is None else (f"; with the skinny GEMM {r['skinny_ms']:.2f} ms with graphs "
+                                               f"(replayed alone: {r['skinny_replay_ms']:.2f} ms)")
     return (f"batch {r['batch']}: {t.per_step:.0f} {'kernels' if cuda else 'torch ops'} per step, {per_layer} per "
             f"layer, {t.ms_per_step:.2f} ms of {'GPU' if cuda else 'CPU'} time; in-process step {r['graphs_ms']:.2f} "
-            f"ms with graphs{replay}, {r['eager_ms']:.2f} ms eager")
+            f"ms with graphs{replay}, {r['eager_ms']:.2f} ms eager{skinny}")
 
 
 def run(ctx: Ctx) -> PartResult:
@@ -287,7 +309,8 @@ def run(ctx: Ctx) -> PartResult:
                   "(their CPU time), to check the machinery only.")
     body = "\n\n".join([setup, *[render(r, cuda) for r in results]])
     data = {"rows": [{"batch": r["batch"], "graphs_ms": r["graphs_ms"], "eager_ms": r["eager_ms"],
-                      "replay_ms": r["replay_ms"],
+                      "replay_ms": r["replay_ms"], "skinny_ms": r["skinny_ms"],
+                      "skinny_replay_ms": r["skinny_replay_ms"],
                       "per_step": r["table"].per_step, "per_layer": r["table"].per_layer,
                       "ms_per_step": r["table"].ms_per_step} for r in results]}
     return PartResult(body, headlines, data)

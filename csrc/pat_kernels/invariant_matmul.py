@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pat_kernels.triton_support import INTERPRETED  # the interpreter's bf16 dot is wrong: tiles widened there
+from pat_kernels.triton_support import INTERPRETED, dot_acc  # the interpreter's bf16 dot: widened (WIDEN)
 
 # One tiling for every call (see the contract). 64 x 64 output tiles keep a decode step's GEMMs
 # (M of 1-64) spread over many programs; K in steps of 64. Not tuned: no GPU was available here.
@@ -61,12 +61,7 @@ def _matmul_kernel(
         in_k = (k + ks) < k_span
         a = tl.load(x_tile, mask=(rows[:, None] < M) & in_k[None, :], other=0.0)
         b = tl.load(w_tile, mask=(cols[None, :] < N) & in_k[:, None], other=0.0)
-        if WIDEN:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = dot_acc(a, b, acc, IEEE, WIDEN)
         x_tile += BLOCK_K * stride_xk
         w_tile += BLOCK_K * stride_wk
     if HAS_BIAS:

@@ -39,3 +39,15 @@ def round_to(x, DTYPE: tl.constexpr, EMULATE_RTNE: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
     return x.to(DTYPE)
+
+
+@triton.jit
+def dot_acc(a, b, acc, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    """``acc + a @ b`` through ``tl.dot``: float32 inputs in IEEE float32 (``IEEE``, no TF32); 16-bit inputs
+    widened to float32 first under the interpreter (``WIDEN``), whose 16-bit dot is wrong."""
+    if WIDEN:
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
