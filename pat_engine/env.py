@@ -49,9 +49,9 @@ TRITON_LAYERS = EnvSwitch("PAT_TRITON_LAYERS", "auto",
 
 SKINNY_GEMM = EnvSwitch("PAT_SKINNY_GEMM", "off",
                         "on: fast-numerics linear layers on CUDA multiply steps of at most 16 rows (decode at small "
-                        "batch) with the Triton skinny GEMM (pat_kernels/skinny_matmul.py) instead of cuBLAS, and CPU "
-                        "layers too under TRITON_INTERPRET=1 (tests); off (the default until a GPU run shows it "
-                        "ahead, bench/gpucheck/skinny_gemm.py): cuBLAS")
+                        "batch) with the Triton skinny GEMM (pat_kernels/skinny_matmul.py) instead of cuBLAS; a "
+                        "number n (1-64): steps of at most n rows; CPU layers too under TRITON_INTERPRET=1 (tests); "
+                        "off (the default until a GPU run shows it ahead, bench/gpucheck/skinny_gemm.py): cuBLAS")
 
 SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, API_KEY, ENGINE_CACHE, TRITON_LAYERS, SKINNY_GEMM)
 
@@ -82,6 +82,13 @@ def triton_layers() -> str:
     return value if value in ("off", "on") else "auto"
 
 
-def skinny_gemm() -> bool:
-    """True when ``PAT_SKINNY_GEMM=on``."""
-    return SKINNY_GEMM.says("on")
+SKINNY_DEFAULT_ROWS, SKINNY_MOST_ROWS = 16, 64  # "on"; the kernel's limit
+
+
+def skinny_gemm_rows() -> int:
+    """``PAT_SKINNY_GEMM``: the most rows a step may have to go through the skinny GEMM; 0: never ("off",
+    unset, or anything that is neither "on" nor a whole number, which is clamped to 0-64)."""
+    value = SKINNY_GEMM.value().strip().lower()
+    if value == "on":
+        return SKINNY_DEFAULT_ROWS
+    return min(max(int(value), 0), SKINNY_MOST_ROWS) if value.isdigit() else 0

@@ -3,8 +3,8 @@
 Its values equal torch's GEMM within float32 accumulation; a row's bits do not depend on the other rows
 (how many, which, padding rows of any content); a split-K result is its splits' float32 partials summed
 in split order, then the bias, then one rounding; the config rule gives every SM programs to run. The
-layers route only steps of at most 16 rows through it, only when ``PAT_SKINNY_GEMM=on`` asks, and never in
-the invariant numerics mode. The ``gpu`` tests repeat the kernel compiled at the 8B shapes, beside cuBLAS.
+layers route only steps of at most the rows ``PAT_SKINNY_GEMM`` asks for (``on``: 16) through it, and never
+in the invariant numerics mode. The ``gpu`` tests repeat the kernel compiled at the 8B shapes, beside cuBLAS.
 """
 
 from __future__ import annotations
@@ -27,9 +27,15 @@ def _kernel():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split", [1, 3])
 def test_values_are_torchs_and_a_row_has_the_same_bits_whatever_the_rows_around_it(dtype, split):
+    """Within a row tile (1-16 rows, 17-32, 33-64); the interpreter's dot makes the tiles agree too, a
+    device need not."""
     sk = _kernel()
     cfg = sk.SkinnyConfig(block_n=16, block_k=64, split_k=split)
-    x, w, b = gemm_data(16, 70, 200, dtype)  # N = 70: a masked row tile; K = 200: a masked K step in the last split
+    x, w, b = gemm_data(64, 70, 200, dtype)  # N = 70: a masked row tile; K = 200: a masked K step in the last split
+    big = sk.skinny_matmul(x, w, b, cfg)
+    torch.testing.assert_close(big.float(), F.linear(x.float(), w.float(), b.float()), **gemm_tol(dtype))
+    assert torch.equal(sk.skinny_matmul(x[:40], w, b, cfg), big[:40])
+    x = x[:16]
     full = sk.skinny_matmul(x, w, b, cfg)
     assert full.dtype == dtype and full.shape == (16, 70)
     torch.testing.assert_close(full.float(), F.linear(x.float(), w.float(), b.float()), **gemm_tol(dtype))
@@ -81,6 +87,8 @@ def test_the_rule_gives_every_sm_two_programs_where_k_allows():
     assert sk.config_for(4096, 4096, sms).split_k == 4  # o projection: 128 row tiles alone
     assert sk.config_for(28672, 4096, sms).split_k == 1  # gate/up: 896 row tiles
     assert sk.config_for(1024, 512, sms).split_k == 1  # two K steps: nothing to split
+    assert sk.config_for(4096, 4096, sms, 64).block_k == 128  # a 64-row input tile: smaller K steps
+    assert [sk.row_tile(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
     for bad in (dict(block_n=24), dict(block_k=8), dict(split_k=0)):
         with pytest.raises(ValueError):
             sk.SkinnyConfig(**bad)
@@ -89,8 +97,8 @@ def test_the_rule_gives_every_sm_two_programs_where_k_allows():
 @needs_triton
 def test_bad_arguments_are_refused():
     sk = _kernel()
-    x, w, b = gemm_data(17, 32, 64, torch.float32)
-    with pytest.raises(ValueError, match="at most 16 rows"):
+    x, w, b = gemm_data(65, 32, 64, torch.float32)
+    with pytest.raises(ValueError, match="at most 64 rows"):
         sk.skinny_matmul(x, w)
     with pytest.raises(ValueError, match="does not match"):
         sk.skinny_matmul(x[:2], w.to(torch.bfloat16))
@@ -103,32 +111,35 @@ def test_bad_arguments_are_refused():
     assert sk.skinny_matmul(x[:0], w).shape == (0, 32)
 
 
-def test_layers_take_it_for_few_rows_when_asked_and_never_in_the_invariant_mode(monkeypatch):
+def test_layers_take_it_for_the_rows_asked_and_never_in_the_invariant_mode(monkeypatch):
     from pat_engine.model import gpu_gemm
     from pat_engine.model.layers.linear import ColumnParallelLinear, RowParallelLinear, linear
     from pat_engine.parallel.shard_spec import Component
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv("PAT_SKINNY_GEMM", raising=False)
-    assert not gpu_gemm.skinny_serves("cpu", torch.float32) and not gpu_gemm.skinny_serves("cuda", torch.bfloat16)
+    assert gpu_gemm.skinny_rows("cpu", torch.float32) == gpu_gemm.skinny_rows("cuda", torch.bfloat16) == 0
+    for value, rows in (("on", 16), ("64", 64), ("500", 64), ("4", 4), ("0", 0), ("off", 0), ("yes", 0)):
+        monkeypatch.setenv("PAT_SKINNY_GEMM", value)
+        assert gpu_gemm.skinny_rows("cuda", torch.bfloat16) == rows, value
     monkeypatch.setenv("PAT_SKINNY_GEMM", "on")
-    assert gpu_gemm.skinny_serves("cpu", torch.float32) and gpu_gemm.skinny_serves("cuda", torch.bfloat16)
-    assert not gpu_gemm.skinny_serves("cpu", torch.float64)
+    assert gpu_gemm.skinny_rows("cpu", torch.float32) == 16 and gpu_gemm.skinny_rows("cpu", torch.float64) == 0
     comps = (Component(32),)
-    assert ColumnParallelLinear(64, comps, False, 1, torch.float32, "cpu").skinny
-    assert not ColumnParallelLinear(64, comps, False, 1, torch.float32, "cpu", invariant=True).skinny
-    assert RowParallelLinear(64, 32, 1, 1, torch.float32, "cpu").skinny
-    assert not RowParallelLinear(64, 32, 1, 1, torch.float32, "cpu", chunks=2).skinny
+    assert ColumnParallelLinear(64, comps, False, 1, torch.float32, "cpu").skinny_rows == 16
+    assert ColumnParallelLinear(64, comps, False, 1, torch.float32, "cpu", invariant=True).skinny_rows == 0
+    assert RowParallelLinear(64, 32, 1, 1, torch.float32, "cpu").skinny_rows == 16
+    assert RowParallelLinear(64, 32, 1, 1, torch.float32, "cpu", chunks=2).skinny_rows == 0
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert not gpu_gemm.skinny_serves("cpu", torch.float32)  # a CPU tensor enters a kernel only interpreted
+    assert gpu_gemm.skinny_rows("cpu", torch.float32) == 0  # a CPU tensor enters a kernel only interpreted
 
     calls = []
     monkeypatch.setattr(gpu_gemm, "skinny_matmul", lambda x, w, b=None: calls.append(len(x)) or F.linear(x, w, b))
     w = torch.randn(8, 4)
     for rows in (1, 16, 17):
-        linear(torch.randn(rows, 4), w, skinny=True)
-    linear(torch.randn(3, 4), w, skinny=False)
-    assert calls == [1, 16]
+        linear(torch.randn(rows, 4), w, skinny_rows=16)
+    linear(torch.randn(3, 4), w)
+    linear(torch.randn(40, 4), w, skinny_rows=64)
+    assert calls == [1, 16, 40]
 
 
 # ---- compiled ---------------------------------------------------------------------------------------------------
@@ -143,8 +154,13 @@ SHAPES_8B = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # QKV, o
 def test_gpu_kernel_is_cublas_within_rounding_at_the_8b_shapes(dtype):
     sk = _kernel()
     for n, k in SHAPES_8B:
-        x, w, _ = gemm_data(16, n, k, dtype, seed=n + k)
-        full = sk.skinny_matmul(x, w)
-        torch.testing.assert_close(full.float(), F.linear(x.float(), w.float()), **gemm_tol(dtype))
+        x, w, _ = gemm_data(64, n, k, dtype, seed=n + k)
+        big = sk.skinny_matmul(x, w)
+        torch.testing.assert_close(big.float(), F.linear(x.float(), w.float()), **gemm_tol(dtype))
+        assert torch.equal(sk.skinny_matmul(x[:40], w), big[:40])
+        full = sk.skinny_matmul(x[:16], w)
+        torch.testing.assert_close(full.float(), F.linear(x[:16].float(), w.float()), **gemm_tol(dtype))
         assert torch.equal(sk.skinny_matmul(x[:1], w), full[:1])
         assert torch.equal(sk.skinny_matmul(x[:7], w), full[:7])
+        one = sk.skinny_matmul(x[:1], w, config=sk.SkinnyConfig(dot=False))
+        torch.testing.assert_close(one.float(), full[:1].float(), **gemm_tol(dtype))

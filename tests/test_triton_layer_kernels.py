@@ -213,7 +213,7 @@ def test_model_with_the_skinny_gemm_gives_the_default_paths_tokens(model_dir, mo
 
     monkeypatch.setattr(GridExecutor, "__call__", counted)
     eager = _executor(path, torch.float32, "torch")
-    assert eager.model.layers[0].mlp.down_proj.skinny and eager.model.lm_head.skinny
+    assert eager.model.layers[0].mlp.down_proj.skinny_rows == 16 and eager.model.lm_head.skinny_rows == 16
     assert _greedy(eager, new) == want
     assert launched.count("_skinny_matmul_kernel") >= (new - 1) * (4 * eager.arch.num_layers + 1)
     if arch == "llama":
@@ -331,6 +331,6 @@ def test_gpu_skinny_gemm_gives_cublas_greedy_tokens_with_graphs_and_eagerly(mode
     cublas = _greedy(_executor(path, torch.float32, "triton", graphs=True), new)
     monkeypatch.setenv("PAT_SKINNY_GEMM", "on")
     graphed = _executor(path, torch.float32, "triton", graphs=True)
-    assert graphed.model.layers[0].self_attn.o_proj.skinny
+    assert graphed.model.layers[0].self_attn.o_proj.skinny_rows == 16
     assert _greedy(graphed, new) == cublas and graphed.graphs.stats.replays > 0
     assert _greedy(_executor(path, torch.float32, "triton"), new) == cublas

@@ -63,20 +63,21 @@ def skinny_available(ex: InferExecutor) -> bool:
 
 
 @contextlib.contextmanager
-def skinny_gemm(ex: InferExecutor, graphs: DecodeGraphs) -> Iterator[None]:
-    """Steps inside multiply as ``PAT_SKINNY_GEMM=on`` builds the layers (each fast-mode linear's ``skinny``
-    set), replaying ``graphs`` (captured over these GEMMs) in place of the executor's; restored after."""
-    layers = [m for m in ex.model.modules() if hasattr(m, "skinny")]
-    before = [m.skinny for m in layers]
+def skinny_gemm(ex: InferExecutor, graphs: DecodeGraphs, rows: int) -> Iterator[None]:
+    """Steps inside multiply as ``PAT_SKINNY_GEMM=<rows>`` builds the layers (each fast-mode linear's
+    ``skinny_rows`` set), replaying ``graphs`` (captured over these GEMMs) in place of the executor's;
+    restored after."""
+    layers = [m for m in ex.model.modules() if hasattr(m, "skinny_rows")]
+    before = [m.skinny_rows for m in layers]
     saved = ex.graphs
     for m in layers:
-        m.skinny = True
+        m.skinny_rows = rows
     ex.graphs = graphs
     try:
         yield
     finally:
         for m, was in zip(layers, before):
-            m.skinny = was
+            m.skinny_rows = was
         ex.graphs = saved
 
 

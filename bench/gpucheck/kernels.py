@@ -26,7 +26,7 @@ from gpucheck import executor
 from gpucheck.report import PartResult
 from gpucheck.shared import Ctx, log, median, synchronize, verdict
 from pat_engine import env
-from pat_engine.model.gpu_gemm import SKINNY_MAX_ROWS
+from pat_engine.env import SKINNY_MOST_ROWS
 from pat_engine.model.layers import triton_ops
 
 STEP, LAYER = "pat.step", "pat.layer"  # profiler ranges around a decode step and a decoder layer
@@ -191,9 +191,9 @@ def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
             seqs.decode()
     modes = {"graphs": contextlib.nullcontext, "eager": lambda: executor.eager(ex)}
     skinny = None
-    if batch <= SKINNY_MAX_ROWS and ex.graphs.enabled and executor.skinny_available(ex):
+    if batch <= SKINNY_MOST_ROWS and ex.graphs.enabled and executor.skinny_available(ex):
         graphs = executor.more_graphs(ex)  # its own captures, over the skinny GEMMs
-        modes["skinny"] = skinny = lambda: executor.skinny_gemm(ex, graphs)
+        modes["skinny"] = skinny = lambda: executor.skinny_gemm(ex, graphs, SKINNY_MOST_ROWS)
         with skinny():
             for _ in range(2):  # warm-up: its graph's capture, the kernels' compiles
                 seqs.decode()
@@ -254,8 +254,8 @@ def render(r: dict, cuda: bool) -> str:
              f"its host work, LM head and sampling). Profiled eager step: {t.per_step:.0f} {unit} per step, "
              f"**{per_layer} per layer**, {'GPU' if cuda else 'CPU'} time {t.ms_per_step:.3f} ms per step.", ""]
     if r["skinny_ms"] is not None:
-        lines += [f"With the skinny Triton GEMM (the layers as `PAT_SKINNY_GEMM=on` builds them, their own graphs, "
-                  f"interleaved with the two above): graphs **{r['skinny_ms']:.3f}** ms / step, its graph replayed "
+        lines += [f"With the skinny Triton GEMM (the layers as `PAT_SKINNY_GEMM={SKINNY_MOST_ROWS}` builds them, "
+                  f"their own graphs, interleaved with the two above): graphs **{r['skinny_ms']:.3f}** ms / step, its graph replayed "
                   f"alone {r['skinny_replay_ms']:.3f} (cuBLAS: {r['graphs_ms']:.3f} and {replay}).", ""]
     if r["outside"]:
         lines += [f"{r['outside']} device events started outside every profiled step (counted nowhere).", ""]

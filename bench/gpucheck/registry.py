@@ -35,7 +35,7 @@ class Part:
 PARTS: tuple[Part, ...] = (
     Part("attention", "Decode attention vs SDPA on contiguous K/V, and the fused layer kernels", "attention",
          15, 30, 120, 300, needs_checkpoint=False),
-    Part("gemm", "Decode GEMMs at 1-16 rows: cuBLAS beside the skinny Triton GEMM", "skinny_gemm", 35, 90, 150, 360,
+    Part("gemm", "Decode GEMMs at 1-64 rows: cuBLAS beside the skinny Triton GEMM", "skinny_gemm", 35, 90, 150, 360,
          needs_checkpoint=False),  # estimates (not run on a device yet): ~12 Triton compiles (36 in full) + timing
     Part("kernels", "Kernels per decode step (torch.profiler, Llama-3-8B shape, bf16)", "kernels",
          25, 40, 180, 400),

@@ -1,14 +1,15 @@
-"""Part ``gemm``: the decode step's GEMMs at 1-16 rows, cuBLAS beside the skinny Triton GEMM (issue 30).
+"""Part ``gemm``: the decode step's GEMMs at 1-64 rows, cuBLAS beside the skinny Triton GEMM (issue 30).
 
 At batch 1 the third H100 run's step spent 5.55 of its 6.20 GPU ms in GEMMs, and cuBLAS streamed some
 weights far below the copy bandwidth (the o projection at 1.6 TB/s; split-K reduces on QKV and down).
 ``pat_kernels/skinny_matmul.py`` cuts each weight into many row tiles and K splits instead. This part
 times, at each projection of the two model shapes (Llama-3-8B; Llama-3.2-1B without --quick) and at 1,
-8 (and 16) rows: ``F.linear`` (cuBLAS), the kernel with its rule's config (``config_for``: what
-``PAT_SKINNY_GEMM=on`` runs) and a sweep of configs (tile rows, K step, splits; at one row also the
+8 and 64 rows (and 16 and 32 without --quick): ``F.linear`` (cuBLAS), the kernel with its rule's config (``config_for``: what
+``PAT_SKINNY_GEMM`` runs) and a sweep of configs (tile rows, K step, splits; at one row also the
 multiply-add path without tl.dot), as weight GB/s. The
 headline adds the layers' GEMMs and the LM head up into a batch-1 step's GEMM milliseconds for each,
-which says what switching the default would save per token before any engine runs it. The rule and the
+which says what switching it on (and up to how many rows) would save per token before any engine runs
+it. The rule and the
 default stay as they are until this part has run on a device: setting them is the next GPU session's
 job. GPU time from CUDA events with the stream held busy ahead of each call, calls interleaved, median.
 """
@@ -62,13 +63,13 @@ def label(cfg) -> str:
 def gemm_case(p: Projection, rows: int, configs: list, sm: int, device: str, repeats: int, warmup: int) -> dict:
     """Seconds per call of cuBLAS, the rule's config and each config of the sweep (those with whole K steps
     in every split), one weight and input for all."""
-    from pat_kernels.skinny_matmul import config_for, skinny_matmul
+    from pat_kernels.skinny_matmul import config_for, row_tile, skinny_matmul
 
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(p.n + p.k + rows)
     w = (torch.randn(p.n, p.k, generator=gen, device=dev) * 0.02).to(torch.bfloat16)
     x = torch.randn(rows, p.k, generator=gen, device=dev).to(torch.bfloat16)
-    rule = config_for(p.n, p.k, sm)
+    rule = config_for(p.n, p.k, sm, row_tile(rows))
     steps = -(-p.k // rule.block_k)
     kept = [c for c in configs if -(-p.k // c.block_k) >= c.split_k and c != rule and (c.dot or rows == 1)]
     fns = {"cublas": lambda: F.linear(x, w), "rule": lambda: skinny_matmul(x, w, config=rule)}
@@ -95,7 +96,7 @@ def run(ctx: Ctx) -> PartResult:
         specs, rows_list, repeats, warmup = {"toy": SMOKE_SPEC}, (1, 4), 2, 1
     else:
         specs = {"Llama-3-8B": LLAMA3_8B} if ctx.quick else {"Llama-3-8B": LLAMA3_8B, "Llama-3.2-1B": LLAMA32_1B}
-        rows_list = (1, 8) if ctx.quick else (1, 8, 16)
+        rows_list = (1, 8, 64) if ctx.quick else (1, 8, 16, 32, 64)
         repeats, warmup = (20 if ctx.quick else ctx.args.repeats), 5
     configs = sweep_configs(ctx.quick, ctx.smoke)
     sm = ctx.sm_count
@@ -134,7 +135,7 @@ def run(ctx: Ctx) -> PartResult:
         setup = (f"bf16, TP1 shapes, {sm} SMs, random weights (std 0.02) and inputs. Config `R x K / S`: R weight "
                  f"rows a program, K columns a step of its walk, S K splits (summed by a second kernel); `fma`: one "
                  f"row's multiply-adds on the CUDA cores instead of tl.dot (timed at one row only); the rule's "
-                 f"is what `PAT_SKINNY_GEMM=on` runs (`pat_kernels/skinny_matmul.config_for`). GB/s counts the "
+                 f"is what `PAT_SKINNY_GEMM` runs (`pat_kernels/skinny_matmul.config_for`). GB/s counts the "
                  f"weight, the input and the output once. {repeats} calls of each after {warmup} warm-ups, "
                  f"interleaved, median. The per-step rows add each projection's time x the layers (the LM head "
                  f"once). Sweep: {len(configs)} configs (those with a whole K step in every split).")

@@ -1,6 +1,6 @@
 """The decode step's GEMM for a few rows, in Triton: the weight streamed once, by many programs.
 
-At 1-16 rows a decode step's GEMMs are matrix-vector products: their time is the weight's bytes
+At 1-64 rows a decode step's GEMMs are (nearly) matrix-vector products: their time is the weight's bytes
 over the memory bandwidth. On the third H100 run (bench/results/gpu_check.md, part 2, batch 1) cuBLAS
 streamed the gate/up weight at 2.9 TB/s but the o projection's (4096 x 4096) at 1.6 TB/s, and its
 split-K variants (QKV and down) added a reduce kernel each: 0.12 ms of a 6.2 ms step. This kernel
@@ -8,31 +8,32 @@ cuts every weight into many row tiles (and, where that gives too few programs to
 streaming, into K splits), so each program streams one long, contiguous slab.
 
 Layout:
-  x      (M, K), M <= MAX_ROWS, any strides: the rows (tokens) of the step
+  x      (M, K), M <= MAX_ROWS (64), any strides: the rows (tokens) of the step
   weight (N, K), any strides, x's dtype: the layer's (out, in) weight shard, read in place
   bias   (N,) or None
   out    (M, N), x's dtype, contiguous
 
-Program (n, s) of the grid (cdiv(N, block_n), split_k) multiplies all M rows (padded to 16, the
-smallest ``tl.dot``) with ``block_n`` weight rows over its K range, low to high in ``block_k`` steps,
+Program (n, s) of the grid (cdiv(N, block_n), split_k) multiplies all M rows (padded to ``row_tile(M)``:
+16, the smallest ``tl.dot``, 32 or 64) with ``block_n`` weight rows over its K range, low to high in ``block_k`` steps,
 into one float32 accumulator (a config with ``dot=False``, for one row only: float32 multiply-adds on
 the CUDA cores, each step's products summed along the weight's rows; the sweep times both). One split: it adds the bias and rounds to the output dtype. Several:
 it stores float32 partials (split_k, M, N), and a second kernel sums them in split order, adds the
 bias and rounds once (cuBLAS's split-K does the same with its ``splitKreduce``).
 
 Numerics: float32 accumulation; float32 inputs multiply in IEEE float32 (no TF32). An output element
-depends on its row of x, its column of the weight and the config, never on the other rows: a row has
-the same bits alone, in a batch or beside a decode graph's padding rows. Not cuBLAS's bits (another
+depends on its row of x, its column of the weight, the config and the row tile, never on the other
+rows: within one row tile (1-16, 17-32, 33-64 rows) a row has the same bits alone, in a batch or beside a
+decode graph's padding rows. Not cuBLAS's bits (another
 order): the fast numerics mode's choice, off unless ``PAT_SKINNY_GEMM=on`` (pat_engine/env.py) until a
-GPU run shows it ahead (bench/gpucheck/skinny_gemm.py). The config comes from N, K and the SM count
-alone (``config_for``), so one process computes one layer the same way every step. Tested under
+GPU run shows it ahead (bench/gpucheck/skinny_gemm.py). The config comes from N, K, the SM count and the
+row tile alone (``config_for``), so one process computes one layer's batch the same way every step. Tested under
 ``TRITON_INTERPRET=1`` (tests/test_skinny_matmul.py).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -40,7 +41,7 @@ import triton.language as tl
 
 from pat_kernels.triton_support import INTERPRETED, dot_acc, round_to
 
-MAX_ROWS = 16  # the rows one program holds: tl.dot's smallest tile
+MAX_ROWS = 64  # the most rows one program holds
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REDUCE_BLOCK = 256  # output columns per program of the split-K reduce
 
@@ -81,16 +82,22 @@ PROGRAMS_PER_SM = 2
 MIN_STEPS = 4
 
 
+def row_tile(m: int) -> int:
+    """Rows a ``tl.dot`` program holds for an ``m``-row step: 16, 32 or 64."""
+    return max(16, triton.next_power_of_2(m))
+
+
 @functools.lru_cache(maxsize=256)
-def config_for(n: int, k: int, sm_count: int) -> SkinnyConfig:
-    """The rule: 32-row tiles, K steps of 256; split K in two while the tiles alone give fewer than
-    ``PROGRAMS_PER_SM`` programs an SM and each split keeps ``MIN_STEPS`` steps."""
-    base = SkinnyConfig()
+def config_for(n: int, k: int, sm_count: int, rows: int = 16) -> SkinnyConfig:
+    """The rule: 32-row weight tiles, K steps of 256 (128 for row tiles past 16, whose input tile is larger
+    in shared memory); split K in two while the tiles alone give fewer than ``PROGRAMS_PER_SM`` programs an
+    SM and each split keeps ``MIN_STEPS`` steps."""
+    base = SkinnyConfig(block_k=256 if row_tile(rows) <= 16 else 128)
     split = 1
     steps = triton.cdiv(k, base.block_k)
     while (base.programs(n) * split < PROGRAMS_PER_SM * sm_count and steps // (2 * split) >= MIN_STEPS):
         split *= 2
-    return SkinnyConfig(split_k=split)
+    return replace(base, split_k=split)
 
 
 @triton.jit
@@ -184,7 +191,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    cfg = config or config_for(N, K, sm_count(x.device))
+    cfg = config or config_for(N, K, sm_count(x.device), row_tile(M))
     partial = cfg.split_k > 1
     dest = torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device) if partial else out
     flags = dict(IEEE=x.dtype == torch.float32, WIDEN=INTERPRETED and x.dtype != torch.float32, RTNE=INTERPRETED)
@@ -194,7 +201,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         M, N, K, cfg.k_span(K),
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), dest.stride(0) if partial else 0,
         dest.stride(1) if partial else dest.stride(0),
-        HAS_BIAS=bias is not None, PARTIAL=partial, DOT=cfg.dot, BLOCK_M=MAX_ROWS if cfg.dot else 1,
+        HAS_BIAS=bias is not None, PARTIAL=partial, DOT=cfg.dot, BLOCK_M=row_tile(M) if cfg.dot else 1,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )

@@ -2,7 +2,7 @@
 package is needed to import the model (the CPU calls them only under Triton's interpreter, in tests):
 
 - the invariant numerics mode's GEMM: the fixed-tiling kernel (``pat_kernels/invariant_matmul.py``);
-- the fast mode's GEMM of a step with few rows, ``PAT_SKINNY_GEMM=on`` (``pat_kernels/skinny_matmul.py``).
+- the fast mode's GEMM of a step with few rows, ``PAT_SKINNY_GEMM`` (``pat_kernels/skinny_matmul.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import torch
 from pat_engine import env
 
 SKINNY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-SKINNY_MAX_ROWS = 16  # pat_kernels.skinny_matmul.MAX_ROWS (the kernels package is not imported here)
 
 
 def covers(x: torch.Tensor) -> bool:
@@ -32,25 +31,22 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return kernel(x, weight, bias, chunks=chunks, out_dtype=out_dtype)
 
 
-def skinny_serves(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether fast-mode layers built for ``device`` and ``dtype`` multiply few-row steps with the skinny
-    GEMM: asked for (``PAT_SKINNY_GEMM=on``), Triton importable, a ``tl.dot`` dtype, and a CUDA device or
-    the CPU under Triton's interpreter. Decided once, when a layer is built."""
-    device = torch.device(device)
-    if not env.skinny_gemm() or dtype not in SKINNY_DTYPES or importlib.util.find_spec("triton") is None:
-        return False
+def skinny_rows(device: torch.device | str, dtype: torch.dtype) -> int:
+    """The most rows of a step that fast-mode layers built for ``device`` and ``dtype`` multiply with the
+    skinny GEMM (``PAT_SKINNY_GEMM``: "on" is 16, or a number up to 64); 0 when it does not serve: not asked
+    for, Triton missing, not a ``tl.dot`` dtype, or neither a CUDA device nor the CPU under Triton's
+    interpreter. Decided once, when a layer is built."""
+    rows = env.skinny_gemm_rows()
+    if not rows or dtype not in SKINNY_DTYPES or importlib.util.find_spec("triton") is None:
+        return 0
     from pat_engine.model.layers.triton_ops import interpreting
 
-    return device.type == "cuda" or (device.type == "cpu" and interpreting())
-
-
-def skinny_takes(x: torch.Tensor) -> bool:
-    """Whether a layer that ``skinny_serves`` multiplies this ``x`` with the skinny GEMM: 1 to 16 rows."""
-    return x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS
+    device = torch.device(device)
+    return rows if device.type == "cuda" or (device.type == "cpu" and interpreting()) else 0
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for at most 16 rows, the weight streamed by many programs (see the kernel)."""
+    """``x @ weight.T (+ bias)`` for at most 64 rows, the weight streamed by many programs (see the kernel)."""
     from pat_kernels.skinny_matmul import skinny_matmul as kernel
 
     return kernel(x, weight, bias)

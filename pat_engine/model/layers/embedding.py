@@ -38,12 +38,12 @@ class ParallelLMHead(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
         self.invariant = invariant  # the invariant numerics mode's GEMM (layers/linear.py ``linear``)
-        self.skinny = not invariant and gpu_gemm.skinny_serves(device, dtype)  # few-row steps' GEMM
+        self.skinny_rows = 0 if invariant else gpu_gemm.skinny_rows(device, dtype)  # few-row steps' GEMM
         if tied_to is not None:
             self.weight = tied_to  # same Parameter object: loaded and resharded once
         else:
             self.weight = sharded_parameter(vocab_parallel(vocab_size, hidden_size), tp, dtype, device)
 
     def forward(self, hidden: torch.Tensor, tp: TPGroup) -> torch.Tensor | None:
-        logits = tp.gather_to_leader(linear(hidden, self.weight, invariant=self.invariant, skinny=self.skinny), dim=-1)
+        logits = tp.gather_to_leader(linear(hidden, self.weight, invariant=self.invariant, skinny_rows=self.skinny_rows), dim=-1)
         return None if logits is None else logits[:, : self.vocab_size]

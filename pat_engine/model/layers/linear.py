@@ -20,14 +20,14 @@ from pat_engine.parallel.reduction_tree import ReductionTree
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           invariant: bool = False, skinny: bool = False) -> torch.Tensor:
+           invariant: bool = False, skinny_rows: int = 0) -> torch.Tensor:
     """``x @ weight.T (+ bias)``, the one GEMM entry of the layers. ``invariant`` (the invariant numerics
     mode): one reduction order per output element whatever the row count, the padding or the other
     rows (docs/numerics.md): on CUDA the fixed-tiling Triton GEMM (model/gpu_gemm.py), on the CPU
-    oneDNN / torch with ``cpu_gemm.padded_rows``'s row floor. ``skinny`` (a fast-mode layer that
-    ``gpu_gemm.skinny_serves``): steps of at most 16 rows through the skinny Triton GEMM. CPU GEMMs go
-    through the weight's oneDNN pack when it has one (model/cpu_gemm.py)."""
-    if skinny and gpu_gemm.skinny_takes(x):
+    oneDNN / torch with ``cpu_gemm.padded_rows``'s row floor. ``skinny_rows`` (a fast-mode layer's
+    ``gpu_gemm.skinny_rows``): steps of 1 to that many rows go through the skinny Triton GEMM. CPU GEMMs
+    go through the weight's oneDNN pack when it has one (model/cpu_gemm.py)."""
+    if skinny_rows and x.dim() == 2 and 0 < x.shape[0] <= skinny_rows:
         return gpu_gemm.skinny_matmul(x, weight, bias)
     if x.device.type == "cpu" and x.dim() == 2:
         return cpu_gemm.linear(x, weight, bias, invariant)
@@ -53,10 +53,10 @@ class ColumnParallelLinear(nn.Module):
         self.weight = sharded_parameter(column_parallel(in_features, *components), tp, dtype, device)
         self.bias = sharded_parameter(column_bias(*components), tp, dtype, device) if bias else None
         self.invariant = invariant  # the invariant numerics mode's GEMM (``linear``)
-        self.skinny = not invariant and gpu_gemm.skinny_serves(device, dtype)  # few-row steps' GEMM
+        self.skinny_rows = 0 if invariant else gpu_gemm.skinny_rows(device, dtype)  # few-row steps' GEMM
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.invariant, self.skinny)
+        return linear(x, self.weight, self.bias, self.invariant, self.skinny_rows)
 
 
 class RowParallelLinear(nn.Module):
@@ -77,11 +77,11 @@ class RowParallelLinear(nn.Module):
                              f"of two dividing the row-parallel input dim {in_features}")
         self.chunk_width = in_features // chunks if chunks else 0
         self.is_gemm_weight = chunks is None  # the invariant path multiplies its chunk pieces instead
-        self.skinny = chunks is None and gpu_gemm.skinny_serves(device, dtype)  # few-row steps' GEMM
+        self.skinny_rows = 0 if chunks else gpu_gemm.skinny_rows(device, dtype)  # few-row steps' GEMM
 
     def forward(self, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
         if self.tree is None:
-            return tp.all_reduce(linear(x, self.weight, skinny=self.skinny))
+            return tp.all_reduce(linear(x, self.weight, skinny_rows=self.skinny_rows))
         first = tp.rank * self.tree.local_chunks(tp.size)
         node = chunk_weights.local_sum(x, self.weight, self.chunk_width, self.tree, first)  # (M, out)
         return self.tree.reduce(node, tp).to(x.dtype)
