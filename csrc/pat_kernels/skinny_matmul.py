@@ -124,7 +124,7 @@ def _skinny_matmul_kernel(
             acc = dot_acc(a, b, acc, IEEE, WIDEN)
             x_tile += BLOCK_K * stride_xk
             w_tile += BLOCK_K * stride_wk
-    else:  # one row (BLOCK_M == 1): float32 products summed along each weight row, in the weight's order
+    else:  # one row (M == 1): float32 products summed along each weight row, in the weight's order
         x_row = x_ptr + ks * stride_xk
         w_tile = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :] * stride_wk  # (BLOCK_N, BLOCK_K)
         acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -135,7 +135,7 @@ def _skinny_matmul_kernel(
             acc1 += tl.sum(b * a[None, :], axis=1)
             x_row += BLOCK_K * stride_xk
             w_tile += BLOCK_K * stride_wk
-        acc = acc1[None, :]
+        acc = acc1[None, :]  # (1, BLOCK_N): broadcast over the tile's rows, only row 0 is stored
     keep = (rows[:, None] < M) & (cols[None, :] < N)
     if PARTIAL:
         tl.store(out_ptr + split * stride_os + rows[:, None] * stride_om + cols[None, :], acc, mask=keep)
@@ -201,7 +201,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         M, N, K, cfg.k_span(K),
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), dest.stride(0) if partial else 0,
         dest.stride(1) if partial else dest.stride(0),
-        HAS_BIAS=bias is not None, PARTIAL=partial, DOT=cfg.dot, BLOCK_M=row_tile(M) if cfg.dot else 1,
+        HAS_BIAS=bias is not None, PARTIAL=partial, DOT=cfg.dot, BLOCK_M=row_tile(M),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )
