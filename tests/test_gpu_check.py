@@ -64,6 +64,7 @@ def test_decode_floor_counts_streamed_weights_and_the_batchs_kv(tmp_path):
     quick = decode.shapes(ctx)
     assert not any(r.eager for r in quick)  # one engine in --quick
     assert {(r.batch, r.prompt) for r in quick} >= {(1, 64), (64, 512), (64, 2048)}
+    assert [(r.batch, r.prompt) for r in quick if r.sampled] == [(64, 512)]  # the RL draw beside its greedy row
     ctx.args.quick = False
     assert {(r.batch, r.prompt) for r in decode.shapes(ctx) if r.eager} == {(1, 64), (16, 64), (64, 64)}
 

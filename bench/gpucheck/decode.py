@@ -4,7 +4,8 @@ streamed-bytes floor (issues 23 and 30).
 Llama-3-8B-shaped random bf16 checkpoint (16.06 GB), requests of fixed length (min = max new tokens,
 ignore_eos, greedy), prefix caching off. Rows: batch 1, 16 and 64 at a 64-token prompt, with CUDA graphs
 and with ``enforce_eager`` (both engines up at once, their runs interleaved), and 64 x 512 and 64 x 2K
-prompts with graphs; each graphs row also with ``async_scheduling`` on (the same engine, the switch flipped
+prompts with graphs, and 64 x 512 again as an RL rollout samples it (temperature 1, each token's
+log-prob, a seed: the sampler's own cost beside the greedy row; judged by no target); each graphs row also with ``async_scheduling`` on (the same engine, the switch flipped
 between runs: each decode step sent before the one in flight is answered, docs/async_scheduling.md).
 ms / step: the median decode step of the driver (dispatch to result, the worker round trip included; with
 async scheduling, from the previous step's answer to this one's); at batch B a step gives each sequence
@@ -38,21 +39,27 @@ class Shape:
     prompt: int
     new_tokens: int
     eager: bool  # also run on the enforce_eager engine
+    sampled: bool = False  # temperature 1 with log-probs (the RL rollout's draw); else greedy
 
     @property
     def mean_context(self) -> float:
         return self.prompt + self.new_tokens / 2
 
+    @property
+    def name(self) -> str:
+        return f"{self.batch} x {self.prompt}{' sampled' if self.sampled else ''}"
+
 
 def shapes(ctx: Ctx) -> tuple[Shape, ...]:
     if ctx.smoke:
-        return Shape(1, 8, 4, True), Shape(2, 8, 4, True), Shape(2, 32, 4, False)
+        return Shape(1, 8, 4, True), Shape(2, 8, 4, True), Shape(2, 32, 4, False), Shape(2, 32, 4, False, True)
     new = ctx.args.new_tokens
     if ctx.quick:  # one engine: no eager rows (the kernels part times eager steps in process)
         return (Shape(1, 64, new or 64, False), Shape(64, 64, new or 64, False), Shape(64, 512, new or 32, False),
-                Shape(64, 2048, new or 32, False))
+                Shape(64, 2048, new or 32, False), Shape(64, 512, new or 32, False, sampled=True))
     return (Shape(1, 64, new or 128, True), Shape(16, 64, new or 128, True), Shape(64, 64, new or 128, True),
-            Shape(64, 512, new or 64, False), Shape(64, 2048, new or 64, False))
+            Shape(64, 512, new or 64, False), Shape(64, 2048, new or 64, False),
+            Shape(64, 512, new or 64, False, sampled=True))
 
 
 def floor_ms(ctx: Ctx, s: Shape, bandwidth: float) -> float:
@@ -68,7 +75,8 @@ def _run(engine, s: Shape, new_tokens: int, seed: int, vocab: int, async_on: boo
     engine.coordinator.stepping.set_async_scheduling(async_on)
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(16, min(vocab, 30000), (s.batch, s.prompt), generator=g).tolist()
-    params = SamplingParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens, ignore_eos=True, temperature=0.0)
+    params = SamplingParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens, ignore_eos=True,
+                            temperature=1.0 if s.sampled else 0.0, logprobs=s.sampled, seed=seed if s.sampled else None)
     with engine.record_steps() as steps:
         outs = engine.generate(prompts, params, use_tqdm=False)
     assert all(len(o.token_ids) == new_tokens for o in outs), "a request did not run to its fixed length"
@@ -119,28 +127,29 @@ def run(ctx: Ctx) -> PartResult:
 def _report(ctx: Ctx, todo, got, stats, bw: float, sheet, rounds: int) -> PartResult:
     spec = ctx.spec
     wbytes = weight_bytes(spec, 2)
-    rows, data, async_data, misses = [], [], [], []
+    rows, data, async_data, sampled_data, misses = [], [], [], [], []
     for s in todo:
         fl = floor_ms(ctx, s, bw)
         for mode in ("graphs", "async", "eager") if s.eager else ("graphs", "async"):
             a = got[(mode, s)]
             step = median(a["step_s"]) * 1e3
-            rows.append([s.batch, s.prompt, mode, len(a["step_s"]), step, median(a["forward_s"]) * 1e3,
-                         s.batch / step * 1e3, fl, step / fl, roofline_ms(wbytes, sheet[0]) if sheet else "n/a",
+            rows.append([s.batch, s.prompt, "temperature 1 + log-probs" if s.sampled else "greedy", mode,
+                         len(a["step_s"]), step, median(a["forward_s"]) * 1e3, s.batch / step * 1e3, fl, step / fl,
+                         roofline_ms(wbytes, sheet[0]) if sheet else "n/a",
                          step / roofline_ms(wbytes, sheet[0]) if sheet else "n/a"])
-            if mode != "eager":  # "rows": the synchronous steps pat-profile's table predicts
-                (data if mode == "graphs" else async_data).append(
-                    {"batch": s.batch, "prompt": s.prompt, "new_tokens": s.new_tokens, "step_ms": step,
-                     "forward_ms": median(a["forward_s"]) * 1e3, "mean_context": s.mean_context, "floor_ms": fl})
+            if mode != "eager":  # "rows": the synchronous greedy steps pat-profile's table predicts
+                row = {"batch": s.batch, "prompt": s.prompt, "new_tokens": s.new_tokens, "step_ms": step,
+                       "forward_ms": median(a["forward_s"]) * 1e3, "mean_context": s.mean_context, "floor_ms": fl}
+                (sampled_data if s.sampled else data if mode == "graphs" else async_data).append(row | {"mode": mode})
         best = min(median(got[(m, s)]["step_s"]) * 1e3 for m in ("graphs", "async"))
-        if best > FLOOR_GOAL * fl:
-            misses.append(f"{s.batch} x {s.prompt} ({best / fl:.2f}x)")
+        if best > FLOOR_GOAL * fl and not s.sampled:
+            misses.append(f"{s.name} ({best / fl:.2f}x)")
     table = markdown_table(
-        ["batch", "prompt", "mode", "steps", "ms / step (driver)", "ms / step (worker forward)", "tok/s",
+        ["batch", "prompt", "draw", "mode", "steps", "ms / step (driver)", "ms / step (worker forward)", "tok/s",
          "floor ms (streamed weights + KV / measured BW)", "x floor", "roofline ms (all weights / datasheet)",
          "x datasheet roofline"], rows)
     # fixed-length requests: async scheduling runs the synchronous batches, so even "fast" numerics match
-    differ = [f"{s.batch} x {s.prompt}" for s in todo if got[("async", s)]["tokens"] != got[("graphs", s)]["tokens"]]
+    differ = [s.name for s in todo if got[("async", s)]["tokens"] != got[("graphs", s)]["tokens"]]
     same_tokens = (f"**async scheduling's tokens equal the synchronous run's at every row: {verdict(not differ)}**"
                    + (f" (differ: {', '.join(differ)})" if differ else ""))
     b1_sync = next(d for d in data if d["batch"] == 1)["step_ms"]
@@ -158,6 +167,7 @@ def _report(ctx: Ctx, todo, got, stats, bw: float, sheet, rounds: int) -> PartRe
                      f"**every decode row within {FLOOR_GOAL}x of its floor (graphs, with or without async "
                      f"scheduling): "
                      f"{verdict(not misses)}{' (' + ', '.join(misses) + ')' if misses else ''}**"]
+        headlines += [_sampling_line(s, got) for s in todo if s.sampled]
     g = stats["graphs"]
     lines = [
         f"Model: {'a toy Llama' if ctx.smoke else 'Llama-3-8B shape'} (hidden {spec.hidden_size}, {spec.num_layers} "
@@ -182,4 +192,18 @@ def _report(ctx: Ctx, todo, got, stats, bw: float, sheet, rounds: int) -> PartRe
     ]
     if ctx.smoke:
         lines.append("\n**Smoke:** graph_backend \"standin\" (eager replays) on the CPU; no datasheet bandwidth.")
-    return PartResult("\n".join(lines), headlines, {"rows": data, "async_rows": async_data, "copy_bandwidth": bw})
+    return PartResult("\n".join(lines), headlines, {"rows": data, "async_rows": async_data,
+                                                    "sampled_rows": sampled_data, "copy_bandwidth": bw})
+
+
+def _sampling_line(s: Shape, got) -> str:
+    """The sampled row beside the greedy row of its shape: what temperature-1 draws with log-probs cost."""
+    ms = {m: median(got[(m, s)]["step_s"]) * 1e3 for m in ("graphs", "async")}
+    greedy = next((g for g in got if g[0] == "graphs" and not g[1].sampled and (g[1].batch, g[1].prompt) ==
+                   (s.batch, s.prompt)), None)
+    beside = ""
+    if greedy is not None:
+        g = median(got[greedy]["step_s"]) * 1e3
+        beside = f"; greedy {g:.2f} ms: the draw and its log-probs add {ms['graphs'] - g:+.2f} ms a step"
+    return (f"RL sampling ({s.name}: temperature 1, log-probs): {ms['graphs']:.2f} ms / step with graphs, "
+            f"{ms['async']:.2f} with async scheduling{beside}")

@@ -12,8 +12,10 @@ For a row of logits ``x``, an inverse temperature ``it`` and a floor (``log(min_
 The C++ kernel (csrc/pat_kernels/cpu/sample.cpp) does this with one thread per row and no sort;
 ``_torch_inverse_cdf`` below does the same operations with torch (other devices, or
 ``PAT_CPU_SAMPLER=torch``). Only +, *, floor, comparisons and exact conversions are used, which
-round the same in scalar and vector code, so neither the batch, the thread count nor the device
-changes a bit. The log of Z is left to the caller (Python's ``math.log``): a library log differs
+round the same in scalar and vector code, so on the CPU neither the batch nor the thread count
+changes a bit. On CUDA the running sum's ``cumsum`` is ATen's parallel scan, whose order follows the
+batch's row count: a draw whose target lands between two roundings of one boundary can differ
+(rare; docs/numerics.md, "Not covered"). The log of Z is left to the caller (Python's ``math.log``): a library log differs
 between its vector and scalar paths.
 """
 
@@ -73,7 +75,7 @@ def _torch_inverse_cdf(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Ten
     e, m = _torch_weights(x, inv_temp, floor)
     z_sum = lane_sum(e)
     if draw:
-        running = e.double().cumsum(dim=-1)  # sequential along each row, as the kernel's scan
+        running = e.double().cumsum(dim=-1)  # the kernel's sequential scan on the CPU (a parallel one on CUDA)
         token = (running <= (u * z_sum).unsqueeze(1)).sum(dim=-1)
         ids = torch.arange(e.shape[-1], device=e.device)
         last = torch.where(e > 0, ids, 0).max(dim=-1).values  # where rounding left u * Z >= the whole sum
