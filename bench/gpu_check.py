@@ -10,6 +10,11 @@ On a lent machine (``run`` tool), write where the files come back, then copy the
 
     python bench/gpu_check.py --quick --output "$OUT/gpu_check.md"     # timeout_s=600 leaves room to spare
 
+A session's 15 device minutes (start-up included) hold two such calls; what is still unmeasured first:
+
+    python bench/gpu_check.py --quick --only gemm kernels prefill decode profile --budget-s 330 --output "$OUT/gpu_check.md"
+    python bench/gpu_check.py --only switch --budget-s 420 --output "$OUT/gpu_check.md"   # the controller (issue 32)
+
 Parts (``--only`` names; each a section of ``bench/results/gpu_check.md`` with its command, machine, date
 and environment, headlines with each target's verdict at the top). Each part's expected seconds on an
 H100 are in ``registry.py``; the parts table prints them beside what they took, so a run can correct them:
@@ -17,10 +22,11 @@ H100 are in ``registry.py``; the parts table prints them beside what they took, 
 | part | measures |
 |---|---|
 | attention | decode attention GB/s vs SDPA at 6 shapes, the split sweep; fused layer kernels vs torch |
+| gemm | decode GEMMs at 1, 8, 64 rows: cuBLAS vs the skinny Triton GEMM (its rule and a config sweep), a step's GEMM ms |
 | (checkpoint) | the 16 GB random checkpoint, written once per ``--workdir``, before the parts using it |
-| kernels | kernels per step and per layer, GPU ms by piece, batch 1 and 64, graphs vs eager step |
+| kernels | kernels per step and per layer, GPU ms by piece, batch 1 and 64, graphs vs eager vs skinny-GEMM step |
 | prefill | 64 x 512 and 8 x 4K prefill: tokens/s, model FLOP/s vs an 8192^3 bf16 GEMM |
-| decode | Engine decode ms / token vs roofline and floor: batch 1/16/64, 64 x 512, 64 x 2K |
+| decode | Engine decode ms / token vs roofline and floor: batch 1/16/64, 64 x 512, 64 x 2K, async off/on; 64 x 512 sampled (RL) |
 | profile | pat-profile --emulate-world 8, graphs on, median step; predictor error at TP1 |
 | switch | the live switch with 2 (full: and 4) ranks sharing the GPU, 1B shape: each phase in s and bytes, the graphs share, host-staged collectives, CUDA memory; full: the controller on a co-located pat-profile table, capture warm-ups |
 | graphs | CUDA graph capture per ladder size, recapture after an emulated switch |
