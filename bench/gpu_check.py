@@ -12,7 +12,7 @@ On a lent machine (``run`` tool), write where the files come back, then copy the
 
 A session's 15 device minutes (start-up included) hold two such calls; what is still unmeasured first:
 
-    python bench/gpu_check.py --quick --only gemm kernels prefill decode profile --budget-s 330 --output "$OUT/gpu_check.md"
+    python bench/gpu_check.py --quick --only gemm sampler kernels prefill decode profile --budget-s 330 --output "$OUT/gpu_check.md"
     python bench/gpu_check.py --only switch --budget-s 420 --output "$OUT/gpu_check.md"   # the controller (issue 32)
 
 Parts (``--only`` names; each a section of ``bench/results/gpu_check.md`` with its command, machine, date
@@ -23,6 +23,7 @@ H100 are in ``registry.py``; the parts table prints them beside what they took, 
 |---|---|
 | attention | decode attention GB/s vs SDPA at 6 shapes, the split sweep; fused layer kernels vs torch |
 | gemm | decode GEMMs at 1, 8, 64 rows: cuBLAS vs the skinny Triton GEMM (its rule and a config sweep), a step's GEMM ms |
+| sampler | the RL draw (temperature 1, log-probs) at 1 and 64 rows: torch's row sum Z vs the Triton kernel; greedy beside |
 | (checkpoint) | the 16 GB random checkpoint, written once per ``--workdir``, before the parts using it |
 | kernels | kernels per step and per layer, GPU ms by piece, batch 1 and 64, graphs vs eager vs skinny-GEMM step |
 | prefill | 64 x 512 and 8 x 4K prefill: tokens/s, model FLOP/s vs an 8192^3 bf16 GEMM |

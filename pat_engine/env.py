@@ -3,7 +3,8 @@
 Every reader goes through the typed accessors below. They read the environment on every call,
 never caching: benchmarks flip a switch between A/B runs in one process, tests monkeypatch it,
 and worker processes inherit the driver's environment. A leaf module (it imports nothing of
-pat_engine), so any layer may read it.
+pat_engine), so any layer may read it; it also answers where a Triton kernel can run
+(``triton_runs_on``: Triton's interpreter is itself an environment variable).
 
 The CPU kernel switches ``PAT_CPU_ATTENTION``, ``PAT_CPU_NORM``, ``PAT_CPU_ROTARY`` and
 ``PAT_CPU_CHUNK_GEMM`` (``torch`` turns a kernel family off) belong to ``pat_kernels``
@@ -12,6 +13,7 @@ The CPU kernel switches ``PAT_CPU_ATTENTION``, ``PAT_CPU_NORM``, ``PAT_CPU_ROTAR
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +55,13 @@ SKINNY_GEMM = EnvSwitch("PAT_SKINNY_GEMM", "off",
                         "number n (1-64): steps of at most n rows; CPU layers too under TRITON_INTERPRET=1 (tests); "
                         "off (the default until a GPU run shows it ahead, bench/gpucheck/skinny_gemm.py): cuBLAS")
 
-SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, API_KEY, ENGINE_CACHE, TRITON_LAYERS, SKINNY_GEMM)
+TRITON_SAMPLER = EnvSwitch("PAT_TRITON_SAMPLER", "off",
+                           "on: the sampler's row sums Z (the eight-lane float64 order of sampling/inverse_cdf.py) "
+                           "by a Triton kernel on CUDA (pat_kernels/triton_lane_sum.py), the same bits as the torch "
+                           "twin's scan, and CPU tensors too under TRITON_INTERPRET=1 (tests); off (the default until "
+                           "a GPU run times it, bench/gpucheck/sampler.py): the torch twin")
+
+SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, API_KEY, ENGINE_CACHE, TRITON_LAYERS, SKINNY_GEMM, TRITON_SAMPLER)
 
 
 def cpu_gemm_packing() -> bool:
@@ -92,3 +100,22 @@ def skinny_gemm_rows() -> int:
     if value == "on":
         return SKINNY_DEFAULT_ROWS
     return min(max(int(value), 0), SKINNY_MOST_ROWS) if value.isdigit() else 0
+
+
+def triton_sampler() -> bool:
+    """True when ``PAT_TRITON_SAMPLER=on``."""
+    return TRITON_SAMPLER.says("on")
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton runs kernels on the CPU through its interpreter (``TRITON_INTERPRET=1``: Triton's own
+    variable, read here so that every layer asks one place)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_runs_on(device_type: str) -> bool:
+    """Whether a Triton kernel can take tensors of this device type: Triton importable, and CUDA, or the
+    CPU under the interpreter."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return device_type == "cuda" or (device_type == "cpu" and triton_interpreted())

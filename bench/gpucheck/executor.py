@@ -4,7 +4,6 @@ and prefill parts time and profile its steps without the driver's round trip in 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import torch
 
 from gpucheck.shared import BLOCK_SIZE, Ctx, log, synchronize
+from pat_engine import env
 from pat_engine.model.arch import load_model_arch
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.layout import Layout
@@ -57,9 +57,7 @@ def eager(ex: InferExecutor) -> Iterator[None]:
 
 def skinny_available(ex: InferExecutor) -> bool:
     """Whether the skinny Triton GEMM can run on the executor's device (CUDA, or the CPU interpreted)."""
-    from pat_engine.model.layers.triton_ops import interpreting
-
-    return importlib.util.find_spec("triton") is not None and (ex.device.type == "cuda" or interpreting())
+    return env.triton_runs_on(ex.device.type)
 
 
 @contextlib.contextmanager

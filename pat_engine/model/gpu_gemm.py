@@ -7,8 +7,6 @@ package is needed to import the model (the CPU calls them only under Triton's in
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from pat_engine import env
@@ -37,12 +35,9 @@ def skinny_rows(device: torch.device | str, dtype: torch.dtype) -> int:
     for, Triton missing, not a ``tl.dot`` dtype, or neither a CUDA device nor the CPU under Triton's
     interpreter. Decided once, when a layer is built."""
     rows = env.skinny_gemm_rows()
-    if not rows or dtype not in SKINNY_DTYPES or importlib.util.find_spec("triton") is None:
+    if not rows or dtype not in SKINNY_DTYPES:
         return 0
-    from pat_engine.model.layers.triton_ops import interpreting
-
-    device = torch.device(device)
-    return rows if device.type == "cuda" or (device.type == "cpu" and interpreting()) else 0
+    return rows if env.triton_runs_on(torch.device(device).type) else 0
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from pat_engine import env
+
 try:  # the kernels package sits beside the engine in a checkout and in an install
     from pat_kernels import cpu_sample
 except ImportError:  # pragma: no cover - a partial install: the torch path serves
@@ -56,11 +58,21 @@ def weights(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor) -> tup
 
 
 def lane_sum(e: torch.Tensor) -> torch.Tensor:
-    """Z per row (float64), in the kernel's eight-lane order (a sequential cumsum down each lane)."""
+    """Z per row (float64), in the kernel's eight-lane order (a sequential cumsum down each lane); by the
+    Triton kernel where ``PAT_TRITON_SAMPLER=on`` asks and it serves (the same bits)."""
+    if _triton_lane_sum_serves(e):
+        from pat_kernels.triton_lane_sum import lane_sum as kernel
+
+        return kernel(e.contiguous())
     rows, vocab = e.shape
     padded = torch.nn.functional.pad(e, (0, -vocab % LANES)).view(rows, -1, LANES).double()
     a = padded.cumsum(dim=1)[:, -1, :]
     return ((a[:, 0] + a[:, 1]) + (a[:, 2] + a[:, 3])) + ((a[:, 4] + a[:, 5]) + (a[:, 6] + a[:, 7]))
+
+
+def _triton_lane_sum_serves(e: torch.Tensor) -> bool:
+    """Asked for, float32 weights, Triton importable, and a CUDA tensor (or a CPU one under the interpreter)."""
+    return env.triton_sampler() and e.dtype == torch.float32 and env.triton_runs_on(e.device.type)
 
 
 def _torch_weights(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

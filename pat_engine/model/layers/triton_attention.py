@@ -20,13 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
+from pat_engine import env
 from pat_engine.model.layers.attention import (
     AttentionBackend,
     AttentionMetadata,
     TorchAttention,
     gather_attention,
 )
-from pat_engine.model.layers.triton_ops import interpreting
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class TritonAttention(AttentionBackend):
     def load(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether a decode kernel serves this device and dtype: the Triton ones (CUDA, or CPU under the
         interpreter), else the torch backend's."""
-        if dtype not in _KERNEL_DTYPES or not (device.type == "cuda" or interpreting()):
+        if dtype not in _KERNEL_DTYPES or not (device.type == "cuda" or env.triton_interpreted()):
             return self._torch.load(device, dtype)  # its paths serve these steps
         if device.type == "cuda" and self.sm_count is None:
             self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
@@ -127,7 +127,7 @@ class TritonAttention(AttentionBackend):
         self._torch.write_kv(kv_cache, k, v, slots)
 
     def _serves(self, q: torch.Tensor) -> bool:
-        return q.dtype in _KERNEL_DTYPES and (q.is_cuda or interpreting())
+        return q.dtype in _KERNEL_DTYPES and (q.is_cuda or env.triton_interpreted())
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.context_lens is None or not self._serves(q):

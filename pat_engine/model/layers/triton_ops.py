@@ -14,8 +14,6 @@ The choice is made once, when a layer is built (``serves``), not per call.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,19 +34,14 @@ class TritonKernels:
     rotary_kv_write: Callable[..., torch.Tensor]
 
 
-def interpreting() -> bool:
-    """Whether Triton runs kernels on the CPU through its interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def serves(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether layers built for ``device`` and ``dtype`` run the Triton kernels (on the CPU: asked for with
     ``PAT_TRITON_LAYERS=on``, and only under the interpreter, where a CPU tensor can enter a kernel)."""
     device = torch.device(device)
     mode = env.triton_layers()
-    if mode == "off" or dtype not in DTYPES or importlib.util.find_spec("triton") is None:
+    if mode == "off" or dtype not in DTYPES or (device.type == "cpu" and mode != "on"):
         return False
-    return device.type == "cuda" or (device.type == "cpu" and mode == "on" and interpreting())
+    return env.triton_runs_on(device.type)
 
 
 def kernels_for(device: torch.device | str, dtype: torch.dtype) -> TritonKernels | None:

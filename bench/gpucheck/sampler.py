@@ -1,0 +1,108 @@
+"""Part ``sampler``: what the RL draw costs on the device, and the Triton row sum beside torch's (issue 30).
+
+Every earlier GPU figure was greedy, but an RL rollout draws at temperature 1 and asks for each token's
+log-prob. On CUDA that runs the sampler's torch path (``pat_engine/sampling/inverse_cdf.py``): some
+thirty elementwise kernels over the (rows, vocab) logits, a float64 scan for the draw, and Z, the row sum
+in the eight-lane float64 order, whose lanes are chains of vocab/8 dependent adds that ATen's
+outer-dimension scan runs one load, add and store at a time. ``PAT_TRITON_SAMPLER=on`` computes Z with
+``pat_kernels/triton_lane_sum.py`` instead (the same bits). At 1 and 64 rows (and 256 without --quick)
+of random bf16 logits over the Llama-3 vocabulary (128,256), this part times ``sample_on_device`` for a
+greedy batch, and a greedy and a temperature-1 batch with log-probs through each Z,
+and Z alone both ways; it checks that both give the same tokens, log-probs and Z. GPU ms between CUDA
+events with the stream held busy ahead of each call (the host's launches still show where they outrun
+the kernels), calls interleaved, median.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from common import markdown_table
+from gpucheck.report import PartResult
+from gpucheck.shared import Ctx, log, median, time_interleaved, verdict
+from pat_engine.env import TRITON_SAMPLER
+
+
+def with_switch(on: bool, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with ``PAT_TRITON_SAMPLER`` on or off (read on every call), the variable restored after."""
+    def run():
+        before = os.environ.get(TRITON_SAMPLER.name)
+        os.environ[TRITON_SAMPLER.name] = "on" if on else "off"
+        try:
+            return fn()
+        finally:
+            if before is None:
+                os.environ.pop(TRITON_SAMPLER.name, None)
+            else:
+                os.environ[TRITON_SAMPLER.name] = before
+    return run
+
+
+def draw_case(rows: int, vocab: int, device: str, repeats: int, warmup: int) -> dict:
+    from pat_engine.sampling.inverse_cdf import lane_sum, weights
+    from pat_engine.sampling.sampler import SamplingBatch, sample_on_device
+    from pat_engine.sampling.spec import SamplingSpec
+
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(rows)
+    logits = (torch.randn(rows, vocab, generator=gen, device=dev) * 3.0).to(torch.bfloat16)
+    positions = list(range(100, 100 + rows))
+
+    def batch(temperature: float, logprobs: bool) -> SamplingBatch:
+        specs = [SamplingSpec(temperature=temperature, top_k=-1, top_p=1.0, seed=7 + i, logprobs=logprobs)
+                 for i in range(rows)]
+        return SamplingBatch.build(specs, positions, device=dev, vocab=vocab)
+
+    greedy, greedy_lp, drawn = batch(0.0, False), batch(0.0, True), batch(1.0, True)
+    e = weights(logits, torch.ones(rows, device=dev), torch.full((rows,), float("-inf"), device=dev))[0]
+    fns = {
+        "greedy": lambda: sample_on_device(logits, greedy).tokens,
+        "greedy + log-probs, torch Z": with_switch(False, lambda: sample_on_device(logits, greedy_lp)),
+        "greedy + log-probs, Triton Z": with_switch(True, lambda: sample_on_device(logits, greedy_lp)),
+        "temperature 1 + log-probs, torch Z": with_switch(False, lambda: sample_on_device(logits, drawn)),
+        "temperature 1 + log-probs, Triton Z": with_switch(True, lambda: sample_on_device(logits, drawn)),
+        "Z alone, torch": with_switch(False, lambda: lane_sum(e)),
+        "Z alone, Triton": with_switch(True, lambda: lane_sum(e)),
+    }
+    a, b = fns["temperature 1 + log-probs, torch Z"](), fns["temperature 1 + log-probs, Triton Z"]()
+    same = (torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+            and torch.equal(fns["Z alone, torch"](), fns["Z alone, Triton"]()))
+    times = {n: median(t) * 1e3 for n, t in time_interleaved(fns, repeats, warmup, dev).items()}
+    return {"rows": rows, "vocab": vocab, "ms": times, "same": same}
+
+
+def run(ctx: Ctx) -> PartResult:
+    if ctx.smoke:
+        rows_list, vocab, repeats, warmup = (1, 4), ctx.spec.vocab_size, 2, 1
+    else:
+        rows_list, vocab = ((1, 64) if ctx.quick else (1, 64, 256)), ctx.spec.vocab_size
+        repeats, warmup = (10 if ctx.quick else 20), 3
+    cases = []
+    for rows in rows_list:
+        c = draw_case(rows, vocab, ctx.device, repeats, warmup)
+        cases.append(c)
+        log(f"sampler {rows} x {vocab}: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in c["ms"].items()))
+    names = list(cases[0]["ms"])
+    table = markdown_table(["rows", "vocab"] + [f"{n} ms" for n in names] + ["same tokens, log-probs, Z"],
+                           [[c["rows"], c["vocab"], *[c["ms"][n] for n in names], c["same"]] for c in cases])
+    headlines = []
+    for c in cases:
+        ms = c["ms"]
+        headlines.append(
+            f"RL draw at {c['rows']} x {c['vocab']} (temperature 1, log-probs): {ms['temperature 1 + log-probs, torch Z']:.3f} "
+            f"ms through torch's Z, {ms['temperature 1 + log-probs, Triton Z']:.3f} ms through the Triton Z (Z alone "
+            f"{ms['Z alone, torch']:.3f} vs {ms['Z alone, Triton']:.3f}); greedy {ms['greedy']:.3f} ms; "
+            f"same bits: {verdict(c['same'])}")
+    if ctx.smoke:
+        headlines = ["smoke: not judged"] + [f"same bits at {c['rows']} rows: {verdict(c['same'])}" for c in cases]
+    setup = (f"bf16 logits (standard normal x 3), {'the toy' if ctx.smoke else 'the Llama-3'} vocabulary, every row "
+             f"seeded; `sample_on_device` as a decode step calls it (the draw, its log-prob, nothing read back). "
+             f"{repeats} calls of each after {warmup} warm-ups, interleaved, median GPU ms between events "
+             f"(`time_interleaved`).")
+    if ctx.smoke:
+        setup = "**Smoke:** on the CPU under TRITON_INTERPRET=1 (the C++ sampler serves CPU rows: the torch path " \
+                "runs only where it does not). Times measure nothing. " + setup
+    return PartResult("\n\n".join([setup, table]), headlines, {"cases": cases})
