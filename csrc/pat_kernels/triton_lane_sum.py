@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 LANES = 8  # pat_engine.sampling.inverse_cdf.LANES
-UNROLL = 32  # groups of eight read per step of the walk
+UNROLL = 64  # groups of eight read per step of the walk: 64 loads in flight before the first add waits
 
 
 @triton.jit
