@@ -23,7 +23,7 @@ H100 are in ``registry.py``; the parts table prints them beside what they took, 
 |---|---|
 | attention | decode attention GB/s vs SDPA at 6 shapes, the split sweep; fused layer kernels vs torch |
 | gemm | decode GEMMs at 1, 8, 64 rows: cuBLAS vs the skinny Triton GEMM (its rule and a config sweep), a step's GEMM ms |
-| sampler | the RL draw (temperature 1, log-probs) at 1 and 64 rows: torch's row sum Z vs the Triton kernel; greedy beside |
+| sampler | the RL draw (temperature 1, log-probs) at 1 and 64 rows: the torch twin vs the Triton kernels (weights, Z); greedy beside |
 | (checkpoint) | the 16 GB random checkpoint, written once per ``--workdir``, before the parts using it |
 | kernels | kernels per step and per layer, GPU ms by piece, batch 1 and 64, graphs vs eager vs skinny-GEMM step |
 | prefill | 64 x 512 and 8 x 4K prefill: tokens/s, model FLOP/s vs an 8192^3 bf16 GEMM |

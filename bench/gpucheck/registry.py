@@ -37,7 +37,7 @@ PARTS: tuple[Part, ...] = (
          15, 30, 120, 300, needs_checkpoint=False),
     Part("gemm", "Decode GEMMs at 1-64 rows: cuBLAS beside the skinny Triton GEMM", "skinny_gemm", 35, 90, 150, 360,
          needs_checkpoint=False),  # estimates (not run on a device yet): ~12 Triton compiles (36 in full) + timing
-    Part("sampler", "The RL draw: temperature 1 with log-probs, torch's row sum beside the Triton kernel", "sampler",
+    Part("sampler", "The RL draw: temperature 1 with log-probs, the torch twin beside the Triton kernels", "sampler",
          15, 30, 120, 240, needs_checkpoint=False),  # estimates (not run on a device yet)
     Part("kernels", "Kernels per decode step (torch.profiler, Llama-3-8B shape, bf16)", "kernels",
          25, 40, 180, 400),

@@ -1,13 +1,13 @@
-"""Part ``sampler``: what the RL draw costs on the device, and the Triton row sum beside torch's (issue 30).
+"""Part ``sampler``: what the RL draw costs on the device, and the Triton sampler kernels beside torch's (issue 30).
 
 Every earlier GPU figure was greedy, but an RL rollout draws at temperature 1 and asks for each token's
 log-prob. On CUDA that runs the sampler's torch path (``pat_engine/sampling/inverse_cdf.py``): some
 thirty elementwise kernels over the (rows, vocab) logits, a float64 scan for the draw, and Z, the row sum
 in the eight-lane float64 order, whose lanes are chains of vocab/8 dependent adds that ATen's
-outer-dimension scan runs one load, add and store at a time. ``PAT_TRITON_SAMPLER=on`` computes Z with
-``pat_kernels/triton_lane_sum.py`` instead (the same bits). At 1 and 64 rows (and 256 without --quick)
+outer-dimension scan runs one load, add and store at a time. ``PAT_TRITON_SAMPLER=on`` computes the
+weights and Z with ``pat_kernels/triton_sampler.py`` instead (the same bits). At 1 and 64 rows (and 256 without --quick)
 of random bf16 logits over the Llama-3 vocabulary (128,256), this part times ``sample_on_device`` for a
-greedy batch, and a greedy and a temperature-1 batch with log-probs through each Z,
+greedy batch, and a greedy and a temperature-1 batch with log-probs each way,
 and Z alone both ways; it checks that both give the same tokens, log-probs and Z. GPU ms between CUDA
 events with the stream held busy ahead of each call (the host's launches still show where they outrun
 the kernels), calls interleaved, median.
@@ -60,14 +60,14 @@ def draw_case(rows: int, vocab: int, device: str, repeats: int, warmup: int) -> 
     e = weights(logits, torch.ones(rows, device=dev), torch.full((rows,), float("-inf"), device=dev))[0]
     fns = {
         "greedy": lambda: sample_on_device(logits, greedy).tokens,
-        "greedy + log-probs, torch Z": with_switch(False, lambda: sample_on_device(logits, greedy_lp)),
-        "greedy + log-probs, Triton Z": with_switch(True, lambda: sample_on_device(logits, greedy_lp)),
-        "temperature 1 + log-probs, torch Z": with_switch(False, lambda: sample_on_device(logits, drawn)),
-        "temperature 1 + log-probs, Triton Z": with_switch(True, lambda: sample_on_device(logits, drawn)),
+        "greedy + log-probs, torch": with_switch(False, lambda: sample_on_device(logits, greedy_lp)),
+        "greedy + log-probs, Triton": with_switch(True, lambda: sample_on_device(logits, greedy_lp)),
+        "temperature 1 + log-probs, torch": with_switch(False, lambda: sample_on_device(logits, drawn)),
+        "temperature 1 + log-probs, Triton": with_switch(True, lambda: sample_on_device(logits, drawn)),
         "Z alone, torch": with_switch(False, lambda: lane_sum(e)),
         "Z alone, Triton": with_switch(True, lambda: lane_sum(e)),
     }
-    a, b = fns["temperature 1 + log-probs, torch Z"](), fns["temperature 1 + log-probs, Triton Z"]()
+    a, b = fns["temperature 1 + log-probs, torch"](), fns["temperature 1 + log-probs, Triton"]()
     same = (torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
             and torch.equal(fns["Z alone, torch"](), fns["Z alone, Triton"]()))
     times = {n: median(t) * 1e3 for n, t in time_interleaved(fns, repeats, warmup, dev).items()}
@@ -92,8 +92,8 @@ def run(ctx: Ctx) -> PartResult:
     for c in cases:
         ms = c["ms"]
         headlines.append(
-            f"RL draw at {c['rows']} x {c['vocab']} (temperature 1, log-probs): {ms['temperature 1 + log-probs, torch Z']:.3f} "
-            f"ms through torch's Z, {ms['temperature 1 + log-probs, Triton Z']:.3f} ms through the Triton Z (Z alone "
+            f"RL draw at {c['rows']} x {c['vocab']} (temperature 1, log-probs): {ms['temperature 1 + log-probs, torch']:.3f} "
+            f"ms through the torch twin, {ms['temperature 1 + log-probs, Triton']:.3f} ms through the Triton kernels (Z alone "
             f"{ms['Z alone, torch']:.3f} vs {ms['Z alone, Triton']:.3f}); greedy {ms['greedy']:.3f} ms; "
             f"same bits: {verdict(c['same'])}")
     if ctx.smoke:

@@ -54,14 +54,14 @@ def weights(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor) -> tup
     inv_temp, floor = inv_temp.to(torch.float32).contiguous(), floor.to(torch.float32).contiguous()
     if cpu_sample is not None and cpu_sample.usable(x):
         return cpu_sample.weights(x.contiguous(), inv_temp, floor), x.max(dim=-1, keepdim=True).values.float()
-    return _torch_weights(x, inv_temp, floor)
+    return _twin_weights(x, inv_temp, floor)
 
 
 def lane_sum(e: torch.Tensor) -> torch.Tensor:
     """Z per row (float64), in the kernel's eight-lane order (a sequential cumsum down each lane); by the
     Triton kernel where ``PAT_TRITON_SAMPLER=on`` asks and it serves (the same bits)."""
     if _triton_lane_sum_serves(e):
-        from pat_kernels.triton_lane_sum import lane_sum as kernel
+        from pat_kernels.triton_sampler import lane_sum as kernel
 
         return kernel(e.contiguous())
     rows, vocab = e.shape
@@ -70,9 +70,23 @@ def lane_sum(e: torch.Tensor) -> torch.Tensor:
     return ((a[:, 0] + a[:, 1]) + (a[:, 2] + a[:, 3])) + ((a[:, 4] + a[:, 5]) + (a[:, 6] + a[:, 7]))
 
 
+def _triton_sampler_serves(t: torch.Tensor) -> bool:
+    """Asked for (``PAT_TRITON_SAMPLER=on``), and a Triton kernel can take ``t``'s device."""
+    return env.triton_sampler() and env.triton_runs_on(t.device.type)
+
+
 def _triton_lane_sum_serves(e: torch.Tensor) -> bool:
-    """Asked for, float32 weights, Triton importable, and a CUDA tensor (or a CPU one under the interpreter)."""
-    return env.triton_sampler() and e.dtype == torch.float32 and env.triton_runs_on(e.device.type)
+    return e.dtype == torch.float32 and _triton_sampler_serves(e)
+
+
+def _twin_weights(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e, m) off the C++ kernel: the torch formulas, or the Triton kernel where ``PAT_TRITON_SAMPLER=on``
+    asks (the same bits)."""
+    if _triton_sampler_serves(x):
+        from pat_kernels.triton_sampler import weights as kernel
+
+        return kernel(x.contiguous(), inv_temp, floor)
+    return _torch_weights(x, inv_temp, floor)
 
 
 def _torch_weights(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +98,7 @@ def _torch_weights(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor)
 
 def _torch_inverse_cdf(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor, u: torch.Tensor,
                        draw: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    e, m = _torch_weights(x, inv_temp, floor)
+    e, m = _twin_weights(x, inv_temp, floor)
     z_sum = lane_sum(e)
     if draw:
         running = e.double().cumsum(dim=-1)  # the kernel's sequential scan on the CPU (a parallel one on CUDA)

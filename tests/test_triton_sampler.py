@@ -1,0 +1,123 @@
+"""The sampler's Triton kernels (``pat_kernels/triton_sampler.py``), run by Triton's CPU interpreter.
+
+Each row's weights e and max m have the torch twin's bits (``inverse_cdf._torch_weights``: the formulas of
+the C++ kernel) for float32, bfloat16 and float64 logits, temperatures, min_p floors, suppressed (-inf)
+tokens and NaN rows, at widths that are not a multiple of the kernel's block. Z has the twin's bits
+(``lane_sum`` with the switch off: a cumsum down each of eight lanes) for row lengths that are and are not
+multiples of eight and longer than one step of the kernel's walk, on weights spread over many binades
+(where another order of the float64 adds gives other bits: checked). Through the sampler (its torch
+path, ``PAT_CPU_SAMPLER=torch``), ``PAT_TRITON_SAMPLER=on`` draws the same tokens with the same log-probs.
+The ``gpu`` test repeats the bits compiled at a real vocabulary.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_markers import DEV, gpu, needs_triton
+
+from pat_engine.sampling import inverse_cdf
+
+
+def _weights(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    """Non-negative float32 weights over ~60 binades, as a softmax's tail puts them."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.exp(-torch.rand(rows, vocab, generator=g) * 40.0)
+    e[:, ::97] = 0.0  # tokens below a min_p floor
+    return e.to(DEV)
+
+
+def _kernel():
+    from pat_kernels import triton_sampler
+
+    return triton_sampler
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, on the NaN and -inf rows' casts
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_weights_and_max_have_the_torch_twins_bits(dtype):
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(5, 2500, generator=g) * 6).to(dtype)  # 2500: two full blocks and a masked one
+    x[1, ::7] = float("-inf")  # suppressed tokens
+    x[2] = float("-inf")  # a row with nothing left
+    x[3, 11] = float("nan")
+    x = x.to(DEV)
+    inv_temp = torch.tensor([1.0, 1 / 0.7, 1.0, 1.0, 1 / 1.3], dtype=torch.float32, device=DEV)
+    floor = torch.tensor([float("-inf"), float("-inf"), -2.0, float("-inf"), float(torch.log(torch.tensor(0.05)))],
+                         dtype=torch.float32, device=DEV)
+    e, m = _kernel().weights(x, inv_temp, floor)
+    want_e, want_m = inverse_cdf._torch_weights(x, inv_temp, floor)
+    assert e.dtype == torch.float32 and m.shape == (5, 1)
+    assert torch.equal(e, want_e) and torch.equal(m[[0, 1, 2, 4]], want_m[[0, 1, 2, 4]])
+    assert torch.isnan(m[3]).all() and torch.isnan(want_m[3]).all()
+    assert (e[0] > 0).all() and (e[4] == 0).any() and (e[4] > 0).any()  # the floor drops some, not all
+    strided = torch.zeros(5, 2600, dtype=dtype, device=DEV)[:, :2500]
+    strided.copy_(x)
+    assert torch.equal(_kernel().weights(strided, inv_temp, floor)[0], want_e)
+
+
+@needs_triton
+@pytest.mark.parametrize("vocab", [1, 8, 517, 1000, 2048])
+def test_z_has_the_torch_twins_bits(vocab, monkeypatch):
+    monkeypatch.delenv("PAT_TRITON_SAMPLER", raising=False)
+    e = _weights(3, vocab, seed=vocab)
+    want = inverse_cdf.lane_sum(e)  # the torch twin
+    got = _kernel().lane_sum(e)
+    assert got.dtype == torch.float64 and torch.equal(got, want)
+    assert torch.equal(_kernel().lane_sum(e[1:2]), want[1:2])  # a row alone
+    if vocab >= 517:  # the order is visible in these bits: a plain float64 sum differs
+        assert not torch.equal(e.double().sum(dim=1), want)
+
+
+@needs_triton
+def test_rows_of_a_wider_tensor_and_bad_input():
+    wide = _weights(4, 600, seed=1)
+    view = wide[:, :517]  # rows 600 apart
+    assert torch.equal(_kernel().lane_sum(view), inverse_cdf.lane_sum(view.contiguous()))
+    assert _kernel().lane_sum(wide[:0]).shape == (0,)
+    for bad in (wide.double(), wide[0], wide.t()):
+        with pytest.raises(ValueError, match="float32"):
+            _kernel().lane_sum(bad)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_sampler_draws_the_same_tokens_and_log_probs_with_it(dtype, monkeypatch):
+    from pat_engine.sampling.sampler import SamplingBatch, sample_on_device
+    from pat_engine.sampling.spec import SamplingSpec
+
+    monkeypatch.setenv("PAT_CPU_SAMPLER", "torch")  # the torch path (the C++ kernel would serve the CPU)
+    logits = (torch.randn(6, 700, generator=torch.Generator().manual_seed(2)) * 4).to(dtype).to(DEV)
+    specs = [SamplingSpec(temperature=t, top_k=-1, top_p=1.0, seed=s, logprobs=True, min_p=m)
+             for t, s, m in ((1.0, 1, 0.0), (0.7, 2, 0.0), (1.0, 3, 0.05), (0.0, 4, 0.0), (1.3, 5, 0.0), (1.0, 6, 0.0))]
+
+    def draw():
+        batch = SamplingBatch.build(specs, list(range(10, 16)), device=DEV, vocab=700)
+        out = sample_on_device(logits, batch)
+        return out.tokens, out.logprobs
+
+    monkeypatch.delenv("PAT_TRITON_SAMPLER", raising=False)
+    want = draw()
+    monkeypatch.setenv("PAT_TRITON_SAMPLER", "on")
+    calls = []
+    for name in ("lane_sum", "weights"):
+        kernel = getattr(_kernel(), name)
+        monkeypatch.setattr(_kernel(), name, lambda *a, kernel=kernel, name=name: calls.append(name) or kernel(*a))
+    got = draw()
+    assert {"lane_sum", "weights"} <= set(calls), "a Triton sampler kernel never ran"
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.gpu
+@gpu
+@needs_triton
+def test_gpu_weights_and_z_have_the_torch_twins_bits_at_a_real_vocabulary(monkeypatch):
+    monkeypatch.delenv("PAT_TRITON_SAMPLER", raising=False)
+    for rows in (1, 64):
+        e = _weights(rows, 128256, seed=rows)
+        assert torch.equal(_kernel().lane_sum(e), inverse_cdf.lane_sum(e))
+        x = (torch.randn(rows, 128256, device=DEV) * 4).to(torch.bfloat16)
+        it, floor = torch.full((rows,), 1 / 0.8, device=DEV), torch.full((rows,), -9.0, device=DEV)
+        got, want = _kernel().weights(x, it, floor), inverse_cdf._torch_weights(x, it, floor)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
