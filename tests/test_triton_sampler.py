@@ -5,8 +5,11 @@ the C++ kernel) for float32, bfloat16 and float64 logits, temperatures, min_p fl
 tokens and NaN rows, at widths that are not a multiple of the kernel's block. Z has the twin's bits
 (``lane_sum`` with the switch off: a cumsum down each of eight lanes) for row lengths that are and are not
 multiples of eight and longer than one step of the kernel's walk, on weights spread over many binades
-(where another order of the float64 adds gives other bits: checked). Through the sampler (its torch
-path, ``PAT_CPU_SAMPLER=torch``), ``PAT_TRITON_SAMPLER=on`` draws the same tokens with the same log-probs.
+(where another order of the float64 adds gives other bits: checked). The draw follows its own rule, the
+running sum in blocks (``blocked_draw_reference``), which gives the CPU chain's tokens but where the target
+lands between two roundings of a boundary (one such case built by hand). Through the sampler (its torch
+path, ``PAT_CPU_SAMPLER=torch``), ``PAT_TRITON_SAMPLER=on`` draws the same tokens with the same log-probs
+on these rows.
 The ``gpu`` test repeats the bits compiled at a real vocabulary.
 """
 
@@ -82,6 +85,40 @@ def test_rows_of_a_wider_tensor_and_bad_input():
 
 
 @needs_triton
+@pytest.mark.parametrize("vocab", [1, 5, 127, 700, 2051])
+def test_the_draw_follows_its_blocked_rule(vocab):
+    """The kernel's token is ``blocked_draw_reference``'s (plain Python floats) and, on these rows, the CPU's
+    single chain's (the twin's rule); a target past the whole sum takes the last token with weight."""
+    sk = _kernel()
+    g = torch.Generator().manual_seed(vocab)
+    e = _weights(4, vocab, seed=vocab)
+    e[3] = 0.0  # a row with no weight: token 0, as the twin gives
+    z = sk.lane_sum(e)
+    u = torch.rand(4, generator=g, dtype=torch.float64).to(DEV)
+    got = sk.draw(e, u, z)
+    rows = e.double().cpu().tolist()
+    assert got.tolist() == [sk.blocked_draw_reference(rows[r], float(u[r] * z[r])) for r in range(4)]
+    chain = (e.double().cumsum(dim=-1) <= (u * z).unsqueeze(1)).sum(dim=-1)
+    last = torch.where(e > 0, torch.arange(vocab, device=DEV), 0).max(dim=-1).values
+    assert torch.equal(got, torch.where(chain >= vocab, last, chain))
+    past = sk.draw(e, torch.full((4,), 2.0, dtype=torch.float64, device=DEV), z)  # target 2Z
+    assert torch.equal(past, last)
+
+
+@needs_triton
+def test_the_draw_sums_in_blocks_not_in_one_chain():
+    """Where the two orders round differently at the target, the kernel takes its blocks' token: 1.0 then
+    two 2^-53 weights stay 1.0 in one chain (each add rounds back), but make 1 + 2^-52 as a block's total."""
+    sk = _kernel()
+    e = torch.zeros(1, 256)  # 128 blocks of two tokens
+    e[0, 0], e[0, 2], e[0, 3], e[0, 255] = 1.0, 2.0**-53, 2.0**-53, 1.0
+    e = e.to(DEV)
+    u, z = torch.tensor([0.5], dtype=torch.float64, device=DEV), torch.tensor([2.0], dtype=torch.float64, device=DEV)
+    assert sk.draw(e, u, z).tolist() == [3] == [sk.blocked_draw_reference(e[0].double().cpu().tolist(), 1.0)]
+    assert int((e.double().cumsum(dim=-1) <= 1.0).sum()) == 255  # the single chain reaches past 1.0 at 255
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_sampler_draws_the_same_tokens_and_log_probs_with_it(dtype, monkeypatch):
     from pat_engine.sampling.sampler import SamplingBatch, sample_on_device
@@ -101,18 +138,18 @@ def test_the_sampler_draws_the_same_tokens_and_log_probs_with_it(dtype, monkeypa
     want = draw()
     monkeypatch.setenv("PAT_TRITON_SAMPLER", "on")
     calls = []
-    for name in ("lane_sum", "weights"):
+    for name in ("lane_sum", "weights", "draw"):
         kernel = getattr(_kernel(), name)
         monkeypatch.setattr(_kernel(), name, lambda *a, kernel=kernel, name=name: calls.append(name) or kernel(*a))
     got = draw()
-    assert {"lane_sum", "weights"} <= set(calls), "a Triton sampler kernel never ran"
+    assert {"lane_sum", "weights", "draw"} <= set(calls), "a Triton sampler kernel never ran"
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.gpu
 @gpu
 @needs_triton
-def test_gpu_weights_and_z_have_the_torch_twins_bits_at_a_real_vocabulary(monkeypatch):
+def test_gpu_weights_z_and_draw_at_a_real_vocabulary(monkeypatch):
     monkeypatch.delenv("PAT_TRITON_SAMPLER", raising=False)
     for rows in (1, 64):
         e = _weights(rows, 128256, seed=rows)
@@ -121,3 +158,8 @@ def test_gpu_weights_and_z_have_the_torch_twins_bits_at_a_real_vocabulary(monkey
         it, floor = torch.full((rows,), 1 / 0.8, device=DEV), torch.full((rows,), -9.0, device=DEV)
         got, want = _kernel().weights(x, it, floor), inverse_cdf._torch_weights(x, it, floor)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        z, u = _kernel().lane_sum(e), torch.rand(rows, dtype=torch.float64, device=DEV)
+        drawn = _kernel().draw(e, u, z)
+        chain = (e.double().cumsum(dim=-1) <= (u * z).unsqueeze(1)).sum(dim=-1)
+        assert torch.equal(drawn, chain)  # no boundary rounding on these rows
+        assert int(drawn[0]) == _kernel().blocked_draw_reference(e[0].double().cpu().tolist(), float(u[0] * z[0]))

@@ -5,7 +5,8 @@ log-prob. On CUDA that runs the sampler's torch path (``pat_engine/sampling/inve
 thirty elementwise kernels over the (rows, vocab) logits, a float64 scan for the draw, and Z, the row sum
 in the eight-lane float64 order, whose lanes are chains of vocab/8 dependent adds that ATen's
 outer-dimension scan runs one load, add and store at a time. ``PAT_TRITON_SAMPLER=on`` computes the
-weights and Z with ``pat_kernels/triton_sampler.py`` instead (the same bits). At 1 and 64 rows (and 256 without --quick)
+weights, Z and the draw with ``pat_kernels/triton_sampler.py`` instead (the same weights and Z; the draw's
+running sum in blocks, whose token differs only where u·Z lands between two roundings of a boundary). At 1 and 64 rows (and 256 without --quick)
 of random bf16 logits over the Llama-3 vocabulary (128,256), this part times ``sample_on_device`` for a
 greedy batch, and a greedy and a temperature-1 batch with log-probs each way,
 and Z alone both ways; it checks that both give the same tokens, log-probs and Z. GPU ms between CUDA

@@ -1,5 +1,6 @@
-"""The sampler's arithmetic on a GPU, in Triton: each row's weights and its sum Z, with the bits of the
-torch twin in pat_engine/sampling/inverse_cdf.py (which has the rule; the CPU's C++ kernel computes it too).
+"""The sampler's arithmetic on a GPU, in Triton: each row's weights and its sum Z with the bits of the torch
+twin in pat_engine/sampling/inverse_cdf.py (which has the rule; the CPU's C++ kernel computes it too), and
+the draw with a running sum taken in blocks.
 
 For a row of logits x, an inverse temperature ``it`` and a floor:
 
@@ -17,7 +18,14 @@ For a row of logits x, an inverse temperature ``it`` and a floor:
   eight lanes and reads ``UNROLL`` groups of eight a step with loads no add waits on, then adds them in
   order: the chain waits for its adds, not for memory. Rows run side by side.
 
-Bits: the twin's operations in the twin's order (0.0 pads a row whose length is not a multiple of eight,
+- ``draw``: the token where the row's running float64 sum of e first passes u·Z. The CPU's rule is one
+  chain of V dependent adds (a GPU's torch twin scans in ATen's order, which follows the batch's row
+  count); here the sum is taken in 128 blocks (``blocked_draw_reference`` has the rule in plain floats):
+  each block's total by one lane of a 128-lane walk, the totals' running sum in order, then the crossing
+  block walked from its start. Fixed by the row alone (batch-invariant); the CPU chain's token except
+  where u·Z falls between two roundings of a boundary.
+
+Bits (weights, Z): the twin's operations in the twin's order (0.0 pads a row whose length is not a multiple of eight,
 as its ``F.pad`` does; adding 0.0 to a non-negative sum changes nothing). Tested under
 ``TRITON_INTERPRET=1`` (tests/test_triton_sampler.py). Used on CUDA when ``PAT_TRITON_SAMPLER=on``; not run
 on a GPU yet.
@@ -95,6 +103,51 @@ def _lane_sum_kernel(e_ptr, out_ptr, V, stride_row, UNROLL: tl.constexpr):
     tl.store(out_ptr + row, left + right)
 
 
+@triton.jit
+def _draw_kernel(e_ptr, u_ptr, z_ptr, out_ptr, V, W, stride_e, NB: tl.constexpr, UNROLL: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = e_ptr + row * stride_e
+    target = tl.load(u_ptr + row) * tl.load(z_ptr + row)
+    lanes = tl.arange(0, NB)
+    # each block's total: lane k walks its W tokens in order, from 0.0
+    totals = tl.zeros((NB,), dtype=tl.float64)
+    for w0 in range(0, W, UNROLL):
+        for j in tl.static_range(UNROLL):
+            within = lanes * 0 + w0 + j  # (NB,) each lane's place in its block
+            idx = lanes * W + within
+            totals += tl.load(base + idx, mask=(within < W) & (idx < V), other=0.0).to(tl.float64)
+    # the blocks' running sum, in order: the first block whose end passes the target
+    done = tl.sum(totals * 0.0, axis=0)  # 0.0 (float64 scalars)
+    start = done
+    block = -1
+    for k in range(0, NB):
+        after = done + tl.sum(tl.where(lanes == k, totals, 0.0), axis=0)  # block k's total, exactly
+        hit = (after > target) & (block < 0)
+        start = tl.where(hit, done, start)
+        block = tl.where(hit, k, block)
+        done = after
+    # inside it: start + the block's own running sum (its end is the block's end above, so it passes)
+    token = (block * 0 - 1).to(tl.int64)
+    if block >= 0:
+        first = block * W
+        walked = done * 0.0
+        for w0 in range(0, W, UNROLL):
+            for j in tl.static_range(UNROLL):
+                ok = (w0 + j < W) & (first + w0 + j < V)
+                walked += tl.load(base + first + w0 + j, mask=ok, other=0.0).to(tl.float64)
+                token = tl.where(ok & (start + walked > target) & (token < 0), (first + w0 + j).to(tl.int64), token)
+    else:  # rounding left the target at or past the whole sum: the last token with weight
+        cols = tl.arange(0, BLOCK)
+        last = tl.full((BLOCK,), 0, tl.int64)
+        for c in range(0, V, BLOCK):
+            ids = (c + cols).to(tl.int64)
+            e = tl.load(base + ids, mask=ids < V, other=0.0)
+            last = tl.maximum(last, tl.where(e > 0, ids, 0))
+        token = tl.max(last, axis=0)
+    tl.store(out_ptr + row, token)
+
+
 def _check_rows(t: torch.Tensor, what: str, dtypes: tuple[torch.dtype, ...]) -> None:
     if t.dim() != 2 or t.dtype not in dtypes or (t.shape[1] > 1 and t.stride(1) != 1):
         raise ValueError(f"{what} takes {', '.join(map(str, dtypes))} (rows, V) with unit stride along V, not "
@@ -123,3 +176,44 @@ def lane_sum(e: torch.Tensor) -> torch.Tensor:
     if rows:
         _lane_sum_kernel[(rows,)](e, out, vocab, e.stride(0), UNROLL=UNROLL, num_warps=1)
     return out
+
+
+DRAW_BLOCKS = 128  # the blocks a row's running sum is cut into (``draw``)
+
+
+def draw(e: torch.Tensor, u: torch.Tensor, z_sum: torch.Tensor) -> torch.Tensor:
+    """Each row's drawn token (int64 (rows,)): where the row's running float64 sum of ``e`` first passes
+    ``u * z_sum``, the running sum taken in blocks (see ``blocked_draw_reference``, its definition)."""
+    _check_rows(e, "draw", (torch.float32,))
+    rows, vocab = e.shape
+    out = torch.empty(rows, dtype=torch.int64, device=e.device)
+    if rows:
+        width = -(-vocab // DRAW_BLOCKS)
+        _draw_kernel[(rows,)](e, u.to(torch.float64).contiguous(), z_sum.to(torch.float64).contiguous(), out, vocab,
+                              width, e.stride(0), NB=DRAW_BLOCKS, UNROLL=16, BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+def blocked_draw_reference(e: list[float], target: float, blocks: int = DRAW_BLOCKS) -> int:
+    """``draw``'s rule for one row, in plain Python floats (IEEE float64, one rounding per add). The row is
+    cut into ``blocks`` runs of W = ceil(V / blocks) tokens; T_k = block k's weights added in order from 0.0;
+    P_0 = 0, P_{k+1} = P_k + T_k; the token lies in the first block k whose P_{k+1} passes the target, at the
+    first i there whose P_k + (block k's weights up to i, added in order from 0.0) passes it. Where no
+    block passes (rounding left the target at or past P_blocks), the last token with weight (0 if none).
+    Against the CPU's single chain (the twin's rule): the same token except where the target lands
+    between two roundings of a boundary."""
+    vocab = len(e)
+    width = -(-vocab // blocks)
+    done = 0.0
+    for k in range(blocks):
+        total = 0.0
+        for i in range(k * width, min((k + 1) * width, vocab)):
+            total += e[i]
+        if done + total > target:
+            walked = 0.0
+            for i in range(k * width, min((k + 1) * width, vocab)):
+                walked += e[i]
+                if done + walked > target:
+                    return i
+        done += total
+    return max((i for i, w in enumerate(e) if w > 0), default=0)

@@ -15,7 +15,9 @@ The C++ kernel (csrc/pat_kernels/cpu/sample.cpp) does this with one thread per r
 round the same in scalar and vector code, so on the CPU neither the batch nor the thread count
 changes a bit. On CUDA the running sum's ``cumsum`` is ATen's parallel scan, whose order follows the
 batch's row count: a draw whose target lands between two roundings of one boundary can differ
-(rare; docs/numerics.md, "Not covered"). The log of Z is left to the caller (Python's ``math.log``): a library log differs
+(rare; docs/numerics.md, "Not covered"). ``PAT_TRITON_SAMPLER=on`` runs the weights, Z and the draw
+as Triton kernels there (pat_kernels/triton_sampler.py): the same weights and Z, and a draw whose
+running sum is taken in blocks, an order fixed by the row alone. The log of Z is left to the caller (Python's ``math.log``): a library log differs
 between its vector and scalar paths.
 """
 
@@ -100,7 +102,11 @@ def _torch_inverse_cdf(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Ten
                        draw: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     e, m = _twin_weights(x, inv_temp, floor)
     z_sum = lane_sum(e)
-    if draw:
+    if draw and _triton_sampler_serves(e):  # the running sum in blocks (docs/numerics.md)
+        from pat_kernels.triton_sampler import draw as kernel
+
+        token = kernel(e, u, z_sum)
+    elif draw:
         running = e.double().cumsum(dim=-1)  # the kernel's sequential scan on the CPU (a parallel one on CUDA)
         token = (running <= (u * z_sum).unsqueeze(1)).sum(dim=-1)
         ids = torch.arange(e.shape[-1], device=e.device)
