@@ -118,9 +118,9 @@ def _draw_kernel(e_ptr, u_ptr, z_ptr, out_ptr, V, W, stride_e, NB: tl.constexpr,
             idx = lanes * W + within
             totals += tl.load(base + idx, mask=(within < W) & (idx < V), other=0.0).to(tl.float64)
     # the blocks' running sum, in order: the first block whose end passes the target
-    done = tl.sum(totals * 0.0, axis=0)  # 0.0 (float64 scalars)
+    done = tl.sum(totals * 0.0, axis=0)  # 0.0 (loop-carried values are tensors from the start: one type)
     start = done
-    block = -1
+    block = tl.sum(lanes * 0, axis=0) - 1  # -1, an int32 tensor
     for k in range(0, NB):
         after = done + tl.sum(tl.where(lanes == k, totals, 0.0), axis=0)  # block k's total, exactly
         hit = (after > target) & (block < 0)

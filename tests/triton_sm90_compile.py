@@ -1,0 +1,105 @@
+"""Compile every Triton kernel of ``pat_kernels`` for an H100 (sm_90) on a machine without a GPU, as its
+wrapper launches it: run by tests/test_triton_compile.py in a process of its own (Triton's interpreter off).
+
+Triton ships ``ptxas``, so compiling needs no device: a stand-in driver names the target, and each
+``JITFunction.run`` compiles (``warmup=True``) instead of launching. Each wrapper is called with small CPU
+tensors of the real dtypes, so the kernels are specialised as on the device (unit strides, 16-byte
+alignment), with the options the wrapper passes. Outputs are never written (nothing runs). Prints one
+JSON line: per compiled kernel its name, shared memory, and counts of PTX instructions the test checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # read when the kernels are decorated: before any import of them
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default today, said out loud
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "csrc")]
+
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)  # H100
+
+
+class CompileOnlyDriver:
+    """What ``JITFunction.run`` asks of a driver before it compiles."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return TARGET
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+def compile_everything() -> list[dict]:
+    from pat_kernels import (invariant_matmul, paged_decode_attention, skinny_matmul, triton_activation, triton_norm,
+                             triton_rotary, triton_sampler, varlen_prefill)
+
+    out: list[dict] = []
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        ptx = kernel.asm["ptx"]
+        out.append({"kernel": self.fn.__name__, "shared": kernel.metadata.shared,
+                    "cp_async_16": ptx.count("cp.async.cg.shared.global"), "fma_f32": ptx.count("fma.rn.f32"),
+                    "ld_global": ptx.count("ld.global")})
+        return kernel
+
+    JITFunction.run = compile_only
+    driver.set_active(CompileOnlyDriver())
+    bf16, f32 = torch.bfloat16, torch.float32
+
+    def randn(*shape, dtype=bf16):
+        return torch.randn(*shape).to(dtype)
+
+    # GEMMs: the skinny GEMM's paths (tl.dot at 16 and 64 rows, split-K and its reduce, the one-row FMA
+    # path, float32), the invariant GEMM alone and in chunks
+    sk = skinny_matmul
+    w = randn(4096, 4096)
+    sk.skinny_matmul(randn(1, 4096), w, config=sk.SkinnyConfig(split_k=1))
+    sk.skinny_matmul(randn(1, 4096), w, randn(4096), config=sk.SkinnyConfig(split_k=4))
+    sk.skinny_matmul(randn(64, 4096), w, config=sk.config_for(4096, 4096, 132, 64))
+    sk.skinny_matmul(randn(1, 4096), w, config=sk.SkinnyConfig(dot=False))
+    sk.skinny_matmul(randn(8, 4096, dtype=f32), w.float())
+    invariant_matmul.invariant_matmul(randn(4, 4096), w)
+    invariant_matmul.invariant_matmul(randn(4, 4096), w, chunks=8)
+    # attention: decode (one split, and split with its reduce), varlen prefill
+    kv = randn(2, 64, 16, 8, 128)  # (K/V, blocks, page, KV heads, head dim)
+    tables = torch.arange(64, dtype=torch.int32).view(4, 16)
+    lens = torch.full((4,), 200, dtype=torch.int32)
+    for splits in (1, 4):
+        paged_decode_attention.paged_decode_attention(randn(4, 32, 128), kv[0], kv[1], tables, lens, 0.088,
+                                                      num_splits=splits)
+    varlen_prefill.varlen_prefill_attention(randn(64, 32, 128), kv[0], kv[1], tables,
+                                            torch.tensor([0, 16, 32, 48, 64], dtype=torch.int32), lens, 0.088,
+                                            max_new_tokens=16)
+    # the layer kernels
+    x = randn(4, 4096)
+    triton_norm.add_rms_norm(x, randn(4, 4096), randn(4096), 1e-5)
+    triton_activation.silu_and_mul(randn(4, 2 * 14336))
+    cos = sin = randn(8192, 64)
+    triton_rotary.rotary_kv_write(randn(4, 48 * 128), 32, 8, torch.arange(4), cos, sin, kv,
+                                  torch.arange(4), randn(128), randn(128))
+    # the sampler: weights, Z, the draw
+    e, _ = triton_sampler.weights(randn(4, 128256), torch.ones(4), torch.full((4,), float("-inf")))
+    z = triton_sampler.lane_sum(e.float())
+    triton_sampler.draw(e.float(), torch.rand(4, dtype=torch.float64), z)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_everything()))
