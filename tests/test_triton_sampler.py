@@ -41,10 +41,11 @@ def _kernel():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_weights_and_max_have_the_torch_twins_bits(dtype):
     g = torch.Generator().manual_seed(4)
-    x = (torch.randn(5, 2500, generator=g) * 6).to(dtype)  # 2500: two full blocks and a masked one
+    x = (torch.randn(5, 9000, generator=g) * 6).to(dtype)  # 9000: two full chunks of 4096 and a masked one
     x[1, ::7] = float("-inf")  # suppressed tokens
     x[2] = float("-inf")  # a row with nothing left
-    x[3, 11] = float("nan")
+    x[3, 8500] = float("nan")  # in the last chunk
+    x[0, 8999] = 30.0  # row 0's max in the last chunk: every chunk's weights need the other chunks' max
     x = x.to(DEV)
     inv_temp = torch.tensor([1.0, 1 / 0.7, 1.0, 1.0, 1 / 1.3], dtype=torch.float32, device=DEV)
     floor = torch.tensor([float("-inf"), float("-inf"), -2.0, float("-inf"), float(torch.log(torch.tensor(0.05)))],
@@ -55,7 +56,7 @@ def test_weights_and_max_have_the_torch_twins_bits(dtype):
     assert torch.equal(e, want_e) and torch.equal(m[[0, 1, 2, 4]], want_m[[0, 1, 2, 4]])
     assert torch.isnan(m[3]).all() and torch.isnan(want_m[3]).all()
     assert (e[0] > 0).all() and (e[4] == 0).any() and (e[4] > 0).any()  # the floor drops some, not all
-    strided = torch.zeros(5, 2600, dtype=dtype, device=DEV)[:, :2500]
+    strided = torch.zeros(5, 9100, dtype=dtype, device=DEV)[:, :9000]
     strided.copy_(x)
     assert torch.equal(_kernel().weights(strided, inv_temp, floor)[0], want_e)
 

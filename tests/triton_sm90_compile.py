@@ -55,7 +55,8 @@ def compile_everything() -> list[dict]:
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         ptx = kernel.asm["ptx"]
         out.append({"kernel": self.fn.__name__, "shared": kernel.metadata.shared,
-                    "cp_async_16": ptx.count("cp.async.cg.shared.global"), "fma_f32": ptx.count("fma.rn.f32"),
+                    "cp_async_16": ptx.count("cp.async.cg.shared.global"),
+                    "cp_async_small": ptx.count("cp.async.ca.shared.global"), "fma_f32": ptx.count("fma.rn.f32"),
                     "ld_global": ptx.count("ld.global")})
         return kernel
 

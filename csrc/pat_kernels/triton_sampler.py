@@ -6,17 +6,19 @@ For a row of logits x, an inverse temperature ``it`` and a floor:
 
 - ``weights``: m = max float32(x); z = (float32(x) - m) * it; e = pexp(z) if z >= floor else 0, with
   pexp the fixed polynomial exp (Cephes' expf), every operation rounded on its own as torch's separate
-  kernels round them (FMA contraction off). One program per row: a pass for the max (exact in any
-  order), a pass that writes e. The torch twin runs some thirty elementwise kernels over (rows, vocab)
-  for the same values.
+  kernels round them (FMA contraction off). Two kernels over (row, chunk of 4,096) programs, so even one
+  row keeps many SMs busy: each chunk's max, then each chunk's weights from the row's max (a max is exact
+  in any order; NaN wins, as in torch's). The torch twin runs some thirty elementwise kernels over
+  (rows, vocab) for the same values.
 - ``lane_sum``: Z, lane j (0-7) adding e_j, e_{j+8}, e_{j+16}, ... in order, in float64, from 0.0, then
   ((0+1)+(2+3))+((4+5)+(6+7)). Sequential by definition (the CPU kernel's SIMD order, shared by every
   device so a log-prob has the same bits everywhere): each lane is a chain of vocab/8 dependent float64
   adds (16,032 for a 128,256-token vocabulary). The torch twin runs the chain in ATen's
   outer-dimension scan, one thread per lane that loads, adds and stores each element in turn (each add
   may wait for its own load: the store may alias the next load). Here one program per row holds the
-  eight lanes and reads ``UNROLL`` groups of eight a step with loads no add waits on, then adds them in
-  order: the chain waits for its adds, not for memory. Rows run side by side.
+  eight lanes and reads ``UNROLL`` groups of eight a step, the next step's copied in asynchronously
+  while this step's are added in order (a software pipeline: ``tl.range(..., num_stages=3)``), so the
+  chain waits for its adds, not for memory. Rows run side by side.
 
 - ``draw``: the token where the row's running float64 sum of e first passes u·Z. The CPU's rule is one
   chain of V dependent adds (a GPU's torch twin scans in ATen's order, which follows the batch's row
@@ -38,7 +40,8 @@ import triton
 import triton.language as tl
 
 UNROLL = 64  # groups of eight read per step of the lane walk: 64 loads in flight before the first add waits
-BLOCK = 1024  # logits per step of the weight passes
+CHUNK = 4096  # logits per program of the weight passes: a row is cut among many programs (batch 1 too)
+BLOCK = 1024  # logits per step of the draw's fallback scan
 
 
 @triton.jit
@@ -62,24 +65,34 @@ def _pexp(z):
 
 
 @triton.jit
-def _weights_kernel(x_ptr, it_ptr, floor_ptr, e_ptr, m_ptr, V, stride_x, stride_e, BLOCK: tl.constexpr):
+def _chunk_max_kernel(x_ptr, top_ptr, V, stride_x, CHUNK: tl.constexpr):
+    """Program (row, c): the max of chunk c of the row (NaN if it holds one, as torch's max)."""
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    xs = x_ptr + row * stride_x
-    top = tl.full((BLOCK,), float("-inf"), tl.float32)
-    nans = tl.zeros((BLOCK,), tl.int32)
-    for start in range(0, V, BLOCK):
-        x = tl.load(xs + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
-        top = tl.maximum(top, x)
-        nans += (x != x).to(tl.int32)
-    m = tl.where(tl.sum(nans, axis=0) > 0, float("nan"), tl.max(top, axis=0))  # torch's max: NaN wins
-    it = tl.load(it_ptr + row)
-    floor = tl.load(floor_ptr + row)
-    for start in range(0, V, BLOCK):
-        ok = start + cols < V
-        z = (tl.load(xs + start + cols, mask=ok, other=0.0).to(tl.float32) - m) * it
-        tl.store(e_ptr + row * stride_e + start + cols, tl.where(z >= floor, _pexp(z), 0.0), mask=ok)
-    tl.store(m_ptr + row, m)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    nans = tl.sum((x != x).to(tl.int32), axis=0)
+    tl.store(top_ptr + row * tl.num_programs(1) + chunk, tl.where(nans > 0, float("nan"), tl.max(x, axis=0)))
+
+
+@triton.jit
+def _weights_kernel(x_ptr, top_ptr, it_ptr, floor_ptr, e_ptr, m_ptr, V, stride_x, stride_e, CHUNKS,
+                    CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """Program (row, c): the row's max from its chunks' (exact in any order; NaN wins), then chunk c's
+    weights."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    parts = tl.arange(0, CHUNKS_PAD)
+    tops = tl.load(top_ptr + row * CHUNKS + parts, mask=parts < CHUNKS, other=float("-inf"))
+    nans = tl.sum((tops != tops).to(tl.int32), axis=0)
+    m = tl.where(nans > 0, float("nan"), tl.max(tops, axis=0))
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    ok = cols < V
+    z = (tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32) - m) * tl.load(it_ptr + row)
+    e = tl.where(z >= tl.load(floor_ptr + row), _pexp(z), 0.0)
+    tl.store(e_ptr + row * stride_e + cols, e, mask=ok)
+    if chunk == 0:
+        tl.store(m_ptr + row, m)
 
 
 @triton.jit
@@ -94,7 +107,7 @@ def _lane_sum_kernel(e_ptr, out_ptr, V, stride_row, UNROLL: tl.constexpr):
     lanes = tl.arange(0, 8)
     base = e_ptr + row * stride_row
     acc = tl.zeros((8,), dtype=tl.float64)
-    for start in range(0, V, 8 * UNROLL):
+    for start in tl.range(0, V, 8 * UNROLL, num_stages=3):  # the next step's loads in flight
         for u in tl.static_range(UNROLL):
             idx = start + u * 8 + lanes
             acc += tl.load(base + idx, mask=idx < V, other=0.0).to(tl.float64)
@@ -112,7 +125,7 @@ def _draw_kernel(e_ptr, u_ptr, z_ptr, out_ptr, V, W, stride_e, NB: tl.constexpr,
     lanes = tl.arange(0, NB)
     # each block's total: lane k walks its W tokens in order, from 0.0
     totals = tl.zeros((NB,), dtype=tl.float64)
-    for w0 in range(0, W, UNROLL):
+    for w0 in tl.range(0, W, UNROLL, num_stages=3):  # the next step's loads in flight
         for j in tl.static_range(UNROLL):
             within = lanes * 0 + w0 + j  # (NB,) each lane's place in its block
             idx = lanes * W + within
@@ -132,7 +145,7 @@ def _draw_kernel(e_ptr, u_ptr, z_ptr, out_ptr, V, W, stride_e, NB: tl.constexpr,
     if block >= 0:
         first = block * W
         walked = done * 0.0
-        for w0 in range(0, W, UNROLL):
+        for w0 in tl.range(0, W, UNROLL, num_stages=3):  # the next step's loads in flight
             for j in tl.static_range(UNROLL):
                 ok = (w0 + j < W) & (first + w0 + j < V)
                 walked += tl.load(base + first + w0 + j, mask=ok, other=0.0).to(tl.float64)
@@ -162,9 +175,13 @@ def weights(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor) -> tup
     e = torch.empty(rows, vocab, dtype=torch.float32, device=x.device)
     m = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows and vocab:
-        _weights_kernel[(rows,)](x, inv_temp.to(torch.float32).contiguous(), floor.to(torch.float32).contiguous(),
-                                 e, m, vocab, x.stride(0), e.stride(0), BLOCK=BLOCK, num_warps=4,
-                                 enable_fp_fusion=False)
+        chunks = triton.cdiv(vocab, CHUNK)
+        tops = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
+        _chunk_max_kernel[(rows, chunks)](x, tops, vocab, x.stride(0), CHUNK=CHUNK, num_warps=8)
+        _weights_kernel[(rows, chunks)](x, tops, inv_temp.to(torch.float32).contiguous(),
+                                        floor.to(torch.float32).contiguous(), e, m, vocab, x.stride(0), e.stride(0),
+                                        chunks, CHUNK=CHUNK, CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)),
+                                        num_warps=8, enable_fp_fusion=False)
     return e, m.unsqueeze(1)
 
 
