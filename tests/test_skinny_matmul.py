@@ -25,7 +25,7 @@ def _kernel():
 
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("split", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_values_are_torchs_and_a_row_has_the_same_bits_whatever_the_rows_around_it(dtype, split):
     """Within a row tile (1-16 rows, 17-32, 33-64); the interpreter's dot makes the tiles agree too, a
     device need not."""

@@ -21,6 +21,8 @@ from triton_markers import DEV, gpu, needs_triton
 
 from pat_engine.sampling import inverse_cdf
 
+SLOW = pytest.mark.slow  # the interpreter walks a row's blocks in Python: the fast tier keeps one case of each
+
 
 def _weights(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
     """Non-negative float32 weights over ~60 binades, as a softmax's tail puts them."""
@@ -86,7 +88,8 @@ def test_rows_of_a_wider_tensor_and_bad_input():
 
 
 @needs_triton
-@pytest.mark.parametrize("vocab", [1, 5, 127, 700, 2051])
+@pytest.mark.parametrize("vocab", [pytest.param(1, marks=SLOW), pytest.param(5, marks=SLOW),
+                                   pytest.param(127, marks=SLOW), 700, pytest.param(2051, marks=SLOW)])
 def test_the_draw_follows_its_blocked_rule(vocab):
     """The kernel's token is ``blocked_draw_reference``'s (plain Python floats) and, on these rows, the CPU's
     single chain's (the twin's rule); a target past the whole sum takes the last token with weight."""
@@ -120,7 +123,7 @@ def test_the_draw_sums_in_blocks_not_in_one_chain():
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=SLOW)])
 def test_the_sampler_draws_the_same_tokens_and_log_probs_with_it(dtype, monkeypatch):
     from pat_engine.sampling.sampler import SamplingBatch, sample_on_device
     from pat_engine.sampling.spec import SamplingSpec
