@@ -236,7 +236,7 @@ def test_the_registry_and_quicks_selection():
     # the headlines and two test selections; not graphs, weightsync, invariant
     assert quick == ["attention", "gemm", "sampler", "kernels", "prefill", "decode", "profile", "switch", "tests"]
     planned = sum(registry.part(n).quick_s for n in quick) + registry.CHECKPOINT_S
-    assert planned <= 430 < gc.QUICK_BUDGET_S - 100  # ~7 min planned, inside the budget the device tool allows
+    assert planned <= 450 < gc.QUICK_BUDGET_S - 80  # ~7.5 min planned, inside the budget the device tool allows
     assert [p.name for p in gc.selected(gc.parse_args(["--only", "tests", "attention"]))] == ["attention", "tests"]
     assert len(gc.selected(gc.parse_args([]))) == len(registry.PARTS)
     with pytest.raises(KeyError):
