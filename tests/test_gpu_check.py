@@ -201,7 +201,7 @@ def test_report_keeps_the_registry_order_headlines_and_earlier_runs():
     assert text.index("## 1. Decode attention") < text.index("## 2. TP1 decode") < text.index("## 3. gpu-marked")
     assert "SMOKE RUN" in text and "- environment: torch x" in text and "- command: `now`" in text
     assert "_From `earlier` at d0 on box._" in text and text.count("_From") == 1
-    assert "| 3. gpu-marked tests | failed | 2 | ~150 | this command |" in text  # its --quick selections
+    assert "| 3. gpu-marked tests | failed | 2 | ~170 | this command |" in text  # its --quick selections
     assert "- decode: **batch 1: 9 ms: NOT met**" in text and "- tests: FAILED: x" in text
     assert "SMOKE" not in report.render_report(sections, "now", "box", "d1", smoke=False)
 
