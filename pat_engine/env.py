@@ -56,9 +56,10 @@ SKINNY_GEMM = EnvSwitch("PAT_SKINNY_GEMM", "off",
                         "off (the default until a GPU run shows it ahead, bench/gpucheck/skinny_gemm.py): cuBLAS")
 
 TRITON_SAMPLER = EnvSwitch("PAT_TRITON_SAMPLER", "off",
-                           "on: on CUDA the sampler's weights, row sums Z and draws (sampling/inverse_cdf.py) by Triton "
-                           "kernels (pat_kernels/triton_sampler.py) instead of the torch twin's forty-odd kernels: the "
-                           "same weights and Z, the draw's running sum in blocks (batch-invariant; docs/numerics.md); "
+                           "on: on CUDA the sampler's weights, row sums Z and draws (sampling/inverse_cdf.py) by "
+                           "Triton kernels (pat_kernels/triton_sampler.py) instead of the torch twin's forty-odd "
+                           "kernels: the same weights and Z, the draw's running sum in blocks (batch-invariant; "
+                           "docs/numerics.md); "
                            "CPU tensors too under TRITON_INTERPRET=1 (tests); off (the default until a GPU run times "
                            "it, bench/gpucheck/sampler.py): the torch twin")
 

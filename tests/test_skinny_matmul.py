@@ -88,6 +88,9 @@ def test_the_rule_gives_every_sm_two_programs_where_k_allows():
     assert sk.config_for(28672, 4096, sms).split_k == 1  # gate/up: 896 row tiles
     assert sk.config_for(1024, 512, sms).split_k == 1  # two K steps: nothing to split
     assert sk.config_for(4096, 4096, sms, 64).block_k == 128  # a 64-row input tile: smaller K steps
+    from pat_engine import env
+
+    assert env.SKINNY_MOST_ROWS == sk.MAX_ROWS  # the switch's limit is the kernel's
     assert [sk.row_tile(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
     for bad in (dict(block_n=24), dict(block_k=8), dict(split_k=0)):
         with pytest.raises(ValueError):

@@ -1,17 +1,17 @@
 """Part ``sampler``: what the RL draw costs on the device, and the Triton sampler kernels beside torch's (issue 30).
 
 Every earlier GPU figure was greedy, but an RL rollout draws at temperature 1 and asks for each token's
-log-prob. On CUDA that runs the sampler's torch path (``pat_engine/sampling/inverse_cdf.py``): some
-thirty elementwise kernels over the (rows, vocab) logits, a float64 scan for the draw, and Z, the row sum
-in the eight-lane float64 order, whose lanes are chains of vocab/8 dependent adds that ATen's
-outer-dimension scan runs one load, add and store at a time. ``PAT_TRITON_SAMPLER=on`` computes the
-weights, Z and the draw with ``pat_kernels/triton_sampler.py`` instead (the same weights and Z; the draw's
-running sum in blocks, whose token differs only where u·Z lands between two roundings of a boundary). At 1 and 64 rows (and 256 without --quick)
-of random bf16 logits over the Llama-3 vocabulary (128,256), this part times ``sample_on_device`` for a
-greedy batch, and a greedy and a temperature-1 batch with log-probs each way,
-and Z alone both ways; it checks that both give the same tokens, log-probs and Z. GPU ms between CUDA
-events with the stream held busy ahead of each call (the host's launches still show where they outrun
-the kernels), calls interleaved, median.
+log-prob. On CUDA that runs the sampler's torch path (``pat_engine/sampling/inverse_cdf.py``): some thirty
+elementwise kernels over the (rows, vocab) logits, a float64 scan for the draw, and Z, the row sum in the
+eight-lane float64 order, whose lanes are chains of vocab/8 dependent adds that ATen's outer-dimension scan
+runs one load, add and store at a time. ``PAT_TRITON_SAMPLER=on`` computes the weights, Z and the draw with
+``pat_kernels/triton_sampler.py`` instead (the same weights and Z; the draw's running sum in blocks, whose
+token differs only where u·Z lands between two roundings of a boundary). At 1 and 64 rows (and 256 without
+--quick) of random bf16 logits over the Llama-3 vocabulary (128,256), this part times ``sample_on_device``
+for a greedy batch, and a greedy and a temperature-1 batch with log-probs each way, and Z alone both ways;
+it checks that both give the same tokens, log-probs and Z. GPU ms between CUDA events with the stream held
+busy ahead of each call (the host's launches still show where they outrun the kernels), calls interleaved,
+median.
 """
 
 from __future__ import annotations
@@ -92,9 +92,10 @@ def run(ctx: Ctx) -> PartResult:
     headlines = []
     for c in cases:
         ms = c["ms"]
+        torch_ms, triton_ms = ms["temperature 1 + log-probs, torch"], ms["temperature 1 + log-probs, Triton"]
         headlines.append(
-            f"RL draw at {c['rows']} x {c['vocab']} (temperature 1, log-probs): {ms['temperature 1 + log-probs, torch']:.3f} "
-            f"ms through the torch twin, {ms['temperature 1 + log-probs, Triton']:.3f} ms through the Triton kernels (Z alone "
+            f"RL draw at {c['rows']} x {c['vocab']} (temperature 1, log-probs): {torch_ms:.3f} ms through the "
+            f"torch twin, {triton_ms:.3f} ms through the Triton kernels (Z alone "
             f"{ms['Z alone, torch']:.3f} vs {ms['Z alone, Triton']:.3f}); greedy {ms['greedy']:.3f} ms; "
             f"same bits: {verdict(c['same'])}")
     if ctx.smoke:

@@ -3,15 +3,14 @@
 At batch 1 the third H100 run's step spent 5.55 of its 6.20 GPU ms in GEMMs, and cuBLAS streamed some
 weights far below the copy bandwidth (the o projection at 1.6 TB/s; split-K reduces on QKV and down).
 ``pat_kernels/skinny_matmul.py`` cuts each weight into many row tiles and K splits instead. This part
-times, at each projection of the two model shapes (Llama-3-8B; Llama-3.2-1B without --quick) and at 1,
-8 and 64 rows (and 16 and 32 without --quick): ``F.linear`` (cuBLAS), the kernel with its rule's config (``config_for``: what
-``PAT_SKINNY_GEMM`` runs) and a sweep of configs (tile rows, K step, splits; at one row also the
-multiply-add path without tl.dot), as weight GB/s. The
-headline adds the layers' GEMMs and the LM head up into a batch-1 step's GEMM milliseconds for each,
-which says what switching it on (and up to how many rows) would save per token before any engine runs
-it. The rule and the
-default stay as they are until this part has run on a device: setting them is the next GPU session's
-job. GPU time from CUDA events with the stream held busy ahead of each call, calls interleaved, median.
+times, at each projection of the two model shapes (Llama-3-8B; Llama-3.2-1B without --quick) and at 1, 8
+and 64 rows (and 16 and 32 without --quick): ``F.linear`` (cuBLAS), the kernel with its rule's config
+(``config_for``: what ``PAT_SKINNY_GEMM`` runs) and a sweep of configs (tile rows, K step, splits; at one
+row also the multiply-add path without tl.dot), as weight GB/s. The headline adds the layers' GEMMs and
+the LM head up into a batch-1 step's GEMM milliseconds for each, which says what switching it on (and up
+to how many rows) would save per token before any engine runs it. The rule and the default stay as they
+are until this part has run on a device: setting them is the next GPU session's job. GPU time from CUDA
+events with the stream held busy ahead of each call, calls interleaved, median.
 """
 
 from __future__ import annotations

@@ -13,12 +13,13 @@ Layout:
   bias   (N,) or None
   out    (M, N), x's dtype, contiguous
 
-Program (n, s) of the grid (cdiv(N, block_n), split_k) multiplies all M rows (padded to ``row_tile(M)``:
-16, the smallest ``tl.dot``, 32 or 64) with ``block_n`` weight rows over its K range, low to high in ``block_k`` steps,
-into one float32 accumulator (a config with ``dot=False``, for one row only: float32 multiply-adds on
-the CUDA cores, each step's products summed along the weight's rows; the sweep times both). One split: it adds the bias and rounds to the output dtype. Several:
-it stores float32 partials (split_k, M, N), and a second kernel sums them in split order, adds the
-bias and rounds once (cuBLAS's split-K does the same with its ``splitKreduce``).
+Program (n, s) of the grid (cdiv(N, block_n), split_k) multiplies all M rows (padded to ``row_tile(M)``: 16,
+the smallest ``tl.dot``, 32 or 64) with ``block_n`` weight rows over its K range, low to high in ``block_k``
+steps, into one float32 accumulator (a config with ``dot=False``, for one row only: float32 multiply-adds on
+the CUDA cores, each step's products summed along the weight's rows; the sweep times both). One split: it
+adds the bias and rounds to the output dtype. Several: it stores float32 partials (split_k, M, N), and a
+second kernel sums them in split order, adds the bias and rounds once (cuBLAS's split-K does the same with
+its ``splitKreduce``).
 
 Numerics: float32 accumulation; float32 inputs multiply in IEEE float32 (no TF32). An output element
 depends on its row of x, its column of the weight, the config and the row tile, never on the other

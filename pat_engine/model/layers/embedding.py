@@ -45,5 +45,6 @@ class ParallelLMHead(nn.Module):
             self.weight = sharded_parameter(vocab_parallel(vocab_size, hidden_size), tp, dtype, device)
 
     def forward(self, hidden: torch.Tensor, tp: TPGroup) -> torch.Tensor | None:
-        logits = tp.gather_to_leader(linear(hidden, self.weight, invariant=self.invariant, skinny_rows=self.skinny_rows), dim=-1)
+        local = linear(hidden, self.weight, invariant=self.invariant, skinny_rows=self.skinny_rows)
+        logits = tp.gather_to_leader(local, dim=-1)
         return None if logits is None else logits[:, : self.vocab_size]
