@@ -42,6 +42,13 @@ def test_every_kernel_compiles_for_sm90(compiled):
 
 @pytest.mark.slow
 @needs_triton
+def test_no_kernel_spills_registers(compiled):
+    for r in compiled:
+        assert r["regs"] > 0 and r["local"] == 0, r
+
+
+@pytest.mark.slow
+@needs_triton
 def test_kernels_that_round_each_operation_carry_no_fma(compiled):
     for r in compiled:
         if r["kernel"] in ROUND_EACH_OP:

@@ -5,14 +5,18 @@ Triton ships ``ptxas``, so compiling needs no device: a stand-in driver names th
 ``JITFunction.run`` compiles (``warmup=True``) instead of launching. Each wrapper is called with small CPU
 tensors of the real dtypes, so the kernels are specialised as on the device (unit strides, 16-byte
 alignment), with the options the wrapper passes. Outputs are never written (nothing runs). Prints one
-JSON line: per compiled kernel its name, shared memory, and counts of PTX instructions the test checks.
+JSON line: per compiled kernel its name, shared memory, registers and local memory (spills) per thread
+(``cuobjdump``, also shipped with Triton), and counts of PTX instructions the test checks.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # read when the kernels are decorated: before any import of them
@@ -21,11 +25,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "csrc")]
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"  # ships with Triton
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """Registers and local memory (spills) per thread of a compiled kernel, as ``cuobjdump`` reports them."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name], capture_output=True,
+                              text=True).stdout
+    found = dict(re.findall(r"\b(REG|LOCAL):(\d+)", text))
+    return {"regs": int(found.get("REG", -1)), "local": int(found.get("LOCAL", -1))}
 
 
 class CompileOnlyDriver:
@@ -57,7 +74,7 @@ def compile_everything() -> list[dict]:
         out.append({"kernel": self.fn.__name__, "shared": kernel.metadata.shared,
                     "cp_async_16": ptx.count("cp.async.cg.shared.global"),
                     "cp_async_small": ptx.count("cp.async.ca.shared.global"), "fma_f32": ptx.count("fma.rn.f32"),
-                    "ld_global": ptx.count("ld.global")})
+                    "ld_global": ptx.count("ld.global"), **resource_usage(kernel.asm["cubin"])})
         return kernel
 
     JITFunction.run = compile_only
