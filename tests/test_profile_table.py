@@ -126,6 +126,9 @@ def test_tiny_profile_run_and_resume(model_dir, tmp_path):
     out.write_text(json.dumps(data))
     with pytest.raises(FileExistsError, match="--resume"):
         run_profile(opts)
+    assert table.meta["draw"] == "greedy"
+    with pytest.raises(ValueError, match="--draw greedy"):  # one kind of step per table
+        run_profile(dataclasses.replace(opts, resume=True, draw="rl"))
     resumed = run_profile(dataclasses.replace(opts, resume=True))
     assert len(resumed.points) == 8 and resumed.meta["resumed"] == 1
     old = {tuple(p[k] for k in ("tp", "batch_size", "context_len")): p["decode_step_s"] for p in kept}

@@ -31,8 +31,8 @@ def test_the_emulated_path_replays_standin_graphs_and_keeps_medians(model_dir, t
     model = model_dir("llama")
     real = ShardRunner.point
 
-    def scripted(self, prompts, window):  # the real point, its decode times replaced by a known window
-        prefill_s, decode_s, totals = real(self, prompts, window)
+    def scripted(self, prompts, window, draw="greedy"):  # the real point, its decode times replaced by a known window
+        prefill_s, decode_s, totals = real(self, prompts, window, draw)
         return prefill_s, SCRIPTED[: len(decode_s)] if len(decode_s) == WINDOW else decode_s, totals
 
     monkeypatch.setattr(ShardRunner, "point", scripted)
@@ -96,6 +96,34 @@ class _FakeEngine:
         self._log.append(step(is_prefill=True, group=0, seconds=0.3, context_tokens=16))
         self._log += [step(is_prefill=False, group=0, seconds=s, context_tokens=17 + i)
                       for i, s in enumerate(self._decode_s)]
+
+
+def test_the_draw_option_reaches_both_paths(model_dir):
+    """``--draw rl``: the real path's requests sample at temperature 1 with log-probs, the emulated path's
+    steps likewise (its table says so); greedy stays the default."""
+    import random
+
+    assert cli.parse_args(["--model", "m", "--world", "2"]).draw == "greedy"
+    assert cli.parse_args(["--model", "m", "--world", "2", "--draw", "rl"]).draw == "rl"
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--model", "m", "--world", "2", "--draw", "nucleus"])
+    engine = _FakeEngine([0.9] + SCRIPTED)
+    seen = []
+    engine.generate = lambda prompts, params, use_tqdm=False: seen.append(params) or _FakeEngine.generate(
+        engine, prompts, params)
+    measure_point(engine, GridPoint(1, 1, 16), WINDOW, random.Random(0), "rl")
+    assert seen[0].temperature == 1.0 and seen[0].logprobs
+    model = model_dir("llama")
+    arch = load_model_arch(model)
+    grid = build_grid([1], [1], [8], 2, 4096, arch.max_position, max_num_seqs=1)
+    specs = []
+    from pat_profiler import emulate
+
+    real = emulate.SamplingSpec
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(emulate, "SamplingSpec", lambda **kw: specs.append(kw) or real(**kw))
+        table = emulate_profile(model, 1, [1], "float32", "cpu", grid, 2, CollectiveModel(150e9, 8e-6), draw="rl")
+    assert table.meta["draw"] == "rl" and specs and all(s["temperature"] == 1.0 and s["logprobs"] for s in specs)
 
 
 def test_a_real_profile_point_keeps_the_median_driver_step():

@@ -20,6 +20,7 @@ import time
 from tqdm.auto import tqdm
 
 from pat_engine.config import GRAPH_BACKENDS
+from pat_profiler.draws import DRAWS
 from pat_profiler.grid import DEFAULT_BATCHES, DEFAULT_CONTEXTS, build_grid
 
 
@@ -51,6 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="decode graphs as the engine takes them: auto (CUDA graphs on a GPU, none on the CPU) or "
                         "standin (the CPU's eager replays over the graphs' buffers)")
     p.add_argument("--enforce-eager", action="store_true", help="time decode steps without graphs")
+    p.add_argument("--draw", default="greedy", choices=sorted(DRAWS),
+                   help="how each decode step samples: greedy (the argmax), or rl (temperature 1 with each token's "
+                        "log-prob, as an RL rollout draws; the draw is TP rank 0's alone and does not shrink with "
+                        "TP, so profile an RL deployment with it)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="time decode steps as an engine with async_scheduling runs them (each sent before the "
                         "one in flight is answered); real runs only")
@@ -80,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device, batches=tuple(args.batch_sizes), contexts=tuple(args.context_lens),
             budget_tokens=args.kv_budget_tokens, window=args.decode_window, output=args.output, resume=args.resume,
             seed=args.seed, threads_per_worker=args.threads_per_worker, block_size=args.block_size,
-            passes=args.passes, engine_kwargs=decode_kwargs(args))
+            passes=args.passes, engine_kwargs=decode_kwargs(args), draw=args.draw)
         table = run_profile(opts, command)
     print(summary(table, time.perf_counter() - started, args.output))
     return 0
@@ -111,7 +116,7 @@ def _emulate(args: argparse.Namespace, command: str):
     bar = tqdm(total=len(grid), desc="pat-profile (emulated)", unit="pt", dynamic_ncols=True)
     table = emulate_profile(args.model, world, tps, args.dtype, args.device, grid, args.decode_window,
                             CollectiveModel(args.link_bandwidth, args.link_latency), args.block_size, args.seed,
-                            progress=lambda p: bar.update(1), **decode_kwargs(args))
+                            progress=lambda p: bar.update(1), draw=args.draw, **decode_kwargs(args))
     bar.close()
     table.meta["command"] = command
     table.save(args.output)

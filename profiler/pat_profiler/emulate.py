@@ -58,6 +58,7 @@ from pat_engine.predictor.deployment import make_deployment, model_shape, reshar
 from pat_engine.predictor.table import ProfilePoint, ProfileTable, SwitchCost
 from pat_engine.protocol import SeqStep, StepCommand
 from pat_engine.sampling.spec import SamplingSpec
+from pat_profiler.draws import DRAWS
 from pat_engine.worker.graph_capture import GraphSettings
 from pat_engine.worker.infer_executor import InferExecutor
 from pat_profiler.grid import GridPoint
@@ -137,10 +138,13 @@ class ShardRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def point(self, prompts: list[list[int]], window: int) -> tuple[float, list[float], list[int]]:
-        """Prefill seconds, decode step seconds, and total context per decode step."""
+    def point(self, prompts: list[list[int]], window: int, draw: str = "greedy"
+              ) -> tuple[float, list[float], list[int]]:
+        """Prefill seconds, decode step seconds, and total context per decode step (each step drawing as
+        ``draw`` says: pat_profiler/draws.py)."""
         bs = self.block_size
-        spec = SamplingSpec(temperature=0.0, top_k=-1, top_p=1.0, seed=0, logprobs=False)
+        how = DRAWS[draw]
+        spec = SamplingSpec(temperature=how.temperature, top_k=-1, top_p=1.0, seed=0, logprobs=how.logprobs)
         steps, next_block = [], 0
         for i, p in enumerate(prompts):
             need = -(-(len(p) + window + 1) // bs)
@@ -169,9 +173,10 @@ def decode_step_seconds(window_s: list[float], collectives_s: float) -> tuple[fl
 
 def emulate_profile(model: str, world: int, tps: list[int] | None, dtype: str, device: str, grid: list[GridPoint],
                     window: int, collectives: CollectiveModel, block_size: int = 16, seed: int = 0,
-                    progress=None, graph_backend: str = "auto", enforce_eager: bool = False) -> ProfileTable:
+                    progress=None, graph_backend: str = "auto", enforce_eager: bool = False,
+                    draw: str = "greedy") -> ProfileTable:
     """The emulated table; ``graph_backend`` and ``enforce_eager`` as ``EngineConfig`` takes them (the
-    defaults: what the engine runs on ``device``)."""
+    defaults: what the engine runs on ``device``); ``draw``: how each decode step samples (draws.py)."""
     started = time.perf_counter()
     arch = load_model_arch(model)
     cfg = EngineConfig(model=model, tp=1, dp=world, dtype=dtype, device=device, block_size=block_size,
@@ -184,6 +189,7 @@ def emulate_profile(model: str, world: int, tps: list[int] | None, dtype: str, d
                                  emulated=True, collective_model={"kind": "ring", **asdict(collectives)})
     table = ProfileTable(deployment, model_shape(arch, torch_dtype), bandwidth_bytes_per_s=collectives.link_bandwidth,
                          meta={"created": datetime.datetime.now().isoformat(timespec="seconds"), "window": window,
+                               "draw": draw,
                                "emulated": "one device; collectives from the stated ring model"})
     rng = random.Random(seed)
     graphs: dict[str, dict] = {}  # per TP: the shard's graph stats after its points
@@ -194,10 +200,10 @@ def emulate_profile(model: str, world: int, tps: list[int] | None, dtype: str, d
         blocks = max(p.batch * -(-(p.context + window + 1) // block_size) for p in pts)
         runner = ShardRunner(model, arch, tp, cfg, dev, blocks)
         runner.capture_graphs(max(p.batch for p in pts))
-        runner.point([[5] * 8], 4)  # warm-up
+        runner.point([[5] * 8], 4, draw)  # warm-up
         for p in pts:
             prompts = [[rng.randrange(16, arch.vocab_size - 1) for _ in range(p.context)] for _ in range(p.batch)]
-            prefill_s, decode_s, totals = runner.point(prompts, window)
+            prefill_s, decode_s, totals = runner.point(prompts, window, draw)
             comm_decode = collectives.forward_s(arch, tp, p.batch, p.batch, elt)
             comm_prefill = collectives.forward_s(arch, tp, p.batch * p.context, p.batch, elt)
             step_s, std_s = decode_step_seconds(decode_s, comm_decode)

@@ -30,6 +30,7 @@ from pat_engine.model.arch import load_model_arch
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.deployment import engine_deployment, model_shape, reshard_bytes
 from pat_engine.predictor.table import ProfilePoint, ProfileTable, SwitchCost, check_deployment
+from pat_profiler.draws import DRAWS
 from pat_profiler.grid import GridPoint, build_grid
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class ProfileOptions:
     switch_repeats: int = 3
     bandwidth_bytes: int = 16 << 20
     engine_kwargs: dict = field(default_factory=dict)
+    draw: str = "greedy"  # how decode steps draw (pat_profiler/draws.py): "greedy" or "rl"
 
 
 def kv_bytes_for(opts: ProfileOptions, tps: list[int], max_batch: int) -> int:
@@ -72,13 +74,16 @@ def _random_prompts(rng: random.Random, n: int, length: int, vocab: int) -> list
     return [[rng.randrange(lo, vocab - 1) for _ in range(length)] for _ in range(n)]
 
 
-def measure_point(engine: Engine, pt: GridPoint, window: int, rng: random.Random) -> ProfilePoint:
+def measure_point(engine: Engine, pt: GridPoint, window: int, rng: random.Random, draw: str = "greedy"
+                  ) -> ProfilePoint:
     if engine.layout.tp != pt.tp:
         engine.reconfigure(pt.tp)
     dp = engine.layout.dp
     prompts = _random_prompts(rng, pt.batch * dp, pt.context, engine.arch.vocab_size)
     # 1 token from the prefill, 1 warm-up decode step (it overlaps other groups' prefills), then the window
-    params = SamplingParams(max_new_tokens=window + 2, ignore_eos=True)
+    how = DRAWS[draw]
+    params = SamplingParams(max_new_tokens=window + 2, ignore_eos=True, temperature=how.temperature,
+                            logprobs=how.logprobs)
     with engine.record_steps() as steps:
         engine.generate(prompts, params, use_tqdm=False)
     prefill: dict[int, float] = {}
@@ -163,7 +168,7 @@ def run_profile(opts: ProfileOptions, command: str = "") -> ProfileTable:
                     engine.reconfigure(pt.tp)
                 _warm_up(engine, rng)
                 warmed.add(pt.tp)
-            table.add_point(measure_point(engine, pt, opts.window, rng))
+            table.add_point(measure_point(engine, pt, opts.window, rng, opts.draw))
             _stamp(table, started, command)
             table.save(opts.output)
         bar.close()
@@ -188,12 +193,16 @@ def _open_table(opts: ProfileOptions, deployment, engine: Engine) -> ProfileTabl
         table = ProfileTable.load(path)
         check_deployment(table if table.points else _with_tp(table, engine.base_layout.tp), deployment,
                          engine.base_layout.tp, where=str(path))
+        drawn = table.meta.get("draw", "greedy")  # tables from before the option were greedy
+        if drawn != opts.draw:
+            raise ValueError(f"{path} was profiled with --draw {drawn}; resuming it with --draw {opts.draw} would "
+                             "mix two kinds of step in one table")
         table.meta["resumed"] = table.meta.get("resumed", 0) + 1
         table.meta["profile_seconds_before"] = table.meta.get("profile_seconds", 0.0)
         return table
     return ProfileTable(deployment, model_shape(engine.arch, engine.config.torch_dtype()),
                         meta={"created": datetime.datetime.now().isoformat(timespec="seconds"), "profile_seconds": 0.0,
-                              "async_scheduling": engine.config.async_scheduling,
+                              "async_scheduling": engine.config.async_scheduling, "draw": opts.draw,
                               "profile_seconds_before": 0.0, "window": opts.window,
                               "budget_tokens": opts.budget_tokens})
 
