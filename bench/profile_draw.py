@@ -28,7 +28,7 @@ from peer_rollout import SHAPES, model_path
 from pat_profiler.profile import ProfileOptions, run_profile
 
 SHAPE = "qwen-vocab"
-GRID = dict(batches=(1, 4, 16), contexts=(64, 256), window=8, budget_tokens=8192)
+GRID = dict(batches=(1, 4, 16), contexts=(64, 256), window=16, budget_tokens=8192)
 
 
 def profile(path: str, draw: str, out: Path) -> LatencyPredictor:
@@ -66,10 +66,14 @@ def main() -> None:
     args = ap.parse_args()
     path = model_path(SHAPE)
     rows, bias = [], {"greedy": [], "rl": []}
+    points: dict[tuple[int, int], dict[str, list[float]]] = {}  # (batch, context) -> draw -> decode step s
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             draws = ("greedy", "rl") if r % 2 == 0 else ("rl", "greedy")
             preds = {d: profile(path, d, Path(tmp) / f"{d}_{r}.json") for d in draws}
+            for d, pred in preds.items():
+                for p in pred.table.points:
+                    points.setdefault((p.batch_size, p.context_len), {}).setdefault(d, []).append(p.decode_step_s)
             steps = rl_steps(path, seed=r)
             mean_step = statistics.fmean(s for _, _, s in steps) * 1e3
             for d in ("greedy", "rl"):
@@ -78,12 +82,17 @@ def main() -> None:
                 rows.append([r + 1, d, len(steps), mean_step, f"{signed:+.1%}", f"{mape:.1%}"])
     table = markdown_table(["round", "table's draw", "RL decode steps", "mean measured step ms",
                             "mean signed error", "MAPE"], rows)
+    side = markdown_table(["batch", "context", "greedy step ms (median of rounds)", "rl step ms", "rl / greedy"],
+                          [[b, c, statistics.median(v["greedy"]) * 1e3, statistics.median(v["rl"]) * 1e3,
+                            statistics.median(v["rl"]) / statistics.median(v["greedy"])]
+                           for (b, c), v in sorted(points.items())])
     spec = SHAPES[SHAPE]
     body = (f"Model: {SHAPE} (vocab {spec.vocab_size}, hidden {spec.hidden_size}, {spec.num_layers} layers), "
             f"float32, TP1, one worker. Grid: batches {GRID['batches']}, contexts {GRID['contexts']}, "
             f"{GRID['window']} decode steps a point. Workload: 16 prompts of 32-192 tokens, temperature 1 with "
             f"log-probs, 8-96 new tokens each; every decode step but the first, each table's fit at the step's "
             f"batch and total context against the measured step.\n\n{table}\n\n"
+            f"The two tables' points side by side (what the draw adds to a step on this machine):\n\n{side}\n\n"
             f"Median signed error over the rounds: greedy table {statistics.median(bias['greedy']):+.1%}, "
             f"rl table {statistics.median(bias['rl']):+.1%}.")
     write_result("profile_draw", "pat-profile --draw: greedy and RL tables against an RL workload", body)
