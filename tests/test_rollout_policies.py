@@ -61,6 +61,27 @@ def test_round_ends_when_p0th_prompt_completes_not_before():
         twice.on_finished(0, 0)
 
 
+def test_what_a_finish_makes_sure_to_be_returned():
+    """``returned_with``: the responses a round (or, deferred, a later one) will surely return, answered once
+    each, so the reward stage never scores one that no round returns; replayed against what the rounds
+    return for every order of these finishes."""
+    import itertools
+
+    tb = TailBatcher(0.5)
+    plan = tb.plan(2, 2, fresh())  # 3 prompts x 3 responses; R0 = 2, P0 = 2
+    finishes = [(0, 2), (0, 0), (0, 1), (1, 1), (1, 2), (2, 0)]
+    for order in itertools.permutations(finishes):
+        tr, answered = RoundTracker(plan), []
+        for p, r in order:
+            if tr.done:
+                break
+            tr.on_finished(p, r)
+            answered += [(p, x) for x in tr.returned_with(p, r)]
+        returned = {(p, r) for p, rs in tr.accepted() for r in rs}
+        returned |= {(p, r) for p in tr.deferred() for r in tr.finished[p] if r < plan.accept_of(p)}
+        assert len(answered) == len(set(answered)) and set(answered) == returned, order
+
+
 def test_queue_fills_and_long_round_takes_exactly_p0_oldest_without_overprovisioning():
     cfg = RolloutConfig(responses_per_step=16, group_size=4, tail_batching=TailBatchingConfig(eta=0.25))
     sched = RolloutScheduler(cfg, fresh(), default_length=10)

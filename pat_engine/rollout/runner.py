@@ -10,9 +10,11 @@ generated under: resumed exactly if the weights are unchanged when their long ro
 comes (and the request can be resumed exactly, ``resume.exactly_resumable``),
 regenerated from the prompt otherwise.
 
-With a ``RewardStage`` each response is scored as soon as it finishes (resumed ones once joined),
-while the round still generates; the step waits only for the rewards still running when
-generation ends, so it costs max(generation, last reward) rather than their sum. A deferred prompt's
+With a ``RewardStage`` each response is scored as soon as it is sure to be returned (resumed ones once
+joined), while the round still generates: most at once when they finish, one that only an accepted
+prompt would return when its prompt completes, and never one that no round returns (a finish past its
+prompt's first R0: ``RoundTracker.returned_with``). The step waits only for the rewards still running
+when generation ends, so it costs max(generation, last reward) rather than their sum. A deferred prompt's
 finished response is scored once: its result is kept for the round that returns it unchanged.
 """
 
@@ -167,8 +169,10 @@ class RolloutRunner:
                 raise WorkerFailure(f"request {out.request_id} ended with {out.finish_reason}: {out.error}",
                                     partial_outputs=[h.output() for h in handles.values()])
             tracker.on_finished(*key)
-            if key not in resumed:  # a resumed one is scored once joined to its prefix
-                self._score(plan, step, key, replace(out, sample_index=key[1]))
+            for r in tracker.returned_with(*key):  # score only what will be returned: no reward is wasted
+                sure = (key[0], r)
+                if sure not in resumed and sure not in instant:  # resumed: scored once joined to its prefix
+                    self._score(plan, step, sure, replace(handles[sure].output(), sample_index=r))
         engine.abort([handles[k].request_id for k in tracker.unfinished() if k in handles])
         for h in handles.values():
             h.wait()

@@ -142,6 +142,22 @@ class RoundTracker:
     def done(self) -> bool:
         return self.closed
 
+    def returned_with(self, prompt: int, response: int) -> list[int]:
+        """Right after ``on_finished(prompt, response)`` (the round still open): which of the prompt's finished
+        responses are now sure to be returned, by this round or, deferred, by a later one, and were not
+        sure before; empty for a response nobody will return.
+
+        A prompt that completes now is accepted: its first R0 finished responses all return. A finish past
+        its first R0 never returns. Before the prompt completes, a finish with index < R0 returns either
+        way (accepted: it is among the first R0; deferred: responses 0..R0-1 are kept); one with index >= R0
+        returns only if the prompt completes, so it is answered then."""
+        done, r0 = self.finished[prompt], self.plan.accept_of(prompt)
+        if len(done) > r0:
+            return []
+        if len(done) == r0:  # just completed: the first R0 it had not answered for yet
+            return [r for r in done if r >= r0 or r == response]
+        return [response] if response < r0 else []
+
     def accepted(self) -> list[tuple[int, list[int]]]:
         """(prompt index, its first R0 finished response indices) for the P0 prompts the round returns."""
         return [(p, self.finished[p][: self.plan.accept_of(p)]) for p in self.complete[: self.plan.accept_prompts]]
