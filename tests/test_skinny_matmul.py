@@ -90,7 +90,10 @@ def test_the_rule_gives_every_sm_two_programs_where_k_allows():
     assert sk.config_for(4096, 4096, sms, 64).block_k == 128  # a 64-row input tile: smaller K steps
     from pat_engine import env
 
+    from pat_engine.model import gpu_gemm
+
     assert env.SKINNY_MOST_ROWS == sk.MAX_ROWS  # the switch's limit is the kernel's
+    assert set(gpu_gemm.SKINNY_DTYPES) == set(sk.DTYPES)  # and the layers offer it the kernel's dtypes
     assert [sk.row_tile(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
     for bad in (dict(block_n=24), dict(block_k=8), dict(split_k=0)):
         with pytest.raises(ValueError):

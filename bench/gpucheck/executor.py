@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 from gpucheck.shared import BLOCK_SIZE, Ctx, log, synchronize
-from pat_engine import env
 from pat_engine.model.arch import load_model_arch
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.layout import Layout
@@ -53,11 +52,6 @@ def eager(ex: InferExecutor) -> Iterator[None]:
         yield
     finally:
         ex.graphs = saved
-
-
-def skinny_available(ex: InferExecutor) -> bool:
-    """Whether the skinny Triton GEMM can run on the executor's device (CUDA, or the CPU interpreted)."""
-    return env.triton_runs_on(ex.device.type)
 
 
 @contextlib.contextmanager

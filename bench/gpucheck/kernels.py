@@ -191,7 +191,7 @@ def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
             seqs.decode()
     modes = {"graphs": contextlib.nullcontext, "eager": lambda: executor.eager(ex)}
     skinny = None
-    if batch <= SKINNY_MOST_ROWS and ex.graphs.enabled and executor.skinny_available(ex):
+    if batch <= SKINNY_MOST_ROWS and ex.graphs.enabled and env.triton_runs_on(ex.device.type):
         graphs = executor.more_graphs(ex)  # its own captures, over the skinny GEMMs
         modes["skinny"] = skinny = lambda: executor.skinny_gemm(ex, graphs, SKINNY_MOST_ROWS)
         with skinny():
