@@ -42,6 +42,12 @@ def test_every_kernel_compiles_for_sm90(compiled):
 
 @pytest.mark.slow
 @needs_triton
+def test_the_blocked_scan_compiles_for_the_draw_and_for_the_nucleus(compiled):
+    assert sum(r["kernel"] == "_draw_kernel" for r in compiled) == 2  # REACH off (the draw) and on (top_p)
+
+
+@pytest.mark.slow
+@needs_triton
 def test_no_kernel_spills_registers(compiled):
     for r in compiled:
         assert r["regs"] > 0 and r["local"] == 0, r

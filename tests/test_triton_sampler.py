@@ -7,9 +7,10 @@ tokens and NaN rows, at widths that are not a multiple of the kernel's block. Z 
 multiples of eight and longer than one step of the kernel's walk, on weights spread over many binades
 (where another order of the float64 adds gives other bits: checked). The draw follows its own rule, the
 running sum in blocks (``blocked_draw_reference``), which gives the CPU chain's tokens but where the target
-lands between two roundings of a boundary (one such case built by hand). Through the sampler (its torch
-path, ``PAT_CPU_SAMPLER=torch``), ``PAT_TRITON_SAMPLER=on`` draws the same tokens with the same log-probs
-on these rows.
+lands between two roundings of a boundary (one such case built by hand). The top_p nucleus takes the same
+walk to where the sum reaches its target (>=: a sum that meets it exactly ends the nucleus there). Through
+the sampler (its torch path, ``PAT_CPU_SAMPLER=torch``; the CPU's partial sort and the GPU's whole one),
+``PAT_TRITON_SAMPLER=on`` draws the same tokens with the same log-probs on these rows, top_p rows too.
 The ``gpu`` test repeats the bits compiled at a real vocabulary.
 """
 
@@ -123,18 +124,51 @@ def test_the_draw_sums_in_blocks_not_in_one_chain():
 
 
 @needs_triton
+@pytest.mark.parametrize("vocab", [pytest.param(3, marks=SLOW), 700, pytest.param(2051, marks=SLOW)])
+def test_the_nucleus_follows_its_blocked_rule(vocab):
+    """``first_reaching`` on rows in descending order is ``blocked_draw_reference(reach=True)`` and, on these
+    rows, the single chain's place (the count of running sums below top_p * Z); a target past the whole sum
+    gives V (the twin's count, V + 1 for the nucleus, then clamped by the caller)."""
+    sk = _kernel()
+    e = _weights(4, vocab, seed=vocab).sort(dim=-1, descending=True).values
+    z = sk.lane_sum(e)
+    top_p = torch.tensor([0.9, 0.5, 0.99, 1e-9], dtype=torch.float64, device=DEV)
+    got = sk.first_reaching(e, top_p, z)
+    rows = e.double().cpu().tolist()
+    assert got.tolist() == [sk.blocked_draw_reference(rows[r], float(top_p[r] * z[r]), reach=True) for r in range(4)]
+    chain = (e.double().cumsum(dim=-1) < (top_p * z).unsqueeze(1)).sum(dim=-1)
+    assert torch.equal(got, chain) and int(got[3]) == 0
+    assert sk.first_reaching(e, torch.full((4,), 2.0, dtype=torch.float64, device=DEV), z).tolist() == [vocab] * 4
+
+
+@needs_triton
+def test_the_nucleus_stops_where_the_sum_reaches_top_p_and_the_draw_where_it_passes():
+    """At a target the running sum meets exactly, the nucleus ends on that token (>=) and the draw takes the
+    next (>): 0.5 + 0.25 = 0.75 exactly."""
+    sk = _kernel()
+    e = torch.tensor([[0.5, 0.25, 0.125, 0.125] + [0.0] * 252], device=DEV)  # 128 blocks of two tokens
+    one = torch.ones(1, dtype=torch.float64, device=DEV)
+    frac = torch.tensor([0.75], dtype=torch.float64, device=DEV)
+    assert sk.first_reaching(e, frac, one).tolist() == [1] and sk.draw(e, frac, one).tolist() == [2]
+    assert inverse_cdf.nucleus_sizes(e, frac, one).tolist() == [2]  # the twin's nucleus: two tokens
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=SLOW)])
 def test_the_sampler_draws_the_same_tokens_and_log_probs_with_it(dtype, monkeypatch):
+    from pat_engine.sampling import host
     from pat_engine.sampling.sampler import SamplingBatch, sample_on_device
     from pat_engine.sampling.spec import SamplingSpec
 
     monkeypatch.setenv("PAT_CPU_SAMPLER", "torch")  # the torch path (the C++ kernel would serve the CPU)
-    logits = (torch.randn(6, 700, generator=torch.Generator().manual_seed(2)) * 4).to(dtype).to(DEV)
-    specs = [SamplingSpec(temperature=t, top_k=-1, top_p=1.0, seed=s, logprobs=True, min_p=m)
-             for t, s, m in ((1.0, 1, 0.0), (0.7, 2, 0.0), (1.0, 3, 0.05), (0.0, 4, 0.0), (1.3, 5, 0.0), (1.0, 6, 0.0))]
+    logits = (torch.randn(8, 700, generator=torch.Generator().manual_seed(2)) * 4).to(dtype).to(DEV)
+    specs = [SamplingSpec(temperature=t, top_k=k, top_p=p, seed=s, logprobs=True, min_p=m)
+             for t, k, p, s, m in ((1.0, -1, 1.0, 1, 0.0), (0.7, -1, 1.0, 2, 0.0), (1.0, -1, 1.0, 3, 0.05),
+                                   (0.0, -1, 1.0, 4, 0.0), (1.3, -1, 1.0, 5, 0.0), (1.0, -1, 1.0, 6, 0.0),
+                                   (1.0, -1, 0.9, 7, 0.0), (0.8, 40, 0.95, 8, 0.0))]
 
     def draw():
-        batch = SamplingBatch.build(specs, list(range(10, 16)), device=DEV, vocab=700)
+        batch = SamplingBatch.build(specs, list(range(10, 18)), device=DEV, vocab=700)
         out = sample_on_device(logits, batch)
         return out.tokens, out.logprobs
 
@@ -142,12 +176,17 @@ def test_the_sampler_draws_the_same_tokens_and_log_probs_with_it(dtype, monkeypa
     want = draw()
     monkeypatch.setenv("PAT_TRITON_SAMPLER", "on")
     calls = []
-    for name in ("lane_sum", "weights", "draw"):
+    for name in ("lane_sum", "weights", "draw", "first_reaching"):
         kernel = getattr(_kernel(), name)
         monkeypatch.setattr(_kernel(), name, lambda *a, kernel=kernel, name=name: calls.append(name) or kernel(*a))
     got = draw()
-    assert {"lane_sum", "weights", "draw"} <= set(calls), "a Triton sampler kernel never ran"
+    assert {"lane_sum", "weights", "draw", "first_reaching"} <= set(calls), "a Triton sampler kernel never ran"
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # the GPU's way to the top_p rows' prefix (every row sorted whole, nothing read on the host)
+    monkeypatch.setattr(host, "reads_are_free", lambda x: False)
+    calls.clear()
+    got = draw()
+    assert "first_reaching" in calls and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.gpu
@@ -167,3 +206,6 @@ def test_gpu_weights_z_and_draw_at_a_real_vocabulary(monkeypatch):
         chain = (e.double().cumsum(dim=-1) <= (u * z).unsqueeze(1)).sum(dim=-1)
         assert torch.equal(drawn, chain)  # no boundary rounding on these rows
         assert int(drawn[0]) == _kernel().blocked_draw_reference(e[0].double().cpu().tolist(), float(u[0] * z[0]))
+        ranked, top_p = e.sort(dim=-1, descending=True).values, torch.full((rows,), 0.9, dtype=torch.float64, device=DEV)
+        reached = _kernel().first_reaching(ranked, top_p, z)
+        assert torch.equal(reached, (ranked.double().cumsum(dim=-1) < (top_p * z).unsqueeze(1)).sum(dim=-1))

@@ -116,6 +116,7 @@ def compile_everything() -> list[dict]:
     e, _ = triton_sampler.weights(randn(4, 128256), torch.ones(4), torch.full((4,), float("-inf")))
     z = triton_sampler.lane_sum(e.float())
     triton_sampler.draw(e.float(), torch.rand(4, dtype=torch.float64), z)
+    triton_sampler.first_reaching(e.float(), torch.full((4,), 0.9, dtype=torch.float64), z)  # a top_p nucleus
     return out
 
 

@@ -26,6 +26,9 @@ For a row of logits x, an inverse temperature ``it`` and a floor:
   each block's total by one lane of a 128-lane walk, the totals' running sum in order, then the crossing
   block walked from its start. Fixed by the row alone (batch-invariant); the CPU chain's token except
   where u·Z falls between two roundings of a boundary.
+- ``first_reaching``: the same walk asking where the running sum reaches (>=) a target instead of passing
+  it: over a row sorted by descending weight with top_p·Z as the target, one less than the top_p nucleus
+  (``inverse_cdf.nucleus_sizes``), so a top_p row's kept prefix is batch-invariant as well.
 
 Bits (weights, Z): the twin's operations in the twin's order (0.0 pads a row whose length is not a multiple of eight,
 as its ``F.pad`` does; adding 0.0 to a non-negative sum changes nothing). Tested under
@@ -117,8 +120,17 @@ def _lane_sum_kernel(e_ptr, out_ptr, V, stride_row, UNROLL: tl.constexpr):
 
 
 @triton.jit
+def _crosses(running, target, REACH: tl.constexpr):
+    """Whether a running sum is past the target (the draw) or has reached it (``REACH``: a top_p nucleus)."""
+    if REACH:
+        return running >= target
+    return running > target
+
+
+@triton.jit
 def _draw_kernel(e_ptr, u_ptr, z_ptr, out_ptr, V, W, stride_e, NB: tl.constexpr, UNROLL: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, REACH: tl.constexpr):
+    """The first token where the blocked running sum passes u * Z (``REACH``: reaches it, >=)."""
     row = tl.program_id(0).to(tl.int64)
     base = e_ptr + row * stride_e
     target = tl.load(u_ptr + row) * tl.load(z_ptr + row)
@@ -136,7 +148,7 @@ def _draw_kernel(e_ptr, u_ptr, z_ptr, out_ptr, V, W, stride_e, NB: tl.constexpr,
     block = tl.sum(lanes * 0, axis=0) - 1  # -1, an int32 tensor
     for k in range(0, NB):
         after = done + tl.sum(tl.where(lanes == k, totals, 0.0), axis=0)  # block k's total, exactly
-        hit = (after > target) & (block < 0)
+        hit = _crosses(after, target, REACH) & (block < 0)
         start = tl.where(hit, done, start)
         block = tl.where(hit, k, block)
         done = after
@@ -149,7 +161,10 @@ def _draw_kernel(e_ptr, u_ptr, z_ptr, out_ptr, V, W, stride_e, NB: tl.constexpr,
             for j in tl.static_range(UNROLL):
                 ok = (w0 + j < W) & (first + w0 + j < V)
                 walked += tl.load(base + first + w0 + j, mask=ok, other=0.0).to(tl.float64)
-                token = tl.where(ok & (start + walked > target) & (token < 0), (first + w0 + j).to(tl.int64), token)
+                token = tl.where(ok & _crosses(start + walked, target, REACH) & (token < 0),
+                                 (first + w0 + j).to(tl.int64), token)
+    elif REACH:  # rounding left the whole sum short of the target: none reaches it
+        token = (block * 0).to(tl.int64) + V
     else:  # rounding left the target at or past the whole sum: the last token with weight
         cols = tl.arange(0, BLOCK)
         last = tl.full((BLOCK,), 0, tl.int64)
@@ -201,36 +216,55 @@ DRAW_BLOCKS = 128  # the blocks a row's running sum is cut into (``draw``)
 def draw(e: torch.Tensor, u: torch.Tensor, z_sum: torch.Tensor) -> torch.Tensor:
     """Each row's drawn token (int64 (rows,)): where the row's running float64 sum of ``e`` first passes
     ``u * z_sum``, the running sum taken in blocks (see ``blocked_draw_reference``, its definition)."""
-    _check_rows(e, "draw", (torch.float32,))
+    return _blocked_scan(e, u, z_sum, reach=False)
+
+
+def first_reaching(e: torch.Tensor, fraction: torch.Tensor, z_sum: torch.Tensor) -> torch.Tensor:
+    """Each row's first place (int64 (rows,)) where the running float64 sum of ``e``, taken in the draw's
+    blocks, reaches ``fraction * z_sum`` (>=); V where rounding leaves the whole sum short of it. With ``e``
+    in descending order and ``fraction`` = top_p, one more than it is the row's nucleus."""
+    return _blocked_scan(e, fraction, z_sum, reach=True)
+
+
+def _blocked_scan(e: torch.Tensor, fraction: torch.Tensor, z_sum: torch.Tensor, reach: bool) -> torch.Tensor:
+    _check_rows(e, "the blocked scan", (torch.float32,))
     rows, vocab = e.shape
     out = torch.empty(rows, dtype=torch.int64, device=e.device)
     if rows:
         width = -(-vocab // DRAW_BLOCKS)
-        _draw_kernel[(rows,)](e, u.to(torch.float64).contiguous(), z_sum.to(torch.float64).contiguous(), out, vocab,
-                              width, e.stride(0), NB=DRAW_BLOCKS, UNROLL=16, BLOCK=BLOCK, num_warps=4)
+        _draw_kernel[(rows,)](e, fraction.to(torch.float64).contiguous(), z_sum.to(torch.float64).contiguous(), out,
+                              vocab, width, e.stride(0), NB=DRAW_BLOCKS, UNROLL=16, BLOCK=BLOCK, num_warps=4,
+                              REACH=reach)
     return out
 
 
-def blocked_draw_reference(e: list[float], target: float, blocks: int = DRAW_BLOCKS) -> int:
+def blocked_draw_reference(e: list[float], target: float, blocks: int = DRAW_BLOCKS, reach: bool = False) -> int:
     """``draw``'s rule for one row, in plain Python floats (IEEE float64, one rounding per add). The row is
     cut into ``blocks`` runs of W = ceil(V / blocks) tokens; T_k = block k's weights added in order from 0.0;
     P_0 = 0, P_{k+1} = P_k + T_k; the token lies in the first block k whose P_{k+1} passes the target, at the
     first i there whose P_k + (block k's weights up to i, added in order from 0.0) passes it. Where no
     block passes (rounding left the target at or past P_blocks), the last token with weight (0 if none).
     Against the CPU's single chain (the twin's rule): the same token except where the target lands
-    between two roundings of a boundary."""
+    between two roundings of a boundary. ``reach``: ``first_reaching``'s rule, the same walk with "reaches"
+    (>=) for "passes", and V where no block reaches the target."""
     vocab = len(e)
+
+    def crosses(running: float) -> bool:
+        return running >= target if reach else running > target
+
     width = -(-vocab // blocks)
     done = 0.0
     for k in range(blocks):
         total = 0.0
         for i in range(k * width, min((k + 1) * width, vocab)):
             total += e[i]
-        if done + total > target:
+        if crosses(done + total):
             walked = 0.0
             for i in range(k * width, min((k + 1) * width, vocab)):
                 walked += e[i]
-                if done + walked > target:
+                if crosses(done + walked):
                     return i
         done += total
+    if reach:
+        return vocab
     return max((i for i, w in enumerate(e) if w > 0), default=0)

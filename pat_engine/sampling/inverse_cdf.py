@@ -16,8 +16,8 @@ round the same in scalar and vector code, so on the CPU neither the batch nor th
 changes a bit. On CUDA the running sum's ``cumsum`` is ATen's parallel scan, whose order follows the
 batch's row count: a draw whose target lands between two roundings of one boundary can differ
 (rare; docs/numerics.md, "Not covered"). ``PAT_TRITON_SAMPLER=on`` runs the weights, Z and the draw
-as Triton kernels there (pat_kernels/triton_sampler.py): the same weights and Z, and a draw whose
-running sum is taken in blocks, an order fixed by the row alone. The log of Z is left to the caller (Python's ``math.log``): a library log differs
+as Triton kernels there (pat_kernels/triton_sampler.py): the same weights and Z, and a draw (and a top_p
+nucleus, ``nucleus_sizes``) whose running sum is taken in blocks, an order fixed by the row alone. The log of Z is left to the caller (Python's ``math.log``): a library log differs
 between its vector and scalar paths.
 """
 
@@ -116,6 +116,19 @@ def _torch_inverse_cdf(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Ten
         token = (x.float() == m).int().argmax(dim=-1)  # the first maximum
     z_token = (x.float().gather(1, token.unsqueeze(1)) - m).squeeze(1) * inv_temp
     return token, z_token, z_sum
+
+
+def nucleus_sizes(e_sorted: torch.Tensor, top_p: torch.Tensor, z_sum: torch.Tensor) -> torch.Tensor:
+    """Per row of weights in descending order: how many leading tokens the top_p nucleus holds, i.e. one
+    more than the tokens whose running float64 sum stays below top_p * Z (int64; V + 1 where rounding
+    leaves the whole sum short). The running sum is the draw's: a cumsum (the CPU's chain; ATen's scan on
+    CUDA), or the Triton kernel's blocks where ``PAT_TRITON_SAMPLER=on`` runs the draw."""
+    if _triton_lane_sum_serves(e_sorted):
+        from pat_kernels.triton_sampler import first_reaching
+
+        return first_reaching(e_sorted.contiguous(), top_p, z_sum) + 1
+    target = top_p.to(torch.float64) * z_sum
+    return (e_sorted.double().cumsum(dim=-1) < target.unsqueeze(1)).sum(dim=-1) + 1
 
 
 def inverse_cdf(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor, u: torch.Tensor | None,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pat_engine.sampling import host
-from pat_engine.sampling.inverse_cdf import inverse_cdf, weights
+from pat_engine.sampling.inverse_cdf import inverse_cdf, nucleus_sizes, weights
 
 
 def descending(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,8 +74,7 @@ def prefixes(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, inv_temp
         keep = k_cap.clamp(max=width)
         if z_sum is None:
             return keep, None
-        running = e.gather(1, order).double().cumsum(dim=-1)
-        nucleus = (running < (p * z_sum).unsqueeze(1)).sum(dim=-1) + 1
+        nucleus = nucleus_sizes(e.gather(1, order), p, z_sum)
         return torch.where(p < 1.0, torch.minimum(keep, nucleus), keep).clamp(max=width), nucleus
 
     if not host.reads_are_free(x):  # every row sorted whole: nothing read on the host
