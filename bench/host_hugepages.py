@@ -19,6 +19,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -69,18 +70,29 @@ def alternating(path: str, settings: dict[str, dict[str, str | None]], w: Worklo
     return seconds, faults, len({str(t) for t in tokens.values()}) == 1
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def ab_args(description: str) -> argparse.Namespace:
+    """The A/B benches' command line: ``--rounds`` per setting, ``--shapes`` of peer_rollout's models."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    args = ap.parse_args()
-    rows = []
-    for shape in args.shapes:
+    return ap.parse_args()
+
+
+def ab_cases(shapes: list[str]) -> Iterator[tuple[str, str, Workload]]:
+    """(shape, model path, workload) for each shape's first two workloads: the greedy tail, GRPO top_p 1.0."""
+    for shape in shapes:
         path = model_path(shape)
-        for w in workloads(SHAPES[shape].vocab_size, seed=7)[:2]:  # greedy tail, GRPO top_p 1.0
-            seconds, faults, same = alternating(path, SETTINGS, w, args.rounds)
-            rows.append([shape, w.name, f"{seconds['4k']:.2f}", f"{seconds['huge']:.2f}",
-                         f"{seconds['4k'] / seconds['huge']:.2f}x", faults["4k"], faults["huge"], "yes" if same else "NO"])
+        for w in workloads(SHAPES[shape].vocab_size, seed=7)[:2]:
+            yield shape, path, w
+
+
+def main() -> None:
+    args = ab_args(__doc__.split("\n\n")[0])
+    rows = []
+    for shape, path, w in ab_cases(args.shapes):
+        seconds, faults, same = alternating(path, SETTINGS, w, args.rounds)
+        rows.append([shape, w.name, f"{seconds['4k']:.2f}", f"{seconds['huge']:.2f}",
+                     f"{seconds['4k'] / seconds['huge']:.2f}x", faults["4k"], faults["huge"], "yes" if same else "NO"])
     body = (f"Median of {args.rounds} alternating runs per setting, each on a freshly started engine (TP1, float32), "
             "seconds from submitting the rollout to its last token; faults: the worker's minor page faults "
             "during the run.\n\n"
