@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pat_engine.sampling import host
-from pat_engine.sampling.inverse_cdf import inverse_cdf, nucleus_sizes, weights
+from pat_engine.sampling.inverse_cdf import lane_sum, nucleus_sizes, weights
 
 
 def descending(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +64,7 @@ def prefixes(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, inv_temp
     if any_top_p:
         no_floor = torch.full_like(it, float("-inf"))
         e, m = weights(xf, it, no_floor)
-        _, _, z_sum = inverse_cdf(xf, it, no_floor, None, draw=False)
+        z_sum = lane_sum(e)  # inverse_cdf's Z: the same weights in the same order, without a second pass
         if host.reads_are_free(x):
             need = torch.where(p < 1.0, torch.minimum(k_cap, nucleus_bound(xf, m, it, p, z_sum)), k_cap)
 
