@@ -17,7 +17,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is imported
 
 import gpu_check as gc  # noqa: E402  (bench/ is on the test path: pyproject's pythonpath)
-from gpucheck import attention, decode, emulated_profile, gpu_tests, kernels, prefill, registry, report  # noqa: E402
+from gpucheck import (attention, decode, emulated_profile, gpu_tests, kernels, prefill, registry, report,  # noqa: E402
+                      step_phases)
 from gpucheck.checkpoint import checkpoint_tensors, load_tensors, write_checkpoint  # noqa: E402
 from gpucheck.shared import (LLAMA3_8B, datasheet_bandwidth, kv_bytes_per_token, median, roofline_ms,  # noqa: E402
                              time_interleaved, weight_bytes)
@@ -397,6 +398,34 @@ def test_each_part_runs_its_smoke(name, tmp_path):
     res = gc.execute(name, gc.parse_args(["--smoke", "--workdir", str(tmp_path)]))
     assert res["status"] == "ok", res["body"]
     assert res["body"].strip() and isinstance(res["headlines"], list)
+
+
+def test_a_sequence_refuses_a_decode_past_its_blocks():
+    from gpucheck.executor import Sequences
+
+    seqs = Sequences(None, [[1] * 16], room=2)  # 18 tokens: two blocks of 16
+    assert seqs.capacity == 32
+    seqs.lengths = [32]
+    with pytest.raises(RuntimeError, match="past the 32 tokens"):
+        seqs.decode()
+
+
+@pytest.mark.slow
+@needs_triton
+def test_the_kernels_part_plans_room_for_every_decode_it_runs(tmp_path, monkeypatch):
+    """Graphs, eager and the skinny GEMM's graphs (the interpreter serves it here), each with its warm-ups, and
+    both profiles: the plan counts them all (one that forgot the skinny mode ran past its blocks on the GPU)."""
+    from gpucheck import executor
+
+    ctx = _ctx(tmp_path, ["kernels"])
+    p = kernels.plan(ctx)
+    ex = kernels.build_executor(ctx, p)
+    decodes = []
+    inner = executor.Sequences.decode
+    monkeypatch.setattr(executor.Sequences, "decode", lambda self: decodes.append(1) or inner(self))
+    r = kernels.measure_batch(ctx, ex, 1, p)
+    assert r["skinny_ms"] is not None and len(decodes) == p.steps
+    assert r["phases"].wall_ms > 0 and set(r["phases"].phase_ms) == set(step_phases.PHASES)
 
 
 @pytest.mark.slow

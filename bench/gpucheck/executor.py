@@ -89,6 +89,7 @@ class Sequences:
         per_seq = blocks_for(max(map(len, prompts)) + room)
         self.tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
         self.lengths = [len(p) for p in prompts]  # tokens in the KV cache
+        self.capacity = per_seq * BLOCK_SIZE  # tokens a sequence's blocks hold
         self.last: list[int] = []
         self._step = 0
 
@@ -121,6 +122,9 @@ class Sequences:
 
     def decode(self) -> float:
         """Seconds of one decode step of every sequence (each gains one token)."""
+        if max(self.lengths) + 1 > self.capacity:
+            raise RuntimeError(f"a decode step past the {self.capacity} tokens each sequence's blocks hold: "
+                               "the part planned too little room")
         self._step += 1
         steps = [SeqStep(i, [tok], n) for i, (tok, n) in enumerate(zip(self.last, self.lengths))]
         s, self.last = self._run(StepCommand(self._step, False, steps))

@@ -4,6 +4,7 @@ One ``InferExecutor`` in this process (Llama-3-8B shape, bf16, random weights, T
 attention "auto" and its Triton layer kernels), as the first H100 run's ``decode_step_kernels.txt``
 (bench/results/gpu_2026-11-26_h100_first_run/) was made: at batch 1 and 64, prompts of 512 tokens are
 prefilled, then decode steps run with CUDA graphs and eagerly in turn (wall ms per step, synchronised), then
+graphs steps under ``torch.profiler`` (the host's phases beside the GPU's busy time: ``step_phases.py``), then
 eager steps under ``torch.profiler`` (CPU + CUDA) with each step and each decoder layer labelled. Each
 kernel is charged to the piece its name says (``classify``), to the step and to the layer whose range
 it ran in (the profiled steps synchronise at the end of each layer, so a kernel runs inside its own). Target: <= 12 kernels per layer. On the CPU (smoke) there are no kernels: the table counts the
@@ -16,7 +17,7 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -25,6 +26,7 @@ from common import markdown_table
 from gpucheck import executor
 from gpucheck.report import PartResult
 from gpucheck.shared import Ctx, log, median, synchronize, verdict
+from gpucheck.step_phases import StepPhases, describe, step_phases
 from pat_engine import env
 from pat_engine.env import SKINNY_MOST_ROWS
 from pat_engine.model.layers import triton_ops
@@ -166,19 +168,28 @@ def labelled_layers(sync: bool = False) -> Iterator[None]:
 class Plan:
     batches: tuple[int, ...]
     prompt: int
-    rounds: int  # graphs / eager rounds of ``block`` steps each
+    rounds: int  # rounds of ``block`` steps in each mode (graphs, eager, and skinny where it runs)
     block: int
-    profiled: int  # eager steps under the profiler
+    profiled: int  # steps under the profiler, with graphs and then eager
 
     @property
     def steps(self) -> int:
-        return 2 * 2 + self.rounds * 2 * self.block + self.profiled  # + warm-up: 2 graphs, 2 eager
+        """Decode steps a batch runs at most: 2 warm-ups in each of the three modes, their rounds, both
+        profiles."""
+        return 3 * 2 + self.rounds * 3 * self.block + 2 * self.profiled
 
 
 def plan(ctx: Ctx) -> Plan:
     if ctx.smoke:
         return Plan((1, 2), 16, 1, 2, 2)
     return Plan((1, 64), 512, 2 if ctx.quick else 4, 4, 8)
+
+
+def build_executor(ctx: Ctx, p: Plan):
+    """The in-process executor, its KV pool holding every batch's sequences with room for ``p.steps``."""
+    room = p.steps + 1
+    num_blocks = max(p.batches) * executor.blocks_for(p.prompt + room)
+    return executor.build(ctx, num_blocks, ladder=tuple(sorted(p.batches)), max_context=p.prompt + room + 16)
 
 
 def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
@@ -210,6 +221,11 @@ def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
             skinny_replay_ms = graph_replay_ms(ex, batch, p.block * p.rounds)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device == "cuda" else [])
     cuda = ctx.device == "cuda"
+    with profile(activities=activities) as prof:  # graphs steps: the host's phases beside the GPU's busy time
+        for _ in range(p.profiled):
+            with record_function(STEP):
+                seqs.decode()
+    phases = step_phases(prof.events(), STEP, cuda)
     with executor.eager(ex), labelled_layers(sync=cuda), profile(activities=activities) as prof:
         for _ in range(p.profiled):
             with record_function(STEP):
@@ -220,7 +236,7 @@ def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
     records, steps, layers, outside = profiled_records(prof.events(), cuda)
     return {"batch": batch, "graphs_ms": median(walls["graphs"]) * 1e3, "eager_ms": median(walls["eager"]) * 1e3,
             "steps_timed": len(walls["graphs"]), "table": kernel_table(records, steps, layers),
-            "outside": outside, "replay_ms": replay_ms,
+            "outside": outside, "replay_ms": replay_ms, "phases": phases,
             "skinny_ms": median(walls["skinny"]) * 1e3 if skinny else None, "skinny_replay_ms": skinny_replay_ms}
 
 
@@ -253,6 +269,7 @@ def render(r: dict, cuda: bool) -> str:
              f"eager {r['eager_ms']:.3f}; the decode graph replayed alone {replay} (the rest of a graphs step is "
              f"its host work, LM head and sampling). Profiled eager step: {t.per_step:.0f} {unit} per step, "
              f"**{per_layer} per layer**, {'GPU' if cuda else 'CPU'} time {t.ms_per_step:.3f} ms per step.", ""]
+    lines += [describe(r["phases"]), ""]
     if r["skinny_ms"] is not None:
         lines += [f"With the skinny Triton GEMM (the layers as `PAT_SKINNY_GEMM={SKINNY_MOST_ROWS}` builds them, "
                   f"their own graphs, interleaved with the two above): graphs **{r['skinny_ms']:.3f}** ms / step, its graph replayed "
@@ -272,16 +289,16 @@ def headline(r: dict, cuda: bool) -> str:
     replay = "" if r["replay_ms"] is None else f" (its graph replayed alone: {r['replay_ms']:.2f} ms)"
     skinny = "" if r["skinny_ms"] is None else (f"; with the skinny GEMM {r['skinny_ms']:.2f} ms with graphs "
                                                f"(replayed alone: {r['skinny_replay_ms']:.2f} ms)")
+    ph: StepPhases = r["phases"]
+    idle = "" if ph.busy_ms is None else f", the GPU idle {ph.wall_ms - ph.busy_ms:.2f} ms of a profiled graphs step"
     return (f"batch {r['batch']}: {t.per_step:.0f} {'kernels' if cuda else 'torch ops'} per step, {per_layer} per "
             f"layer, {t.ms_per_step:.2f} ms of {'GPU' if cuda else 'CPU'} time; in-process step {r['graphs_ms']:.2f} "
-            f"ms with graphs{replay}, {r['eager_ms']:.2f} ms eager{skinny}")
+            f"ms with graphs{replay}, {r['eager_ms']:.2f} ms eager{skinny}{idle}")
 
 
 def run(ctx: Ctx) -> PartResult:
     p = plan(ctx)
-    room = p.steps + 1
-    num_blocks = max(p.batches) * executor.blocks_for(p.prompt + room)
-    ex = executor.build(ctx, num_blocks, ladder=tuple(sorted(p.batches)), max_context=p.prompt + room + 16)
+    ex = build_executor(ctx, p)
     results = []
     for b in p.batches:
         results.append(measure_batch(ctx, ex, b, p))
@@ -312,5 +329,5 @@ def run(ctx: Ctx) -> PartResult:
                       "replay_ms": r["replay_ms"], "skinny_ms": r["skinny_ms"],
                       "skinny_replay_ms": r["skinny_replay_ms"],
                       "per_step": r["table"].per_step, "per_layer": r["table"].per_layer,
-                      "ms_per_step": r["table"].ms_per_step} for r in results]}
+                      "ms_per_step": r["table"].ms_per_step, "phases": asdict(r["phases"])} for r in results]}
     return PartResult(body, headlines, data)
