@@ -36,7 +36,7 @@ PARTS: tuple[Part, ...] = (
     Part("attention", "Decode attention vs SDPA on contiguous K/V, and the fused layer kernels", "attention",
          15, 30, 120, 300, needs_checkpoint=False),
     Part("gemm", "Decode GEMMs at 1-64 rows: cuBLAS beside the skinny Triton GEMM", "skinny_gemm", 35, 90, 150, 360,
-         needs_checkpoint=False),  # estimates (not run on a device yet): ~12 Triton compiles (36 in full) + timing
+         needs_checkpoint=False),  # estimates (not run on a device yet): --quick compiles 27 kernels (18 s for sm_90 on the 2-core CI host) + timing
     Part("sampler", "The RL draw: temperature 1 with log-probs, the torch twin beside the Triton kernels", "sampler",
          15, 30, 120, 240, needs_checkpoint=False),  # estimates (not run on a device yet)
     Part("kernels", "Kernels per decode step (torch.profiler, Llama-3-8B shape, bf16)", "kernels",
