@@ -176,6 +176,40 @@ def test_invariant_mode_refuses_a_device_without_a_paged_decode_kernel(tmp_path,
     assert executor(torch.float64, "invariant").numerics == "invariant"  # float64 claims no bits
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_the_invariant_mode_draws_in_the_row_alones_order_on_cuda(tmp_path, monkeypatch, device):
+    """On CUDA the sampler's torch path scans with ATen, whose order follows the batch's row count
+    (docs/numerics.md): the invariant mode samples inside ``batch_invariant_draws`` there (the Triton kernels'
+    blocked sums); on the CPU the C++ kernel's chain is batch-invariant already. The step's draw goes through
+    the switch the executor holds."""
+    from pat_engine.model.arch import load_model_arch
+    from pat_engine.parallel.comm import TPGroup
+    from pat_engine.parallel.layout import Layout
+    from pat_engine.protocol import SeqStep, StepCommand
+    from pat_engine.sampling.spec import SamplingSpec
+    from pat_engine.worker import infer_executor
+
+    path = str(write_tiny_model(tmp_path, SPEC))
+    arch = load_model_arch(path)
+
+    def executor(numerics: str) -> infer_executor.InferExecutor:
+        ex = infer_executor.InferExecutor(arch, Layout(1, 1), TPGroup(rank=0, size=1, ranks=(0,)), torch.float32,
+                                          torch.device(device), block_size=16, num_blocks=8, numerics=numerics)
+        ex.load_weights(path)
+        return ex
+
+    assert executor("fast").batch_invariant_draws is False
+    ex = executor("invariant")
+    assert ex.batch_invariant_draws is (device == "cuda")
+    seen = []
+    real = infer_executor.batch_invariant_draws
+    monkeypatch.setattr(infer_executor, "batch_invariant_draws", lambda on: seen.append(on) or real(on))
+    drawn = SamplingSpec(temperature=1.0, top_k=-1, top_p=0.9, seed=3, logprobs=True)
+    ex.execute(StepCommand(0, True, [SeqStep(0, [5, 6, 7], 0, block_table=[0, 1], sampling=drawn)]))
+    assert seen == [device == "cuda"]
+
+
 def test_the_reduction_width_is_the_models_and_the_declarations_not_the_worlds(tmp_path):
     """The chunk count: the largest TP up to ``max_tp`` the model allows, at every world size."""
     import dataclasses

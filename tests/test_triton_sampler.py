@@ -189,6 +189,43 @@ def test_the_sampler_draws_the_same_tokens_and_log_probs_with_it(dtype, monkeypa
     assert "first_reaching" in calls and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@needs_triton
+def test_batch_invariant_draws_run_the_kernels_and_draw_a_row_alone_as_in_its_batch(monkeypatch):
+    """Inside ``batch_invariant_draws`` (the invariant mode's sampling on CUDA) the sampler's torch path takes
+    the Triton kernels without the switch, on the GPU's way (nothing read on the host): a row drawn alone gets
+    the token and log-prob it gets among eight, top_p rows too; outside it, or with ``on=False``, torch's."""
+    from pat_engine.sampling import host
+    from pat_engine.sampling.sampler import SamplingBatch, sample_on_device
+    from pat_engine.sampling.spec import SamplingSpec
+
+    monkeypatch.setenv("PAT_CPU_SAMPLER", "torch")
+    monkeypatch.delenv("PAT_TRITON_SAMPLER", raising=False)
+    monkeypatch.setattr(host, "reads_are_free", lambda x: False)
+    logits = (torch.randn(8, 700, generator=torch.Generator().manual_seed(9)) * 4).to(DEV)
+    specs = [SamplingSpec(temperature=1.0, top_k=-1, top_p=0.9 if i % 3 == 0 else 1.0, seed=40 + i, logprobs=True)
+             for i in range(8)]
+
+    def draw(rows: list[int]):
+        batch = SamplingBatch.build([specs[r] for r in rows], [30 + r for r in rows], device=DEV, vocab=700)
+        out = sample_on_device(logits[rows], batch)
+        return out.tokens.tolist(), out.logprobs.tolist()
+
+    calls = []
+    for name in ("draw", "first_reaching"):
+        kernel = getattr(_kernel(), name)
+        monkeypatch.setattr(_kernel(), name, lambda *a, kernel=kernel, name=name: calls.append(name) or kernel(*a))
+    draw([0])
+    with inverse_cdf.batch_invariant_draws(False):
+        draw([0])
+    assert calls == []
+    with inverse_cdf.batch_invariant_draws():
+        together = draw(list(range(8)))
+        alone = [draw([r]) for r in (0, 3, 5)]
+    assert {"draw", "first_reaching"} <= set(calls)
+    for (tokens, logprobs), r in zip(alone, (0, 3, 5)):
+        assert tokens == [together[0][r]] and logprobs == [together[1][r]]
+
+
 @pytest.mark.gpu
 @gpu
 @needs_triton

@@ -15,13 +15,19 @@ The C++ kernel (csrc/pat_kernels/cpu/sample.cpp) does this with one thread per r
 round the same in scalar and vector code, so on the CPU neither the batch nor the thread count
 changes a bit. On CUDA the running sum's ``cumsum`` is ATen's parallel scan, whose order follows the
 batch's row count: a draw whose target lands between two roundings of one boundary can differ
-(rare; docs/numerics.md, "Not covered"). ``PAT_TRITON_SAMPLER=on`` runs the weights, Z and the draw
-as Triton kernels there (pat_kernels/triton_sampler.py): the same weights and Z, and a draw (and a top_p
-nucleus, ``nucleus_sizes``) whose running sum is taken in blocks, an order fixed by the row alone. The log of Z is left to the caller (Python's ``math.log``): a library log differs
-between its vector and scalar paths.
+(rare; docs/numerics.md, "Not covered"). ``PAT_TRITON_SAMPLER=on`` (or ``batch_invariant_draws``, which
+the invariant numerics mode samples inside on CUDA) runs the weights, Z and the draw as Triton kernels
+there (pat_kernels/triton_sampler.py): the same weights and Z, and a draw (and a top_p nucleus,
+``nucleus_sizes``) whose running sum is taken in blocks, an order fixed by the row alone. The log of Z
+is left to the caller (Python's ``math.log``): a library log differs between its vector and scalar
+paths.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
 
 import torch
 
@@ -72,9 +78,25 @@ def lane_sum(e: torch.Tensor) -> torch.Tensor:
     return ((a[:, 0] + a[:, 1]) + (a[:, 2] + a[:, 3])) + ((a[:, 4] + a[:, 5]) + (a[:, 6] + a[:, 7]))
 
 
+_BATCH_INVARIANT = contextvars.ContextVar("pat_batch_invariant_draws", default=False)
+
+
+@contextlib.contextmanager
+def batch_invariant_draws(on: bool = True) -> Iterator[None]:
+    """Within (``on``): the torch path runs the Triton kernels wherever they serve, as ``PAT_TRITON_SAMPLER=on``
+    asks, so the draw's and the top_p nucleus's running sums follow the row alone. The invariant numerics
+    mode samples inside it on CUDA (worker/infer_executor.py), where ATen's scan follows the batch's row count."""
+    token = _BATCH_INVARIANT.set(on)
+    try:
+        yield
+    finally:
+        _BATCH_INVARIANT.reset(token)
+
+
 def _triton_sampler_serves(t: torch.Tensor) -> bool:
-    """Asked for (``PAT_TRITON_SAMPLER=on``), and a Triton kernel can take ``t``'s device."""
-    return env.triton_sampler() and env.triton_runs_on(t.device.type)
+    """Asked for (``PAT_TRITON_SAMPLER=on``, or inside ``batch_invariant_draws``), and a Triton kernel can take
+    ``t``'s device."""
+    return (env.triton_sampler() or _BATCH_INVARIANT.get()) and env.triton_runs_on(t.device.type)
 
 
 def _triton_lane_sum_serves(e: torch.Tensor) -> bool:

@@ -35,6 +35,7 @@ from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.layout import Layout
 from pat_engine.protocol import StepCommand, StepResult
 from pat_engine.protocol import PromptLogprobs
+from pat_engine.sampling.inverse_cdf import batch_invariant_draws
 from pat_engine.sampling.sampler import HostTransfer, sample_on_device
 from pat_engine.worker.graph_capture import DecodeGraphs, GraphSettings
 from pat_engine.speculative.verify import accept
@@ -66,6 +67,8 @@ class InferExecutor:
         self.kv_released = False  # the KV pool was given back (sleep); no step may run until it is restored
         self._writers = 0  # open ``writing_weights`` blocks
         self._last_draw: tuple[int, torch.Tensor] | None = None  # TP rank 0: (step id, its drawn tokens)
+        # the invariant mode's draws may not depend on the batch: on CUDA ATen's scan does (docs/numerics.md)
+        self.batch_invariant_draws = numerics == "invariant" and device.type == "cuda"
 
     @contextlib.contextmanager
     def writing_weights(self) -> Iterator[None]:
@@ -207,7 +210,7 @@ class InferExecutor:
         if logits is None:  # not the TP leader: nothing to report
             return None
         sample_start = time.perf_counter()
-        with record_function("sample"):
+        with record_function("sample"), batch_invariant_draws(self.batch_invariant_draws):
             draw = sample_on_device(logits, step.sampling)
         self._last_draw = (cmd.step_id, draw.tokens)  # what a step that follows this one runs
         # the copy back is queued now: a step launched before this one is answered must not delay it
