@@ -400,6 +400,20 @@ def test_each_part_runs_its_smoke(name, tmp_path):
     assert res["body"].strip() and isinstance(res["headlines"], list)
 
 
+@needs_triton
+def test_the_gemm_sweep_drops_the_configs_the_device_refuses():
+    from triton.runtime.errors import OutOfResources
+
+    from gpucheck import skinny_gemm
+
+    def refused():
+        raise OutOfResources(262144, 232448, "shared memory")
+
+    fns = {"cublas": lambda: 0, "rule": refused, "32x256/1": lambda: 0, "64x256/1": refused}
+    assert skinny_gemm.drop_unlaunchable(fns) == ["64x256/1"]
+    assert list(fns) == ["cublas", "rule", "32x256/1"]  # the engine's own config stays: its failure is the part's
+
+
 def test_a_sequence_refuses_a_decode_past_its_blocks():
     from gpucheck.executor import Sequences
 

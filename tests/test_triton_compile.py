@@ -46,6 +46,17 @@ def test_the_blocked_scan_compiles_for_the_draw_and_for_the_nucleus(compiled):
     assert sum(r["kernel"] == "_draw_kernel" for r in compiled) == 2  # REACH off (the draw) and on (top_p)
 
 
+H100_SHARED_PER_BLOCK = 232448  # bytes a block may opt into on sm_90 (227 KiB)
+
+
+@pytest.mark.slow
+@needs_triton
+def test_every_kernel_fits_an_h100s_shared_memory(compiled):
+    """Triton checks this only when it loads a kernel on the device (OutOfResources at the first launch)."""
+    for r in compiled:
+        assert 0 <= r["shared"] <= H100_SHARED_PER_BLOCK, r
+
+
 @pytest.mark.slow
 @needs_triton
 def test_no_kernel_spills_registers(compiled):

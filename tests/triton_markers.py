@@ -23,6 +23,11 @@ def gemm_data(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0):
     return x, w, b
 
 
-def gemm_tol(dtype: torch.dtype) -> dict:
-    """A GEMM kernel against torch's (another summation order): float32 accumulation's error, and bf16's."""
-    return dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.5, rtol=1.6e-2)
+def gemm_tol(dtype: torch.dtype, k: int = 0) -> dict:
+    """A GEMM kernel against torch's (another summation order): float32 accumulation's error, and bf16's. A
+    sum over ``k`` products of standard normals rounds partial sums of size ~sqrt(k), so an output near 0
+    can be off by far more than its own size times eps: the float32 bound grows with ``k`` (3e-7 k: a
+    sequential float32 walk over the 8B down projection's 14,336 products was simulated 1.8e-3 off)."""
+    if dtype == torch.float32:
+        return dict(atol=max(1e-4, 3e-7 * k), rtol=1e-5)
+    return dict(atol=0.5, rtol=1.6e-2)

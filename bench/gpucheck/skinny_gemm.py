@@ -73,6 +73,7 @@ def gemm_case(p: Projection, rows: int, configs: list, sm: int, device: str, rep
     kept = [c for c in configs if -(-p.k // c.block_k) >= c.split_k and c != rule and (c.dot or rows == 1)]
     fns = {"cublas": lambda: F.linear(x, w), "rule": lambda: skinny_matmul(x, w, config=rule)}
     fns.update({label(c): (lambda c=c: skinny_matmul(x, w, config=c)) for c in kept})
+    dropped = drop_unlaunchable(fns)
     ref = fns["cublas"]().float()
     scale = ref.abs().max().item() or 1.0
     rel = max((fns[n]().float() - ref).abs().max().item() for n in fns if n != "cublas") / scale
@@ -82,7 +83,23 @@ def gemm_case(p: Projection, rows: int, configs: list, sm: int, device: str, rep
     return {"name": p.name, "n": p.n, "k": p.k, "rows": rows, "per_step": p.per_step, "bytes": nbytes,
             "rule": label(rule), "rule_steps": steps, "cublas_s": times["cublas"], "rule_s": times["rule"],
             "best": label(rule) if best == "rule" else best, "best_s": times[best],
-            "gbps": {n: nbytes / t / 1e9 for n, t in times.items()}, "max_rel_diff": rel}
+            "gbps": {n: nbytes / t / 1e9 for n, t in times.items()}, "max_rel_diff": rel, "dropped": dropped}
+
+
+def drop_unlaunchable(fns: dict) -> list[str]:
+    """Call each skinny config once; drop (and name) those the device refuses: a 64-row tile of 64 x 256 in 4
+    stages asks 256 KiB of shared memory, more than an H100 gives a block (227 KiB). The rule's config is
+    not probed: it is what the engine runs, so its failure fails the part."""
+    from triton.runtime.errors import OutOfResources
+
+    dropped = []
+    for name in [n for n in fns if n not in ("cublas", "rule")]:
+        try:
+            fns[name]()
+        except OutOfResources:
+            dropped.append(name)
+            del fns[name]
+    return dropped
 
 
 def step_ms(cases: list[dict], rows: int, key: str) -> float:
@@ -107,7 +124,8 @@ def run(ctx: Ctx) -> PartResult:
                 c = gemm_case(p, rows, configs, sm, ctx.device, repeats, warmup)
                 cases.append(c)
                 log(f"gemm {model} {p.name} x{rows}: cuBLAS {c['gbps']['cublas']:.0f} GB/s, rule {c['rule']} "
-                    f"{c['gbps']['rule']:.0f} GB/s, best {c['best']} {c['bytes'] / c['best_s'] / 1e9:.0f} GB/s")
+                    f"{c['gbps']['rule']:.0f} GB/s, best {c['best']} {c['bytes'] / c['best_s'] / 1e9:.0f} GB/s"
+                    + (f"; dropped (out of resources): {', '.join(c['dropped'])}" if c["dropped"] else ""))
         table = markdown_table(
             ["projection", "N x K", "rows", "cuBLAS us", "cuBLAS GB/s", "rule (rows x K step / splits)", "rule us",
              "rule GB/s", "rule / cuBLAS time", "best config", "best us", "best GB/s", "max |diff| / max |out|"],
@@ -124,8 +142,12 @@ def run(ctx: Ctx) -> PartResult:
                          f"{one[3]:.3f} ms")
         sections += [f"### {model} (hidden {spec.hidden_size}, intermediate {spec.intermediate_size}, "
                      f"{spec.num_layers} layers, vocab {spec.vocab_size})", table, steps]
-        data[model] = [{k: c[k] for k in ("name", "rows", "cublas_s", "rule", "rule_s", "best", "best_s")}
+        data[model] = [{k: c[k] for k in ("name", "rows", "cublas_s", "rule", "rule_s", "best", "best_s", "dropped")}
                        for c in cases]
+        dropped = sorted({f"{c['name']} x{c['rows']}: {d}" for c in cases for d in c["dropped"]})
+        if dropped:
+            sections.append("Configs the device refused (out of shared memory or registers), left out of the sweep: "
+                            + "; ".join(dropped) + ".")
     if ctx.smoke:
         setup = ("**Smoke:** the toy model's shapes under TRITON_INTERPRET=1 (numpy) beside F.linear on the CPU; "
                  "the rule sees 132 SMs. Times measure the interpreter.")
