@@ -112,7 +112,10 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], repeats: int, warmup: in
         for n in names[k:] + names[:k]:
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(200_000)  # ~0.1 ms of GPU work ahead of the start event
+                # ~0.5 ms of GPU work ahead of the start event: longer than any call's host side (a split-K
+                # skinny GEMM allocates twice and launches two Triton kernels), so the GPU never drains
+                # between a call's launches and their gaps are not timed as the call's
+                torch.cuda._sleep(1_000_000)
                 start.record()
                 fns[n]()
                 end.record()
