@@ -23,9 +23,9 @@ H100 are in ``registry.py``; the parts table prints them beside what they took, 
 |---|---|
 | attention | decode attention GB/s vs SDPA at 6 shapes, the split sweep; fused layer kernels vs torch |
 | gemm | decode GEMMs at 1, 8, 64 rows: cuBLAS vs the skinny Triton GEMM (its rule and a config sweep), a step's GEMM ms |
-| sampler | the RL draw (temperature 1, log-probs) at 1 and 64 rows: the torch twin vs the Triton kernels (weights, Z); greedy beside |
+| sampler | the RL draw (temperature 1, log-probs; top_p 0.9) at 1 and 64 rows: the torch twin vs the Triton kernels (weights, Z, draw, nucleus); greedy beside |
 | (checkpoint) | the 16 GB random checkpoint, written once per ``--workdir``, before the parts using it |
-| kernels | kernels per step and per layer, GPU ms by piece, batch 1 and 64, graphs vs eager vs skinny-GEMM step |
+| kernels | kernels per step and per layer, GPU ms by piece, batch 1 and 64, graphs vs eager vs skinny-GEMM step; a graphs step's host phases beside its GPU busy time |
 | prefill | 64 x 512 and 8 x 4K prefill: tokens/s, model FLOP/s vs an 8192^3 bf16 GEMM |
 | decode | Engine decode ms / token vs roofline and floor: batch 1/16/64, 64 x 512, 64 x 2K, async off/on; 64 x 512 sampled (RL) |
 | profile | pat-profile --emulate-world 8, graphs on, median step; predictor error at TP1 |
