@@ -2,7 +2,7 @@
 (issues 23 and 30). The parts live in ``bench/gpucheck/`` (one file each, listed in ``registry.py``).
 
     python bench/gpu_check.py --quick                 # every headline row (146 s on the second H100 run) + 2 test selections
-    python bench/gpu_check.py --only graphs weightsync tests invariant   # the rest, ~8 min
+    python bench/gpu_check.py --only controller graphs weightsync tests invariant   # the rest, ~10 min
     python bench/gpu_check.py                         # every part (> 10 min: split it under the device tool)
     python bench/gpu_check.py --smoke [--quick]       # toy sizes on the CPU, into a temp file (never the results)
 
@@ -13,7 +13,7 @@ On a lent machine (``run`` tool), write where the files come back, then copy the
 A session's 15 device minutes (start-up included) hold two such calls; what is still unmeasured first:
 
     python bench/gpu_check.py --quick --only gemm sampler kernels prefill decode profile --budget-s 330 --output "$OUT/gpu_check.md"
-    python bench/gpu_check.py --only switch --budget-s 420 --output "$OUT/gpu_check.md"   # the controller (issue 32)
+    python bench/gpu_check.py --only controller switch --budget-s 420 --output "$OUT/gpu_check.md"   # issue 32
 
 Parts (``--only`` names; each a section of ``bench/results/gpu_check.md`` with its command, machine, date
 and environment, headlines with each target's verdict at the top). Each part's expected seconds on an
@@ -29,7 +29,8 @@ H100 are in ``registry.py``; the parts table prints them beside what they took, 
 | prefill | 64 x 512 and 8 x 4K prefill: tokens/s, model FLOP/s vs an 8192^3 bf16 GEMM |
 | decode | Engine decode ms / token vs roofline and floor: batch 1/16/64, 64 x 512, 64 x 2K, async off/on; 64 x 512 sampled (RL) |
 | profile | pat-profile --emulate-world 8, graphs on, median step; predictor error at TP1 |
-| switch | the live switch with 2 (full: and 4) ranks sharing the GPU, 1B shape: each phase in s and bytes, the graphs share, host-staged collectives, CUDA memory; full: the controller on a co-located pat-profile table, capture warm-ups |
+| controller | the controller on a co-located long-tail rollout (the switch part's 1B shape, 2 ranks), driven by a pat-profile table measured on those ranks: the predictor's step error (goal <= 5%), its choices against its table |
+| switch | the live switch with 2 (full: and 4) ranks sharing the GPU, 1B shape: each phase in s and bytes, the graphs share, host-staged collectives, CUDA memory; full: capture warm-ups |
 | graphs | CUDA graph capture per ladder size, recapture after an emulated switch |
 | weightsync | update_weights GB/s, update_weights_from_distributed (gloo; NCCL attempted) |
 | tests | ``pytest -m gpu`` over the files holding gpu tests |
@@ -43,8 +44,8 @@ case and splits up to 64; ``prefill`` with 2 runs per row; ``profile`` on TP 1/2
 contexts 512 and 2048, 8 steps a point; ``switch`` with one measured batch (migrate) after its warm-up;
 ``tests`` with two selections (``gpu_tests.QUICK``). It skips ``graphs``, ``weightsync`` and ``invariant`` (their figures are not
 headlines; run them as the second command above). ``--budget-s`` (default 540 with ``--quick``) caps
-each part's timeout by what is left of it and skips the parts it cannot start, so the command ends
-inside the device tool's 10 minutes.
+each part's timeout by what is left of it and skips a part when less is left than the registry expects
+it to take, so the command ends inside the device tool's 10 minutes.
 
 Robustness: each part runs in its own process (a CUDA error that poisons a context, an out-of-memory
 or a hang costs that part only), under a timeout that ends its process group; its section is then
@@ -60,6 +61,7 @@ layer by layer, and reused). pytest for ``tests`` only. Not needed: network, the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -82,6 +84,7 @@ from gpucheck.report import (RESULTS, PartResult, Section, load_sections, render
                              results_path, save_sections)
 
 QUICK_BUDGET_S = 540  # the device tool ends a command at 600 s
+MIN_START_S = 30  # no part starts with less of the budget left
 CHECKPOINT = "checkpoint"  # the step before the parts that writes (or finds) the checkpoint
 
 
@@ -166,18 +169,23 @@ def in_child(name: str, argv: list[str], args: argparse.Namespace, timeout: floa
             "body": f"FAILED: {why}. The end of its log ({log_path}):\n\n```\n{tail}\n```"}
 
 
-def _end_group(proc: subprocess.Popen) -> None:
-    """End the child's process group: politely, then for good (nothing to do when it is already empty)."""
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+def _end_group(proc: subprocess.Popen, term_wait: float = 15.0, kill_wait: float = 5.0) -> None:
+    """End every process of the child's group, not its leader alone (engine workers and pat-profile outlive
+    it and hold device memory the next part would size itself from): politely, then for good."""
+    for sig, wait in ((signal.SIGTERM, term_wait), (signal.SIGKILL, kill_wait)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            return  # the group is empty
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.1)  # reap the leader: a zombie still counts as a member
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
 
 
 # ---- the run ----------------------------------------------------------------------------------------------
@@ -217,13 +225,15 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.budget_s if args.budget_s is not None else (QUICK_BUDGET_S if args.quick else None)
     started = time.perf_counter()
 
-    def step(name: str, timeout: float) -> tuple[dict, float]:
-        """One step in its own process (or here), under what is left of the budget."""
+    def step(name: str, timeout: float, expected: float) -> tuple[dict, float]:
+        """One step in its own process (or here), under what is left of the budget; skipped when less is left
+        than it is expected to take (a part cut off part-way keeps nothing)."""
         left = None if budget is None else budget - (time.perf_counter() - started)
         t = time.perf_counter()
-        if left is not None and left < 30:
+        if left is not None and left < max(MIN_START_S, expected):
             return {"status": "skipped", "headlines": [], "data": {},
-                    "body": f"skipped: the run's time budget (--budget-s {budget:.0f}) was spent"}, 0.0
+                    "body": f"skipped: {left:.0f} s of the run's time budget (--budget-s {budget:.0f}) were left, "
+                            f"the part is expected to take {expected:.0f} s"}, 0.0
         timeout = timeout if left is None else min(timeout, left)
         _log(f"{name} (timeout {timeout:.0f} s) ...")
         res = execute(name, args) if args.in_process else in_child(name, argv, args, timeout)
@@ -232,11 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     todo = selected(args)
     notes = []
     if any(p.needs_checkpoint for p in todo):  # its own step, so a slow disk shows here and not in a part
-        res, secs = step(CHECKPOINT, CHECKPOINT_TIMEOUT_S)
+        res, secs = step(CHECKPOINT, CHECKPOINT_TIMEOUT_S, CHECKPOINT_S)
         notes.append(f"checkpoint: {res['body'].splitlines()[0]} ({res['status']}, {secs:.0f} s of this command; "
                      f"expected ~{CHECKPOINT_S} s to write, ~0 reused)")
     for p in todo:
-        res, secs = step(p.name, p.quick_timeout_s if args.quick else p.full_timeout_s)
+        expected = p.quick_s if args.quick and p.quick_s is not None else p.full_s
+        res, secs = step(p.name, p.quick_timeout_s if args.quick else p.full_timeout_s, expected)
         sections[p.name] = Section(p.name, p.title, res["body"], res["status"], secs, command, date, info["machine"],
                                    res["headlines"], res["data"])
         print(f"\n## {p.title} [{res['status']}, {secs:.0f}s]\n\n{res['body']}\n", flush=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -237,11 +238,39 @@ def test_the_registry_and_quicks_selection():
     # the headlines and two test selections; not graphs, weightsync, invariant
     assert quick == ["attention", "gemm", "sampler", "kernels", "prefill", "decode", "profile", "switch", "tests"]
     planned = sum(registry.part(n).quick_s for n in quick) + registry.CHECKPOINT_S
-    assert planned <= 450 < gc.QUICK_BUDGET_S - 80  # ~7.5 min planned, inside the budget the device tool allows
+    assert planned <= gc.QUICK_BUDGET_S - 40  # ~8 min planned, inside the budget the device tool allows
+    assert registry.part("controller").quick_s is None  # its own part, run by the second command
     assert [p.name for p in gc.selected(gc.parse_args(["--only", "tests", "attention"]))] == ["attention", "tests"]
     assert len(gc.selected(gc.parse_args([]))) == len(registry.PARTS)
     with pytest.raises(KeyError):
         registry.part("splitkv")
+
+
+def test_a_part_expected_to_outlast_the_budget_is_skipped(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(gc, "execute", lambda name, args: ran.append(name) or
+                        {"status": "ok", "body": "b", "headlines": [], "data": {}})
+    monkeypatch.setattr(gc, "describe_machine", lambda smoke: {"machine": "m", "environment": "e", "gpu": "g"})
+    out = tmp_path / "r.md"
+    # attention is expected to take 30 s (full), gemm 90: a budget of 60 s starts the first, skips the second
+    assert gc.main(["--in-process", "--only", "attention", "gemm", "--budget-s", "60", "--output", str(out),
+                    "--workdir", str(tmp_path)]) == 0
+    assert ran == ["attention"]
+    assert re.search(r"skipped: \d+ s of the run's time budget \(--budget-s 60\) were left, the part is expected to "
+                     r"take 90 s", out.read_text())
+
+
+def test_ending_a_part_ends_every_process_of_its_group():
+    """A part's engine workers outlive its process and hold device memory: the whole group is ended, a member
+    that ignores SIGTERM included, though the leader has already exited."""
+    import subprocess
+
+    proc = subprocess.Popen(["sh", "-c", "(trap '' TERM; exec sleep 60) & exit 0"], start_new_session=True)
+    proc.wait(timeout=10)
+    os.killpg(proc.pid, 0)  # the sleep is still in the group
+    gc._end_group(proc, term_wait=0.5, kill_wait=5)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)
 
 
 def test_a_part_cut_off_by_its_timeout_is_recorded_as_failed(tmp_path):

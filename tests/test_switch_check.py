@@ -85,6 +85,15 @@ def test_the_controller_table_is_measured_on_the_co_located_deployment(tmp_path)
     assert len(prompts) == len(lengths) and lengths.count(max(lengths)) == 3 and max(lengths) > 10 * min(lengths)
 
 
+def test_a_failing_piece_of_the_part_is_reported_in_its_place():
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access\nmore")
+
+    assert switch.apart("four ranks", broken) == ["", "**four ranks: FAILED** (RuntimeError: CUDA error: an illegal "
+                                                     "memory access)"]
+    assert switch.apart("fine", lambda: ["a"]) == ["a"]
+
+
 def test_the_multi_gpu_world_is_a_power_of_two_up_to_eight():
     assert multi_gpu_check.world_for(0, None) is None and multi_gpu_check.world_for(1, None) is None
     assert [multi_gpu_check.world_for(n, None) for n in (2, 3, 4, 6, 8, 16)] == [2, 2, 4, 4, 8, 8]

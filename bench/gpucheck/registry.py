@@ -35,17 +35,21 @@ class Part:
 PARTS: tuple[Part, ...] = (
     Part("attention", "Decode attention vs SDPA on contiguous K/V, and the fused layer kernels", "attention",
          15, 30, 120, 300, needs_checkpoint=False),
-    Part("gemm", "Decode GEMMs at 1-64 rows: cuBLAS beside the skinny Triton GEMM", "skinny_gemm", 35, 90, 150, 360,
-         needs_checkpoint=False),  # estimates (not run on a device yet): --quick compiles 27 kernels (18 s for sm_90 on the 2-core CI host) + timing
+    # gemm, sampler: estimates (not run on a device yet), short timeouts so that a hang in new code leaves the
+    # parts after them their time. gemm --quick compiles 27 kernels (18 s for sm_90 on the 2-core CI host)
+    Part("gemm", "Decode GEMMs at 1-64 rows: cuBLAS beside the skinny Triton GEMM", "skinny_gemm", 40, 90, 100, 360,
+         needs_checkpoint=False),
     Part("sampler", "The RL draw: temperature 1 with log-probs, the torch twin beside the Triton kernels", "sampler",
-         15, 30, 120, 240, needs_checkpoint=False),  # estimates (not run on a device yet)
+         30, 45, 75, 240, needs_checkpoint=False),
     Part("kernels", "Kernels per decode step (torch.profiler, Llama-3-8B shape, bf16)", "kernels",
-         25, 40, 180, 400),
+         35, 50, 180, 400),  # 18 s on the third run; since: the skinny GEMM's mode and a graphs-step profile
     Part("prefill", "Packed varlen prefill vs the measured bf16 GEMM throughput", "prefill", 25, 40, 150, 300),
-    Part("decode", "TP1 decode vs the HBM roofline and the streamed-bytes floor", "decode", 55, 200, 200, 560),
+    Part("decode", "TP1 decode vs the HBM roofline and the streamed-bytes floor", "decode", 70, 200, 200, 560),
     Part("profile", "pat-profile --emulate-world 8 (graphs on, median step)", "emulated_profile", 40, 40, 150, 480),
-    Part("switch", "The live switch on one GPU, ranks sharing it: phases, collectives, controller", "switch",
-         45, 330, 150, 560, needs_checkpoint=False),  # writes its own 2.5 GB checkpoint (1B shape)
+    Part("controller", "The controller on ranks sharing the GPU: the predictor's step error, its choices",
+         "switch_controller", None, 150, 300, 300, needs_checkpoint=False),  # estimate: pat-profile ~60 s + 2 rounds
+    Part("switch", "The live switch on one GPU, ranks sharing it: phases, collectives", "switch",
+         45, 200, 150, 560, needs_checkpoint=False),  # writes its own 2.5 GB checkpoint (1B shape)
     Part("graphs", "CUDA graph capture and recapture", "graphs", None, 25, 120, 300),
     Part("weightsync", "Weight sync", "weightsync", None, 60, 120, 400),
     Part("tests", "gpu-marked tests", "gpu_tests", 170, 400, 240, 480),  # --quick: gpu_tests.QUICK; full: over 200 s

@@ -12,9 +12,10 @@ first captures) and is shown apart. Goal (issue 32): the graphs phase <= 10% of 
 
 Also: what the host-staged collectives cost (point-to-point GB/s, decode steps per layout; full mode:
 each collective a TP2 decode step makes, timed on its shapes), CUDA memory per rank before and after the
-measured switches, and (full mode) a TP1xDP4 -> TP4xDP1 merge, the capture warm-ups (2 per size as the
-first H100 run captured, against 2 for an epoch's first size and 1 for the rest) and the controller on
-this deployment (switch_controller.py).
+measured switches, and (full mode) a TP1xDP4 -> TP4xDP1 merge and the capture warm-ups (2 per size as the
+first H100 run captured, against 2 for an epoch's first size and 1 for the rest), each of the three on its
+own: one that fails says so in its place and the rest of the part stands. The controller on this
+deployment is the ``controller`` part (switch_controller.py), its own process.
 
 Read the communication figures as host memory's, not NVLink's: on one device this mode proves a switch's
 mechanics (tokens, memory, recapture) and times everything but its communication. ``--quick``: one
@@ -34,6 +35,7 @@ import numpy as np
 from common import markdown_table
 from gpucheck.report import PartResult
 from gpucheck.shared import LLAMA32_1B, SMOKE_SPEC, Ctx, free_device_memory, log, verdict
+from pat_engine.tiny_model import TinyModelSpec
 
 GRAPHS_SHARE_GOAL = 0.10
 MiB = 1 << 20
@@ -68,6 +70,12 @@ class Workload:
 
 def workload(smoke: bool) -> Workload:
     return Workload(6, 16, 6, 30, 2, 3, 12) if smoke else Workload(32, 512, 64, 320, 8, 16, 88)
+
+
+def part_checkpoint(ctx: Ctx) -> tuple[TinyModelSpec, Path]:
+    """The part's model (the 1B shape; the smoke spec on the CPU) and its checkpoint, written once per workdir."""
+    spec = SMOKE_SPEC if ctx.smoke else LLAMA32_1B
+    return spec, ctx.checkpoint(spec, "llama_smoke" if ctx.smoke else "llama32_1b_shape_bf16")
 
 
 def engine_kwargs(device: str, smoke: bool) -> dict[str, Any]:
@@ -200,6 +208,49 @@ def capture_warmups(ctx: Ctx, ckpt: Path) -> list[list]:
     return [[name, sizes, statistics.median(v) * 1e3, same] for name, v in per_graph.items()]
 
 
+def apart(what: str, section) -> list[str]:
+    """``section()``'s lines, or one line saying it failed (the part goes on: its other rows stand)."""
+    try:
+        return section()
+    except Exception as exc:  # noqa: BLE001 - reported in the results, never hidden
+        log(f"switch: {what} failed: {type(exc).__name__}: {exc}")
+        return ["", f"**{what}: FAILED** ({type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''})"]
+
+
+def collectives_section(ctx: Ctx, spec: TinyModelSpec) -> list[str]:
+    return ["", "**What each host-staged collective costs** (a TP2 group of two processes on this device, "
+            "gloo on host copies, median of 30 calls; per step = 2 all-reduces a layer + the embedding's "
+            "+ the logits gather; fast numerics):", "",
+            markdown_table(["batch", "all-reduce (batch x hidden) ms", "logits gather ms",
+                            "all-reduces a step", "collectives a step ms"], collective_rows(ctx, spec, 2))]
+
+
+def four_ranks_section(ctx: Ctx, ckpt: Path, w: Workload, vocab: int, data: dict) -> list[str]:
+    from pat_engine.errors import InvalidRequestError
+
+    lines = ["", "**Four ranks on the device: TP1xDP4 -> TP4xDP1 -> TP1xDP4** (same batch, migrate):", ""]
+    try:
+        with start(ckpt, 4, ctx.device, ctx.smoke) as engine:
+            rows4, events4, _, memory4 = switch_rows(engine, w, 4, ("migrate",), vocab, "TP1xDP4")
+        lines += [markdown_table(PHASE_HEADERS, rows4), "", f"CUDA memory per rank: {memory4['delta']}."]
+        data["switches4"] = [{"from": e.from_layout, "to": e.to_layout, "seconds": e.seconds, **e.costs}
+                             for e in events4]
+    except InvalidRequestError as exc:  # a share of a smaller GPU that cannot hold four ranks
+        lines.append(f"not run: four ranks do not fit this device ({exc})")
+    finally:
+        free_device_memory()
+    return lines
+
+
+def warmups_section(ctx: Ctx, ckpt: Path) -> list[str]:
+    if ctx.smoke:
+        return ["", "Capture warm-ups: not timed (no CUDA graphs on the CPU)."]
+    return ["", "**Capture warm-ups** (TP1 shard in this process, capture of the sizes up to 32, median of 3 "
+            "interleaved epochs; tokens of 4 decode steps of 8 requests, graphs against eager):", "",
+            markdown_table(["warm-ups", "sizes", "ms per size", "graph tokens = eager tokens"],
+                           capture_warmups(ctx, ckpt))]
+
+
 def decode_tokens(ex, graphs: bool) -> list[list[int]]:
     """Tokens of 4 greedy decode steps of 8 requests, through the executor's graphs or eagerly."""
     import contextlib
@@ -218,11 +269,9 @@ def decode_tokens(ex, graphs: bool) -> list[list[int]]:
 
 
 def run(ctx: Ctx) -> PartResult:
-    from pat_engine.errors import InvalidRequestError
     from pat_engine.model.arch import load_model_arch
 
-    spec = SMOKE_SPEC if ctx.smoke else LLAMA32_1B
-    ckpt = ctx.checkpoint(spec, "llama_smoke" if ctx.smoke else "llama32_1b_shape_bf16")
+    spec, ckpt = part_checkpoint(ctx)
     vocab = load_model_arch(str(ckpt)).vocab_size
     w = workload(ctx.smoke)
     kvs = ("migrate",) if ctx.quick else ("migrate", "recompute")
@@ -280,35 +329,10 @@ def run(ctx: Ctx) -> PartResult:
     data: dict[str, Any] = {"switches": [{"from": e.from_layout, "to": e.to_layout, "kv": e.kv_path,
                                           "seconds": e.seconds, **e.costs} for e in events],
                             "bandwidth": bandwidth}
-    if not ctx.quick:
-        lines += ["", "**What each host-staged collective costs** (a TP2 group of two processes on this device, "
-                  "gloo on host copies, median of 30 calls; per step = 2 all-reduces a layer + the embedding's "
-                  "+ the logits gather; fast numerics):", "",
-                  markdown_table(["batch", "all-reduce (batch x hidden) ms", "logits gather ms",
-                                  "all-reduces a step", "collectives a step ms"], collective_rows(ctx, spec, 2))]
-        lines += ["", "**Four ranks on the device: TP1xDP4 -> TP4xDP1 -> TP1xDP4** (same batch, migrate):", ""]
-        try:
-            with start(ckpt, 4, ctx.device, ctx.smoke) as engine:
-                rows4, events4, _, memory4 = switch_rows(engine, w, 4, ("migrate",), vocab, "TP1xDP4")
-            lines += [markdown_table(PHASE_HEADERS, rows4), "", f"CUDA memory per rank: {memory4['delta']}."]
-            data["switches4"] = [{"from": e.from_layout, "to": e.to_layout, "seconds": e.seconds, **e.costs}
-                                 for e in events4]
-        except InvalidRequestError as exc:  # a share of a smaller GPU that cannot hold four ranks
-            lines.append(f"not run: four ranks do not fit this device ({exc})")
-        free_device_memory()
-        if ctx.smoke:
-            lines += ["", "Capture warm-ups: not timed (no CUDA graphs on the CPU)."]
-        else:
-            lines += ["", "**Capture warm-ups** (TP1 shard in this process, capture of the sizes up to 32, median "
-                      "of 3 interleaved epochs; tokens of 4 decode steps of 8 requests, graphs against eager):", "",
-                      markdown_table(["warm-ups", "sizes", "ms per size", "graph tokens = eager tokens"],
-                                     capture_warmups(ctx, ckpt))]
-        from gpucheck.switch_controller import run as run_controller
-
-        more, heads, cdata = run_controller(ctx, ckpt, engine_kwargs(ctx.device, ctx.smoke))
-        lines += ["", "**The controller on this deployment**", "", *more]
-        headlines += heads
-        data["controller"] = cdata
+    if not ctx.quick:  # each piece on its own: one that fails keeps the rows above and the pieces after it
+        lines += apart("host-staged collectives", lambda: collectives_section(ctx, spec))
+        lines += apart("four ranks", lambda: four_ranks_section(ctx, ckpt, w, vocab, data))
+        lines += apart("capture warm-ups", lambda: warmups_section(ctx, ckpt))
     if ctx.smoke:
         headlines = ["smoke: not judged (CPU, stand-in graphs)"] + headlines[1:]
     return PartResult("\n".join(lines), headlines, data)

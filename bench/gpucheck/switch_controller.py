@@ -1,14 +1,17 @@
-"""The controller on ranks sharing one GPU (issue 32, item 4), for the ``switch`` part.
+"""Part ``controller``: the controller on ranks sharing one GPU (issue 32, item 4).
 
 ``pat-profile`` measures this very deployment (world 2 on one device: the table says "2 ranks per device",
 so no one-GPU-per-rank engine can take it), then a long-tail batch (most responses short, a few long) runs
-static at TP1xDP2, static at TP2xDP1 and under the controller that table drives, layouts in turn.
+static at TP1xDP2, static at TP2xDP1 and under the controller that table drives, layouts in turn (each run
+that starts at TP1 after an untimed one there, so that no timed run captures decode graphs the others do
+not).
 
 What one device can show: the ranks share one HBM and co-located TP>1 groups decode eagerly through
 host-staged collectives, so a switch cannot win time here. The checks are that the predictor, fitted to
 the table, predicts this GPU's decode steps (goal: <= 5% per step) and that the controller picks what its
 table says at every evaluation (its recorded predictions: a switch exactly when one beat staying by the
-margin).
+margin). The model and deployment are the ``switch`` part's (the 1B shape, two ranks on the device); this
+part runs in a process of its own, so a fault or a timeout in either costs the other nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from common import markdown_table
+from gpucheck.report import PartResult
 from gpucheck.shared import Ctx, log, verdict
 from predictor_accuracy import mape, run_layout
 
@@ -66,6 +70,17 @@ def table_agreement(history) -> tuple[int, list[list]]:
     return agree, rows
 
 
+def warm_tp1(engine, prompts: list[list[int]], params: list) -> None:
+    """Switch to TP1xDP2 and run the batch once, statically: TP1 groups replay decode graphs, which a switch
+    drops and the first step of each batch size captures again (~50-100 ms on a GPU against a few ms a
+    step); co-located TP2 groups decode eagerly. So no timed run, and no recorded step, pays for a capture
+    the other runs do not."""
+    from pat_engine.predictor.policy import StaticLayout
+
+    engine.reconfigure(1)
+    engine.generate(prompts, params, policy=StaticLayout(), use_tqdm=False)
+
+
 def step_errors(pred, tp: int, steps) -> tuple[float, float]:
     """(per-step MAPE, drain-time error) in %, of the predictor on one static run's decode steps."""
     meas = np.array([s.seconds for s in steps])
@@ -73,11 +88,18 @@ def step_errors(pred, tp: int, steps) -> tuple[float, float]:
     return mape(est, meas), abs(est.sum() - meas.sum()) / meas.sum() * 100
 
 
-def run(ctx: Ctx, ckpt: Path, engine_kwargs: dict) -> tuple[list[str], list[str], dict]:
+def run(ctx: Ctx) -> PartResult:
+    from gpucheck.switch import engine_kwargs, part_checkpoint
+
+    _, ckpt = part_checkpoint(ctx)
+    lines, headlines, data = measure(ctx, ckpt, engine_kwargs(ctx.device, ctx.smoke))
+    return PartResult("\n".join(lines), headlines, data)
+
+
+def measure(ctx: Ctx, ckpt: Path, engine_kwargs: dict) -> tuple[list[str], list[str], dict]:
     """(section lines, headlines, data)."""
     from pat_engine import Engine, SamplingParams
     from pat_engine.model.arch import load_model_arch
-    from pat_engine.predictor.policy import StaticLayout
     from pat_engine.predictor.predictor import LatencyPredictor
     from pat_engine.predictor.table import ProfileTable
 
@@ -106,9 +128,10 @@ def run(ctx: Ctx, ckpt: Path, engine_kwargs: dict) -> tuple[list[str], list[str]
         assert controller is not None, "the table did not attach a controller"
         for _ in range(1 if ctx.smoke else 2):
             for label in times:
+                if label != "static TP2xDP1":  # runs starting at TP1: every batch size's graph captured untimed
+                    warm_tp1(engine, prompts, params)
                 t = time.perf_counter()
                 if label == "controller":
-                    engine.reconfigure(1)
                     engine.set_policy(controller)
                     before, seen = len(engine.switches), len(controller.history)
                     engine.generate(prompts, params, use_tqdm=False)

@@ -94,13 +94,16 @@ class CudaGraphBackend:
         self.device = device
         self.warmups, self.later_warmups = warmups, later_warmups  # an epoch's first capture, the others
         self._pool: object | None = None
+        # one warm-up stream for every capture: a new torch.cuda.Stream each time walks torch's pool of 32, and
+        # cuBLAS keeps a workspace (32 MiB on an H100) for every stream it meets, ~1 GiB a rank at worst
+        self._side = torch.cuda.Stream(device)
 
     def new_epoch(self) -> None:
         self._pool = None
 
     def capture(self, forward: Callable[[], torch.Tensor]) -> CapturedGraph:
         # warm-up: lazy initialisations must not be recorded
-        side = torch.cuda.Stream(self.device)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(self.warmups if self._pool is None else self.later_warmups):
