@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,19 @@ from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():  # Triton kernels run in numpy on the CPU; read when Triton loads, so first
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ALL_SLOW = re.compile(r"^pytestmark = pytest\.mark\.slow\b", re.M)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The fast tier (``-m "not slow"``) does not import a test module whose every test is slow: it would
+    only deselect them, and some import heavy frameworks to do so (veRL's adapter tests: 4 s)."""
+    if config.option.markexpr.strip() != "not slow" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_") or not ALL_SLOW.search(collection_path.read_text()):
+        return None
+    return True
+
 
 # Ragged prompts and lengths; some requests generate 48+ tokens.
 PROMPTS = [

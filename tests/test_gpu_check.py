@@ -260,6 +260,7 @@ def test_a_part_expected_to_outlast_the_budget_is_skipped(tmp_path, monkeypatch)
                      r"take 90 s", out.read_text())
 
 
+@pytest.mark.slow  # processes
 def test_ending_a_part_ends_every_process_of_its_group():
     """A part's engine workers outlive its process and hold device memory: the whole group is ended, a member
     that ignores SIGTERM included, though the leader has already exited."""
@@ -294,6 +295,7 @@ def test_pytest_summary_line_and_the_gpu_test_files():
     assert "test_triton_kernel.py" in files and "test_gpu_check.py" in files and "test_sampler.py" not in files
 
 
+@pytest.mark.slow  # processes
 def test_a_gpu_test_files_failures_are_printed_as_they_happen(tmp_path):
     """The second H100 run lost two failures' messages: pytest prints them in its final summary, which a
     run stopped at its limit never reaches. They are printed when they happen now, before the summary."""

@@ -123,8 +123,9 @@ def test_the_draw_sums_in_blocks_not_in_one_chain():
     assert int((e.double().cumsum(dim=-1) <= 1.0).sum()) == 255  # the single chain reaches past 1.0 at 255
 
 
+@SLOW  # the fast tier keeps the hand-built case below
 @needs_triton
-@pytest.mark.parametrize("vocab", [pytest.param(3, marks=SLOW), 700, pytest.param(2051, marks=SLOW)])
+@pytest.mark.parametrize("vocab", [3, 700, 2051])
 def test_the_nucleus_follows_its_blocked_rule(vocab):
     """``first_reaching`` on rows in descending order is ``blocked_draw_reference(reach=True)`` and, on these
     rows, the single chain's place (the count of running sums below top_p * Z); a target past the whole sum
@@ -154,13 +155,16 @@ def test_the_nucleus_stops_where_the_sum_reaches_top_p_and_the_draw_where_it_pas
 
 
 @needs_triton
+@pytest.mark.parametrize("gpu_way", [False, pytest.param(True, marks=SLOW)])
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=SLOW)])
-def test_the_sampler_draws_the_same_tokens_and_log_probs_with_it(dtype, monkeypatch):
+def test_the_sampler_draws_the_same_tokens_and_log_probs_with_it(dtype, gpu_way, monkeypatch):
     from pat_engine.sampling import host
     from pat_engine.sampling.sampler import SamplingBatch, sample_on_device
     from pat_engine.sampling.spec import SamplingSpec
 
     monkeypatch.setenv("PAT_CPU_SAMPLER", "torch")  # the torch path (the C++ kernel would serve the CPU)
+    if gpu_way:  # top_p rows' prefix as on a GPU: every row sorted whole, nothing read on the host
+        monkeypatch.setattr(host, "reads_are_free", lambda x: False)
     logits = (torch.randn(8, 700, generator=torch.Generator().manual_seed(2)) * 4).to(dtype).to(DEV)
     specs = [SamplingSpec(temperature=t, top_k=k, top_p=p, seed=s, logprobs=True, min_p=m)
              for t, k, p, s, m in ((1.0, -1, 1.0, 1, 0.0), (0.7, -1, 1.0, 2, 0.0), (1.0, -1, 1.0, 3, 0.05),
@@ -182,13 +186,9 @@ def test_the_sampler_draws_the_same_tokens_and_log_probs_with_it(dtype, monkeypa
     got = draw()
     assert {"lane_sum", "weights", "draw", "first_reaching"} <= set(calls), "a Triton sampler kernel never ran"
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    # the GPU's way to the top_p rows' prefix (every row sorted whole, nothing read on the host)
-    monkeypatch.setattr(host, "reads_are_free", lambda x: False)
-    calls.clear()
-    got = draw()
-    assert "first_reaching" in calls and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@SLOW  # the fast tier keeps the executor's wiring (tests/test_invariant_numerics.py)
 @needs_triton
 def test_batch_invariant_draws_run_the_kernels_and_draw_a_row_alone_as_in_its_batch(monkeypatch):
     """Inside ``batch_invariant_draws`` (the invariant mode's sampling on CUDA) the sampler's torch path takes

@@ -44,6 +44,7 @@ def tokens(outs):
 # ---- the payload format (no workers) ----------------------------------------------------------------
 
 
+@pytest.mark.slow  # processes
 def test_a_payload_is_rebuilt_by_another_process_more_than_once():
     """What every worker does: an unrelated process (another authkey) opens the same handle, twice."""
     t = torch.arange(12, dtype=torch.float64).reshape(3, 4)

@@ -62,6 +62,7 @@ def faults_for(tunables: str) -> int:
     return int(out.stdout)
 
 
+@pytest.mark.slow  # processes
 def test_large_buffers_fault_in_huge_pages():
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not sys.platform.startswith("linux") or not thp.is_file() or "[never]" in thp.read_text():
