@@ -37,7 +37,7 @@ H100 are in ``registry.py``; the parts table prints them beside what they took, 
 | invariant | decode ms per step, numerics fast vs invariant, batch 1 and 64 (issue 31) |
 
 ``--quick`` (146 s on the second H100 run before the tests selections joined it, the checkpoint written in
-17 s of it; with them about 5 minutes, an estimate): one engine in
+17 s of it; with them and the parts added since, about 8 minutes planned from the registry): one engine in
 ``decode`` (graphs on; no eager engine: the kernels part times eager against graph steps in process at
 batch 1 and 64), one round of 64 (batch 1) or 32 (long prompts) tokens; ``attention`` with 20 calls per
 case and splits up to 64; ``prefill`` with 2 runs per row; ``profile`` on TP 1/2/4/8 x batch 1/64 x
