@@ -144,7 +144,8 @@ def nucleus_sizes(e_sorted: torch.Tensor, top_p: torch.Tensor, z_sum: torch.Tens
     """Per row of weights in descending order: how many leading tokens the top_p nucleus holds, i.e. one
     more than the tokens whose running float64 sum stays below top_p * Z (int64; V + 1 where rounding
     leaves the whole sum short). The running sum is the draw's: a cumsum (the CPU's chain; ATen's scan on
-    CUDA), or the Triton kernel's blocks where ``PAT_TRITON_SAMPLER=on`` runs the draw."""
+    CUDA), or the Triton kernel's blocks wherever they run the draw (``PAT_TRITON_SAMPLER=on``, or inside
+    ``batch_invariant_draws``)."""
     if _triton_lane_sum_serves(e_sorted):
         from pat_kernels.triton_sampler import first_reaching
 
