@@ -36,7 +36,7 @@ PARTS: tuple[Part, ...] = (
     Part("attention", "Decode attention vs SDPA on contiguous K/V, and the fused layer kernels", "attention",
          15, 30, 120, 300, needs_checkpoint=False),
     # gemm, sampler: estimates (not run on a device yet), short timeouts so that a hang in new code leaves the
-    # parts after them their time. gemm --quick compiles 27 kernels (18 s for sm_90 on the 2-core CI host)
+    # parts after them their time. gemm --quick compiles a few dozen kernel variants (its sweep's configs x row tiles)
     Part("gemm", "Decode GEMMs at 1-64 rows: cuBLAS beside the skinny Triton GEMM", "skinny_gemm", 40, 90, 100, 360,
          needs_checkpoint=False),
     Part("sampler", "The RL draw: temperature 1 with log-probs, the torch twin beside the Triton kernels", "sampler",

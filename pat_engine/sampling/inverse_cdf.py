@@ -68,7 +68,7 @@ def weights(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor) -> tup
 def lane_sum(e: torch.Tensor) -> torch.Tensor:
     """Z per row (float64), in the kernel's eight-lane order (a sequential cumsum down each lane); by the
     Triton kernel where ``PAT_TRITON_SAMPLER=on`` asks and it serves (the same bits)."""
-    if _triton_lane_sum_serves(e):
+    if _triton_takes_weights(e):
         from pat_kernels.triton_sampler import lane_sum as kernel
 
         return kernel(e.contiguous())
@@ -99,7 +99,8 @@ def _triton_sampler_serves(t: torch.Tensor) -> bool:
     return (env.triton_sampler() or _BATCH_INVARIANT.get()) and env.triton_runs_on(t.device.type)
 
 
-def _triton_lane_sum_serves(e: torch.Tensor) -> bool:
+def _triton_takes_weights(e: torch.Tensor) -> bool:
+    """Whether the Triton kernels that read weights (Z, the nucleus) take ``e``: float32, and they serve."""
     return e.dtype == torch.float32 and _triton_sampler_serves(e)
 
 
@@ -146,7 +147,7 @@ def nucleus_sizes(e_sorted: torch.Tensor, top_p: torch.Tensor, z_sum: torch.Tens
     leaves the whole sum short). The running sum is the draw's: a cumsum (the CPU's chain; ATen's scan on
     CUDA), or the Triton kernel's blocks wherever they run the draw (``PAT_TRITON_SAMPLER=on``, or inside
     ``batch_invariant_draws``)."""
-    if _triton_lane_sum_serves(e_sorted):
+    if _triton_takes_weights(e_sorted):
         from pat_kernels.triton_sampler import first_reaching
 
         return first_reaching(e_sorted.contiguous(), top_p, z_sum) + 1
