@@ -86,8 +86,8 @@ def test_kernel_matches_torch_path(kernel, dtype, heads, kv_heads, monkeypatch):
 @pytest.mark.parametrize("rows", ["few", "many"])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 4), (8, 2)])
 def test_row_and_head_work_items_in_parallel(kernel, rows, heads, kv_heads, monkeypatch):
-    """Few rows: one work item per (row, KV head); many rows (>= 4 per thread): one per row, and
-    enough work to run in parallel. Items are independent, so any thread count gives the same bits."""
+    """Few rows: work items of a row's KV heads (as many items as threads need); many rows: one item per
+    row, and enough work to run in parallel. Items are independent, so any thread count gives the same bits."""
     n = 2 if rows == "few" else 4 * max(torch.get_num_threads(), 2) + 1
     lengths = [150 + 37 * i % 90 for i in range(n)]
     q, pool, meta = decode_case(lengths, heads, kv_heads, 64, 16, torch.float64, padding_rows=1, seed=3)
@@ -118,6 +118,38 @@ def test_other_head_dims_and_block_sizes(kernel, head_dim, block_size, monkeypat
     expected = torch_path(q, pool, meta, 0.3, monkeypatch)
     torch.testing.assert_close(kernel(q, pool, meta.block_tables, meta.context_lens, 0.3), expected,
                                atol=1e-13, rtol=1e-13)
+
+
+# query heads per KV head 1..8 (the register tiles take four at a time, then what is left); head dims that
+# are multiples of 16, of 8 only (the tiles' last eight dims alone) and of neither (the scalar loops)
+GROUPINGS = [(4, 4, 64), (6, 2, 64), (7, 1, 40), (14, 2, 24), (16, 2, 128), (10, 2, 20)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", GROUPINGS)
+def test_head_groupings_match_the_torch_path(kernel, dtype, heads, kv_heads, head_dim, monkeypatch):
+    q, pool, meta = decode_case([1, 2, 15, 16, 17, 50], heads, kv_heads, head_dim, 16, dtype, padding_rows=1, seed=5)
+    scale = head_dim**-0.5
+    got = kernel(q, pool, meta.block_tables, meta.context_lens, scale)
+    torch.testing.assert_close(got, torch_path(q, pool, meta, scale, monkeypatch), atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (14, 2, 24), (10, 2, 20)])
+def test_a_row_alone_has_the_bits_it_has_in_a_batch(kernel, dtype, heads, kv_heads, head_dim):
+    """The invariant mode's contract (docs/numerics.md): a row alone is cut into one work item per KV head,
+    the same row among many into one per row, and on one thread or two; its output bits stay the same."""
+    lengths = [40 + 29 * i % 300 for i in range(4 * max(torch.get_num_threads(), 2) + 3)]
+    q, pool, meta = decode_case(lengths, heads, kv_heads, head_dim, 16, dtype, seed=6)
+    together = kernel(q, pool, meta.block_tables, meta.context_lens, 0.2)
+    for row in (0, 5, len(lengths) - 1):
+        alone = kernel(q[row:row + 1], pool, meta.block_tables[row:row + 1], meta.context_lens[row:row + 1], 0.2)
+        assert torch.equal(alone[0], together[row])
+        assert torch.equal(on_one_thread(kernel, q[row:row + 1], pool, AttentionMetadata(
+            is_prefill=False, slot_mapping=meta.slot_mapping, query_len=1, block_tables=meta.block_tables[row:row + 1],
+            context_lens=meta.context_lens[row:row + 1]), 0.2)[0], together[row])
+    assert torch.equal(on_one_thread(kernel, q, pool, meta, 0.2), together)
 
 
 def test_paged_attention_uses_kernel_with_new_kv(kernel, monkeypatch):

@@ -55,7 +55,8 @@ def _matmul_kernel(
     ks = tl.arange(0, BLOCK_K)
     first = chunk * k_span  # this chunk's K range: [first, first + k_span)
     x_tile = x_ptr + rows[:, None] * stride_xm + (first + ks)[None, :] * stride_xk  # (BLOCK_M, BLOCK_K)
-    w_tile = w_ptr + cols[None, :] * stride_wn + (first + ks)[:, None] * stride_wk  # (BLOCK_K, BLOCK_N)
+    # the weight's offsets in int64: a 152K-token LM head at hidden 16384 is past 2**31 elements
+    w_tile = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (first + ks)[:, None] * stride_wk  # (BLOCK_K, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, k_span, BLOCK_K):
         in_k = (k + ks) < k_span

@@ -8,12 +8,23 @@
 //   out          (B, H, D), q's dtype
 // Token p of row b lives at kv_cache[:, block_tables[b, p / block_size], p % block_size].
 //
-// A work item is a row (with >= 4 rows per thread) or a (row, KV head) pair; the G = H / KVH query
-// heads of a GQA group share every K/V load. The items are shared out in contiguous runs of equal
-// total context, so a batch of mixed lengths (a rollout's long tail) keeps every thread busy.
+// A work item is a row, or a run of its KV heads where the threads need the long rows cut
+// (`heads_per_item`); the G = H / KVH query heads of a GQA group share every K/V load. The items are
+// shared out in contiguous runs of equal total context, so a batch of mixed lengths (a rollout's long
+// tail) keeps every thread busy.
 // Softmax is exact (all scores kept, max subtracted, then one pass over V), accumulated in float
 // for float/bfloat16 and in double for double; float exponentials go 8 at a time through the SLEEF
 // routine torch's own vectorised exp uses (libtorch_cpu exports it) where AVX2 is built in.
+//
+// Where AVX2 is built in and head_dim is a multiple of 8, float and bfloat16 K/V go through register
+// tiles (`tiles::`): q.k for two tokens x up to four query heads at once (eight independent FMA
+// chains, each q load serving two tokens) and p.v for sixteen dims x up to four heads, held in
+// registers across a block's tokens. One accumulator per (token, head) dot, one per (head, dim) sum
+// over the tokens in order: how the work is tiled changes no result's bits, so each (row, KV head)
+// stays a function of its own query, K/V and length, as the invariant mode needs (docs/numerics.md).
+// The next block's lines are asked for into L2 as this block's are read. The scalar loops (double,
+// other head dims, builds without AVX2) run one FMA chain per dot; bench/cpu_decode_attention_ab.py
+// times the tiles against them (the tree before the tiles).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -25,6 +36,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -101,6 +113,178 @@ inline float exp_shifted<float>(float* s, int64_t n, float m) {
 }
 #endif
 
+#if defined(__AVX2__)
+namespace tiles {
+
+// Eight K/V elements as floats.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bfloat16 is float's upper half
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// The lanes' sum in one fixed order: (l0 + l4) + (l2 + l6) + ((l1 + l5) + (l3 + l7)).
+inline float lane_sum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
+}
+
+// Whether the K/V element at dim d starts a cache line (every line a loop walks through is asked for once).
+template <typename kv_t>
+inline bool line_start(int64_t d) {
+  return (d * static_cast<int64_t>(sizeof(kv_t))) % 64 == 0;
+}
+
+// Asks for the line at p one block ahead of its use, into L2 only (prefetcht2): a block is 16-64 KiB, more
+// than L1 holds, and requests for L1 hold the few L1 miss buffers that the loads need (chosen by
+// measurement on the 2-core EPYC here: with prefetcht0 the long-context float32 rows read K/V slower).
+template <typename kv_t>
+inline void ask_ahead(const kv_t* p) {
+  __builtin_prefetch(p, 0, 1);
+}
+
+// out[t * NH + h] = q_h . k_t for NT tokens; q: NH rows of D floats, k[t]: token t's D elements. Where
+// `ahead` is given, each line of ahead[t]'s D elements is prefetched as the same line of k[t] is read.
+template <int NH, int NT, typename kv_t>
+inline void dots(const float* __restrict q, int64_t D, const kv_t* const* k, const kv_t* const* ahead, float* out) {
+  __m256 acc[NT][NH];
+#pragma GCC unroll 8
+  for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 8
+    for (int h = 0; h < NH; ++h) acc[t][h] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    if (ahead && line_start<kv_t>(d))
+#pragma GCC unroll 8
+      for (int t = 0; t < NT; ++t) ask_ahead(ahead[t] + d);
+    __m256 kv[NT];
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) kv[t] = load8(k[t] + d);
+#pragma GCC unroll 8
+    for (int h = 0; h < NH; ++h) {
+      const __m256 qv = _mm256_loadu_ps(q + h * D + d);
+#pragma GCC unroll 8
+      for (int t = 0; t < NT; ++t) acc[t][h] = _mm256_fmadd_ps(qv, kv[t], acc[t][h]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 8
+    for (int h = 0; h < NH; ++h) out[t * NH + h] = lane_sum(acc[t][h]);
+}
+
+// s[h * s_stride + t] = scale * q_h . k_t (h < NH) for NT tokens, token t's K at k[t].
+template <int NH, int NT, typename kv_t>
+inline void score_tokens(const float* q, int64_t D, const kv_t* const* k, const kv_t* const* ahead, float scale,
+                         float* s, int64_t s_stride) {
+  float out[NT * NH];
+  dots<NH, NT>(q, D, k, ahead, out);
+  for (int t = 0; t < NT; ++t)
+    for (int h = 0; h < NH; ++h) s[h * s_stride + t] = out[t * NH + h] * scale;
+}
+
+// NT tokens' scores for every query head of the item: hc KV heads of G query heads each, four at a time;
+// `ahead` (or null): the same tokens of the next block, prefetched once (with the first four heads).
+template <int NT, typename kv_t>
+inline void score_item_tokens(const float* q, int64_t hc, int64_t G, int64_t D, const kv_t* const* k,
+                              const kv_t* const* ahead, float scale, float* s, int64_t s_stride) {
+  for (int64_t hh = 0; hh < hc; ++hh) {
+    const kv_t *kh[NT], *ah[NT];
+    for (int t = 0; t < NT; ++t) {
+      kh[t] = k[t] + hh * D;
+      ah[t] = ahead ? ahead[t] + hh * D : nullptr;
+    }
+    for (int64_t g = hh * G; g < (hh + 1) * G; g += 4) {
+      const kv_t* const* a = ahead && g == hh * G ? ah : nullptr;
+      switch (std::min<int64_t>(4, (hh + 1) * G - g)) {
+        case 4: score_tokens<4, NT>(q + g * D, D, kh, a, scale, s + g * s_stride, s_stride); break;
+        case 3: score_tokens<3, NT>(q + g * D, D, kh, a, scale, s + g * s_stride, s_stride); break;
+        case 2: score_tokens<2, NT>(q + g * D, D, kh, a, scale, s + g * s_stride, s_stride); break;
+        default: score_tokens<1, NT>(q + g * D, D, kh, a, scale, s + g * s_stride, s_stride); break;
+      }
+    }
+  }
+}
+
+// The scores of one block's n tokens (token j's hc x D K row at k + j * tok_stride) for every query head
+// of the item: s[r * s_stride + j] = scale * q_r . k_j. Token by token, two at a time, so the block is
+// read front to back; the next block's same tokens are asked for line by line meanwhile (`next`, null at
+// the last block).
+template <typename kv_t>
+void score_block(const float* q, int64_t hc, int64_t G, int64_t D, const kv_t* k, const kv_t* next,
+                 int64_t tok_stride, int64_t n, float scale, float* s, int64_t s_stride) {
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    const kv_t* pair[2] = {k + j * tok_stride, k + (j + 1) * tok_stride};
+    const kv_t* ahead[2] = {next + j * tok_stride, next + (j + 1) * tok_stride};
+    score_item_tokens<2>(q, hc, G, D, pair, next ? ahead : nullptr, scale, s + j, s_stride);
+  }
+  if (j < n) {
+    const kv_t* one[1] = {k + j * tok_stride};
+    const kv_t* ahead[1] = {next + j * tok_stride};
+    score_item_tokens<1>(q, hc, G, D, one, next ? ahead : nullptr, scale, s + j, s_stride);
+  }
+}
+
+// acc[h * D + d + i] += p[h * p_stride + j] * v_j[d + i] (i < 8 NC) over the n tokens of one block, in token
+// order: a dim's running sum stays in a register across the block. `next` (or null): the next block, whose
+// same lines are prefetched as these are read.
+template <int NH, int NC, typename kv_t>
+inline void accumulate_dims(float* acc, int64_t D, int64_t d, const float* p, int64_t p_stride, const kv_t* v,
+                            const kv_t* next, int64_t tok_stride, int64_t n) {
+  __m256 a[NH][NC];
+#pragma GCC unroll 8
+  for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) a[h][c] = _mm256_loadu_ps(acc + h * D + d + 8 * c);
+  const bool ahead = next && line_start<kv_t>(d);
+  for (int64_t j = 0; j < n; ++j) {
+    if (ahead) ask_ahead(next + j * tok_stride + d);
+    __m256 x[NC];
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) x[c] = load8(v + j * tok_stride + d + 8 * c);
+#pragma GCC unroll 8
+    for (int h = 0; h < NH; ++h) {
+      const __m256 w = _mm256_broadcast_ss(p + h * p_stride + j);
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) a[h][c] = _mm256_fmadd_ps(w, x[c], a[h][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc + h * D + d + 8 * c, a[h][c]);
+}
+
+template <int NH, typename kv_t>
+void accumulate_heads(float* acc, int64_t D, const float* p, int64_t p_stride, const kv_t* v, const kv_t* next,
+                      int64_t tok_stride, int64_t n) {
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) accumulate_dims<NH, 2>(acc, D, d, p, p_stride, v, next, tok_stride, n);
+  if (d < D) accumulate_dims<NH, 1>(acc, D, d, p, p_stride, v, next, tok_stride, n);
+}
+
+// The G query heads of one KV head over one block's n tokens (token j's V at v + j * tok_stride), four at
+// a time; the next block's lines (`next`, or null) are prefetched with the first four.
+template <typename kv_t>
+void accumulate_block(float* acc, int64_t G, int64_t D, const float* p, int64_t p_stride, const kv_t* v,
+                      const kv_t* next, int64_t tok_stride, int64_t n) {
+  for (int64_t g = 0; g < G; g += 4) {
+    float* ag = acc + g * D;
+    const float* pg = p + g * p_stride;
+    const kv_t* ahead = g == 0 ? next : nullptr;
+    switch (std::min<int64_t>(4, G - g)) {
+      case 4: accumulate_heads<4>(ag, D, pg, p_stride, v, ahead, tok_stride, n); break;
+      case 3: accumulate_heads<3>(ag, D, pg, p_stride, v, ahead, tok_stride, n); break;
+      case 2: accumulate_heads<2>(ag, D, pg, p_stride, v, ahead, tok_stride, n); break;
+      default: accumulate_heads<1>(ag, D, pg, p_stride, v, ahead, tok_stride, n); break;
+    }
+  }
+}
+
+}  // namespace tiles
+#endif
+
 // Item boundaries for `parts` threads: contiguous runs of items whose context lengths add up to
 // about the same work. bounds[p] .. bounds[p + 1] is part p's run.
 std::vector<int64_t> split_by_work(const int64_t* lens, int64_t items, int64_t items_per_row, int64_t parts) {
@@ -120,6 +304,19 @@ std::vector<int64_t> split_by_work(const int64_t* lens, int64_t items, int64_t i
 // OpenMP team costs more than it saves.
 constexpr int64_t kSerialWork = 1 << 18;
 
+// KV heads per work item: the most (a divisor of KVH) that keep the largest item, the longest row's,
+// within one thread's share of the work. An item reads its heads' slice of every token row of its
+// blocks, so whole rows (all KV heads, contiguous in the pool) stream front to back where a row per
+// thread is enough, and one long row is cut by heads only as far as the threads need (one head's
+// slice of a row is 256-512 bytes, a stride apart: read that way, a long tail's rows stream slower;
+// bench/results/cpu_decode_attention_ab.md). Each (row, KV head) is computed whole by one item, so the
+// cut changes no bits.
+int64_t heads_per_item(int64_t KVH, int64_t max_len, int64_t total_len, int64_t threads) {
+  for (int64_t hc = KVH; hc > 1; --hc)
+    if (KVH % hc == 0 && max_len * hc * threads <= total_len * KVH) return hc;
+  return 1;
+}
+
 // kD > 0: head_dim known at compile time (the dot and axpy loops unroll fully); 0: read from q.
 template <typename scalar_t, int64_t kD>
 void decode(const at::Tensor& q, const at::Tensor& kv, const int64_t* tables, int64_t table_stride,
@@ -135,14 +332,18 @@ void decode(const at::Tensor& q, const at::Tensor& kv, const int64_t* tables, in
   const scalar_t* vp = kp + num_blocks * block_stride;
   scalar_t* op = out.mutable_data_ptr<scalar_t>();
   const acc_t sc = static_cast<acc_t>(scale);
+#if defined(__AVX2__)
+  const bool tiled = std::is_same_v<acc_t, float> && D % 8 == 0;  // the register tiles (tiles::)
+#else
+  const bool tiled = false;
+#endif
 
-  // With enough rows to share out, one item takes a whole row: its K/V blocks (all KV heads,
-  // contiguous in the pool) are then read front to back. Few rows: one item per (row, KV head).
-  const int64_t hc = B >= 4 * at::get_num_threads() ? KVH : 1;  // KV heads per item
+  const int64_t work = 2 * total_len * H * D;
+  const int64_t threads = work < kSerialWork ? 1 : at::get_num_threads();
+  const int64_t hc = heads_per_item(KVH, max_len, total_len, threads);  // KV heads per item
   const int64_t R = hc * G;  // query heads per item
   const int64_t items = B * (KVH / hc);
-  const int64_t work = 2 * total_len * H * D;
-  const int64_t parts = work < kSerialWork ? 1 : std::min<int64_t>(at::get_num_threads(), items);
+  const int64_t parts = std::min<int64_t>(threads, items);
   const std::vector<int64_t> bounds = split_by_work(lens, items, KVH / hc, parts);
   at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
     std::vector<acc_t> qbuf(R * D), acc(R * D), scores(R * max_len), inv(R);
@@ -167,10 +368,29 @@ void decode(const at::Tensor& q, const at::Tensor& kv, const int64_t* tables, in
           }
         }
       };
+      // Calls visit(block, next, start, n) for every block of this item's context: its first token's K (or V)
+      // heads h0.. in the pool, the next block's (null at the last), the block's first position and size.
+      auto each_block = [&](const scalar_t* pool, auto&& visit) {
+        for (int64_t start = 0, i = 0; start < len; start += BS, ++i) {
+          const scalar_t* block = pool + table[i] * block_stride + h0 * D;
+          const scalar_t* next = start + BS < len ? pool + table[i + 1] * block_stride + h0 * D : nullptr;
+          visit(block, next, start, std::min(BS, len - start));
+        }
+      };
       // scores[r * len + t] = scale * q_r . k_t, query head r reading KV head h0 + r / G
-      each_token(kp, [&](int64_t t, const scalar_t* k) {
-        for (int64_t r = 0; r < R; ++r) scores[r * len + t] = dot(qbuf.data() + r * D, k + (r / G) * D, D) * sc;
-      });
+      if (tiled) {
+#if defined(__AVX2__)
+        if constexpr (std::is_same_v<acc_t, float>) {
+          each_block(kp, [&](const scalar_t* block, const scalar_t* next, int64_t start, int64_t n) {
+            tiles::score_block(qbuf.data(), hc, G, D, block, next, tok_stride, n, sc, scores.data() + start, len);
+          });
+        }
+#endif
+      } else {
+        each_token(kp, [&](int64_t t, const scalar_t* k) {
+          for (int64_t r = 0; r < R; ++r) scores[r * len + t] = dot(qbuf.data() + r * D, k + (r / G) * D, D) * sc;
+        });
+      }
       for (int64_t r = 0; r < R; ++r) {
         acc_t* s = scores.data() + r * len;
         acc_t m = -std::numeric_limits<acc_t>::infinity();
@@ -178,9 +398,21 @@ void decode(const at::Tensor& q, const at::Tensor& kv, const int64_t* tables, in
         inv[r] = acc_t(1) / exp_shifted(s, len, m);
       }
       std::fill(acc.begin(), acc.end(), acc_t(0));
-      each_token(vp, [&](int64_t t, const scalar_t* v) {
-        for (int64_t r = 0; r < R; ++r) axpy(acc.data() + r * D, scores[r * len + t], v + (r / G) * D, D);
-      });
+      if (tiled) {
+#if defined(__AVX2__)
+        if constexpr (std::is_same_v<acc_t, float>) {
+          each_block(vp, [&](const scalar_t* block, const scalar_t* next, int64_t start, int64_t n) {
+            for (int64_t hh = 0; hh < hc; ++hh)
+              tiles::accumulate_block(acc.data() + hh * G * D, G, D, scores.data() + hh * G * len + start, len,
+                                      block + hh * D, next ? next + hh * D : nullptr, tok_stride, n);
+          });
+        }
+#endif
+      } else {
+        each_token(vp, [&](int64_t t, const scalar_t* v) {
+          for (int64_t r = 0; r < R; ++r) axpy(acc.data() + r * D, scores[r * len + t], v + (r / G) * D, D);
+        });
+      }
       for (int64_t r = 0; r < R; ++r) {
         scalar_t* dst = op + (b * H + h0 * G + r) * D;
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[r * D + d] * inv[r]);
