@@ -138,8 +138,8 @@ def test_head_groupings_match_the_torch_path(kernel, dtype, heads, kv_heads, hea
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (14, 2, 24), (10, 2, 20)])
 def test_a_row_alone_has_the_bits_it_has_in_a_batch(kernel, dtype, heads, kv_heads, head_dim):
-    """The invariant mode's contract (docs/numerics.md): a row alone is cut into one work item per KV head,
-    the same row among many into one per row, and on one thread or two; its output bits stay the same."""
+    """The invariant mode's contract (docs/numerics.md): a row's output bits do not depend on the batch it
+    runs in (alone, or among rows that take threads of their own), nor on the thread count."""
     lengths = [40 + 29 * i % 300 for i in range(4 * max(torch.get_num_threads(), 2) + 3)]
     q, pool, meta = decode_case(lengths, heads, kv_heads, head_dim, 16, dtype, seed=6)
     together = kernel(q, pool, meta.block_tables, meta.context_lens, 0.2)
@@ -150,6 +150,40 @@ def test_a_row_alone_has_the_bits_it_has_in_a_batch(kernel, dtype, heads, kv_hea
             is_prefill=False, slot_mapping=meta.slot_mapping, query_len=1, block_tables=meta.block_tables[row:row + 1],
             context_lens=meta.context_lens[row:row + 1]), 0.2)[0], together[row])
     assert torch.equal(on_one_thread(kernel, q, pool, meta, 0.2), together)
+
+
+def with_threads(n: int, fn):
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(n)
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_row_cut_by_heads_keeps_its_bits(kernel, dtype):
+    """A long row is cut into work items of 8, 4 or 2 of its 8 KV heads on 1, 2 or 3 threads (each thread
+    takes at most its share of the work), and among short rows into fewer cuts: the bits stay the same."""
+    q, pool, meta = decode_case([1500] + [20 + i for i in range(12)], 16, 8, 64, 16, dtype, seed=7)
+    def run(rows: int, threads: int) -> torch.Tensor:
+        return with_threads(threads, lambda: kernel(q[:rows], pool, meta.block_tables[:rows], meta.context_lens[:rows],
+                                                    0.125))
+    alone = run(1, 1)
+    for threads in (2, 3):
+        assert torch.equal(run(1, threads), alone)
+        assert torch.equal(run(13, threads)[0], alone[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [4, 5, 8])
+def test_register_tiles_at_other_block_sizes(kernel, dtype, block_size, monkeypatch):
+    """Blocks of an odd token count end on a token of their own, with the next block asked for."""
+    lengths = [1, block_size, block_size + 1, 7 * block_size + 3, 40]
+    q, pool, meta = decode_case(lengths, 12, 4, 24, block_size, dtype, padding_rows=1, seed=8)
+    got = kernel(q, pool, meta.block_tables, meta.context_lens, 0.3)
+    torch.testing.assert_close(got, torch_path(q, pool, meta, 0.3, monkeypatch), atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
 
 
 def test_paged_attention_uses_kernel_with_new_kv(kernel, monkeypatch):

@@ -16,15 +16,15 @@
 // for float/bfloat16 and in double for double; float exponentials go 8 at a time through the SLEEF
 // routine torch's own vectorised exp uses (libtorch_cpu exports it) where AVX2 is built in.
 //
-// Where AVX2 is built in and head_dim is a multiple of 8, float and bfloat16 K/V go through register
+// Where AVX2 and FMA are built in and head_dim is a multiple of 8, float and bfloat16 K/V go through register
 // tiles (`tiles::`): q.k for two tokens x up to four query heads at once (eight independent FMA
 // chains, each q load serving two tokens) and p.v for sixteen dims x up to four heads, held in
 // registers across a block's tokens. One accumulator per (token, head) dot, one per (head, dim) sum
 // over the tokens in order: how the work is tiled changes no result's bits, so each (row, KV head)
 // stays a function of its own query, K/V and length, as the invariant mode needs (docs/numerics.md).
 // The next block's lines are asked for into L2 as this block's are read. The scalar loops (double,
-// other head dims, builds without AVX2) run one FMA chain per dot; bench/cpu_decode_attention_ab.py
-// times the tiles against them (the tree before the tiles).
+// other head dims, builds without AVX2 and FMA) run one dependent sum per dot and a multiply-add per
+// element per token; bench/cpu_decode_attention_ab.py times the tiles against them (the tree before).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -42,6 +42,13 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 extern "C" __m256 Sleef_expf8_u10(__m256);
+#endif
+
+// The register tiles (namespace tiles) need AVX2's loads and FMA's multiply-adds.
+#if defined(__AVX2__) && defined(__FMA__)
+#define PAT_ATTENTION_TILES 1
+#else
+#define PAT_ATTENTION_TILES 0
 #endif
 
 namespace {
@@ -113,7 +120,7 @@ inline float exp_shifted<float>(float* s, int64_t n, float m) {
 }
 #endif
 
-#if defined(__AVX2__)
+#if PAT_ATTENTION_TILES
 namespace tiles {
 
 // Eight K/V elements as floats.
@@ -130,15 +137,17 @@ inline float lane_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
 }
 
-// Whether the K/V element at dim d starts a cache line (every line a loop walks through is asked for once).
+// Whether dim d is a whole number of 64-byte lines past the head slice's start: the loops ask for the next
+// block at those dims only, once per line where the slice starts a line (D x element size a multiple of 64).
 template <typename kv_t>
 inline bool line_start(int64_t d) {
   return (d * static_cast<int64_t>(sizeof(kv_t))) % 64 == 0;
 }
 
-// Asks for the line at p one block ahead of its use, into L2 only (prefetcht2): a block is 16-64 KiB, more
-// than L1 holds, and requests for L1 hold the few L1 miss buffers that the loads need (chosen by
-// measurement on the 2-core EPYC here: with prefetcht0 the long-context float32 rows read K/V slower).
+// Asks for the line at p one block ahead of its use with prefetcht2 (into L2 on the Zen cores here, not
+// L1): a block of K or V (block size x KV heads x head dim) often outgrows L1, and requests for L1 hold the
+// few L1 miss buffers the loads need (chosen by measurement on the 2-core EPYC here: with prefetcht0 the
+// long-context float32 rows read K/V slower).
 template <typename kv_t>
 inline void ask_ahead(const kv_t* p) {
   __builtin_prefetch(p, 0, 1);
@@ -216,12 +225,16 @@ void score_block(const float* q, int64_t hc, int64_t G, int64_t D, const kv_t* k
   int64_t j = 0;
   for (; j + 2 <= n; j += 2) {
     const kv_t* pair[2] = {k + j * tok_stride, k + (j + 1) * tok_stride};
-    const kv_t* ahead[2] = {next + j * tok_stride, next + (j + 1) * tok_stride};
+    const kv_t* ahead[2] = {};
+    if (next) {  // no offset is ever added to a null pointer
+      ahead[0] = next + j * tok_stride;
+      ahead[1] = next + (j + 1) * tok_stride;
+    }
     score_item_tokens<2>(q, hc, G, D, pair, next ? ahead : nullptr, scale, s + j, s_stride);
   }
   if (j < n) {
     const kv_t* one[1] = {k + j * tok_stride};
-    const kv_t* ahead[1] = {next + j * tok_stride};
+    const kv_t* ahead[1] = {next ? next + j * tok_stride : nullptr};
     score_item_tokens<1>(q, hc, G, D, one, next ? ahead : nullptr, scale, s + j, s_stride);
   }
 }
@@ -308,7 +321,7 @@ constexpr int64_t kSerialWork = 1 << 18;
 // within one thread's share of the work. An item reads its heads' slice of every token row of its
 // blocks, so whole rows (all KV heads, contiguous in the pool) stream front to back where a row per
 // thread is enough, and one long row is cut by heads only as far as the threads need (one head's
-// slice of a row is 256-512 bytes, a stride apart: read that way, a long tail's rows stream slower;
+// slice of a row is 128-512 bytes, a stride apart: read that way, a long tail's rows stream slower;
 // bench/results/cpu_decode_attention_ab.md). Each (row, KV head) is computed whole by one item, so the
 // cut changes no bits.
 int64_t heads_per_item(int64_t KVH, int64_t max_len, int64_t total_len, int64_t threads) {
@@ -332,7 +345,7 @@ void decode(const at::Tensor& q, const at::Tensor& kv, const int64_t* tables, in
   const scalar_t* vp = kp + num_blocks * block_stride;
   scalar_t* op = out.mutable_data_ptr<scalar_t>();
   const acc_t sc = static_cast<acc_t>(scale);
-#if defined(__AVX2__)
+#if PAT_ATTENTION_TILES
   const bool tiled = std::is_same_v<acc_t, float> && D % 8 == 0;  // the register tiles (tiles::)
 #else
   const bool tiled = false;
@@ -379,7 +392,7 @@ void decode(const at::Tensor& q, const at::Tensor& kv, const int64_t* tables, in
       };
       // scores[r * len + t] = scale * q_r . k_t, query head r reading KV head h0 + r / G
       if (tiled) {
-#if defined(__AVX2__)
+#if PAT_ATTENTION_TILES
         if constexpr (std::is_same_v<acc_t, float>) {
           each_block(kp, [&](const scalar_t* block, const scalar_t* next, int64_t start, int64_t n) {
             tiles::score_block(qbuf.data(), hc, G, D, block, next, tok_stride, n, sc, scores.data() + start, len);
@@ -399,7 +412,7 @@ void decode(const at::Tensor& q, const at::Tensor& kv, const int64_t* tables, in
       }
       std::fill(acc.begin(), acc.end(), acc_t(0));
       if (tiled) {
-#if defined(__AVX2__)
+#if PAT_ATTENTION_TILES
         if constexpr (std::is_same_v<acc_t, float>) {
           each_block(vp, [&](const scalar_t* block, const scalar_t* next, int64_t start, int64_t n) {
             for (int64_t hh = 0; hh < hc; ++hh)
