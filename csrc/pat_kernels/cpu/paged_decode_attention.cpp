@@ -368,19 +368,6 @@ void decode(const at::Tensor& q, const at::Tensor& kv, const int64_t* tables, in
         const scalar_t* src = qp + b * qs0 + (h0 * G + r) * qs1;
         for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = static_cast<acc_t>(src[d]);
       }
-      // Calls visit(t, row) for every context token t of this item, row = its K (or V) heads h0.. in
-      // the pool, block by block through the table, prefetching the next block's token as it goes.
-      auto each_token = [&](const scalar_t* pool, auto&& visit) {
-        for (int64_t start = 0, i = 0; start < len; start += BS, ++i) {
-          const scalar_t* block = pool + table[i] * block_stride + h0 * D;
-          const scalar_t* next = start + BS < len ? pool + table[i + 1] * block_stride + h0 * D : nullptr;
-          const int64_t n = std::min(BS, len - start);
-          for (int64_t j = 0; j < n; ++j) {
-            if (next) prefetch(next + j * tok_stride, hc * D);
-            visit(start + j, block + j * tok_stride);
-          }
-        }
-      };
       // Calls visit(block, next, start, n) for every block of this item's context: its first token's K (or V)
       // heads h0.. in the pool, the next block's (null at the last), the block's first position and size.
       auto each_block = [&](const scalar_t* pool, auto&& visit) {
@@ -389,6 +376,16 @@ void decode(const at::Tensor& q, const at::Tensor& kv, const int64_t* tables, in
           const scalar_t* next = start + BS < len ? pool + table[i + 1] * block_stride + h0 * D : nullptr;
           visit(block, next, start, std::min(BS, len - start));
         }
+      };
+      // Calls visit(t, row) for every context token t of this item, row = its K (or V) heads h0.. in the
+      // pool, prefetching the next block's same token as it goes (the scalar loops).
+      auto each_token = [&](const scalar_t* pool, auto&& visit) {
+        each_block(pool, [&](const scalar_t* block, const scalar_t* next, int64_t start, int64_t n) {
+          for (int64_t j = 0; j < n; ++j) {
+            if (next) prefetch(next + j * tok_stride, hc * D);
+            visit(start + j, block + j * tok_stride);
+          }
+        });
       };
       // scores[r * len + t] = scale * q_r . k_t, query head r reading KV head h0 + r / G
       if (tiled) {
