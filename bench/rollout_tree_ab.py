@@ -26,15 +26,17 @@ BENCH = Path(__file__).resolve().parent
 
 def measure(shapes: list[str], dtypes: list[str]) -> dict:
     """One round with whichever engine this process imports: {row: [seconds, [a hash per sample]]}."""
-    from peer_rollout import PatRollout, Workload, model_path, workloads, SHAPES
+    from host_hugepages import ab_cases  # the A/B benches' workloads: each shape's greedy tail and GRPO top_p 1.0
+    from peer_rollout import PatRollout, Workload
 
     out = {}
     for shape in shapes:
+        cases = list(ab_cases([shape]))
         for dtype in dtypes:
-            pat = PatRollout(model_path(shape), dtype)
+            pat = PatRollout(cases[0][1], dtype)
             pat.start()
             try:
-                for w in workloads(SHAPES[shape].vocab_size, seed=7)[:2]:
+                for _, _, w in cases:
                     pat.run(Workload("warm-up", w.prompts[:4], [8] * 4))
                     seconds, tokens = pat.run(w)
                     out[f"{shape}|{dtype}|{w.name}|{w.tokens}"] = [
