@@ -78,11 +78,12 @@ def ab_args(description: str) -> argparse.Namespace:
     return ap.parse_args()
 
 
-def ab_cases(shapes: list[str]) -> Iterator[tuple[str, str, Workload]]:
-    """(shape, model path, workload) for each shape's first two workloads: the greedy tail, GRPO top_p 1.0."""
+def ab_cases(shapes: list[str], top_p: bool = False) -> Iterator[tuple[str, str, Workload]]:
+    """(shape, model path, workload) for each shape's first two workloads: the greedy tail, GRPO top_p 1.0;
+    ``top_p``: also the third, GRPO top_p 0.95."""
     for shape in shapes:
         path = model_path(shape)
-        for w in workloads(SHAPES[shape].vocab_size, seed=7)[:2]:
+        for w in workloads(SHAPES[shape].vocab_size, seed=7)[: 3 if top_p else 2]:
             yield shape, path, w
 
 

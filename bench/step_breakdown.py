@@ -208,7 +208,7 @@ def rollout_tables(args) -> str:
     for shape in SHAPES:
         path = model_path(shape)
         loads = workloads(SHAPES[shape].vocab_size, seed=7)
-        with Engine(path, tp=1, dtype="float32", max_model_len=MAX_LEN, threads_per_worker=args.threads) as engine:
+        with Engine(path, tp=1, dtype=args.dtype, max_model_len=MAX_LEN, threads_per_worker=args.threads) as engine:
             warm = type(loads[0])("warm-up", loads[0].prompts[:4], [8] * 4)
             rollout_row(engine, warm)
             for w in loads:
@@ -218,7 +218,7 @@ def rollout_tables(args) -> str:
                             + [r["steps"], r["tail"]])
                 print(rows[-1], flush=True)
     return (f"## Whole RL rollouts (bench/peer_rollout.py's workloads), seconds and share of the wall time\n\n"
-            f"One engine, TP1, float32, {args.threads} threads. *prefill*: prefill steps, dispatch to result; "
+            f"One engine, TP1, {args.dtype}, {args.threads} threads. *prefill*: prefill steps, dispatch to result; "
             "*decode forward*: the worker's decode steps without the LM head and sampling; *LM head*: "
             "the logits of the decode steps; *sampling*: log-probs and the draw; *ipc*: pickling + socket + wake-ups of decode steps; *driver*: "
             "wall time with no step in flight (scheduling, bookkeeping, detokenising, outputs); *tail*: decode "
@@ -238,6 +238,8 @@ def main() -> None:
     ap.add_argument("--rollout", action="store_true",
                     help="split whole RL rollouts (peer_rollout's workloads) instead of single decode steps; "
                          "writes bench/results/step_breakdown_rollout_<label>.md")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="--rollout: the engine's dtype (the in-process rows run float32)")
     ap.add_argument("--label", default="current", help="names this run in the results file (e.g. before/after)")
     ap.add_argument("--compare-with", help="an earlier run's results file (e.g. of the code before a change): "
                     "its tables are included and the result is written to bench/results/step_breakdown.md")

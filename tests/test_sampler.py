@@ -192,23 +192,30 @@ def test_the_polynomial_exp_is_within_two_ulp():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_prefix_kernel_equals_masking_the_row(dtype, monkeypatch):
-    """top_k / top_p rows through the C++ prefix kernel (histogram, partial sort) against the torch
-    path (partial topk, the row masked to its prefix): flat and peaked rows, quantised ties, big vocab."""
+    """top_k / top_p rows through the C++ prefix kernel (histogram, the cut bucket sorted, or the highest
+    buckets where the bucket sums may round) against the torch path (partial topk, the row masked to its
+    prefix): flat and peaked rows, quantised ties, a near-uniform row (most tokens kept: the draw masks
+    the row), and a spike over a tail of tiny weights that top_p 0.999+ reaches into (the bucket sums
+    are not exact there, so the kernel sorts the highest buckets)."""
     from pat_engine.sampling import inverse_cdf as icdf
 
     if icdf.cpu_sample is None or not icdf.cpu_sample.usable(torch.zeros(1, dtype=dtype)):
         pytest.skip("the CPU kernels are not built here")
     g = torch.Generator().manual_seed(3)
-    vocab, rows = 20000, 12
+    vocab, rows = 20000, 13
     flat = torch.randn(rows, vocab, generator=g) * 3
     peaked = -1.2 * torch.log(torch.stack([torch.randperm(vocab, generator=g) for _ in range(rows)]).float() + 1)
-    for logits in (flat, peaked, (flat * 2).round() / 2):
+    near_uniform = torch.randn(rows, vocab, generator=g) * 0.05
+    spike = -20 + torch.rand(rows, vocab, generator=g) * 3
+    spike[:, 7] = 0.0
+    for logits in (flat, peaked, (flat * 2).round() / 2, near_uniform, spike):
         logits = logits.to(dtype)
         specs = [SamplingSpec(t, k, p, seed=50 + i, logprobs=True, processed_logprobs=True, min_p=mp)
                  for i, (t, k, p, mp) in enumerate(
                      [(1.0, -1, 0.95, 0.0), (0.7, 50, 1.0, 0.0), (1.3, 300, 0.9, 0.0), (1.0, -1, 0.5, 0.05),
                       (1.0, 1, 1.0, 0.0), (2.0, -1, 0.999, 0.0), (1.0, vocab, 0.99, 0.0), (0.3, -1, 0.95, 0.0),
-                      (1.0, 7, 0.3, 0.0), (1.0, -1, 1.0, 0.0), (1.0, -1, 0.95, 0.2), (1.0, 20000, 1.0, 0.0)])]
+                      (1.0, 7, 0.3, 0.0), (1.0, -1, 1.0, 0.0), (1.0, -1, 0.95, 0.2), (1.0, 20000, 1.0, 0.0),
+                      (1.0, -1, 0.9999999, 0.0)])]
         positions = list(range(100, 100 + rows))
         got = sample(logits, specs, positions)
         monkeypatch.setenv("PAT_CPU_SAMPLER", "torch")
