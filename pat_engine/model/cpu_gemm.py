@@ -6,6 +6,11 @@ halves the GEMM time on this project's 2-core AVX2 machine (bench/results/cpu_ge
 which is most of the gap to vLLM's CPU build: it does the same (a prepacked oneDNN handle per
 linear layer).
 
+Fast-mode steps of up to ``SKINNY_ROWS`` rows (the long tail's decode steps) skip the pack: the skinny
+kernel (``pat_kernels/cpu/skinny_gemm.cpp``) reads each plain weight row once, at 25-43 GB/s where
+oneDNN's packed GEMM reads 19-24 at one or two rows on this project's machine
+(bench/results/cpu_skinny_gemm.md); beyond two rows oneDNN is ahead. The invariant mode never takes it.
+
 The packed copy is derived state. ``pack`` builds it from the plain weights and ``drop``
 forgets it; ``InferExecutor.writing_weights`` drops it before any weight write (load, update,
 switch, sleep) and packs again after. As a second guard each pack remembers the address of the
@@ -37,6 +42,12 @@ from torch import nn
 
 from pat_engine import env
 
+try:  # the kernels package sits beside the engine in a checkout and in an install
+    from pat_kernels import cpu_skinny_gemm
+except ImportError:  # pragma: no cover - a partial install: oneDNN serves every row count
+    cpu_skinny_gemm = None
+
+SKINNY_ROWS = 2  # fast-mode steps of at most this many rows: the skinny kernel (bench/results/cpu_skinny_gemm.md)
 ROW_ALIGN = 4  # torch's unpacked GEMM runs row counts off a multiple of 4 through a slower remainder path
 PAD_BELOW = 256  # ... which stops mattering beyond a few hundred rows
 PACKED_ATTR = "cpu_packed"  # on a weight Parameter: (address of the plain data, packed tensor)
@@ -64,9 +75,14 @@ def padded_rows(rows: int, packed: bool, invariant: bool) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, invariant: bool) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for a 2-D CPU ``x``: through the weight's pack when it has a current one,
-    else ``F.linear``; rows padded to ``padded_rows`` (the padding rows are cut off again)."""
-    rows, packed = x.shape[0], current_pack(weight) is not None
+    """``x @ weight.T (+ bias)`` for a 2-D CPU ``x``: a fast-mode step of up to ``SKINNY_ROWS`` rows through the
+    skinny kernel (each weight row read once: the long tail's decode steps); else through the weight's pack
+    when it has a current one, else ``F.linear``, rows padded to ``padded_rows`` (the padding rows are cut
+    off again)."""
+    rows = x.shape[0]
+    if not invariant and rows <= SKINNY_ROWS and cpu_skinny_gemm is not None and cpu_skinny_gemm.usable(x, weight):
+        return cpu_skinny_gemm.linear(x, weight, bias)
+    packed = current_pack(weight) is not None
     padded = padded_rows(rows, packed, invariant)
     if padded != rows:
         x = F.pad(x, (0, 0, 0, padded - rows))
