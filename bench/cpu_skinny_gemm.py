@@ -18,10 +18,10 @@ import statistics
 import time
 
 import torch
-
 from common import markdown_table, write_result
-from pat_engine.model import cpu_gemm
 from pat_kernels import cpu_extension, cpu_skinny_gemm
+
+from pat_engine.model import cpu_gemm
 
 SHAPES = {  # (out, in) of each linear layer, fused as the engine fuses them
     "h768 qkv": (1024, 768), "h768 o": (768, 768), "h768 gate_up": (4096, 768), "h768 down": (768, 2048),
@@ -58,8 +58,9 @@ def main() -> None:
             read = min(per_call(lambda w: w.sum(), weights) for _ in range(3))
             for rows in args.rows:
                 x = torch.randn(rows, inp).to(dtype)
-                paths = {"oneDNN": lambda w: torch.ops.mkldnn._linear_pointwise(x, packs[id(w)], None, "none", [], ""),
-                         "skinny": lambda w: cpu_skinny_gemm.linear(x, w, None)}
+                paths = {"oneDNN": lambda w, x=x, packs=packs: torch.ops.mkldnn._linear_pointwise(
+                             x, packs[id(w)], None, "none", [], ""),
+                         "skinny": lambda w, x=x: cpu_skinny_gemm.linear(x, w, None)}
                 times = {k: [] for k in paths}
                 for _ in range(args.rounds):
                     for k, fn in paths.items():
