@@ -72,7 +72,8 @@ def main() -> None:
                 print(rows_out[-1], flush=True)
     body = (f"{args.threads} torch threads; median of {args.rounds} interleaved rounds, each one call per weight copy "
             f"over about {SET_BYTES / 1e6:.0f} MB of copies. The engine takes the skinny kernel for fast-mode steps of up "
-            f"to `SKINNY_ROWS` = {cpu_gemm.SKINNY_ROWS} rows (`model/cpu_gemm.py`).\n\n"
+            f"to `SKINNY_ROWS` rows (`model/cpu_gemm.py`): "
+            + ", ".join(f"{str(d).removeprefix('torch.')} {n}" for d, n in cpu_gemm.SKINNY_ROWS.items()) + ".\n\n"
             + markdown_table(["dtype", "weight", "rows", "oneDNN us", "skinny us", "oneDNN GB/s", "skinny GB/s",
                               "torch.sum GB/s", "oneDNN / skinny"], rows_out))
     write_result("cpu_skinny_gemm", "The CPU GEMM of decode steps of a few rows: skinny kernel vs oneDNN", body)

@@ -6,10 +6,11 @@ halves the GEMM time on this project's 2-core AVX2 machine (bench/results/cpu_ge
 which is most of the gap to vLLM's CPU build: it does the same (a prepacked oneDNN handle per
 linear layer).
 
-Fast-mode steps of up to ``SKINNY_ROWS`` rows (the long tail's decode steps) skip the pack: the skinny
-kernel (``pat_kernels/cpu/skinny_gemm.cpp``) reads each plain weight row once, at 25-43 GB/s where
-oneDNN's packed GEMM reads 19-24 at one or two rows on this project's machine
-(bench/results/cpu_skinny_gemm.md); beyond two rows oneDNN is ahead. The invariant mode never takes it.
+Fast-mode steps of up to ``SKINNY_ROWS`` rows (the long tail's decode steps: two in float32, one in
+bfloat16) skip the pack: the skinny kernel (``pat_kernels/cpu/skinny_gemm.cpp``) reads each plain weight
+row once, about as fast as ``torch.sum`` reads them, 1.2-1.6x oneDNN's packed GEMM there on this
+project's machine (bench/results/cpu_skinny_gemm.md); with more rows oneDNN is ahead. The invariant
+mode never takes it.
 
 The packed copy is derived state. ``pack`` builds it from the plain weights and ``drop``
 forgets it; ``InferExecutor.writing_weights`` drops it before any weight write (load, update,
@@ -47,7 +48,9 @@ try:  # the kernels package sits beside the engine in a checkout and in an insta
 except ImportError:  # pragma: no cover - a partial install: oneDNN serves every row count
     cpu_skinny_gemm = None
 
-SKINNY_ROWS = 2  # fast-mode steps of at most this many rows: the skinny kernel (bench/results/cpu_skinny_gemm.md)
+# fast-mode steps of at most this many rows take the skinny kernel: where it beat oneDNN on every weight shape of
+# bench/results/cpu_skinny_gemm.md (bfloat16 at two rows: 0.79-1.34x, so one)
+SKINNY_ROWS = {torch.float32: 2, torch.bfloat16: 1}
 ROW_ALIGN = 4  # torch's unpacked GEMM runs row counts off a multiple of 4 through a slower remainder path
 PAD_BELOW = 256  # ... which stops mattering beyond a few hundred rows
 PACKED_ATTR = "cpu_packed"  # on a weight Parameter: (address of the plain data, packed tensor)
@@ -80,7 +83,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, inv
     when it has a current one, else ``F.linear``, rows padded to ``padded_rows`` (the padding rows are cut
     off again)."""
     rows = x.shape[0]
-    if not invariant and rows <= SKINNY_ROWS and cpu_skinny_gemm is not None and cpu_skinny_gemm.usable(x, weight):
+    if (not invariant and rows <= SKINNY_ROWS.get(x.dtype, 0) and cpu_skinny_gemm is not None
+            and cpu_skinny_gemm.usable(x, weight)):
         return cpu_skinny_gemm.linear(x, weight, bias)
     packed = current_pack(weight) is not None
     padded = padded_rows(rows, packed, invariant)
