@@ -78,12 +78,16 @@ def ab_args(description: str) -> argparse.Namespace:
     return ap.parse_args()
 
 
-def ab_cases(shapes: list[str], top_p: bool = False) -> Iterator[tuple[str, str, Workload]]:
+def ab_cases(shapes: list[str], top_p: bool = False, tail: bool = False) -> Iterator[tuple[str, str, Workload]]:
     """(shape, model path, workload) for each shape's first two workloads: the greedy tail, GRPO top_p 1.0;
-    ``top_p``: also the third, GRPO top_p 0.95."""
+    ``top_p``: also the third, GRPO top_p 0.95; ``tail``: also the last requests of a long tail alone (two
+    greedy responses of 256 and 640 tokens: steps of two rows, then of one)."""
     for shape in shapes:
         path = model_path(shape)
-        for w in workloads(SHAPES[shape].vocab_size, seed=7)[: 3 if top_p else 2]:
+        loads = workloads(SHAPES[shape].vocab_size, seed=7)
+        if tail:
+            loads.append(Workload("tail alone: 2 requests, greedy, 256 + 640 tokens", loads[0].prompts[:2], [256, 640]))
+        for w in loads[: 3 if top_p else 2] + loads[3:]:
             yield shape, path, w
 
 
