@@ -40,7 +40,7 @@ def measure(shapes: list[str], dtypes: list[str], top_p: bool, tail: bool) -> di
             pat.start()
             try:
                 for _, _, w in cases:
-                    pat.run(Workload("warm-up", w.prompts[:4], [8] * 4))
+                    pat.run(Workload("warm-up", w.prompts[:4], [8] * len(w.prompts[:4])))
                     seconds, tokens = pat.run(w)
                     out[f"{shape}|{dtype}|{w.name}|{w.tokens}"] = [
                         seconds, [hashlib.sha1(str(t).encode()).hexdigest()[:12] for t in tokens]]

@@ -8,8 +8,8 @@ linear layer).
 
 Fast-mode steps of up to ``SKINNY_ROWS`` rows (the long tail's decode steps: two in float32, one in
 bfloat16) skip the pack: the skinny kernel (``pat_kernels/cpu/skinny_gemm.cpp``) reads each plain weight
-row once, about as fast as ``torch.sum`` reads them, 1.2-1.6x oneDNN's packed GEMM there on this
-project's machine (bench/results/cpu_skinny_gemm.md); with more rows oneDNN is ahead. The invariant
+row once, near the speed ``torch.sum`` reads them at: 1.1-1.7x oneDNN's packed GEMM there on this
+project's machine (bench/results/cpu_skinny_gemm.md); with more rows oneDNN is mostly ahead. The invariant
 mode never takes it.
 
 The packed copy is derived state. ``pack`` builds it from the plain weights and ``drop``
@@ -49,7 +49,7 @@ except ImportError:  # pragma: no cover - a partial install: oneDNN serves every
     cpu_skinny_gemm = None
 
 # fast-mode steps of at most this many rows take the skinny kernel: where it beat oneDNN on every weight shape of
-# bench/results/cpu_skinny_gemm.md (bfloat16 at two rows: 0.79-1.34x, so one)
+# bench/results/cpu_skinny_gemm.md (bfloat16 at two rows: 0.84-1.41x, so one)
 SKINNY_ROWS = {torch.float32: 2, torch.bfloat16: 1}
 ROW_ALIGN = 4  # torch's unpacked GEMM runs row counts off a multiple of 4 through a slower remainder path
 PAD_BELOW = 256  # ... which stops mattering beyond a few hundred rows

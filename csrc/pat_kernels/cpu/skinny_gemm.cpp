@@ -8,8 +8,8 @@
 //   y     (R, O) in x's dtype
 //
 // Why: the long tail of an RL rollout decodes one or two rows per DP group, and such a step is a stream
-// of the weights. oneDNN's packed GEMM reads them at 19-24 GB/s on this project's 2-core EPYC, a plain
-// dot product per weight row reads them at 25-34 (bench/cpu_skinny_gemm.py).
+// of the weights. oneDNN's packed GEMM reads them at 16-28 GB/s on this project's 2-core EPYC at one
+// row, this kernel at 25-38, near what torch.sum reads (bench/results/cpu_skinny_gemm.md).
 //
 // Numerics. Output (r, o) is one fixed sequence in float32: lane j of 16 sums x[r, k] * w[o, k] for
 // k = j (mod 16), k below K16 = K - K % 16, in increasing k; the lanes are added as a balanced tree of
