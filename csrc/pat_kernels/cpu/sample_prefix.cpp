@@ -87,20 +87,24 @@ struct Histogram {
   std::vector<int64_t> count;
   std::vector<double> mass;
 
+  // The counts where top_k cuts, the masses where top_p does (neither: no limit, every token is kept).
   template <typename T>
   explicit Histogram(const PrefixQuery<T>& q)
       : count(q.k_cap < q.n ? kCopies * kBuckets : 0, 0), mass(q.nucleus ? kCopies * kBuckets : 0, 0.0) {
-    if (q.nucleus && !count.empty()) {
-      for (int64_t i = 0; i < q.n; ++i) {
-        const int b = q.bucket[i] + static_cast<int>(i % kCopies) * kBuckets;
-        mass[b] += q.e[i];
-        count[b] += 1;
-      }
-    } else if (q.nucleus) {
-      for (int64_t i = 0; i < q.n; ++i) mass[q.bucket[i] + static_cast<int>(i % kCopies) * kBuckets] += q.e[i];
-    } else if (!count.empty()) {
-      for (int64_t i = 0; i < q.n; ++i) count[q.bucket[i] + static_cast<int>(i % kCopies) * kBuckets] += 1;
-    }  // (no limit at all: the caller keeps every token)
+    if (!mass.empty() && !count.empty())
+      fill<true, true>(q);
+    else if (!mass.empty())
+      fill<true, false>(q);
+    else if (!count.empty())
+      fill<false, true>(q);
+  }
+  template <bool kMass, bool kCount, typename T>
+  void fill(const PrefixQuery<T>& q) {
+    for (int64_t i = 0; i < q.n; ++i) {
+      const int b = q.bucket[i] + static_cast<int>(i % kCopies) * kBuckets;
+      if constexpr (kMass) mass[b] += q.e[i];
+      if constexpr (kCount) count[b] += 1;
+    }
   }
   std::pair<int64_t, double> fold(int b) const {
     int64_t c = 0;
