@@ -202,9 +202,9 @@ def prefix_kernel_serves(x: torch.Tensor) -> bool:
 
 def inverse_cdf_in_prefix(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor, u: torch.Tensor,
                           top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``inverse_cdf`` among each row's top_k / top_p prefix, by the C++ kernel (it sorts only the
-    highest logits holding the prefix); None where the kernel does not serve ``x`` (the caller then
-    masks the row to its prefix and calls ``inverse_cdf``: the same bits)."""
+    """``inverse_cdf`` among each row's top_k / top_p prefix, by the C++ kernel (cpu/sample_prefix.cpp: it
+    sorts only the logits of the histogram bucket the prefix ends in); None where the kernel does not serve
+    ``x`` (the caller then masks the row to its prefix and calls ``inverse_cdf``: the same bits)."""
     if not prefix_kernel_serves(x):
         return None
     return cpu_sample.inverse_cdf_prefix(x.contiguous(), inv_temp.to(torch.float32).contiguous(),
