@@ -251,7 +251,7 @@ void draw_kept(const T* row, int64_t n, float m, float it, float fl, double u, c
   if (cut.keep * 8 <= n) {
     kept_ids(cut, s);
     for (const uint64_t i : s.ids) acc[i % kLanes] += static_cast<double>(weight_at(static_cast<int64_t>(i)));
-    *z_kept = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    *z_kept = combine_lanes(acc);
     goal = u * *z_kept;
     double sum = 0.0;
     int64_t last = 0;
@@ -273,11 +273,8 @@ void draw_kept(const T* row, int64_t n, float m, float it, float fl, double u, c
       const bool kept = (bucket[i] > last_bucket) | ((bucket[i] == last_bucket) & (order_key(row, i) <= cut.last_key));
       w[i] = kept ? weight_at(i) : 0.0f;
     }
-    int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes)
-      for (int k = 0; k < kLanes; ++k) acc[k] += static_cast<double>(w[i + k]);
-    for (int k = 0; i + k < n; ++k) acc[k] += static_cast<double>(w[i + k]);
-    *z_kept = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    add_to_lanes(acc, w, n);
+    *z_kept = combine_lanes(acc);
     goal = u * *z_kept;
     const float* rows_w[1] = {w};
     scan_group(rows_w, 1, n, &goal, &t);  // the first passing token, else the last with mass

@@ -104,6 +104,19 @@ inline float weight(const T* x, int64_t i, float m, float it, float floor) {
 
 constexpr int64_t kBlock = 256;  // weights computed a block at a time, in SIMD lanes (a multiple of kLanes)
 
+// Lane k of ``acc`` takes w[j] for j = k (mod kLanes), in increasing j (``w`` starts at a multiple of kLanes).
+inline void add_to_lanes(double* acc, const float* w, int64_t len) {
+  int64_t j = 0;
+  for (; j + kLanes <= len; j += kLanes)
+    for (int k = 0; k < kLanes; ++k) acc[k] += static_cast<double>(w[j + k]);
+  for (int k = 0; j + k < len; ++k) acc[k] += static_cast<double>(w[j + k]);
+}
+
+// Z from the lanes, in the rule's one order.
+inline double combine_lanes(const double* acc) {
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
 template <typename T>
 inline double lane_sum(const T* x, int64_t n, float m, float it, float floor, float* e = nullptr) {
   // ``e``, when given, keeps every weight for the scan that follows (computed once). Each weight is
@@ -116,12 +129,9 @@ inline double lane_sum(const T* x, int64_t n, float m, float it, float floor, fl
     float* w = e != nullptr ? e + i0 : block;
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) w[j] = weight(x, i0 + j, m, it, floor);
-    int64_t j = 0;
-    for (; j + kLanes <= len; j += kLanes)
-      for (int k = 0; k < kLanes; ++k) acc[k] += static_cast<double>(w[j + k]);
-    for (int k = 0; j + k < len; ++k) acc[k] += static_cast<double>(w[j + k]);
+    add_to_lanes(acc, w, len);
   }
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  return combine_lanes(acc);
 }
 
 // The scan of up to kGroup rows at once: token r = the first i whose running double sum of e_r

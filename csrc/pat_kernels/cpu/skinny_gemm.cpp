@@ -22,7 +22,6 @@
 
 #pragma GCC optimize("fp-contract=off")
 
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -31,7 +30,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -118,16 +116,19 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at:
               "bias must be contiguous (O,) in x's dtype, or empty");
   const int64_t rows = x.size(0), k = x.size(1), o_count = w.size(0);
   at::Tensor y = at::empty({rows, o_count}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "skinny_linear_cpu", [&] {
-    if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
-      std::vector<float> xf(static_cast<size_t>(rows * k));  // the rows widened once, not once per weight row
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t i = 0; i < k; ++i) xf[r * k + i] = widen(x.const_data_ptr<scalar_t>()[r * x.stride(0) + i]);
-      dispatch_rows<scalar_t>(xf.data(), w.const_data_ptr<scalar_t>(),
-                              biased ? bias.const_data_ptr<scalar_t>() : nullptr, y.mutable_data_ptr<scalar_t>(),
-                              rows, k, o_count);
-    }
-  });
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.const_data_ptr<T>();
+    std::vector<float> xf(static_cast<size_t>(rows * k));  // the rows widened once, not once per weight row
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < k; ++i) xf[r * k + i] = widen(xp[r * x.stride(0) + i]);
+    dispatch_rows<T>(xf.data(), w.const_data_ptr<T>(), biased ? bias.const_data_ptr<T>() : nullptr,
+                     y.mutable_data_ptr<T>(), rows, k, o_count);
+  };
+  if (x.scalar_type() == at::kFloat)
+    run(float{});
+  else
+    run(c10::BFloat16{});
   return y;
 }
 
