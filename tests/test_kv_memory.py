@@ -89,9 +89,11 @@ def test_pool_layers_are_zero_in_every_dtype():
 
 
 def test_a_switch_layer_reuses_the_old_memory_or_frees_it_before_allocating(monkeypatch):
-    """A layer is handed from the old pool to the new one: re-viewed when large enough, else freed before the
-    new layer is allocated. On the co-located H100 run the old layer stayed referenced while a slightly larger
-    one (TP2's freed weight bytes) was allocated beside it: 16.5 GiB more than the ranks' shares held."""
+    """A layer is handed from the old pool to the new one: re-viewed when large enough, else freed and handed
+    back to the device before the new layer is allocated. On the third co-located H100 run the old layer stayed
+    referenced while a slightly larger one (TP2's freed weight bytes) was allocated beside it; on the fourth,
+    at the default memory utilisation, one rank's allocator kept its freed layers cached while the rank beside
+    it ran out of memory."""
     import weakref
 
     from pat_engine.worker import kv_pool
@@ -101,18 +103,21 @@ def test_a_switch_layer_reuses_the_old_memory_or_frees_it_before_allocating(monk
     smaller = PagedKVPool.filled_later(150, 16, 1, 8, torch.float32, "cpu")  # fewer bytes: a view of the old
     assert smaller.append_layer_from(old, 0).data_ptr() == first and old.layers[0] is None
 
-    alive_at_allocation = []
+    events = []
     real_zeroed = kv_pool.zeroed
     donor = weakref.ref(old.layers[1])
 
     def watching_zeroed(*args, **kw):
-        alive_at_allocation.append(donor() is not None)
+        events.append(("allocate", donor() is not None))
         return real_zeroed(*args, **kw)
 
     monkeypatch.setattr(kv_pool, "zeroed", watching_zeroed)
+    monkeypatch.setattr(kv_pool, "release_cached", lambda device: events.append(("release", donor() is not None)))
     larger = PagedKVPool.filled_later(101, 16, 2, 8, torch.float32, "cpu")
     layer = larger.append_layer_from(old, 1)
-    assert alive_at_allocation == [False] and layer.shape == larger.layer_shape and not layer.any()
+    # freed, handed back to the device (a co-located rank may need it), then allocated
+    assert events == [("release", False), ("allocate", False)]
+    assert layer.shape == larger.layer_shape and not layer.any()
     assert old.layers == [None, None]
 
 

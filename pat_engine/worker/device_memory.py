@@ -40,15 +40,22 @@ class RankMemory:
         return rank_kv_budget(total, free, self.fraction, self.sharing, reserve)
 
 
-def allocator_stats(device: torch.device, release_cached: bool = False) -> dict:
+def release_cached(device: torch.device | str) -> None:
+    """Return this process's unused cached CUDA blocks to the device (nothing on the CPU). The caching
+    allocator keeps a freed block until its own process runs out; ranks sharing a GPU cannot take it then."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def allocator_stats(device: torch.device, release: bool = False) -> dict:
     """This rank's CUDA caching-allocator counters in bytes (None on the CPU): what its tensors hold
     (``allocated``), what the allocator keeps from the device (``reserved``), and the peak allocated.
-    ``release_cached`` first returns the unused cached blocks: a dropped epoch of decode graphs leaves its
+    ``release`` first returns the unused cached blocks: a dropped epoch of decode graphs leaves its
     memory pool cached until then, which is not a leak."""
     if device.type != "cuda":
         return {"allocated": None, "reserved": None, "peak_allocated": None}
     torch.cuda.synchronize(device)
-    if release_cached:
-        torch.cuda.empty_cache()
+    if release:
+        release_cached(device)
     return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device),
             "peak_allocated": torch.cuda.max_memory_allocated(device)}

@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from pat_engine.worker.device_memory import release_cached
+
 # A lazy CPU layer this large is mapped from the kernel's zero pages instead of being memset: its
 # pages are committed as blocks are first written, so the large default pool
 # (core/memory.default_cpu_kv_bytes) costs no start-up time and no memory until it is used. A pool
@@ -52,8 +54,10 @@ class PagedKVPool:
         geometry: re-viewing it skips a free, an allocation and page faults. Stale values in reused slots
         are never read unmasked (every slot is written before a query reaches it) and are finite. When
         it is too small (a higher TP frees weight bytes, so its layers are a little larger), the old
-        layer is freed before the new one is allocated: on a GPU whose ranks hold most of its memory,
-        a second layer beside the first does not fit (a 2-layer model's layer is half the pool).
+        layer is freed and handed back to the device before the new one is allocated: on a GPU whose
+        ranks hold most of its memory, a second layer beside the first does not fit (a 2-layer model's
+        layer is half the pool), and a freed layer kept in one rank's allocator cache starves the rank
+        beside it (the fourth H100 run: one rank grew to 47 GiB while the other failed a 1.9 GiB layer).
         """
         old = donor.layers[index]
         donor.layers[index] = None
@@ -61,7 +65,8 @@ class PagedKVPool:
         if old.is_contiguous() and old.numel() >= numel and old.dtype == self.dtype:
             layer = old.view(-1)[:numel].view(self.layer_shape)
         else:
-            del old  # the only reference: the caching allocator may hand its memory back for the new layer
+            del old  # the only reference
+            release_cached(self.device)
             layer = self.new_layer()
         self.layers.append(layer)
         return layer
