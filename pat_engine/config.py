@@ -117,8 +117,10 @@ class EngineConfig:
     # decode step is sent before the one in flight is answered, its tokens taken from that step's draw on
     # the device, so the device does not wait for the driver between steps. Decode steps only; off with
     # speculative decoding, logit processors, and whenever a prefill could start. Tokens and log-probs are the
-    # synchronous schedule's (a row ended by a stop token runs once more and its token is dropped)
-    async_scheduling: bool = False
+    # synchronous schedule's (a row ended by a stop token runs once more and its token is dropped). None: on
+    # for CUDA (batch-1 decode 7.29 -> 6.22 ms a token on the fourth H100 run, bench/results/gpu_check.md),
+    # off on the CPU (no gain there: bench/results/async_scheduling.md); async_scheduling_on() resolves it
+    async_scheduling: bool | None = None
 
     # speculative decoding of small batches without a draft model (docs/speculative.md); off by default.
     # Engine(speculative=True) or a dict of SpeculativeConfig fields turns it on
@@ -202,6 +204,10 @@ class EngineConfig:
         if "speculative" in kwargs:
             kwargs["speculative"] = SpeculativeConfig.of(kwargs["speculative"])
         return cls(model=str(model), **kwargs)
+
+    def async_scheduling_on(self) -> bool:
+        """Whether decode steps are sent ahead: as set, else on CUDA only."""
+        return self.device == "cuda" if self.async_scheduling is None else self.async_scheduling
 
     def graphs(self) -> str | None:
         """Which decode graphs the workers capture: "cuda", "standin", or None (every step eager)."""

@@ -55,13 +55,13 @@ SKINNY_GEMM = EnvSwitch("PAT_SKINNY_GEMM", "off",
                         "number n (1-64): steps of at most n rows; CPU layers too under TRITON_INTERPRET=1 (tests); "
                         "off (the default until a GPU run shows it ahead, bench/gpucheck/skinny_gemm.py): cuBLAS")
 
-TRITON_SAMPLER = EnvSwitch("PAT_TRITON_SAMPLER", "off",
-                           "on: on CUDA the sampler's weights, row sums Z and draws (sampling/inverse_cdf.py) by "
-                           "Triton kernels (pat_kernels/triton_sampler.py) instead of the torch twin's forty-odd "
-                           "kernels: the same weights and Z, the draw's running sum in blocks (batch-invariant; "
-                           "docs/numerics.md); "
-                           "CPU tensors too under TRITON_INTERPRET=1 (tests); off (the default until a GPU run times "
-                           "it, bench/gpucheck/sampler.py): the torch twin")
+TRITON_SAMPLER = EnvSwitch("PAT_TRITON_SAMPLER", "auto",
+                           "the sampler's weights, row sums Z and draws (sampling/inverse_cdf.py) by Triton kernels "
+                           "(pat_kernels/triton_sampler.py) instead of the torch twin's forty-odd kernels: the same "
+                           "weights and Z, the draw's running sum in blocks (batch-invariant; docs/numerics.md). "
+                           "auto: CUDA tensors (4-10x faster than the twin on the fourth H100 run, the same draws; "
+                           "bench/results/gpu_check.md, part sampler); on: CPU tensors too under TRITON_INTERPRET=1 "
+                           "(tests); off: the torch twin everywhere (A/B runs)")
 
 SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, API_KEY, ENGINE_CACHE, TRITON_LAYERS, SKINNY_GEMM, TRITON_SAMPLER)
 
@@ -104,9 +104,13 @@ def skinny_gemm_rows() -> int:
     return min(max(int(value), 0), SKINNY_MOST_ROWS) if value.isdigit() else 0
 
 
-def triton_sampler() -> bool:
-    """True when ``PAT_TRITON_SAMPLER=on``."""
-    return TRITON_SAMPLER.says("on")
+def triton_sampler(device_type: str) -> bool:
+    """Whether ``PAT_TRITON_SAMPLER`` asks for the Triton sampler kernels on this device type: "auto" (the
+    default, or anything but "on" and "off") on CUDA only, "on" wherever Triton runs, "off" nowhere."""
+    value = TRITON_SAMPLER.value().strip().lower()
+    if value == "off":
+        return False
+    return triton_runs_on(device_type) and (value == "on" or device_type == "cuda")
 
 
 def triton_interpreted() -> bool:

@@ -41,3 +41,18 @@ def test_no_pat_switch_is_read_outside_env():
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
                 bad.setdefault(str(path.relative_to(PACKAGE)), []).append(node.value)
     assert not bad, f"read these through pat_engine.env: {bad}"
+
+
+def test_the_triton_sampler_is_on_for_cuda_by_default_and_for_the_cpu_only_when_asked(monkeypatch):
+    """auto (unset): CUDA tensors only, so the interpreter never draws a CPU engine's rows unasked; on: the CPU
+    too where the interpreter runs Triton; off: nowhere (the torch twin, for A/B runs)."""
+    monkeypatch.setattr(env, "triton_runs_on", lambda kind: True)  # Triton importable, the interpreter on
+    monkeypatch.delenv("PAT_TRITON_SAMPLER", raising=False)
+    assert env.triton_sampler("cuda") and not env.triton_sampler("cpu")
+    monkeypatch.setenv("PAT_TRITON_SAMPLER", " On ")
+    assert env.triton_sampler("cuda") and env.triton_sampler("cpu")
+    monkeypatch.setenv("PAT_TRITON_SAMPLER", "off")
+    assert not env.triton_sampler("cuda") and not env.triton_sampler("cpu")
+    monkeypatch.setattr(env, "triton_runs_on", lambda kind: False)  # no Triton: never, whatever is asked
+    monkeypatch.setenv("PAT_TRITON_SAMPLER", "on")
+    assert not env.triton_sampler("cuda")

@@ -73,6 +73,8 @@ def test_the_cli_passes_the_decode_choices_through():
     args = cli.parse_args(["--model", "m", "--world", "2", "--graph-backend", "standin", "--enforce-eager",
                            "--async-scheduling"])
     assert cli.decode_kwargs(args) == {"graph_backend": "standin", "enforce_eager": True, "async_scheduling": True}
+    args = cli.parse_args(["--model", "m", "--world", "2", "--no-async-scheduling"])  # off where the engine's is on
+    assert cli.decode_kwargs(args) == {"async_scheduling": False}
     with pytest.raises(SystemExit):  # an emulated profile has no driver to overlap with
         cli.parse_args(["--model", "m", "--emulate-world", "2", "--async-scheduling"])
 

@@ -67,7 +67,7 @@ def test_weights_and_max_have_the_torch_twins_bits(dtype):
 @needs_triton
 @pytest.mark.parametrize("vocab", [1, 8, 517, 1000, 2048])
 def test_z_has_the_torch_twins_bits(vocab, monkeypatch):
-    monkeypatch.delenv("PAT_TRITON_SAMPLER", raising=False)
+    monkeypatch.setenv("PAT_TRITON_SAMPLER", "off")
     e = _weights(3, vocab, seed=vocab)
     want = inverse_cdf.lane_sum(e)  # the torch twin
     got = _kernel().lane_sum(e)
@@ -176,7 +176,7 @@ def test_the_sampler_draws_the_same_tokens_and_log_probs_with_it(dtype, gpu_way,
         out = sample_on_device(logits, batch)
         return out.tokens, out.logprobs
 
-    monkeypatch.delenv("PAT_TRITON_SAMPLER", raising=False)
+    monkeypatch.setenv("PAT_TRITON_SAMPLER", "off")
     want = draw()
     monkeypatch.setenv("PAT_TRITON_SAMPLER", "on")
     calls = []
@@ -199,7 +199,7 @@ def test_batch_invariant_draws_run_the_kernels_and_draw_a_row_alone_as_in_its_ba
     from pat_engine.sampling.spec import SamplingSpec
 
     monkeypatch.setenv("PAT_CPU_SAMPLER", "torch")
-    monkeypatch.delenv("PAT_TRITON_SAMPLER", raising=False)
+    monkeypatch.setenv("PAT_TRITON_SAMPLER", "off")
     monkeypatch.setattr(host, "reads_are_free", lambda x: False)
     logits = (torch.randn(8, 700, generator=torch.Generator().manual_seed(9)) * 4).to(DEV)
     specs = [SamplingSpec(temperature=1.0, top_k=-1, top_p=0.9 if i % 3 == 0 else 1.0, seed=40 + i, logprobs=True)
@@ -230,7 +230,7 @@ def test_batch_invariant_draws_run_the_kernels_and_draw_a_row_alone_as_in_its_ba
 @gpu
 @needs_triton
 def test_gpu_weights_z_and_draw_at_a_real_vocabulary(monkeypatch):
-    monkeypatch.delenv("PAT_TRITON_SAMPLER", raising=False)
+    monkeypatch.setenv("PAT_TRITON_SAMPLER", "off")
     for rows in (1, 64):
         e = _weights(rows, 128256, seed=rows)
         assert torch.equal(_kernel().lane_sum(e), inverse_cdf.lane_sum(e))

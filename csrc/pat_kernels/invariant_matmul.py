@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pat_kernels.triton_support import INTERPRETED, dot_acc  # the interpreter's bf16 dot: widened (WIDEN)
+from pat_kernels.triton_support import INTERPRETED, dot_acc  # the interpreter's dot: spelled out (EMULATE)
 
 # One tiling for every call (see the contract). 64 x 64 output tiles keep a decode step's GEMMs
 # (M of 1-64) spread over many programs; K in steps of 64. Not tuned: no GPU was available here.
@@ -44,7 +44,7 @@ def _matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr,
     M, N, k_span,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_oc, stride_om,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -62,7 +62,7 @@ def _matmul_kernel(
         in_k = (k + ks) < k_span
         a = tl.load(x_tile, mask=(rows[:, None] < M) & in_k[None, :], other=0.0)
         b = tl.load(w_tile, mask=(cols[None, :] < N) & in_k[:, None], other=0.0)
-        acc = dot_acc(a, b, acc, IEEE, WIDEN)
+        acc = dot_acc(a, b, acc, IEEE, EMULATE)
         x_tile += BLOCK_K * stride_xk
         w_tile += BLOCK_K * stride_wk
     if HAS_BIAS:
@@ -98,7 +98,7 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         x, weight, bias if bias is not None else x, out,
         M, N, K // chunks,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, WIDEN=INTERPRETED and x.dtype != torch.float32,
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, EMULATE=INTERPRETED,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out[0] if chunks == 1 else out

@@ -106,7 +106,7 @@ def _skinny_matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr,
     M, N, K, k_span,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_os, stride_om,
-    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr,
     RTNE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -122,7 +122,7 @@ def _skinny_matmul_kernel(
             in_k = (k + ks) < K
             a = tl.load(x_tile, mask=(rows[:, None] < M) & in_k[None, :], other=0.0)
             b = tl.load(w_tile, mask=(cols[None, :] < N) & in_k[:, None], other=0.0)
-            acc = dot_acc(a, b, acc, IEEE, WIDEN)
+            acc = dot_acc(a, b, acc, IEEE, EMULATE)
             x_tile += BLOCK_K * stride_xk
             w_tile += BLOCK_K * stride_wk
     else:  # one row (M == 1): float32 products summed along each weight row, in the weight's order
@@ -195,7 +195,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     cfg = config or config_for(N, K, sm_count(x.device), row_tile(M))
     partial = cfg.split_k > 1
     dest = torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device) if partial else out
-    flags = dict(IEEE=x.dtype == torch.float32, WIDEN=INTERPRETED and x.dtype != torch.float32, RTNE=INTERPRETED)
+    flags = dict(IEEE=x.dtype == torch.float32, EMULATE=INTERPRETED, RTNE=INTERPRETED)
     bias_arg = bias if bias is not None else x
     _skinny_matmul_kernel[(triton.cdiv(N, cfg.block_n), cfg.split_k)](
         x, weight, bias_arg, dest,

@@ -61,7 +61,7 @@ class Stepping:
         self.generated_tokens = 0  # over the engine's life (the timeline's tokens/s)
         self.inflight: dict[int, InFlight] = {}
         self.ahead: dict[int, InFlight] = {}  # async scheduling: the step sent behind a group's step in flight
-        self.async_scheduling = config.async_scheduling  # set_async_scheduling flips it on a live engine
+        self.async_scheduling = config.async_scheduling_on()  # set_async_scheduling flips it on a live engine
         # ranks hold each following step's answer until their next message (a GPU never waits for the driver;
         # a CPU rank answers at once, its draw is on the host already)
         self.hold_answers = config.device != "cpu"

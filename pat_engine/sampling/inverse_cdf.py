@@ -13,12 +13,13 @@ The C++ kernel (csrc/pat_kernels/cpu/sample.cpp) does this with one thread per r
 ``_torch_inverse_cdf`` below does the same operations with torch (other devices, or
 ``PAT_CPU_SAMPLER=torch``). Only +, *, floor, comparisons and exact conversions are used, which
 round the same in scalar and vector code, so on the CPU neither the batch nor the thread count
-changes a bit. On CUDA the running sum's ``cumsum`` is ATen's parallel scan, whose order follows the
-batch's row count: a draw whose target lands between two roundings of one boundary can differ
-(rare; docs/numerics.md, "Not covered"). ``PAT_TRITON_SAMPLER=on`` (or ``batch_invariant_draws``, which
-the invariant numerics mode samples inside on CUDA) runs the weights, Z and the draw as Triton kernels
-there (pat_kernels/triton_sampler.py): the same weights and Z, and a draw (and a top_p nucleus,
-``nucleus_sizes``) whose running sum is taken in blocks, an order fixed by the row alone. The log of Z
+changes a bit. On CUDA the weights, Z and the draw run as Triton kernels (pat_kernels/triton_sampler.py;
+``PAT_TRITON_SAMPLER``, on there by default): the same weights and Z, and a draw (and a top_p nucleus,
+``nucleus_sizes``) whose running sum is taken in blocks, an order fixed by the row alone. With
+``PAT_TRITON_SAMPLER=off`` (or without Triton) the running sum there is ATen's parallel ``cumsum``, whose
+order follows the batch's row count: a draw whose target lands between two roundings of one boundary can
+differ (rare; docs/numerics.md, "Not covered"); the invariant numerics mode samples inside
+``batch_invariant_draws``, which takes the kernels whatever the switch says. The log of Z
 is left to the caller (Python's ``math.log``): a library log differs between its vector and scalar
 paths.
 """
@@ -67,7 +68,7 @@ def weights(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor) -> tup
 
 def lane_sum(e: torch.Tensor) -> torch.Tensor:
     """Z per row (float64), in the kernel's eight-lane order (a sequential cumsum down each lane); by the
-    Triton kernel where ``PAT_TRITON_SAMPLER=on`` asks and it serves (the same bits)."""
+    Triton kernel where ``PAT_TRITON_SAMPLER`` asks for it (CUDA by default) and it serves (the same bits)."""
     if _triton_takes_weights(e):
         from pat_kernels.triton_sampler import lane_sum as kernel
 
@@ -83,9 +84,10 @@ _BATCH_INVARIANT = contextvars.ContextVar("pat_batch_invariant_draws", default=F
 
 @contextlib.contextmanager
 def batch_invariant_draws(on: bool = True) -> Iterator[None]:
-    """Within (``on``): the torch path runs the Triton kernels wherever they serve, as ``PAT_TRITON_SAMPLER=on``
-    asks, so the draw's and the top_p nucleus's running sums follow the row alone. The invariant numerics
-    mode samples inside it on CUDA (worker/infer_executor.py), where ATen's scan follows the batch's row count."""
+    """Within (``on``): the torch path runs the Triton kernels wherever they serve, whatever
+    ``PAT_TRITON_SAMPLER`` says, so the draw's and the top_p nucleus's running sums follow the row alone.
+    The invariant numerics mode samples inside it on CUDA (worker/infer_executor.py): ATen's scan, which
+    ``PAT_TRITON_SAMPLER=off`` leaves there, follows the batch's row count."""
     token = _BATCH_INVARIANT.set(on)
     try:
         yield
@@ -94,9 +96,10 @@ def batch_invariant_draws(on: bool = True) -> Iterator[None]:
 
 
 def _triton_sampler_serves(t: torch.Tensor) -> bool:
-    """Asked for (``PAT_TRITON_SAMPLER=on``, or inside ``batch_invariant_draws``), and a Triton kernel can take
-    ``t``'s device."""
-    return (env.triton_sampler() or _BATCH_INVARIANT.get()) and env.triton_runs_on(t.device.type)
+    """Asked for on ``t``'s device (``PAT_TRITON_SAMPLER``: CUDA by default), or inside ``batch_invariant_draws``
+    where a Triton kernel can take ``t``'s device."""
+    kind = t.device.type
+    return env.triton_sampler(kind) or (_BATCH_INVARIANT.get() and env.triton_runs_on(kind))
 
 
 def _triton_takes_weights(e: torch.Tensor) -> bool:
@@ -105,8 +108,8 @@ def _triton_takes_weights(e: torch.Tensor) -> bool:
 
 
 def _twin_weights(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e, m) off the C++ kernel: the torch formulas, or the Triton kernel where ``PAT_TRITON_SAMPLER=on``
-    asks (the same bits)."""
+    """(e, m) off the C++ kernel: the torch formulas, or the Triton kernel where ``PAT_TRITON_SAMPLER`` asks
+    for it (the same bits)."""
     if _triton_sampler_serves(x):
         from pat_kernels.triton_sampler import weights as kernel
 
@@ -144,9 +147,9 @@ def _torch_inverse_cdf(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Ten
 def nucleus_sizes(e_sorted: torch.Tensor, top_p: torch.Tensor, z_sum: torch.Tensor) -> torch.Tensor:
     """Per row of weights in descending order: how many leading tokens the top_p nucleus holds, i.e. one
     more than the tokens whose running float64 sum stays below top_p * Z (int64; V + 1 where rounding
-    leaves the whole sum short). The running sum is the draw's: a cumsum (the CPU's chain; ATen's scan on
-    CUDA), or the Triton kernel's blocks wherever they run the draw (``PAT_TRITON_SAMPLER=on``, or inside
-    ``batch_invariant_draws``)."""
+    leaves the whole sum short). The running sum is the draw's: the Triton kernel's blocks wherever they
+    run the draw (``PAT_TRITON_SAMPLER``: CUDA by default, or inside ``batch_invariant_draws``), else a
+    cumsum (the CPU's chain; ATen's scan on CUDA)."""
     if _triton_takes_weights(e_sorted):
         from pat_kernels.triton_sampler import first_reaching
 

@@ -59,7 +59,7 @@ class EngineArgs:
     numerics: str = DEFAULT_NUMERICS
     speculative: bool = False  # n-gram speculative decoding of the tail (docs/speculative.md)
     speculative_history: bool = False  # also draft from earlier responses to the same prompt
-    async_scheduling: bool = False  # send each decode step before the one in flight is answered
+    async_scheduling: bool | None = None  # send each decode step before the one in flight is answered (None: CUDA)
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":
@@ -138,9 +138,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                         "invariant or float64 (docs/speculative.md)")
     g.add_argument("--speculative-history", action="store_true",
                    help="with --speculative: also draft from earlier responses to the same prompt")
-    g.add_argument("--async-scheduling", action="store_true",
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="send each decode step before the one in flight is answered, so the device does not "
-                        "wait for the driver between steps (vLLM's flag; docs/async_scheduling.md)")
+                        "wait for the driver between steps (vLLM's flag; docs/async_scheduling.md; default: on "
+                        "on a GPU, off on the CPU)")
     g.add_argument("--threads-per-worker", type=int, default=None, help="torch threads per worker (CPU)")
     f = p.add_argument_group("failures")
     f.add_argument("--step-timeout", type=float, default=600.0, metavar="S",

@@ -56,9 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="how each decode step samples: greedy (the argmax), or rl (temperature 1 with each token's "
                         "log-prob, as an RL rollout draws; the draw is TP rank 0's alone and does not shrink with "
                         "TP, so profile an RL deployment with it)")
-    p.add_argument("--async-scheduling", action="store_true",
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="time decode steps as an engine with async_scheduling runs them (each sent before the "
-                        "one in flight is answered); real runs only")
+                        "one in flight is answered); real runs only (default: the engine's, on for CUDA)")
     args = p.parse_args(argv)
     if args.emulate_world is None and args.world is None:
         p.error("--world is required (or --emulate-world N)")
@@ -99,8 +99,8 @@ def decode_kwargs(args: argparse.Namespace) -> dict:
         out["graph_backend"] = args.graph_backend
     if args.enforce_eager:
         out["enforce_eager"] = True
-    if args.async_scheduling:
-        out["async_scheduling"] = True
+    if args.async_scheduling is not None:
+        out["async_scheduling"] = args.async_scheduling
     return out
 
 

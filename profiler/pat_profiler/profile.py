@@ -202,7 +202,7 @@ def _open_table(opts: ProfileOptions, deployment, engine: Engine) -> ProfileTabl
         return table
     return ProfileTable(deployment, model_shape(engine.arch, engine.config.torch_dtype()),
                         meta={"created": datetime.datetime.now().isoformat(timespec="seconds"), "profile_seconds": 0.0,
-                              "async_scheduling": engine.config.async_scheduling, "draw": opts.draw,
+                              "async_scheduling": engine.config.async_scheduling_on(), "draw": opts.draw,
                               "profile_seconds_before": 0.0, "window": opts.window,
                               "budget_tokens": opts.budget_tokens})
 
