@@ -10,10 +10,12 @@ On a lent machine (``run`` tool), write where the files come back, then copy the
 
     python bench/gpu_check.py --quick --output "$OUT/gpu_check.md"     # timeout_s=600 leaves room to spare
 
-A session's 15 device minutes (start-up included) hold two such calls; what is still unmeasured first:
+A session's 15 device minutes (start-up included) hold two such calls (the fourth H100 run took 686 s for
+three). What is still unmeasured first: the CUDA defaults the fourth run set (async scheduling, the Triton
+sampler) in the decode rows and under the gpu tests, then the controller with them:
 
-    python bench/gpu_check.py --quick --only gemm sampler kernels prefill decode profile --budget-s 330 --output "$OUT/gpu_check.md"
-    python bench/gpu_check.py --only controller switch --budget-s 420 --output "$OUT/gpu_check.md"   # issue 32
+    python bench/gpu_check.py --quick --only kernels decode tests --budget-s 330 --output "$OUT/gpu_check.md"
+    python bench/gpu_check.py --only controller invariant graphs --budget-s 330 --output "$OUT/gpu_check.md"
 
 Parts (``--only`` names; each a section of ``bench/results/gpu_check.md`` with its command, machine, date
 and environment, headlines with each target's verdict at the top). Each part's expected seconds on an
