@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from driver_fixtures import BLOCK, expected_tokens, make_driver
+from driver_fixtures import BLOCK, expected_tokens, make_driver, run_checked
 from pat_engine.predictor.policy import ScheduledSwitches, SwitchDecision
 from pat_engine.errors import LayoutError, WorkerFailure
 from pat_engine.parallel.dp_placement import balance_by_context
@@ -235,3 +235,36 @@ def test_a_listener_that_raises_does_not_stop_the_engine():
     handle.add_listener(lambda h: 1 / 0)
     d.run()
     assert handle.done() and seq.output_ids == expected_tokens(seq)
+
+
+class _RecordingPolicy(ScheduledSwitches):
+    """A schedule that notes, at each decision, whether every group with work had a step in flight (every
+    device busy while it decides)."""
+
+    def __init__(self, schedule, overlaps: bool, stepping):
+        super().__init__(schedule, "migrate")
+        self.overlaps_steps, self.stepping, self.busy = overlaps, stepping, []
+
+    def decide(self, status):
+        working = [g for g, sched in enumerate(self.stepping.schedulers) if sched.has_work()]
+        self.busy.append(all(g in self.stepping.inflight for g in working))
+        return super().decide(status)
+
+
+@pytest.mark.parametrize("overlaps", [False, True])
+def test_an_overlapping_policy_decides_while_the_next_steps_compute_and_its_switch_still_runs(overlaps):
+    """On a GPU a policy that ``overlaps_steps`` (the controller: its arithmetic takes milliseconds) is asked
+    right after the next steps are sent, so the device computes while it thinks; others are asked at the step
+    boundary as before. Either way the switch it asks for runs, and tokens and blocks are kept."""
+    d = make_driver(tp=1, dp=2)
+    assert not d.coord.switching.overlap_decisions  # CPU workers compute on the host's cores: never there
+    d.coord.switching.overlap_decisions = True  # as on a GPU
+    seqs = add_all(d)
+    policy = _RecordingPolicy([(3, 2), (6, 1)], overlaps, d.coord.stepping)
+    d.coord.switching.start_stage(policy)
+    run_checked(d)
+    assert [str(p.new) for p in d.pool.plans] == ["TP2xDP1", "TP1xDP2"]
+    assert policy.busy and all(policy.busy) == overlaps  # at the boundary the answered group is idle
+    for s in seqs:
+        assert s.output_ids == expected_tokens(s)
+    assert_all_free(d)

@@ -51,14 +51,15 @@ class GlobalCoordinator:
 
     def tick(self, timeout: float | None, wake=None) -> None:
         """One loop turn: a switch the policy asked for, at the step boundary; then idle groups get their
-        next step (unless a switch is still pending) and results that arrive within ``timeout`` are handled."""
+        next step (unless a switch is still pending), an overlapping policy's due decision runs while those
+        steps compute, and results that arrive within ``timeout`` are handled."""
         self.switching.run_pending()
         dispatch = self.switching.pending is None and self.may_dispatch()
-        self.stepping.tick(timeout, wake, dispatch)
+        self.stepping.tick(timeout, wake, dispatch, after_dispatch=self.switching.decide_if_due)
 
     def restart(self, pool: WorkerPool) -> list[Sequence]:
         """Adopt a fresh worker world at the base layout: every unfinished request is queued again for
         recompute, nothing is released, no switch is pending."""
         self.memory_release.state.clear()
-        self.switching.pending = None
+        self.switching.pending, self.switching.decision_due = None, False
         return self.stepping.restart(pool, self.memory_plan.base)

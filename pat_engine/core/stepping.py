@@ -23,6 +23,7 @@ Runs in the loop thread: methods marked ``on_loop`` may be called from any threa
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from pat_engine.config import EngineConfig
 from pat_engine.core.loop_thread import LoopThread, on_loop
@@ -222,11 +223,15 @@ class Stepping:
 
     # ---- steps -------------------------------------------------------------------------------
 
-    def tick(self, timeout: float | None, wake=None, dispatch: bool = True) -> None:
-        """Dispatch idle groups (when ``dispatch``), then handle whatever results arrive within ``timeout``."""
+    def tick(self, timeout: float | None, wake=None, dispatch: bool = True,
+             after_dispatch: Callable[[], None] | None = None) -> None:
+        """Dispatch idle groups (when ``dispatch``), call ``after_dispatch`` (host work that may overlap the
+        steps just sent), then handle whatever results arrive within ``timeout``."""
         if dispatch:
             self._dispatch()
         self._release_held()
+        if after_dispatch is not None:
+            after_dispatch()
         for msg in self.pool.poll(timeout, [wake] if wake is not None else None):
             self._handle(msg)
         self._check_step_timeouts()

@@ -41,6 +41,10 @@ class Switching:
         self.cost_source: CostSource = MeasuredRates()  # replaced by the predictor when a profile table is loaded
         self.policy: SwitchPolicy | None = None
         self.pending: SwitchDecision | None = None  # the policy's decision, run at the next step boundary
+        self.decision_due = False  # an overlapping policy's decision, taken once the next steps are sent
+        # a GPU computes apart from the host, so a costly policy decides while it does; CPU workers use the
+        # host's cores, which a decision taken meanwhile only takes from them (bench/results/controller_overlap.md)
+        self.overlap_decisions = config.device == "cuda"
         self._last_point = (time.monotonic(), 0)  # (when, generated tokens) of the last status point
 
     # ---- policy and stages -------------------------------------------------------------------
@@ -73,6 +77,7 @@ class Switching:
         if base_layout is not None and self.stepping.layout != base_layout:
             self.switch(SwitchDecision(base_layout.tp, "new stage: base layout"))
         self.policy = policy if policy is not None else self.policy
+        self.decision_due = False
         self.stepping.start_stage()
 
     # ---- what steps teach (Stepping's StepWatcher) --------------------------------------------
@@ -82,11 +87,26 @@ class Switching:
 
     def decode_steps_grew(self, steps: int) -> None:
         """Every ``switch_check_interval`` decode steps (the policy's own interval when it has one): a
-        status point on the timeline, and the policy's decision, to run at the next step boundary."""
+        status point on the timeline, and the policy's decision, to run at the next step boundary. A
+        policy that ``overlaps_steps`` decides after the next dispatch instead (``decide_if_due``) where the
+        devices compute apart from the host (``overlap_decisions``: CUDA)."""
         interval = getattr(self.policy, "interval", None) or self.config.switch_check_interval
         if steps % interval:
             return
         self._record_point()
+        if self.overlap_decisions and getattr(self.policy, "overlaps_steps", False):
+            self.decision_due = True
+        else:
+            self._decide()
+
+    def decide_if_due(self) -> None:
+        """Right after a dispatch: the decision an overlapping policy was due (its host arithmetic runs
+        while the steps just sent compute; the switch waits for them at the next step boundary)."""
+        if self.decision_due:
+            self.decision_due = False
+            self._decide()
+
+    def _decide(self) -> None:
         if self.policy is not None and self.pending is None and self.stepping.seqs:
             decision = self.policy.decide(self.stepping.status())
             if decision is not None and decision.tp != self.stepping.layout.tp:

@@ -67,6 +67,11 @@ class Evaluation:
 
 
 class SwitchController:
+    # on a GPU, decide after the next steps are sent: its numpy over (draws x requests) for every candidate
+    # takes milliseconds, which the GPU spent idle between steps (the fourth H100 run: 1.76 s against static
+    # TP1xDP2's 1.45 s with the same choices, bench/results/gpu_check.md, part controller)
+    overlaps_steps = True
+
     def __init__(self, predictor: LatencyPredictor, estimator: RemainingEstimator,
                  config: ControllerConfig = ControllerConfig(),
                  can_hold: Callable[[Layout, ClusterStatus], bool] | None = None,

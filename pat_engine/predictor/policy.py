@@ -92,7 +92,11 @@ class SwitchDecision:
 
 
 class SwitchPolicy(Protocol):
-    """``decide`` is called every ``interval`` decode steps (None: the engine's ``switch_check_interval``)."""
+    """``decide`` is called every ``interval`` decode steps (None: the engine's ``switch_check_interval``).
+
+    A policy whose ``decide`` costs host time may set ``overlaps_steps = True``: on a GPU it is then called
+    once the next steps have been sent, so its arithmetic runs while the device computes them, and a switch
+    it asks for lands one step later (core/switching.py)."""
 
     interval: int | None
 
