@@ -54,10 +54,12 @@ class LatencyCurve:
 
     def __call__(self, x) -> np.ndarray:
         x = np.asarray(x, float)
-        out = np.interp(x, self.x, self.y)
-        lo, hi = x < self.x[0], x > self.x[-1]
-        out = np.where(lo, self.y[0] + self.slope * (x - self.x[0]), out)
-        out = np.where(hi, self.y[-1] + self.slope * (x - self.x[-1]), out)
+        out = np.asarray(np.interp(x, self.x, self.y))
+        # the ends' lines only where x lies beyond them (the controller calls this thousands of times a
+        # stage on small arrays: whole-array selects cost more than the interpolation)
+        for beyond, x_end, y_end in ((x < self.x[0], self.x[0], self.y[0]), (x > self.x[-1], self.x[-1], self.y[-1])):
+            if beyond.any():
+                out[beyond] = y_end + self.slope * (x[beyond] - x_end)
         return out
 
 
@@ -93,23 +95,29 @@ class BatchInterpolated:
             raise KeyError(f"the profile has no points for tp={tp} (has {self.tps})")
         batch = np.asarray(batch, float)
         x = np.asarray(x, float)
-        batch, x = np.broadcast_arrays(batch, x)
+        if batch.shape != x.shape:
+            batch, x = np.broadcast_arrays(batch, x)
         sizes = self.batches[tp]
         curves = self.curves[tp]
         if len(sizes) == 1:
             return np.where(batch > 0, curves[int(sizes[0])](x), 0.0)
         # index of the lower bracketing profiled batch; the top pair extrapolates beyond the largest
-        hi = np.clip(np.searchsorted(sizes, batch, side="left"), 1, len(sizes) - 1)
+        hi = np.minimum(np.maximum(np.searchsorted(sizes, batch, side="left"), 1), len(sizes) - 1)
         lo = hi - 1
         b_lo, b_hi = sizes[lo], sizes[hi]
         w = (batch - b_lo) / (b_hi - b_lo)
         w = np.maximum(w, 0.0)  # below the smallest profiled batch: use it (no extrapolation down)
-        out = np.zeros(batch.shape)
-        for i in np.unique(lo):  # few distinct pairs: evaluate each pair's curves once
-            sel = lo == i
-            f_lo = curves[int(sizes[i])](x[sel])
-            f_hi = curves[int(sizes[i + 1])](x[sel])
-            out[sel] = (1 - w[sel]) * f_lo + w[sel] * f_hi
+        pairs = np.flatnonzero(np.bincount(lo.ravel(), minlength=len(sizes)))
+        if len(pairs) == 1:  # one pair for every element (the usual case): no selection
+            i = int(pairs[0])
+            out = (1 - w) * curves[int(sizes[i])](x) + w * curves[int(sizes[i + 1])](x)
+        else:
+            out = np.zeros(batch.shape)
+            for i in pairs:  # few distinct pairs: evaluate each pair's curves once
+                sel = lo == i
+                f_lo = curves[int(sizes[i])](x[sel])
+                f_hi = curves[int(sizes[i + 1])](x[sel])
+                out[sel] = (1 - w[sel]) * f_lo + w[sel] * f_hi
         return np.where(batch > 0, np.maximum(out, 0.0), 0.0)
 
 
