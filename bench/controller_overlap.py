@@ -118,7 +118,8 @@ def main() -> None:
     median = {m: statistics.median(ts) for m, ts in times.items()}
     rows = [[m, " / ".join(f"{t:.3f}" for t in times[m]), median[m], median[m] / median[MODES[0]],
              evaluations.get(m, "-"),
-             f"{statistics.median(host_s[m]) * 1e3:.0f}" if m in host_s else "-", switches[m],
+             f"{statistics.median(host_s[m]) * 1e3:.0f}" if m in host_s else "-",
+             f"{sum(host_s[m]) / evaluations[m] * 1e3:.2f}" if m in host_s and evaluations[m] else "-", switches[m],
              "-" if m == MODES[0] else ("yes" if same[m] and reference is not None else "no")]
             for m in MODES]
     body = "\n".join([
@@ -129,10 +130,10 @@ def main() -> None:
         f"{len(prompts)} requests of 64 prompt tokens, {lengths.count(480)} of them 480 new tokens, the rest "
         f"16-47 (greedy, ignore_eos). One engine, the modes in an order rotated every round; seconds from "
         f"submitting the batch to its last token. *evaluations*: the controller's, summed over rounds; "
-        f"*host ms*: the evaluations' time in one run (median over rounds).",
+        f"*host ms a run*: the evaluations' time in one run (median over rounds); *ms an evaluation*: their mean.",
         "",
         markdown_table(["mode", "seconds per round", "median s", "vs static", "evaluations", "host ms a run",
-                        "switches", "tokens = static"], rows),
+                        "ms an evaluation", "switches", "tokens = static"], rows),
         "",
         f"Overlapping against the boundary: **{median[MODES[1]] / median[MODES[2]]:.3f}x** (median times).",
     ])
