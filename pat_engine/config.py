@@ -205,9 +205,16 @@ class EngineConfig:
             kwargs["speculative"] = SpeculativeConfig.of(kwargs["speculative"])
         return cls(model=str(model), **kwargs)
 
+    @property
+    def host_free_during_steps(self) -> bool:
+        """Whether the workers compute apart from the host's cores (a GPU), so host work done while a step
+        runs costs the step nothing: async scheduling's default, ranks holding answers, the controller
+        deciding while steps compute. CPU workers use the host's cores."""
+        return self.device == "cuda"
+
     def async_scheduling_on(self) -> bool:
-        """Whether decode steps are sent ahead: as set, else on CUDA only."""
-        return self.device == "cuda" if self.async_scheduling is None else self.async_scheduling
+        """Whether decode steps are sent ahead: as set, else where the host is free during steps (CUDA)."""
+        return self.host_free_during_steps if self.async_scheduling is None else self.async_scheduling
 
     def graphs(self) -> str | None:
         """Which decode graphs the workers capture: "cuda", "standin", or None (every step eager)."""

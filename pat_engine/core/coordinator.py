@@ -61,5 +61,5 @@ class GlobalCoordinator:
         """Adopt a fresh worker world at the base layout: every unfinished request is queued again for
         recompute, nothing is released, no switch is pending."""
         self.memory_release.state.clear()
-        self.switching.pending, self.switching.decision_due = None, False
+        self.switching.drop_decisions()
         return self.stepping.restart(pool, self.memory_plan.base)

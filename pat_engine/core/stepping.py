@@ -65,7 +65,7 @@ class Stepping:
         self.async_scheduling = config.async_scheduling_on()  # set_async_scheduling flips it on a live engine
         # ranks hold each following step's answer until their next message (a GPU never waits for the driver;
         # a CPU rank answers at once, its draw is on the host already)
-        self.hold_answers = config.device != "cpu"
+        self.hold_answers = config.host_free_during_steps
         self._held: set[int] = set()  # groups whose step in flight is held on its ranks, not released yet
         self.install_layout(layout, self.new_schedulers(layout))
         self.seqs: dict[int, Sequence] = {}  # unfinished, by seq id

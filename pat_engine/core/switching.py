@@ -42,9 +42,9 @@ class Switching:
         self.policy: SwitchPolicy | None = None
         self.pending: SwitchDecision | None = None  # the policy's decision, run at the next step boundary
         self.decision_due = False  # an overlapping policy's decision, taken once the next steps are sent
-        # a GPU computes apart from the host, so a costly policy decides while it does; CPU workers use the
-        # host's cores, which a decision taken meanwhile only takes from them (bench/results/controller_overlap.md)
-        self.overlap_decisions = config.device == "cuda"
+        # a costly policy decides while the steps compute where that costs them nothing (a GPU); CPU workers
+        # use the host's cores, so there it decides at the boundary (bench/results/controller_overlap.md)
+        self.overlap_decisions = config.host_free_during_steps
         self._last_point = (time.monotonic(), 0)  # (when, generated tokens) of the last status point
 
     # ---- policy and stages -------------------------------------------------------------------
@@ -77,7 +77,7 @@ class Switching:
         if base_layout is not None and self.stepping.layout != base_layout:
             self.switch(SwitchDecision(base_layout.tp, "new stage: base layout"))
         self.policy = policy if policy is not None else self.policy
-        self.decision_due = False
+        self.decision_due = False  # a decision due from the last stage
         self.stepping.start_stage()
 
     # ---- what steps teach (Stepping's StepWatcher) --------------------------------------------
@@ -98,6 +98,10 @@ class Switching:
             self.decision_due = True
         else:
             self._decide()
+
+    def drop_decisions(self) -> None:
+        """Forget the pending switch and any decision due (a restart adopts a fresh world at the base layout)."""
+        self.pending, self.decision_due = None, False
 
     def decide_if_due(self) -> None:
         """Right after a dispatch: the decision an overlapping policy was due (its host arithmetic runs
