@@ -66,6 +66,25 @@ def test_batch_interpolation_between_the_two_nearest_profiled_sizes():
         fit(4, 1, 1.0)
 
 
+def test_an_element_gets_the_same_bits_alone_and_among_others():
+    """The fit takes shortcuts by what an array holds (one bracketing pair of batch sizes, or several; x
+    beyond the knots or not): each element's value must be the one it gets alone."""
+    truth = lambda tp, b, total: 0.01 + 0.003 * np.sqrt(b) + 1e-6 * total
+    fit = fit_decode(points(truth))
+    rng = np.random.default_rng(3)
+    batch = rng.integers(0, 12, 200).astype(float)  # below, between and beyond the profiled sizes, and 0
+    total = rng.uniform(0, 4000, 200)  # inside and beyond the knots at either end
+    together = fit(1, batch, total)
+    alone = np.array([fit(1, np.array([b]), np.array([t]))[0] for b, t in zip(batch, total)])
+    assert np.array_equal(together, alone)
+    same_pair = np.full(5, 6.0)  # every element between 4 and 8: the branch without a selection
+    assert np.array_equal(fit(1, same_pair, total[:5]), [fit(1, np.array([6.0]), np.array([t]))[0] for t in total[:5]])
+    assert np.array_equal(fit(1, same_pair, total[:5]), fit(1, np.append(same_pair, 1.0), np.append(total[:5], 9.0))[:5])
+    curve = LatencyCurve([10, 20, 30], [1.0, 2.0, 2.5])
+    xs = np.array([0.0, 15.0, 45.0, 25.0, -5.0])
+    assert np.array_equal(curve(xs), [float(curve(x)) for x in xs])
+
+
 def test_prefill_fit_is_keyed_on_context_length():
     fit = fit_prefill(points(lambda tp, b, t: 0.0))
     assert fit(2, 4, 64) == pytest.approx(0.001 * 2 * 4 * 64)
