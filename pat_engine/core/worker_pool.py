@@ -38,6 +38,7 @@ R = TypeVar("R")
 # what gloo says when the other end of a collective has gone; the rank that went is the failure to report
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer")
 _PEER_DEATH_GRACE_S = 1.0  # how long such a reply waits for the death that caused it to be seen
+_EXIT_STATUS_WAIT_S = 2.0  # how long a broken socket waits for its worker's exit code
 
 
 class WorkerPool:
@@ -128,7 +129,7 @@ class WorkerPool:
             try:
                 self.conns[r].send_bytes(data)
             except (BrokenPipeError, OSError) as exc:
-                raise WorkerFailure(self._death_message(r, f"could not send to it ({exc})"), rank=r) from exc
+                raise self._death(r, f"could not send to it: {exc}") from exc
 
     def ask(self, call: WorkerCall[R], ranks: list[int] | None = None) -> R:
         """Run ``call`` on ``ranks`` (default: all), wait for every one of them (``call.wait_s()``, else the
@@ -177,11 +178,7 @@ class WorkerPool:
                 # A worker that fails sends its reason, then exits: both can arrive in one read. Hand the
                 # messages on first (the reason is in them); the closed socket raises on the next read.
                 return msgs
-            try:
-                self.procs[rank].wait(2)
-            except subprocess.TimeoutExpired:
-                pass
-            raise WorkerFailure(self._death_message(rank, f"exit code {self.procs[rank].poll()}"), rank=rank) from None
+            raise self._death(rank, "its socket closed") from None
         return msgs
 
     def _collect_replies(self, call_id: int, ranks: list[int], timeout: float, what: str) -> dict[int, Reply]:
@@ -222,6 +219,18 @@ class WorkerPool:
         for r, p in enumerate(self.procs):
             if p.poll() is not None:
                 raise WorkerFailure(self._death_message(r, f"exit code {p.returncode}"), rank=r)
+
+    def _death(self, rank: int, how_met: str) -> WorkerFailure:
+        """The failure for a worker whose socket broke. The socket can break before the process is reaped (a
+        forked worker's status comes through its fork server), so wait a moment for the exit code: it names
+        the cause (-9: killed), where the broken socket only says that it is gone."""
+        try:
+            self.procs[rank].wait(_EXIT_STATUS_WAIT_S)
+        except subprocess.TimeoutExpired:
+            pass
+        code = self.procs[rank].poll()
+        detail = how_met if code is None else f"exit code {code} ({how_met})"
+        return WorkerFailure(self._death_message(rank, detail), rank=rank)
 
     def _death_message(self, rank: int, detail: str) -> str:
         return f"worker rank {rank} (pid {self.procs[rank].pid}) died: {detail}"
