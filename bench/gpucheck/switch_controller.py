@@ -29,7 +29,7 @@ import numpy as np
 from common import markdown_table
 from gpucheck.report import PartResult
 from gpucheck.shared import Ctx, log, verdict
-from predictor_accuracy import mape, run_layout
+from predictor_accuracy import mape, run_layout, step_noise
 
 STEP_ERROR_GOAL = 0.05
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,11 +81,23 @@ def warm_tp1(engine, prompts: list[list[int]], params: list) -> None:
     engine.generate(prompts, params, policy=StaticLayout(), use_tqdm=False)
 
 
-def step_errors(pred, tp: int, steps) -> tuple[float, float]:
-    """(per-step MAPE, drain-time error) in %, of the predictor on one static run's decode steps."""
+def step_errors(pred, tp: int, runs: list[list]) -> dict[str, float]:
+    """The predictor on one layout's static runs, in %: per-step MAPE, its median signed error (the table's
+    bias: a constant the table misses, e.g. the driver's round trip), the steps' own noise (the MAPE a
+    predictor knowing each step's local mean would still have) and the drain-time error. MAPE well above
+    the noise with a bias near it says the table is off; MAPE near the noise says the steps are."""
+    steps = [s for run in runs for s in run]
     meas = np.array([s.seconds for s in steps])
     est = np.array([float(pred.step_seconds(tp, s.batch_size, s.context_tokens)) for s in steps])
-    return mape(est, meas), abs(est.sum() - meas.sum()) / meas.sum() * 100
+    return {"mape": mape(est, meas), "bias": float(np.median(est / meas - 1) * 100), "noise": step_noise(runs),
+            "drain": float(abs(est.sum() - meas.sum()) / meas.sum() * 100)}
+
+
+def step_records(pred, tp: int, runs: list[list]) -> list[list]:
+    """[batch, context tokens, measured ms, predicted ms] of every step, for analysis after the device is gone."""
+    return [[s.batch_size, s.context_tokens, round(s.seconds * 1e3, 4),
+             round(float(pred.step_seconds(tp, s.batch_size, s.context_tokens)) * 1e3, 4)]
+            for run in runs for s in run]
 
 
 def run(ctx: Ctx) -> PartResult:
@@ -121,7 +133,7 @@ def measure(ctx: Ctx, ckpt: Path, engine_kwargs: dict) -> tuple[list[str], list[
     prompts, lengths = long_tail(ctx, load_model_arch(str(ckpt)).vocab_size)
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in lengths]
     times: dict[str, list[float]] = {"static TP1xDP2": [], "static TP2xDP1": [], "controller": []}
-    steps: dict[int, list] = {1: [], 2: []}
+    steps: dict[int, list[list]] = {1: [], 2: []}  # tp -> each static run's decode steps
     events, history = [], []
     with Engine(str(ckpt), tp=1, dp=2, profile_table=str(table_path), **engine_kwargs) as engine:
         controller = engine.policy
@@ -139,13 +151,13 @@ def measure(ctx: Ctx, ckpt: Path, engine_kwargs: dict) -> tuple[list[str], list[
                     history += controller.history[seen:]
                 else:
                     tp = 1 if "TP1" in label else 2
-                    steps[tp] += run_layout(engine, tp, prompts, lengths)
+                    steps[tp].append(run_layout(engine, tp, prompts, lengths))
                 times[label].append(time.perf_counter() - t)
     errors = {tp: step_errors(pred, tp, s) for tp, s in steps.items()}
     agree, eval_rows = table_agreement(history)
     mean = {label: statistics.fmean(ts) for label, ts in times.items()}
     best_static = min(("static TP1xDP2", "static TP2xDP1"), key=mean.get)
-    worst_step = max(e[0] for e in errors.values())
+    worst_step = max(e["mape"] for e in errors.values())
     switches = "; ".join(f"{e.from_layout} -> {e.to_layout} at stage step {e.decision.get('stage_decode_step')}"
                          for e in events) or "none (stayed at TP1xDP2)"
     lines = [
@@ -166,9 +178,14 @@ def measure(ctx: Ctx, ckpt: Path, engine_kwargs: dict) -> tuple[list[str], list[
         "",
         f"Controller's switches: {switches}.",
         "",
-        markdown_table(["layout", "decode steps", "per-step error (MAPE)", "drain-time error"],
-                       [[f"TP{tp}xDP{2 // tp}", len(steps[tp]), f"{e[0]:.2f}%", f"{e[1]:.2f}%"]
-                        for tp, e in errors.items()]),
+        markdown_table(["layout", "decode steps", "per-step error (MAPE)", "median signed error (bias)",
+                        "steps' own noise", "drain-time error"],
+                       [[f"TP{tp}xDP{2 // tp}", sum(map(len, steps[tp])), f"{e['mape']:.2f}%", f"{e['bias']:+.2f}%",
+                         f"{e['noise']:.2f}%", f"{e['drain']:.2f}%"] for tp, e in errors.items()]),
+        "",
+        "The steps' own noise: the MAPE that a predictor knowing each step's local mean (its group's steps of the "
+        "same batch size, up to 4 either side) would still have. The raw steps are in the JSON beside this file "
+        "(`data.steps`: batch, context tokens, measured and predicted ms).",
         "",
         "Every evaluation of the controller (predicted totals in seconds: staying, or switching now with the "
         "switch cost; the table says switch when the best plan beats staying by the margin; \"deferred\": the "
@@ -183,11 +200,14 @@ def measure(ctx: Ctx, ckpt: Path, engine_kwargs: dict) -> tuple[list[str], list[
         f"evaluations",
         f"predictor step error on this GPU: worst {worst_step:.1f}% per step "
         f"(goal <= {STEP_ERROR_GOAL:.0%}: {verdict(worst_step <= STEP_ERROR_GOAL * 100)}); drain-time "
-        + ", ".join(f"TP{tp} {e[1]:.1f}%" for tp, e in errors.items()),
+        + ", ".join(f"TP{tp} {e['drain']:.1f}%" for tp, e in errors.items()) + "; bias "
+        + ", ".join(f"TP{tp} {e['bias']:+.1f}%" for tp, e in errors.items()) + ", steps' own noise "
+        + ", ".join(f"TP{tp} {e['noise']:.1f}%" for tp, e in errors.items()),
     ]
     if ctx.smoke:
         headlines = ["smoke: controller not judged (CPU)"]
-    data = {"times": times, "errors": {str(tp): list(e) for tp, e in errors.items()},
+    data = {"times": times, "errors": {str(tp): e for tp, e in errors.items()},
+            "steps": {str(tp): step_records(pred, tp, runs) for tp, runs in steps.items()},
             "switches": [f"{e.from_layout}->{e.to_layout}" for e in events], "agree": agree,
             "evaluations": len(history)}
     return lines, headlines, data
