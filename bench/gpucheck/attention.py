@@ -9,6 +9,12 @@ counts, so the fast-mode rule can be set from measurement (the best split per sh
 SM it gives, its ratio to SDPA). KV GB/s counts each K and V byte once (the group's q heads share it).
 Target: the rule's split >= 80% of SDPA's bandwidth at every shape.
 
+A batch-1 step's attention at short contexts (64 to 2K tokens) is a matter of latency, not bandwidth (the
+fourth H100 run: 10 us a layer, split kernel and reduce, at a 512-token context, where the KV takes under
+1 us to stream): microseconds per call at each split count, the rule as CUDA graphs run it (the table
+``GRAPHS_WIDTH`` tokens wide, so it asks for many splits and each row takes as many as its context holds)
+and one split (no reduce kernel).
+
 Layer kernels (``pat_kernels/triton_{norm,activation,rotary}.py``) against the torch path a layer runs
 without them, at 1, 64 and 256 rows of the 8B shape: GPU time and whether the bits are equal.
 GPU time from CUDA events with the stream held busy ahead of each call (no launch overhead), calls
@@ -29,6 +35,8 @@ from gpucheck.shared import Ctx, log, median, time_interleaved, verdict
 GOAL = 0.8  # issue 30: decode attention >= 80% of SDPA-on-contiguous-KV bandwidth
 SHAPES = ((1, 32768), (2, 16384), (8, 4096), (64, 512), (64, 2048), (256, 1024))
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
+LATENCY_SHAPES = ((1, 64), (1, 512), (1, 2048))  # batch-1 decode: the 6.0 ms goal's attention
+GRAPHS_WIDTH = 8192  # a decode graph's table width (max_model_len) for the latency rows' rule
 QUICK_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -43,6 +51,8 @@ class Geometry:
 
 SMOKE_GEOMETRY = Geometry(heads=4, kv_heads=2, head_dim=16, page=16, block_n=16)
 SMOKE_SHAPES = ((2, 64), (4, 32))
+SMOKE_LATENCY_SHAPES = ((1, 48),)
+SMOKE_GRAPHS_WIDTH = 256  # the interpreter pays for every program, even an empty split's
 
 
 def sweep(context: int, block_n: int, candidates: tuple[int, ...], rule: int) -> list[int]:
@@ -56,13 +66,14 @@ def kv_bytes(batch: int, context: int, g: Geometry, elt: int = 2) -> int:
 
 
 def decode_case(batch: int, context: int, g: Geometry, candidates: tuple[int, ...], sm_count: int, device: str,
-                repeats: int, warmup: int, seed: int = 0) -> dict:
-    """Time SDPA on contiguous K/V, the rule's split and every split of the sweep on the same K/V."""
-    from pat_engine.model.layers.triton_attention import DECODE_BLOCK_N, decode_split
+                repeats: int, warmup: int, seed: int = 0, width_tokens: int | None = None) -> dict:
+    """Time SDPA on contiguous K/V, the rule's split and every split of the sweep on the same K/V. The rule sees
+    a table ``width_tokens`` wide (default: as wide as the context, as an eager step)."""
+    from pat_engine.model.layers.triton_attention import decode_split
     from pat_kernels.paged_decode_attention import paged_decode_attention
 
     dev = torch.device(device)
-    block_n = g.block_n or DECODE_BLOCK_N
+    block_n = block_n_of(g)
     gen = torch.Generator(device=dev).manual_seed(seed)
     per_seq = -(-context // g.page)
     blocks = batch * per_seq + 1  # one spare block nobody reads
@@ -75,7 +86,7 @@ def decode_case(batch: int, context: int, g: Geometry, candidates: tuple[int, ..
     # the same K/V, contiguous: (B, KVH, context, D)
     k, v = (pages[i][tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous() for i in (0, 1))
     q4 = q[:, :, None, :]  # (B, H, 1, D)
-    rule = decode_split(batch, g.kv_heads, per_seq * g.page, sm_count, "fast", block_n).num_splits
+    rule = decode_split(batch, g.kv_heads, width_tokens or per_seq * g.page, sm_count, "fast", block_n).num_splits
     splits = sweep(context, block_n, candidates, rule)
 
     def ours(s: int):
@@ -200,6 +211,15 @@ def run(ctx: Ctx) -> PartResult:
                  f"{worst['context']} (target >= {GOAL:.0%} at every shape): {verdict(ratio >= GOAL)}**",
                  "best split per shape: " + ", ".join(f"{r['batch']}x{r['context']} -> {r['best']} "
                                                       f"(rule {r['rule']})" for r in results)]
+    width = SMOKE_GRAPHS_WIDTH if ctx.smoke else GRAPHS_WIDTH
+    latency = [decode_case(batch, context, g, candidates, sm, ctx.device, repeats, warmup, width_tokens=width)
+               for batch, context in (SMOKE_LATENCY_SHAPES if ctx.smoke else LATENCY_SHAPES)]
+    latency_table = markdown_table(
+        ["shape", "SDPA us", "rule's splits (graphs)", "rule us", "1 split us", "best splits", "best us"],
+        [[f"{r['batch']} x {r['context']}", r["sdpa_s"] * 1e6, r["rule"], r["rule_s"] * 1e6,
+          r["kv_bytes"] / r["gbps"][1] / 1e3, r["best"], r["best_s"] * 1e6] for r in latency])
+    headlines.append("batch-1 attention, us a call (rule as graphs run it / best split): " + ", ".join(
+        f"{r['context']} tokens {r['rule_s'] * 1e6:.1f} / {r['best_s'] * 1e6:.1f} ({r['best']})" for r in latency))
     layer_rows = [row for rows in rows_list for row in layer_kernel_cases(rows, hidden, inter, g, ctx.device,
                                                                            repeats, warmup)]
     unequal = [f"{op} at {rows} rows" for op, rows, *_, eq in layer_rows if not eq]
@@ -217,13 +237,24 @@ def run(ctx: Ctx) -> PartResult:
                  f"more). {repeats} calls of each after {warmup} warm-ups, interleaved, median. Programs per SM at "
                  f"the best split = seqs x KV heads x splits / SMs (the rule aims at {_programs_per_sm()}).")
     body = "\n\n".join([setup, head, "KV GB/s at each split count (the sweep):", grid,
+                        f"A batch-1 step's attention at short contexts, us a call (the rule with the table "
+                        f"{width} tokens wide, as a decode graph runs it; a row takes as many splits as its "
+                        f"{block_n_of(g)}-token chunks):", latency_table,
                         "Fused layer kernels vs the torch path (8B shape: hidden 4096, intermediate 14336, 32 / 8 "
                         "heads of 128; torch: RMSNorm's formula after the add, `F.silu(gate) * up`, gather cos/sin + "
                         "rotate q and k + index_copy of K/V):" if not ctx.smoke else "Fused layer kernels vs torch:",
                         layers])
     data = {"rows": [{k: r[k] for k in ("batch", "context", "rule", "best", "sdpa_gbps", "max_abs_diff")}
-                     | {"gbps": {str(s): v for s, v in r["gbps"].items()}} for r in results]}
+                     | {"gbps": {str(s): v for s, v in r["gbps"].items()}} for r in results],
+            "latency": [{"batch": r["batch"], "context": r["context"], "rule": r["rule"], "sdpa_us": r["sdpa_s"] * 1e6,
+                         "us": {str(s): r["kv_bytes"] / v / 1e3 for s, v in r["gbps"].items()}} for r in latency]}
     return PartResult(body, headlines, data)
+
+
+def block_n_of(g: Geometry) -> int:
+    from pat_engine.model.layers.triton_attention import DECODE_BLOCK_N
+
+    return g.block_n or DECODE_BLOCK_N
 
 
 def _programs_per_sm() -> int:
