@@ -12,9 +12,11 @@ On a lent machine (``run`` tool), write where the files come back, then copy the
 
 A session's 15 device minutes (start-up included) hold two such calls (the fourth H100 run took 686 s for
 three). What is still unmeasured first: the CUDA defaults the fourth run set (async scheduling, the Triton
-sampler) in the decode rows and under the gpu tests, then the controller with them:
+sampler) in the decode rows and under the gpu tests, a batch-1 step's attention at short contexts (the
+attention part's latency table, for the 6.0 ms goal), then the controller with them (its table now splits
+the predictor's error into bias and the steps' own noise, and keeps every step):
 
-    python bench/gpu_check.py --quick --only kernels decode tests --budget-s 330 --output "$OUT/gpu_check.md"
+    python bench/gpu_check.py --quick --only attention kernels decode tests --budget-s 330 --output "$OUT/gpu_check.md"
     python bench/gpu_check.py --only controller invariant graphs --budget-s 330 --output "$OUT/gpu_check.md"
 
 Parts (``--only`` names; each a section of ``bench/results/gpu_check.md`` with its command, machine, date
@@ -23,7 +25,7 @@ H100 are in ``registry.py``; the parts table prints them beside what they took, 
 
 | part | measures |
 |---|---|
-| attention | decode attention GB/s vs SDPA at 6 shapes, the split sweep; fused layer kernels vs torch |
+| attention | decode attention GB/s vs SDPA at 6 shapes, the split sweep; batch-1 latency at 64-2K tokens (the rule as graphs run it); fused layer kernels vs torch |
 | gemm | decode GEMMs at 1, 8, 64 rows: cuBLAS vs the skinny Triton GEMM (its rule and a config sweep), a step's GEMM ms |
 | sampler | the RL draw (temperature 1, log-probs; top_p 0.9) at 1 and 64 rows: the torch twin vs the Triton kernels (weights, Z, draw, nucleus); greedy beside |
 | (checkpoint) | the 16 GB random checkpoint, written once per ``--workdir``, before the parts using it |
@@ -31,7 +33,7 @@ H100 are in ``registry.py``; the parts table prints them beside what they took, 
 | prefill | 64 x 512 and 8 x 4K prefill: tokens/s, model FLOP/s vs an 8192^3 bf16 GEMM |
 | decode | Engine decode ms / token vs roofline and floor: batch 1/16/64, 64 x 512, 64 x 2K, async off/on; 64 x 512 sampled (RL) |
 | profile | pat-profile --emulate-world 8, graphs on, median step; predictor error at TP1 |
-| controller | the controller on a co-located long-tail rollout (the switch part's 1B shape, 2 ranks), driven by a pat-profile table measured on those ranks: the predictor's step error (goal <= 5%), its choices against its table |
+| controller | the controller on a co-located long-tail rollout (the switch part's 1B shape, 2 ranks), driven by a pat-profile table measured on those ranks: the predictor's step error (goal <= 5%) with its bias and the steps' own noise, its choices against its table |
 | switch | the live switch with 2 (full: and 4) ranks sharing the GPU, 1B shape: each phase in s and bytes, the graphs share, host-staged collectives, CUDA memory; full: capture warm-ups |
 | graphs | CUDA graph capture per ladder size, recapture after an emulated switch |
 | weightsync | update_weights GB/s, update_weights_from_distributed (gloo; NCCL attempted) |
