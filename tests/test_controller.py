@@ -220,3 +220,31 @@ def test_a_tail_shorter_than_the_first_deferral_is_priced_without_deferrals():
     decision = ctrl.decide(status(1, spread(6, 4, 500)))
     assert decision is not None and decision.tp == 2
     assert "best_deferred" not in decision.details  # no "stay now, switch after s steps" plan was priced
+
+
+def test_a_clear_stay_is_priced_again_only_when_its_requests_or_layout_change_or_its_steps_run_out():
+    # 64 requests: TP2 and TP4 are over twice as slow as staying, a clear stay
+    ctrl = controller()
+    batch = spread(64, 4, 100)
+    assert ctrl.decide(status(1, batch, step_no=64)) is None and len(ctrl.history) == 1
+    assert ctrl.clear_stay is not None
+    assert ctrl.decide(status(1, spread(64, 4, 108), step_no=72)) is None
+    assert len(ctrl.history) == 1 and ctrl.skipped == 1  # the same requests, 8 steps on: not priced
+    one_done = [batch[0][1:], *batch[1:]]
+    assert ctrl.decide(status(1, one_done, step_no=80)) is None and len(ctrl.history) == 2  # a finish: priced
+    assert ctrl.decide(status(1, one_done, step_no=80 + 63)) is None and len(ctrl.history) == 2
+    assert ctrl.decide(status(1, one_done, step_no=80 + 64)) is None and len(ctrl.history) == 3  # steps ran out
+    assert ctrl.decide(status(1, one_done, step_no=8)) is None and len(ctrl.history) == 4  # a new stage
+    ctrl.decide(status(2, spread(63, 2, 100), step_no=16))
+    assert len(ctrl.history) == 5  # another layout
+
+
+def test_a_close_stay_and_a_deferred_switch_are_priced_at_every_check():
+    close = controller(min_gain_frac=0.10)  # TP2 ~7% faster, under the margin: a stay, not a clear one
+    for step_no in (8, 16):
+        assert close.decide(status(1, spread(8, 4, step_no), step_no=step_no)) is None
+    assert len(close.history) == 2 and close.clear_stay is None
+    off = controller(recheck_clear_stay_steps=0)
+    for step_no in (64, 72):
+        assert off.decide(status(1, spread(64, 4, step_no), step_no=step_no)) is None
+    assert len(off.history) == 2 and off.skipped == 0

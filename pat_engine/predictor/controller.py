@@ -18,6 +18,13 @@ Lookahead (ours, on by default; ``lookahead=False`` is the paper's rule):
 before switching now, price switching later instead (``lookahead.py``); if
 "stay s more steps, then switch" is predicted faster than switching now, wait
 and ask again at the next check.
+
+Clear stays (ours): an evaluation costs milliseconds of host time. When one
+finds every switch far worse than staying (each plan at least
+``clear_stay_frac`` over), the same requests on the same layout are not priced
+again until one finishes or arrives, or ``recheck_clear_stay_steps`` pass: a
+switch starts to pay as the batch shrinks, and between finishes the prices
+only drift (contexts grow, survivors' expected lengths move).
 """
 
 from __future__ import annotations
@@ -50,6 +57,10 @@ class ControllerConfig:
     # how the current layout's remaining time is estimated: "actual" = its groups as they are now;
     # "balanced" = its requests re-spread like a candidate's (like for like: no credit for rebalancing)
     current_placement: str = "balanced"
+    # a stay this clear (every switch plan >= (1 + frac) x staying) is not re-priced while the same requests
+    # run on the same layout, for up to this many decode steps (0: price every check); see the docstring
+    clear_stay_frac: float = 0.25
+    recheck_clear_stay_steps: int = 64
 
 
 @dataclass
@@ -64,6 +75,20 @@ class Evaluation:
     chosen_tp: int
     details: dict = field(default_factory=dict)
     targets: dict[int, Placement] = field(default_factory=dict)  # tp -> the placement priced (indices into requests)
+
+
+@dataclass(frozen=True)
+class ClearStay:
+    """What a clear stay was found for: re-priced when any of it changes (or its steps run out)."""
+
+    stage_step: int
+    layout: Layout
+    requests: tuple  # (seq_id, request_id, prompt_len, max_new_tokens) of each unfinished request, sorted
+    speculation: object
+
+    @staticmethod
+    def key(status: ClusterStatus) -> tuple:
+        return tuple(sorted((r.seq_id, r.request_id, r.prompt_len, r.max_new_tokens) for r in status.requests))
 
 
 class SwitchController:
@@ -84,12 +109,17 @@ class SwitchController:
         tps = config.candidate_tps or tuple(predictor.tps)
         self.candidates = tuple(tp for tp in tps if tp in predictor.tps)
         self.history: list[Evaluation] = []
+        self.clear_stay: ClearStay | None = None
+        self.skipped = 0  # checks that found the last clear stay unchanged
 
     def decide(self, status: ClusterStatus) -> SwitchDecision | None:
         reqs = status.requests
         if self.tracker is not None:
             self.tracker.update(reqs, status.stage_decode_step)
         if not reqs:
+            return None
+        if self._still_clear(status):
+            self.skipped += 1
             return None
         cur = status.layout
         self.predictor.set_speculation(status.speculation)  # the tail's steps at speculation's measured speed
@@ -149,12 +179,24 @@ class SwitchController:
             details["same_switch_later_s"] = {str(tp): round(t, 6) for tp, t in wait.items()}
         self.history.append(Evaluation(status.stage_decode_step, len(reqs), cur.tp, remaining, costs, chosen, details,
                                        targets))
+        clear = chosen == cur.tp and not later and not wait and all(
+            t >= (1 + self.config.clear_stay_frac) * totals[cur.tp] for tp, t in plans.items() if tp != cur.tp)
+        self.clear_stay = (ClearStay(status.stage_decode_step, cur, ClearStay.key(status), status.speculation)
+                           if clear and self.config.recheck_clear_stay_steps > 0 else None)
         if chosen == cur.tp:
             return None
         reason = (f"{self.estimator.name}: remaining {totals[cur.tp]:.3f}s at {cur} > "
                   f"{plans[chosen]:.3f}s switching to TP{chosen} now (switch {costs[chosen]['total_s']:.3f}s)")
         # kv_path None: the coordinator picks migrate/recompute from the exact move plan, with our rates
         return SwitchDecision(chosen, reason, None, details)
+
+    def _still_clear(self, status: ClusterStatus) -> bool:
+        """Whether the last evaluation's clear stay still stands: the same requests on the same layout, no
+        new stage, its steps not run out, speculation's measurement as it was."""
+        c = self.clear_stay
+        return (c is not None and c.layout == status.layout and c.speculation == status.speculation
+                and 0 <= status.stage_decode_step - c.stage_step < self.config.recheck_clear_stay_steps
+                and c.requests == ClearStay.key(status))
 
     def _look_ahead(self, cur: Layout, reqs, as_is, rem, totals, costs, contexts):
         """Plans beyond Algorithm 1's "now or never" (lookahead.py); all on the first few draws.
