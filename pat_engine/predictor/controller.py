@@ -35,7 +35,7 @@ from typing import Callable
 
 import numpy as np
 
-from pat_engine.predictor.policy import ClusterStatus, SwitchDecision
+from pat_engine.predictor.policy import ClusterStatus, SpeculationStatus, SwitchDecision
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.lengths import RemainingEstimator, SnapshotLengthTracker
 from pat_engine.predictor.lookahead import Future, deferral_steps, deferred, drain_groups, switch_value
@@ -84,7 +84,7 @@ class ClearStay:
     stage_step: int
     layout: Layout
     requests: tuple  # (seq_id, request_id, prompt_len, max_new_tokens) of each unfinished request, sorted
-    speculation: object
+    speculation: SpeculationStatus | None
 
     @staticmethod
     def key(status: ClusterStatus) -> tuple:
