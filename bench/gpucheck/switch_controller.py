@@ -135,6 +135,7 @@ def measure(ctx: Ctx, ckpt: Path, engine_kwargs: dict) -> tuple[list[str], list[
     times: dict[str, list[float]] = {"static TP1xDP2": [], "static TP2xDP1": [], "controller": []}
     steps: dict[int, list[list]] = {1: [], 2: []}  # tp -> each static run's decode steps
     events, history = [], []
+    unpriced = 0  # checks that found the controller's last clear stay standing
     with Engine(str(ckpt), tp=1, dp=2, profile_table=str(table_path), **engine_kwargs) as engine:
         controller = engine.policy
         assert controller is not None, "the table did not attach a controller"
@@ -145,10 +146,11 @@ def measure(ctx: Ctx, ckpt: Path, engine_kwargs: dict) -> tuple[list[str], list[
                 t = time.perf_counter()
                 if label == "controller":
                     engine.set_policy(controller)
-                    before, seen = len(engine.switches), len(controller.history)
+                    before, seen, skipped = len(engine.switches), len(controller.history), controller.skipped
                     engine.generate(prompts, params, use_tqdm=False)
                     events += engine.switches[before:]
                     history += controller.history[seen:]
+                    unpriced += controller.skipped - skipped
                 else:
                     tp = 1 if "TP1" in label else 2
                     steps[tp].append(run_layout(engine, tp, prompts, lengths))
@@ -197,7 +199,7 @@ def measure(ctx: Ctx, ckpt: Path, engine_kwargs: dict) -> tuple[list[str], list[
     headlines = [
         f"controller on the co-located GPU: {switches}; {mean['controller']:.2f} s vs best static "
         f"({best_static}) {mean[best_static]:.2f} s; picks what its table says at {agree} of {len(history)} "
-        f"evaluations",
+        f"evaluations ({unpriced} more checks left unpriced: clear stays)",
         f"predictor step error on this GPU: worst {worst_step:.1f}% per step "
         f"(goal <= {STEP_ERROR_GOAL:.0%}: {verdict(worst_step <= STEP_ERROR_GOAL * 100)}); drain-time "
         + ", ".join(f"TP{tp} {e['drain']:.1f}%" for tp, e in errors.items()) + "; bias "
@@ -209,5 +211,5 @@ def measure(ctx: Ctx, ckpt: Path, engine_kwargs: dict) -> tuple[list[str], list[
     data = {"times": times, "errors": {str(tp): e for tp, e in errors.items()},
             "steps": {str(tp): step_records(pred, tp, runs) for tp, runs in steps.items()},
             "switches": [f"{e.from_layout}->{e.to_layout}" for e in events], "agree": agree,
-            "evaluations": len(history)}
+            "evaluations": len(history), "unpriced_checks": unpriced}
     return lines, headlines, data
