@@ -41,6 +41,7 @@ class WordTokenizer:
 # ---- veRL ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # imports veRL's reward stack (3 s)
 def test_verl_default_compute_score_and_a_custom_reward_function_file(tmp_path):
     pytest.importorskip("verl")
     default = verl_reward({"path": None})

@@ -155,8 +155,9 @@ def test_the_nucleus_stops_where_the_sum_reaches_top_p_and_the_draw_where_it_pas
 
 
 @needs_triton
-@pytest.mark.parametrize("gpu_way", [False, pytest.param(True, marks=SLOW)])
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=SLOW)])
+@SLOW  # the whole sampler twice (6 s under the interpreter); the fast tier keeps each kernel's own tests
+@pytest.mark.parametrize("gpu_way", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_sampler_draws_the_same_tokens_and_log_probs_with_it(dtype, gpu_way, monkeypatch):
     from pat_engine.sampling import host
     from pat_engine.sampling.sampler import SamplingBatch, sample_on_device
