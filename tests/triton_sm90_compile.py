@@ -61,10 +61,58 @@ class CompileOnlyDriver:
         return torch.device("cpu")
 
 
-def compile_everything() -> list[dict]:
+def kernel_calls() -> list:
+    """Each wrapper call to compile, as a function: split among processes (each compile holds one core)."""
     from pat_kernels import (invariant_matmul, paged_decode_attention, skinny_matmul, triton_activation, triton_norm,
                              triton_rotary, triton_sampler, varlen_prefill)
 
+    bf16, f32 = torch.bfloat16, torch.float32
+
+    def randn(*shape, dtype=bf16):
+        return torch.randn(*shape).to(dtype)
+
+    # GEMMs: the skinny GEMM's paths (tl.dot at 16 and 64 rows, split-K and its reduce, the one-row FMA
+    # path, float32), the invariant GEMM alone and in chunks
+    sk = skinny_matmul
+    w = randn(4096, 4096)
+    calls = [
+        lambda: sk.skinny_matmul(randn(1, 4096), w, config=sk.SkinnyConfig(split_k=1)),
+        lambda: sk.skinny_matmul(randn(1, 4096), w, randn(4096), config=sk.SkinnyConfig(split_k=4)),
+        lambda: sk.skinny_matmul(randn(64, 4096), w, config=sk.config_for(4096, 4096, 132, 64)),
+        lambda: sk.skinny_matmul(randn(1, 4096), w, config=sk.SkinnyConfig(dot=False)),
+        lambda: sk.skinny_matmul(randn(8, 4096, dtype=f32), w.float()),
+        lambda: invariant_matmul.invariant_matmul(randn(4, 4096), w),
+        lambda: invariant_matmul.invariant_matmul(randn(4, 4096), w, chunks=8),
+    ]
+    # attention: decode (one split, and split with its reduce), varlen prefill
+    kv = randn(2, 64, 16, 8, 128)  # (K/V, blocks, page, KV heads, head dim)
+    tables = torch.arange(64, dtype=torch.int32).view(4, 16)
+    lens = torch.full((4,), 200, dtype=torch.int32)
+    calls += [lambda splits=splits: paged_decode_attention.paged_decode_attention(
+        randn(4, 32, 128), kv[0], kv[1], tables, lens, 0.088, num_splits=splits) for splits in (1, 4)]
+    calls.append(lambda: varlen_prefill.varlen_prefill_attention(
+        randn(64, 32, 128), kv[0], kv[1], tables, torch.tensor([0, 16, 32, 48, 64], dtype=torch.int32), lens, 0.088,
+        max_new_tokens=16))
+    # the layer kernels
+    cos = sin = randn(8192, 64)
+    calls += [
+        lambda: triton_norm.add_rms_norm(randn(4, 4096), randn(4, 4096), randn(4096), 1e-5),
+        lambda: triton_activation.silu_and_mul(randn(4, 2 * 14336)),
+        lambda: triton_rotary.rotary_kv_write(randn(4, 48 * 128), 32, 8, torch.arange(4), cos, sin, kv,
+                                              torch.arange(4), randn(128), randn(128)),
+    ]
+
+    def sampler():  # weights, Z, the draw, and a top_p nucleus
+        e, _ = triton_sampler.weights(randn(4, 128256), torch.ones(4), torch.full((4,), float("-inf")))
+        z = triton_sampler.lane_sum(e.float())
+        triton_sampler.draw(e.float(), torch.rand(4, dtype=torch.float64), z)
+        triton_sampler.first_reaching(e.float(), torch.full((4,), 0.9, dtype=torch.float64), z)
+
+    return calls + [sampler]
+
+
+def compile_share(share: int, shares: int) -> list[dict]:
+    """Compile calls ``share``, ``share + shares``, ... of ``kernel_calls``; a record per compiled kernel."""
     out: list[dict] = []
     run = JITFunction.run
 
@@ -79,46 +127,11 @@ def compile_everything() -> list[dict]:
 
     JITFunction.run = compile_only
     driver.set_active(CompileOnlyDriver())
-    bf16, f32 = torch.bfloat16, torch.float32
-
-    def randn(*shape, dtype=bf16):
-        return torch.randn(*shape).to(dtype)
-
-    # GEMMs: the skinny GEMM's paths (tl.dot at 16 and 64 rows, split-K and its reduce, the one-row FMA
-    # path, float32), the invariant GEMM alone and in chunks
-    sk = skinny_matmul
-    w = randn(4096, 4096)
-    sk.skinny_matmul(randn(1, 4096), w, config=sk.SkinnyConfig(split_k=1))
-    sk.skinny_matmul(randn(1, 4096), w, randn(4096), config=sk.SkinnyConfig(split_k=4))
-    sk.skinny_matmul(randn(64, 4096), w, config=sk.config_for(4096, 4096, 132, 64))
-    sk.skinny_matmul(randn(1, 4096), w, config=sk.SkinnyConfig(dot=False))
-    sk.skinny_matmul(randn(8, 4096, dtype=f32), w.float())
-    invariant_matmul.invariant_matmul(randn(4, 4096), w)
-    invariant_matmul.invariant_matmul(randn(4, 4096), w, chunks=8)
-    # attention: decode (one split, and split with its reduce), varlen prefill
-    kv = randn(2, 64, 16, 8, 128)  # (K/V, blocks, page, KV heads, head dim)
-    tables = torch.arange(64, dtype=torch.int32).view(4, 16)
-    lens = torch.full((4,), 200, dtype=torch.int32)
-    for splits in (1, 4):
-        paged_decode_attention.paged_decode_attention(randn(4, 32, 128), kv[0], kv[1], tables, lens, 0.088,
-                                                      num_splits=splits)
-    varlen_prefill.varlen_prefill_attention(randn(64, 32, 128), kv[0], kv[1], tables,
-                                            torch.tensor([0, 16, 32, 48, 64], dtype=torch.int32), lens, 0.088,
-                                            max_new_tokens=16)
-    # the layer kernels
-    x = randn(4, 4096)
-    triton_norm.add_rms_norm(x, randn(4, 4096), randn(4096), 1e-5)
-    triton_activation.silu_and_mul(randn(4, 2 * 14336))
-    cos = sin = randn(8192, 64)
-    triton_rotary.rotary_kv_write(randn(4, 48 * 128), 32, 8, torch.arange(4), cos, sin, kv,
-                                  torch.arange(4), randn(128), randn(128))
-    # the sampler: weights, Z, the draw
-    e, _ = triton_sampler.weights(randn(4, 128256), torch.ones(4), torch.full((4,), float("-inf")))
-    z = triton_sampler.lane_sum(e.float())
-    triton_sampler.draw(e.float(), torch.rand(4, dtype=torch.float64), z)
-    triton_sampler.first_reaching(e.float(), torch.full((4,), 0.9, dtype=torch.float64), z)  # a top_p nucleus
+    for call in kernel_calls()[share::shares]:
+        call()
     return out
 
 
-if __name__ == "__main__":
-    print(json.dumps(compile_everything()))
+if __name__ == "__main__":  # argv: [share shares], default the whole list
+    share, shares = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) == 3 else (0, 1)
+    print(json.dumps(compile_share(share, shares)))
