@@ -1,5 +1,6 @@
 """A worker's death is named by its exit code even when the driver meets its broken socket first."""
 import socket
+import subprocess
 from multiprocessing.connection import Connection
 
 import pytest
@@ -21,7 +22,9 @@ class ReapedLate:
     def poll(self) -> int | None:
         return self.returncode
 
-    def wait(self, timeout: float | None = None) -> int | None:
+    def wait(self, timeout: float | None = None) -> int:
+        if self.code is None:  # as Popen and ForkedWorker: no status within the timeout
+            raise subprocess.TimeoutExpired("worker", timeout)
         self.returncode = self.code
         return self.code
 
