@@ -7,6 +7,7 @@ the engine declares itself unable to serve, instead of restarting forever.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from typing import Callable
@@ -18,6 +19,7 @@ class RestartBudget:
         self.window_s = window_s
         self._clock = clock
         self._times: deque[float] = deque()
+        self._lock = threading.Lock()  # /health reads it while the engine loop spends from it
 
     def _forget_old(self) -> None:
         horizon = self._clock() - self.window_s
@@ -26,15 +28,18 @@ class RestartBudget:
 
     def recent(self) -> int:
         """Restarts made within the last ``window_s`` seconds."""
-        self._forget_old()
-        return len(self._times)
+        with self._lock:
+            self._forget_old()
+            return len(self._times)
 
     def take(self) -> bool:
         """Spend one restart if the window allows it; False when the allowance is used up."""
-        if self.recent() >= self.max_restarts:
-            return False
-        self._times.append(self._clock())
-        return True
+        with self._lock:
+            self._forget_old()
+            if len(self._times) >= self.max_restarts:
+                return False
+            self._times.append(self._clock())
+            return True
 
     def describe(self) -> str:
         return f"{self.max_restarts} restarts per {self.window_s:g}s"

@@ -41,12 +41,18 @@ _READY_TIMEOUT_S = 120.0  # a server's imports on a loaded host
 
 
 class ForkedWorker:
-    """A worker forked by a fork server, with the part of ``subprocess.Popen``'s interface the pool uses."""
+    """A worker forked by a fork server, with the part of ``subprocess.Popen``'s interface the pool uses.
+
+    Like ``Popen``, it may be asked from several threads at once (``/health`` polls while the engine loop
+    waits for a dead worker's code): one thread at a time reads and closes the status pipe, and a ``poll``
+    that meets a read in progress answers None (not known yet) instead of waiting for it.
+    """
 
     def __init__(self, pid: int, status_fd: int, server_pid: int):
         self.pid, self.args = pid, ["fork_server", str(server_pid)]  # args: what TimeoutExpired names
         self.returncode: int | None = None
         self._status = status_fd
+        self._reading = threading.Lock()
 
     def poll(self) -> int | None:
         return self._read_status(0.0)
@@ -67,20 +73,34 @@ class ForkedWorker:
     def _read_status(self, timeout: float | None) -> int | None:
         if self.returncode is not None:
             return self.returncode
+        start = time.monotonic()
+        if not (self._reading.acquire(blocking=False) if timeout == 0.0
+                else self._reading.acquire(timeout=-1 if timeout is None else timeout)):
+            return self.returncode  # another thread is reading it
+        try:
+            if self.returncode is None:
+                left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+                self._read_status_pipe(left)
+            return self.returncode
+        finally:
+            self._reading.release()
+
+    def _read_status_pipe(self, timeout: float | None) -> None:
+        """Sets ``returncode`` once the server has written it (call with ``_reading`` held)."""
         ready, _, _ = select.select([self._status], [], [], timeout)
         if not ready:
-            return None
+            return
         data = os.read(self._status, FORK_STATUS.size)
-        os.close(self._status)
         if len(data) == FORK_STATUS.size:
-            self.returncode = FORK_STATUS.unpack(data)[0]
+            code = FORK_STATUS.unpack(data)[0]
         else:  # the server died before reaping it: make sure it is gone, and say how
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            self.returncode = -signal.SIGKILL
-        return self.returncode
+            code = -signal.SIGKILL
+        self.returncode = code  # before the close: a reader that sees it never touches the closed fd
+        os.close(self._status)
 
     def __del__(self) -> None:
         if self.returncode is None:
