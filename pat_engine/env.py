@@ -49,11 +49,13 @@ TRITON_LAYERS = EnvSwitch("PAT_TRITON_LAYERS", "auto",
                           "auto: models built on CUDA; off: never (the torch formulas, for A/B runs); on: CPU models "
                           "too, run by TRITON_INTERPRET=1 (tests)")
 
-SKINNY_GEMM = EnvSwitch("PAT_SKINNY_GEMM", "off",
-                        "on: fast-numerics linear layers on CUDA multiply steps of at most 16 rows (decode at small "
-                        "batch) with the Triton skinny GEMM (pat_kernels/skinny_matmul.py) instead of cuBLAS; a "
-                        "number n (1-64): steps of at most n rows; CPU layers too under TRITON_INTERPRET=1 (tests); "
-                        "off (the default until a GPU run shows it ahead, bench/gpucheck/skinny_gemm.py): cuBLAS")
+SKINNY_GEMM = EnvSwitch("PAT_SKINNY_GEMM", "auto",
+                        "auto: the LM head of bfloat16 models on CUDA multiplies steps of at most 64 rows with the "
+                        "Triton skinny GEMM (pat_kernels/skinny_matmul.py), every other GEMM cuBLAS (the fourth H100 "
+                        "run: the LM head at 0.91-0.97x cuBLAS's time at 1, 8 and 64 rows, the layers' projections "
+                        "not ahead; bench/results/gpu_check.md, part gemm); on: every fast-numerics linear layer at "
+                        "most 16 rows; a number n (1-64): at most n rows; CPU layers too under TRITON_INTERPRET=1 "
+                        "(tests); off: cuBLAS everywhere")
 
 TRITON_SAMPLER = EnvSwitch("PAT_TRITON_SAMPLER", "auto",
                            "the sampler's weights, row sums Z and draws (sampling/inverse_cdf.py) by Triton kernels "
@@ -95,13 +97,15 @@ def triton_layers() -> str:
 SKINNY_DEFAULT_ROWS, SKINNY_MOST_ROWS = 16, 64  # "on"; the kernel's limit
 
 
-def skinny_gemm_rows() -> int:
-    """``PAT_SKINNY_GEMM``: the most rows a step may have to go through the skinny GEMM; 0: never ("off",
-    unset, or anything that is neither "on" nor a whole number, which is clamped to 0-64)."""
+def skinny_gemm_rows() -> int | None:
+    """``PAT_SKINNY_GEMM`` as a row count for every fast-mode GEMM: "on" 16, a whole number clamped to 0-64,
+    "off" 0; None for "auto" (the default, and anything else): model/gpu_gemm.py's rule decides per layer."""
     value = SKINNY_GEMM.value().strip().lower()
     if value == "on":
         return SKINNY_DEFAULT_ROWS
-    return min(max(int(value), 0), SKINNY_MOST_ROWS) if value.isdigit() else 0
+    if value == "off":
+        return 0
+    return min(int(value), SKINNY_MOST_ROWS) if value.isdigit() else None
 
 
 def triton_sampler(device_type: str) -> bool:

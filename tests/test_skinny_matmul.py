@@ -3,8 +3,8 @@
 Its values equal torch's GEMM within float32 accumulation; a row's bits do not depend on the other rows
 (how many, which, padding rows of any content); a split-K result is its splits' float32 partials summed
 in split order, then the bias, then one rounding; the config rule gives every SM programs to run. The
-layers route only steps of at most the rows ``PAT_SKINNY_GEMM`` asks for (``on``: 16) through it, and never
-in the invariant numerics mode. The ``gpu`` tests repeat the kernel compiled at the 8B shapes, beside cuBLAS.
+layers route only steps of at most the rows ``PAT_SKINNY_GEMM`` asks for (``on``: 16; by default the
+bfloat16 LM head on CUDA, 64) through it, and never in the invariant numerics mode. The ``gpu`` tests repeat the kernel compiled at the 8B shapes, beside cuBLAS.
 """
 
 from __future__ import annotations
@@ -124,10 +124,16 @@ def test_layers_take_it_for_the_rows_asked_and_never_in_the_invariant_mode(monke
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv("PAT_SKINNY_GEMM", raising=False)
+    # auto: the bfloat16 LM head on CUDA, where the fourth H100 run measured it ahead; nothing else
+    assert gpu_gemm.skinny_rows("cuda", torch.bfloat16, lm_head=True) == 64
+    for device, dtype in (("cuda", torch.float32), ("cuda", torch.float16), ("cpu", torch.bfloat16)):
+        assert gpu_gemm.skinny_rows(device, dtype, lm_head=True) == 0, (device, dtype)
     assert gpu_gemm.skinny_rows("cpu", torch.float32) == gpu_gemm.skinny_rows("cuda", torch.bfloat16) == 0
-    for value, rows in (("on", 16), ("64", 64), ("500", 64), ("4", 4), ("0", 0), ("off", 0), ("yes", 0)):
+    for value, rows, head_rows in (("on", 16, 16), ("64", 64, 64), ("500", 64, 64), ("4", 4, 4), ("0", 0, 0),
+                                   ("off", 0, 0), ("auto", 0, 64), ("yes", 0, 64)):
         monkeypatch.setenv("PAT_SKINNY_GEMM", value)
         assert gpu_gemm.skinny_rows("cuda", torch.bfloat16) == rows, value
+        assert gpu_gemm.skinny_rows("cuda", torch.bfloat16, lm_head=True) == head_rows, value
     monkeypatch.setenv("PAT_SKINNY_GEMM", "on")
     assert gpu_gemm.skinny_rows("cpu", torch.float32) == 16 and gpu_gemm.skinny_rows("cpu", torch.float64) == 0
     comps = (Component(32),)
@@ -137,6 +143,14 @@ def test_layers_take_it_for_the_rows_asked_and_never_in_the_invariant_mode(monke
     assert RowParallelLinear(64, 32, 1, 1, torch.float32, "cpu", chunks=2).skinny_rows == 0
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert gpu_gemm.skinny_rows("cpu", torch.float32) == 0  # a CPU tensor enters a kernel only interpreted
+
+    from pat_engine.model.layers.embedding import ParallelLMHead
+
+    asked = []  # the LM head asks as the LM head (auto's one layer), the others as layers
+    monkeypatch.setattr(gpu_gemm, "skinny_rows", lambda d, t, lm_head=False: asked.append(lm_head) or 0)
+    ParallelLMHead(64, 32, 1, torch.float32, "cpu")
+    ColumnParallelLinear(64, comps, False, 1, torch.float32, "cpu")
+    assert asked == [True, False]
 
     calls = []
     monkeypatch.setattr(gpu_gemm, "skinny_matmul", lambda x, w, b=None: calls.append(len(x)) or F.linear(x, w, b))

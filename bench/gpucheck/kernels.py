@@ -32,6 +32,10 @@ from pat_engine.env import SKINNY_MOST_ROWS
 from pat_engine.model.layers import triton_ops
 
 STEP, LAYER = "pat.step", "pat.layer"  # profiler ranges around a decode step and a decoder layer
+# The step's GEMMs other ways, each with its own graphs, interleaved with the engine's default (auto: the
+# bfloat16 LM head through the skinny GEMM, every layer cuBLAS): every linear's ``skinny_rows`` as
+# PAT_SKINNY_GEMM=<value> builds it (0: cuBLAS everywhere).
+GEMM_VARIANTS = {"cuBLAS": ("off", 0), "skinny": (str(SKINNY_MOST_ROWS), SKINNY_MOST_ROWS)}
 KERNELS_PER_LAYER_GOAL = 12
 PIECES = ("GEMM", "attention", "norm", "rotary/KV write", "activation", "other")
 # Substrings of kernel (or CPU op) names, lower case, first match wins: our Triton kernels by name, then
@@ -168,15 +172,16 @@ def labelled_layers(sync: bool = False) -> Iterator[None]:
 class Plan:
     batches: tuple[int, ...]
     prompt: int
-    rounds: int  # rounds of ``block`` steps in each mode (graphs, eager, and skinny where it runs)
+    rounds: int  # rounds of ``block`` steps in each mode (graphs, eager, and the GEMM variants where they run)
     block: int
     profiled: int  # steps under the profiler, with graphs and then eager
 
     @property
     def steps(self) -> int:
-        """Decode steps a batch runs at most: 2 warm-ups in each of the three modes, their rounds, both
-        profiles."""
-        return 3 * 2 + self.rounds * 3 * self.block + 2 * self.profiled
+        """Decode steps a batch runs at most: 2 warm-ups in each mode (graphs, eager, the GEMM variants),
+        their rounds, both profiles."""
+        modes = 2 + len(GEMM_VARIANTS)
+        return modes * 2 + self.rounds * modes * self.block + 2 * self.profiled
 
 
 def plan(ctx: Ctx) -> Plan:
@@ -201,13 +206,14 @@ def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
         for _ in range(2):
             seqs.decode()
     modes = {"graphs": contextlib.nullcontext, "eager": lambda: executor.eager(ex)}
-    skinny = None
+    variants = {}
     if batch <= SKINNY_MOST_ROWS and ex.graphs.enabled and env.triton_runs_on(ex.device.type):
-        graphs = executor.more_graphs(ex)  # its own captures, over the skinny GEMMs
-        modes["skinny"] = skinny = lambda: executor.skinny_gemm(ex, graphs, SKINNY_MOST_ROWS)
-        with skinny():
-            for _ in range(2):  # warm-up: its graph's capture, the kernels' compiles
-                seqs.decode()
+        for name, (_, rows) in GEMM_VARIANTS.items():
+            graphs = executor.more_graphs(ex)  # its own captures, over its GEMMs
+            modes[name] = variants[name] = (lambda g=graphs, r=rows: executor.skinny_gemm(ex, g, r))
+            with variants[name]():
+                for _ in range(2):  # warm-up: its graph's capture, the kernels' compiles
+                    seqs.decode()
     walls: dict[str, list[float]] = {mode: [] for mode in modes}
     names = list(modes)
     for r in range(p.rounds):
@@ -215,10 +221,11 @@ def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
             with modes[mode]():
                 walls[mode] += [seqs.decode() for _ in range(p.block)]
     replay_ms = graph_replay_ms(ex, batch, p.block * p.rounds)
-    skinny_replay_ms = None
-    if skinny is not None:
-        with skinny():
-            skinny_replay_ms = graph_replay_ms(ex, batch, p.block * p.rounds)
+    gemm_variants = {}
+    for name, variant in variants.items():
+        with variant():
+            gemm_variants[name] = {"ms": median(walls[name]) * 1e3,
+                                   "replay_ms": graph_replay_ms(ex, batch, p.block * p.rounds)}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device == "cuda" else [])
     cuda = ctx.device == "cuda"
     with profile(activities=activities) as prof:  # graphs steps: the host's phases beside the GPU's busy time
@@ -236,8 +243,7 @@ def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
     records, steps, layers, outside = profiled_records(prof.events(), cuda)
     return {"batch": batch, "graphs_ms": median(walls["graphs"]) * 1e3, "eager_ms": median(walls["eager"]) * 1e3,
             "steps_timed": len(walls["graphs"]), "table": kernel_table(records, steps, layers),
-            "outside": outside, "replay_ms": replay_ms, "phases": phases,
-            "skinny_ms": median(walls["skinny"]) * 1e3 if skinny else None, "skinny_replay_ms": skinny_replay_ms}
+            "outside": outside, "replay_ms": replay_ms, "phases": phases, "gemm_variants": gemm_variants}
 
 
 @torch.inference_mode()  # the stand-in backend (CPU smoke) replays by running the forward
@@ -270,10 +276,14 @@ def render(r: dict, cuda: bool) -> str:
              f"its host work, LM head and sampling). Profiled eager step: {t.per_step:.0f} {unit} per step, "
              f"**{per_layer} per layer**, {'GPU' if cuda else 'CPU'} time {t.ms_per_step:.3f} ms per step.", ""]
     lines += [describe(r["phases"]), ""]
-    if r["skinny_ms"] is not None:
-        lines += [f"With the skinny Triton GEMM (the layers as `PAT_SKINNY_GEMM={SKINNY_MOST_ROWS}` builds them, "
-                  f"their own graphs, interleaved with the two above): graphs **{r['skinny_ms']:.3f}** ms / step, its graph replayed "
-                  f"alone {r['skinny_replay_ms']:.3f} (cuBLAS: {r['graphs_ms']:.3f} and {replay}).", ""]
+    if r["gemm_variants"]:
+        lines += [f"The step's GEMMs other ways (the layers as `PAT_SKINNY_GEMM=<value>` builds them, each with its "
+                  f"own graphs, interleaved with the graphs and eager steps above, which multiply as "
+                  f"`PAT_SKINNY_GEMM={env.SKINNY_GEMM.value()}` builds them; auto, the default, sends a bfloat16 "
+                  f"LM head on CUDA through the skinny GEMM and every layer's GEMM to cuBLAS): "
+                  + "; ".join(f"{name} (`{GEMM_VARIANTS[name][0]}`) graphs **{v['ms']:.3f}** ms / step, its graph "
+                              f"replayed alone {v['replay_ms']:.3f}" for name, v in r["gemm_variants"].items())
+                  + f" (as built: {r['graphs_ms']:.3f} and {replay}).", ""]
     if r["outside"]:
         lines += [f"{r['outside']} device events started outside every profiled step (counted nowhere).", ""]
     lines += [markdown_table(["piece", f"{unit} / step", "ms / step", f"{unit} / layer"],
@@ -287,8 +297,8 @@ def headline(r: dict, cuda: bool) -> str:
     t: KernelTable = r["table"]
     per_layer = "n/a" if t.per_layer is None else f"{t.per_layer:.1f}"
     replay = "" if r["replay_ms"] is None else f" (its graph replayed alone: {r['replay_ms']:.2f} ms)"
-    skinny = "" if r["skinny_ms"] is None else (f"; with the skinny GEMM {r['skinny_ms']:.2f} ms with graphs "
-                                               f"(replayed alone: {r['skinny_replay_ms']:.2f} ms)")
+    skinny = "".join(f"; {name} GEMMs {v['ms']:.2f} ms with graphs (replayed alone: {v['replay_ms']:.2f} ms)"
+                     for name, v in r["gemm_variants"].items())
     ph: StepPhases = r["phases"]
     idle = "" if ph.busy_ms is None else f", the GPU idle {ph.wall_ms - ph.busy_ms:.2f} ms of a profiled graphs step"
     return (f"batch {r['batch']}: {t.per_step:.0f} {'kernels' if cuda else 'torch ops'} per step, {per_layer} per "
@@ -326,8 +336,7 @@ def run(ctx: Ctx) -> PartResult:
                   "(their CPU time), to check the machinery only.")
     body = "\n\n".join([setup, *[render(r, cuda) for r in results]])
     data = {"rows": [{"batch": r["batch"], "graphs_ms": r["graphs_ms"], "eager_ms": r["eager_ms"],
-                      "replay_ms": r["replay_ms"], "skinny_ms": r["skinny_ms"],
-                      "skinny_replay_ms": r["skinny_replay_ms"],
+                      "replay_ms": r["replay_ms"], "gemm_variants": r["gemm_variants"],
                       "per_step": r["table"].per_step, "per_layer": r["table"].per_layer,
                       "ms_per_step": r["table"].ms_per_step, "phases": asdict(r["phases"])} for r in results]}
     return PartResult(body, headlines, data)

@@ -8,9 +8,10 @@ and 64 rows (and 16 and 32 without --quick): ``F.linear`` (cuBLAS), the kernel w
 (``config_for``: what ``PAT_SKINNY_GEMM`` runs) and a sweep of configs (tile rows, K step, splits; at one
 row also the multiply-add path without tl.dot), as weight GB/s. The headline adds the layers' GEMMs and
 the LM head up into a batch-1 step's GEMM milliseconds for each, which says what switching it on (and up
-to how many rows) would save per token before any engine runs it. The rule and the default stay as they
-are until this part has run on a device: setting them is the next GPU session's job. GPU time from CUDA
-events with the stream held busy ahead of each call, calls interleaved, median.
+to how many rows) would save per token before any engine runs it, and the same step as the engine's setting
+multiplies it (``PAT_SKINNY_GEMM``, by default auto: the bfloat16 LM head through the kernel, the layers
+through cuBLAS, as the fourth H100 run of this part found them; ``model/gpu_gemm.skinny_rows``). GPU time
+from CUDA events with the stream held busy ahead of each call, calls interleaved, median.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from common import markdown_table
 from gpucheck.report import PartResult
 from gpucheck.shared import LLAMA32_1B, LLAMA3_8B, SMOKE_SPEC, Ctx, log, median, time_interleaved
+from pat_engine.env import SKINNY_GEMM
 from pat_engine.tiny_model import TinyModelSpec
 
 
@@ -108,6 +110,20 @@ def step_ms(cases: list[dict], rows: int, key: str) -> float:
     return sum(c[key] * c["per_step"] for c in cases if c["rows"] == rows) * 1e3
 
 
+def engine_takes_skinny(c: dict) -> bool:
+    """Whether a bf16 CUDA engine, as ``PAT_SKINNY_GEMM`` is set now, multiplies this case's projection at its
+    rows with the skinny GEMM (the rule's config) rather than cuBLAS."""
+    from pat_engine.model import gpu_gemm
+
+    return c["rows"] <= gpu_gemm.skinny_rows("cuda", torch.bfloat16, lm_head=c["name"] == "LM head")
+
+
+def engine_step_ms(cases: list[dict], rows: int) -> float:
+    """``step_ms`` with each projection multiplied as the engine's setting multiplies it."""
+    return sum((c["rule_s"] if engine_takes_skinny(c) else c["cublas_s"]) * c["per_step"]
+               for c in cases if c["rows"] == rows) * 1e3
+
+
 def run(ctx: Ctx) -> PartResult:
     if ctx.smoke:
         specs, rows_list, repeats, warmup = {"toy": SMOKE_SPEC}, (1, 4), 1, 0  # the interpreter: seconds a call
@@ -134,13 +150,15 @@ def run(ctx: Ctx) -> PartResult:
               c["rule_s"] * 1e6, c["gbps"]["rule"], c["rule_s"] / c["cublas_s"], c["best"], c["best_s"] * 1e6,
               c["bytes"] / c["best_s"] / 1e9, c["max_rel_diff"]] for c in cases])
         per_step = [[rows, step_ms(cases, rows, "cublas_s"), step_ms(cases, rows, "rule_s"),
-                     step_ms(cases, rows, "best_s")] for rows in rows_list]
-        steps = markdown_table(["rows", "cuBLAS ms / step", "skinny rule ms / step", "skinny best-per-shape ms / step"],
-                               per_step)
+                     step_ms(cases, rows, "best_s"), engine_step_ms(cases, rows)] for rows in rows_list]
+        setting = f"PAT_SKINNY_GEMM={SKINNY_GEMM.value()}"
+        steps = markdown_table(["rows", "cuBLAS ms / step", "skinny rule ms / step", "skinny best-per-shape ms / step",
+                                f"the engine's ({setting}) ms / step"], per_step)
         one = per_step[0]
         headlines.append(f"{model}, the GEMMs of a batch-{one[0]} decode step: cuBLAS {one[1]:.3f} ms, skinny rule "
                          f"{one[2]:.3f} ms ({one[1] - one[2]:+.3f} ms saved), skinny best config per shape "
-                         f"{one[3]:.3f} ms")
+                         f"{one[3]:.3f} ms, the engine's ({setting}) {one[4]:.3f} ms ({one[1] - one[4]:+.3f} ms "
+                         f"saved)")
         sections += [f"### {model} (hidden {spec.hidden_size}, intermediate {spec.intermediate_size}, "
                      f"{spec.num_layers} layers, vocab {spec.vocab_size})", table, steps]
         data[model] = [{k: c[k] for k in ("name", "rows", "cublas_s", "rule", "rule_s", "best", "best_s", "dropped")}

@@ -25,8 +25,9 @@ Numerics: float32 accumulation; float32 inputs multiply in IEEE float32 (no TF32
 depends on its row of x, its column of the weight, the config and the row tile, never on the other
 rows: within one row tile (1-16, 17-32, 33-64 rows) a row has the same bits alone, in a batch or beside a
 decode graph's padding rows. Not cuBLAS's bits (another
-order): the fast numerics mode's choice, off unless ``PAT_SKINNY_GEMM=on`` (pat_engine/env.py) until a
-GPU run shows it ahead (bench/gpucheck/skinny_gemm.py). The config comes from N, K, the SM count and the
+order): the fast numerics mode's choice, where ``PAT_SKINNY_GEMM`` asks for it (pat_engine/env.py; by
+default the bfloat16 LM head on CUDA only, the one weight the fourth H100 run found it ahead of cuBLAS
+on: bench/gpucheck/skinny_gemm.py, model/gpu_gemm.py). The config comes from N, K, the SM count and the
 row tile alone (``config_for``), so one process computes one layer's batch the same way every step. Tested under
 ``TRITON_INTERPRET=1`` (tests/test_skinny_matmul.py).
 """

@@ -38,7 +38,7 @@ class ParallelLMHead(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
         self.invariant = invariant  # the invariant numerics mode's GEMM (layers/linear.py ``linear``)
-        self.skinny_rows = 0 if invariant else gpu_gemm.skinny_rows(device, dtype)  # few-row steps' GEMM
+        self.skinny_rows = 0 if invariant else gpu_gemm.skinny_rows(device, dtype, lm_head=True)  # few-row steps' GEMM
         if tied_to is not None:
             self.weight = tied_to  # same Parameter object: loaded and resharded once
         else:
