@@ -32,11 +32,10 @@ def machine() -> str:
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     def fmt(v) -> str:
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return str(v)
+        text = f"{v:.4g}" if isinstance(v, float) else str(v)
+        return text.replace("|", "\\|")  # a bare pipe would start another column
 
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines = ["| " + " | ".join(fmt(h) for h in headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
 

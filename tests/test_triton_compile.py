@@ -54,6 +54,13 @@ def test_the_blocked_scan_compiles_for_the_draw_and_for_the_nucleus(compiled):
     assert sum(r["kernel"] == "_draw_kernel" for r in compiled) == 2  # REACH off (the draw) and on (top_p)
 
 
+@pytest.mark.slow
+@needs_triton
+def test_the_fused_decode_reduce_counts_its_splits_with_an_atomic(compiled):
+    partials = [r for r in compiled if r["kernel"] == "_decode_partial_kernel"]
+    assert len(partials) == 3 and sorted(r["atomics"] > 0 for r in partials) == [False, False, True]
+
+
 H100_SHARED_PER_BLOCK = 232448  # bytes a block may opt into on sm_90 (227 KiB)
 
 

@@ -167,6 +167,29 @@ def test_one_split_equals_the_reduce_of_one_split():
 
 
 @needs_triton
+@pytest.mark.parametrize("heads,kv_heads,d,split,dtype", [
+    (8, 2, 16, {"num_splits": 3}, torch.bfloat16),  # GQA 4; the 1- and 3-token rows have one used split
+    (6, 2, 24, {"num_splits": 5}, torch.float32),  # GQA 3 in a tile of 16: padding rows merge nothing
+    (4, 1, 16, {"tokens_per_split": 32}, torch.bfloat16),  # fixed splits: empty ones past each row's length
+])
+def test_the_fused_reduce_gives_the_reduce_kernels_bits_and_leaves_its_counters_at_zero(heads, kv_heads, d, split,
+                                                                                          dtype):
+    """The last split of each (row, KV head) merges as the reduce kernel does; every counter is back at zero
+    after a call, so a second call (a graph replay, the next layer) merges the same way."""
+    from pat_kernels import paged_decode_attention as pda
+
+    cache, tables = _pool(LONG_TAIL, 4, kv_heads, d, dtype)
+    q = torch.randn(len(LONG_TAIL), heads, d, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEV)
+    reduced = _decode(q, cache, tables, LONG_TAIL, **split)
+    fused = _decode(q, cache, tables, LONG_TAIL, fuse_reduce=True, **split)
+    assert torch.equal(fused, reduced)
+    counters = pda.split_counters(q.device, len(LONG_TAIL) * kv_heads)
+    assert counters.numel() >= pda._MIN_COUNTERS and not counters.any()
+    assert torch.equal(_decode(q, cache, tables, LONG_TAIL, fuse_reduce=True, **split), reduced)
+    assert torch.equal(_decode(q, cache, tables, LONG_TAIL, fuse_reduce=True), _decode(q, cache, tables, LONG_TAIL))
+
+
+@needs_triton
 def test_backend_decode_writes_then_splits_the_tail(monkeypatch):
     """Through ``paged_attention``: the new token's K/V written first, then the split kernel (fast mode, the tail)."""
     import pat_engine.model.layers.triton_attention as triton_attention
@@ -295,6 +318,10 @@ def test_gpu_kernels_match_torch_and_keep_invariance(dtype):
     for split in ({"tokens_per_split": 256}, {"num_splits": 7}, {}):
         got = paged_decode_attention(q, cache[0], cache[1], tables, meta.context_lens, d**-0.5, **split)
         torch.testing.assert_close(got.float(), _reference(q, cache, meta, d**-0.5), **tol)
+        for _ in range(3):  # the fused reduce: the last split merges what the others stored
+            fused = paged_decode_attention(q, cache[0], cache[1], tables, meta.context_lens, d**-0.5,
+                                           fuse_reduce=True, **split)
+            torch.testing.assert_close(fused.float(), got.float(), atol=1e-6, rtol=1e-6)
     backend = _invariant(INVARIANT_TOKENS_PER_SPLIT, block_n=64)
     full = backend.decode(q, cache, meta, d**-0.5)
     alone = backend.decode(q[1:2], cache, _decode_meta(tables[1:2, : -(-100 // bs)], [100], bs), d**-0.5)

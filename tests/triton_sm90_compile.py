@@ -84,12 +84,13 @@ def kernel_calls() -> list:
         lambda: invariant_matmul.invariant_matmul(randn(4, 4096), w),
         lambda: invariant_matmul.invariant_matmul(randn(4, 4096), w, chunks=8),
     ]
-    # attention: decode (one split, and split with its reduce), varlen prefill
+    # attention: decode (one split, split with its reduce, split with the reduce fused), varlen prefill
     kv = randn(2, 64, 16, 8, 128)  # (K/V, blocks, page, KV heads, head dim)
     tables = torch.arange(64, dtype=torch.int32).view(4, 16)
     lens = torch.full((4,), 200, dtype=torch.int32)
-    calls += [lambda splits=splits: paged_decode_attention.paged_decode_attention(
-        randn(4, 32, 128), kv[0], kv[1], tables, lens, 0.088, num_splits=splits) for splits in (1, 4)]
+    calls += [lambda splits=splits, fused=fused: paged_decode_attention.paged_decode_attention(
+        randn(4, 32, 128), kv[0], kv[1], tables, lens, 0.088, num_splits=splits, fuse_reduce=fused)
+        for splits, fused in ((1, False), (4, False), (4, True))]
     calls.append(lambda: varlen_prefill.varlen_prefill_attention(
         randn(64, 32, 128), kv[0], kv[1], tables, torch.tensor([0, 16, 32, 48, 64], dtype=torch.int32), lens, 0.088,
         max_new_tokens=16))
@@ -122,7 +123,8 @@ def compile_share(share: int, shares: int) -> list[dict]:
         out.append({"kernel": self.fn.__name__, "shared": kernel.metadata.shared,
                     "cp_async_16": ptx.count("cp.async.cg.shared.global"),
                     "cp_async_small": ptx.count("cp.async.ca.shared.global"), "fma_f32": ptx.count("fma.rn.f32"),
-                    "ld_global": ptx.count("ld.global"), **resource_usage(kernel.asm["cubin"])})
+                    "ld_global": ptx.count("ld.global"), "atomics": ptx.count("atom."),
+                    **resource_usage(kernel.asm["cubin"])})
         return kernel
 
     JITFunction.run = compile_only

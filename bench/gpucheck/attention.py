@@ -13,7 +13,9 @@ A batch-1 step's attention at short contexts (64 to 2K tokens) is a matter of la
 fourth H100 run: 10 us a layer, split kernel and reduce, at a 512-token context, where the KV takes under
 1 us to stream): microseconds per call at each split count, the rule as CUDA graphs run it (the table
 ``GRAPHS_WIDTH`` tokens wide, so it asks for many splits and each row takes as many as its context holds)
-and one split (no reduce kernel).
+and one split (no reduce kernel); and each split count again with the reduce fused into the split kernel
+(``fuse_reduce``: the last split merges, no second launch), with its largest difference from the
+two-kernel result.
 
 Layer kernels (``pat_kernels/triton_{norm,activation,rotary}.py``) against the torch path a layer runs
 without them, at 1, 64 and 256 rows of the 8B shape: GPU time and whether the bits are equal.
@@ -66,9 +68,11 @@ def kv_bytes(batch: int, context: int, g: Geometry, elt: int = 2) -> int:
 
 
 def decode_case(batch: int, context: int, g: Geometry, candidates: tuple[int, ...], sm_count: int, device: str,
-                repeats: int, warmup: int, seed: int = 0, width_tokens: int | None = None) -> dict:
+                repeats: int, warmup: int, seed: int = 0, width_tokens: int | None = None,
+                fused_too: bool = False) -> dict:
     """Time SDPA on contiguous K/V, the rule's split and every split of the sweep on the same K/V. The rule sees
-    a table ``width_tokens`` wide (default: as wide as the context, as an eager step)."""
+    a table ``width_tokens`` wide (default: as wide as the context, as an eager step). ``fused_too``: every
+    split count above one also with the reduce fused (``fused_s``, ``fused_diff``)."""
     from pat_engine.model.layers.triton_attention import decode_split
     from pat_kernels.paged_decode_attention import paged_decode_attention
 
@@ -89,14 +93,18 @@ def decode_case(batch: int, context: int, g: Geometry, candidates: tuple[int, ..
     rule = decode_split(batch, g.kv_heads, width_tokens or per_seq * g.page, sm_count, "fast", block_n).num_splits
     splits = sweep(context, block_n, candidates, rule)
 
-    def ours(s: int):
+    def ours(s: int, fused: bool = False):
         return lambda: paged_decode_attention(q, pages[0], pages[1], tables, lens, scale, num_splits=s,
-                                              block_n=block_n)
+                                              block_n=block_n, fuse_reduce=fused)
 
     fns = {"sdpa": lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)}
     fns.update({f"splits={s}": ours(s) for s in splits})
+    fused = [s for s in splits if s > 1] if fused_too else []
+    fns.update({f"fused={s}": ours(s, True) for s in fused})
     ref = fns["sdpa"]()[:, :, 0].float()
     diff = max((fns[f"splits={s}"]().float() - ref).abs().max().item() for s in splits)
+    fused_diff = max(((fns[f"fused={s}"]() - fns[f"splits={s}"]()).float().abs().max().item() for s in fused),
+                     default=None)
     times = {n: median(t) for n, t in time_interleaved(fns, repeats, warmup, dev).items()}
     nbytes = kv_bytes(batch, context, g)
     gbps = {n: nbytes / t / 1e9 for n, t in times.items()}
@@ -105,6 +113,7 @@ def decode_case(batch: int, context: int, g: Geometry, candidates: tuple[int, ..
             "sdpa_s": times["sdpa"], "rule_s": times[f"splits={rule}"], "best_s": times[f"splits={best}"],
             "gbps": {s: gbps[f"splits={s}"] for s in splits}, "sdpa_gbps": gbps["sdpa"],
             "split_s": {s: times[f"splits={s}"] for s in splits},
+            "fused_s": {s: times[f"fused={s}"] for s in fused}, "fused_diff": fused_diff,
             "programs_per_sm": batch * g.kv_heads * best / sm_count, "max_abs_diff": diff}
 
 
@@ -198,7 +207,7 @@ def run(ctx: Ctx) -> PartResult:
             f"{r['gbps'][r['rule']]:.0f} GB/s, best ({r['best']}) {r['gbps'][r['best']]:.0f} GB/s")
     head = markdown_table(
         ["shape (seqs x context)", "KV MB", "SDPA us", "SDPA GB/s", "rule's splits", "rule us", "rule GB/s",
-         "rule / SDPA", "best splits", "best GB/s", "best / SDPA", "programs per SM at best", "max |diff| vs SDPA"],
+         "rule / SDPA", "best splits", "best GB/s", "best / SDPA", "programs per SM at best", "max abs diff vs SDPA"],
         [[f"{r['batch']} x {r['context']}", r["kv_bytes"] / 1e6, r["sdpa_s"] * 1e6, r["sdpa_gbps"], r["rule"],
           r["rule_s"] * 1e6, r["gbps"][r["rule"]], r["gbps"][r["rule"]] / r["sdpa_gbps"], r["best"],
           r["gbps"][r["best"]], r["gbps"][r["best"]] / r["sdpa_gbps"], r["programs_per_sm"], r["max_abs_diff"]]
@@ -213,14 +222,20 @@ def run(ctx: Ctx) -> PartResult:
                  "best split per shape: " + ", ".join(f"{r['batch']}x{r['context']} -> {r['best']} "
                                                       f"(rule {r['rule']})" for r in results)]
     width = SMOKE_GRAPHS_WIDTH if ctx.smoke else GRAPHS_WIDTH
-    latency = [decode_case(batch, context, g, candidates, sm, ctx.device, repeats, warmup, width_tokens=width)
-               for batch, context in (SMOKE_LATENCY_SHAPES if ctx.smoke else LATENCY_SHAPES)]
+    latency = [decode_case(batch, context, g, candidates, sm, ctx.device, repeats, warmup, width_tokens=width,
+                           fused_too=True) for batch, context in (SMOKE_LATENCY_SHAPES if ctx.smoke else LATENCY_SHAPES)]
+    for r in latency:
+        r["best_fused"] = min(r["fused_s"], key=r["fused_s"].get) if r["fused_s"] else None
     latency_table = markdown_table(
-        ["shape", "SDPA us", "rule's splits (graphs)", "rule us", "1 split us", "best splits", "best us"],
+        ["shape", "SDPA us", "rule's splits (graphs)", "rule us", "rule fused us", "1 split us", "best splits",
+         "best us", "best fused splits", "best fused us", "fused vs two kernels: max abs diff"],
         [[f"{r['batch']} x {r['context']}", r["sdpa_s"] * 1e6, r["rule"], r["rule_s"] * 1e6,
-          r["split_s"][1] * 1e6, r["best"], r["best_s"] * 1e6] for r in latency])
-    headlines.append("batch-1 attention, us a call (rule as graphs run it / best split): " + ", ".join(
-        f"{r['context']} tokens {r['rule_s'] * 1e6:.1f} / {r['best_s'] * 1e6:.1f} ({r['best']})" for r in latency))
+          _us(r["fused_s"].get(r["rule"])), r["split_s"][1] * 1e6, r["best"], r["best_s"] * 1e6, r["best_fused"],
+          _us(r["fused_s"].get(r["best_fused"])), r["fused_diff"]] for r in latency])
+    headlines.append("batch-1 attention, us a call (rule as graphs run it / rule fused / best split / best fused): "
+                     + ", ".join(f"{r['context']} tokens {r['rule_s'] * 1e6:.1f} / {_us_text(r['fused_s'].get(r['rule']))}"
+                                 f" / {r['best_s'] * 1e6:.1f} ({r['best']}) / "
+                                 f"{_us_text(r['fused_s'].get(r['best_fused']))} ({r['best_fused']})" for r in latency))
     layer_rows = [row for rows in rows_list for row in layer_kernel_cases(rows, hidden, inter, g, ctx.device,
                                                                            repeats, warmup)]
     unequal = [f"{op} at {rows} rows" for op, rows, *_, eq in layer_rows if not eq]
@@ -248,8 +263,18 @@ def run(ctx: Ctx) -> PartResult:
     data = {"rows": [{k: r[k] for k in ("batch", "context", "rule", "best", "sdpa_gbps", "max_abs_diff")}
                      | {"gbps": {str(s): v for s, v in r["gbps"].items()}} for r in results],
             "latency": [{"batch": r["batch"], "context": r["context"], "rule": r["rule"], "sdpa_us": r["sdpa_s"] * 1e6,
-                         "us": {str(s): t * 1e6 for s, t in r["split_s"].items()}} for r in latency]}
+                         "us": {str(s): t * 1e6 for s, t in r["split_s"].items()},
+                         "fused_us": {str(s): t * 1e6 for s, t in r["fused_s"].items()},
+                         "fused_diff": r["fused_diff"]} for r in latency]}
     return PartResult(body, headlines, data)
+
+
+def _us(seconds: float | None) -> float | str:
+    return "n/a" if seconds is None else seconds * 1e6
+
+
+def _us_text(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e6:.1f}"
 
 
 def block_n_of(g: Geometry) -> int:

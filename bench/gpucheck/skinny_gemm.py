@@ -145,7 +145,7 @@ def run(ctx: Ctx) -> PartResult:
                     + (f"; dropped (out of resources): {', '.join(c['dropped'])}" if c["dropped"] else ""))
         table = markdown_table(
             ["projection", "N x K", "rows", "cuBLAS us", "cuBLAS GB/s", "rule (rows x K step / splits)", "rule us",
-             "rule GB/s", "rule / cuBLAS time", "best config", "best us", "best GB/s", "max |diff| / max |out|"],
+             "rule GB/s", "rule / cuBLAS time", "best config", "best us", "best GB/s", "max abs diff / max abs out"],
             [[c["name"], f"{c['n']} x {c['k']}", c["rows"], c["cublas_s"] * 1e6, c["gbps"]["cublas"], c["rule"],
               c["rule_s"] * 1e6, c["gbps"]["rule"], c["rule_s"] / c["cublas_s"], c["best"], c["best_s"] * 1e6,
               c["bytes"] / c["best_s"] / 1e9, c["max_rel_diff"]] for c in cases])

@@ -15,6 +15,13 @@ Two kernels (flash-decoding, grouped as in SGLang's and vLLM's Triton decode ker
    of V, ``tl.dot`` into a float32 accumulator. It writes float32 partials (acc, m, l) per head, or,
    with a single split, the normalised output itself (no second launch).
 2. ``_decode_reduce_kernel``, grid (B, H): merges the sequence's non-empty splits in index order.
+   Or, with ``fuse_reduce``, no second launch: each non-empty split counts itself done on a per-(row,
+   KV head) counter after storing its partials, and the one that finds itself last merges them (the
+   same ``_merge_splits``, the same order, so the same arithmetic), then sets the counter back to zero
+   for the next call (a CUDA graph replays it as it is). It saves a launch and a pass over the
+   partials per layer, which at batch 1 and a short context is most of the reduce's cost (1.7 us a
+   layer against the split kernel's 8.7 on the fourth H100 run). Off by default until a GPU run times
+   it (bench/gpucheck/attention.py's latency table).
 
 Split rule (the caller's, ``pat_engine/model/layers/triton_attention.py``): either a fixed
 ``tokens_per_split`` (the invariant mode: split ``s`` of every sequence covers tokens
@@ -46,8 +53,41 @@ GROUP_PAD = 16  # query rows of a tile: tl.dot needs 16; models with more q head
 
 
 @triton.jit
+def _merge_splits(acc_ptr, ml_ptr, first, used, row_ok, dims, HEAD_PAD: tl.constexpr):
+    """The heads' merged (acc, l) over their ``used`` non-empty splits: ``first`` (R,) is each head's split-0
+    item in the (B, H, S) partials; the first split as it is, then the others folded in in index order (one
+    split: acc / l exactly). Loads skip L1 (``.cg``): with ``fuse_reduce`` other programs wrote them."""
+    m = tl.load(ml_ptr + first * 2, mask=row_ok, other=0.0, cache_modifier=".cg")
+    l = tl.load(ml_ptr + first * 2 + 1, mask=row_ok, other=1.0, cache_modifier=".cg")
+    acc = tl.load(acc_ptr + first[:, None] * HEAD_PAD + dims[None, :], mask=row_ok[:, None], other=0.0,
+                  cache_modifier=".cg")
+    for s in range(1, used):
+        m_s = tl.load(ml_ptr + (first + s) * 2, mask=row_ok, other=0.0, cache_modifier=".cg")
+        l_s = tl.load(ml_ptr + (first + s) * 2 + 1, mask=row_ok, other=1.0, cache_modifier=".cg")
+        acc_s = tl.load(acc_ptr + (first + s)[:, None] * HEAD_PAD + dims[None, :], mask=row_ok[:, None],
+                        other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, m_s)
+        c_old = tl.exp(m - m_new)
+        c_s = tl.exp(m_s - m_new)
+        acc = acc * c_old[:, None] + acc_s * c_s[:, None]
+        l = l * c_old + l_s * c_s
+        m = m_new
+    return acc, l
+
+
+@triton.jit
+def _splits_used(length, fixed_tokens_per_split, num_splits, BLOCK_N: tl.constexpr):
+    """(tokens per split, non-empty splits) of a row of ``length`` tokens; each non-empty split holds >= 1."""
+    if fixed_tokens_per_split > 0:
+        tps = fixed_tokens_per_split
+    else:  # even split of this row's own length, whole BLOCK_N chunks
+        tps = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
+    return tps, tl.cdiv(length, tps)
+
+
+@triton.jit
 def _decode_partial_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, out_ptr, count_ptr,
     scale, fixed_tokens_per_split, num_splits,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -55,17 +95,14 @@ def _decode_partial_kernel(
     stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    DIRECT: tl.constexpr, FUSED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     heads_total = tl.num_programs(1) * GROUP
     length = tl.load(lens_ptr + seq).to(tl.int32)
-    if fixed_tokens_per_split > 0:
-        tps = fixed_tokens_per_split
-    else:  # even split of this row's own length, whole BLOCK_N chunks
-        tps = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
+    tps, used = _splits_used(length, fixed_tokens_per_split, num_splits, BLOCK_N)
     start = split * tps
     end = tl.minimum(start + tps, length)
 
@@ -112,15 +149,27 @@ def _decode_partial_kernel(
         l = l * alpha + tl.sum(p, axis=1)
         m = m_new
 
+    out_offs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+    out_mask = row_ok[:, None] & dim_ok[None, :]
     if DIRECT:  # one split: this is the whole context
         out = acc / l[:, None]
-        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(out_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:  # partials laid out (B, H, S, ...) contiguous
-        item = (seq * heads_total + heads) * tl.num_programs(2) + split  # (GROUP_PAD,)
+        first = (seq * heads_total + heads) * tl.num_programs(2)  # (GROUP_PAD,) each head's split 0
+        item = first + split
         tl.store(acc_ptr + item[:, None] * HEAD_PAD + dims[None, :], acc, mask=row_ok[:, None])
         tl.store(ml_ptr + item * 2, m, mask=row_ok)
         tl.store(ml_ptr + item * 2 + 1, l, mask=row_ok)
+        if FUSED:
+            if split < used:  # empty splits neither count nor merge
+                counter = count_ptr + seq * tl.num_programs(1) + kv_head
+                tl.debug_barrier()  # every thread's partials stored before the count releases them
+                done = tl.atomic_add(counter, 1, sem="acq_rel")  # splits of this (row, KV head) done before
+                if done == used - 1:  # the last one: the others' partials are visible (acquire)
+                    tl.debug_barrier()
+                    tl.store(counter, 0)  # ready for the next call; nobody else touches it in this one
+                    merged, total = _merge_splits(acc_ptr, ml_ptr, first, used, row_ok, dims, HEAD_PAD)
+                    tl.store(out_offs, (merged / total[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -134,29 +183,13 @@ def _decode_reduce_kernel(
     head = tl.program_id(1)
     dims = tl.arange(0, HEAD_PAD)
     length = tl.load(lens_ptr + seq).to(tl.int32)
-    if fixed_tokens_per_split > 0:
-        tps = fixed_tokens_per_split
-    else:
-        tps = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
-    used = tl.cdiv(length, tps)  # this sequence's non-empty splits; each holds >= 1 token
-    base = (seq * tl.num_programs(1) + head) * num_splits
-    # the first split as it is, then the others folded in in index order (one split: acc / l exactly)
-    m = tl.load(ml_ptr + base * 2)
-    l = tl.load(ml_ptr + base * 2 + 1)
-    acc = tl.load(acc_ptr + base * HEAD_PAD + dims)
-    for s in range(1, used):
-        m_s = tl.load(ml_ptr + (base + s) * 2)
-        l_s = tl.load(ml_ptr + (base + s) * 2 + 1)
-        acc_s = tl.load(acc_ptr + (base + s) * HEAD_PAD + dims)
-        m_new = tl.maximum(m, m_s)
-        c_old = tl.exp(m - m_new)
-        c_s = tl.exp(m_s - m_new)
-        acc = acc * c_old + acc_s * c_s
-        l = l * c_old + l_s * c_s
-        m = m_new
-    out = acc / l
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dims < HEAD_DIM)
+    _, used = _splits_used(length, fixed_tokens_per_split, num_splits, BLOCK_N)
+    one = tl.arange(0, 1)  # a one-head tile, so the merge is _merge_splits's, as the fused path runs it
+    first = (seq * tl.num_programs(1) + head) * num_splits + one
+    acc, l = _merge_splits(acc_ptr, ml_ptr, first, used, one < 1, dims, HEAD_PAD)
+    out = acc / l[:, None]
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + one[:, None] + dims[None, :],  # one[:, None]: 0
+             out.to(out_ptr.dtype.element_ty), mask=dims[None, :] < HEAD_DIM)
 
 
 def grid_splits(width_tokens: int, tokens_per_split: int | None, num_splits: int) -> int:
@@ -166,10 +199,28 @@ def grid_splits(width_tokens: int, tokens_per_split: int | None, num_splits: int
     return max(1, num_splits)
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_MIN_COUNTERS = 1 << 16  # (row, KV head) pairs: batch 8192 at 8 KV heads in 256 KB, allocated once
+
+
+def split_counters(device: torch.device, pairs: int) -> torch.Tensor:
+    """The fused reduce's per-(row, KV head) counters on ``device``: zeros, and zeros again after every call
+    (each merge resets its own), so one buffer serves every layer, step and CUDA graph. Allocated on the
+    first call; a call with more pairs than it holds reallocates it (never while a graph is captured)."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < pairs:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            have = 0 if counters is None else counters.numel()
+            raise RuntimeError(f"the fused decode reduce needs {pairs} counters, more than the {have} allocated "
+                               "before this CUDA graph capture: run the largest batch eagerly first")
+        counters = _COUNTERS[device] = torch.zeros(max(_MIN_COUNTERS, pairs), dtype=torch.int32, device=device)
+    return counters
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
                            tokens_per_split: int | None = None, num_splits: int = 1,
-                           block_n: int = BLOCK_N) -> torch.Tensor:
+                           block_n: int = BLOCK_N, fuse_reduce: bool = False) -> torch.Tensor:
     """Decode attention over the paged pool; no host sync (the split count is read off shapes).
 
     Args:
@@ -181,6 +232,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             ``num_splits`` even splits of each row's own length (1: one program per (row, KV head)).
         block_n: tokens per iteration, a power of two >= 16 (a compile constant: fix it per engine,
             the bits depend on it).
+        fuse_reduce: with several splits, the last split of each (row, KV head) merges them instead of a
+            second kernel (the same merge, in the same order).
     Returns:
         (B, H, D) in q's dtype.
     """
@@ -197,14 +250,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     head_pad = max(16, triton.next_power_of_2(d))
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
     direct = splits == 1
+    fused = fuse_reduce and not direct
     if direct:  # unused pointers: out stands in
         acc = ml = out
     else:
         acc = torch.empty(b, h, splits, head_pad, dtype=torch.float32, device=q.device)
         ml = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
+    counters = split_counters(q.device, b * kvh) if fused else lens  # lens: an unused pointer
     fixed = tokens_per_split or 0
     _decode_partial_kernel[(b, kvh, splits)](
-        q, k_cache, v_cache, tables, lens, acc, ml, out,
+        q, k_cache, v_cache, tables, lens, acc, ml, out, counters,
         scale, fixed, splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -212,10 +267,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(GROUP_PAD, triton.next_power_of_2(group)), PAGE=page,
         HEAD_DIM=d, HEAD_PAD=head_pad, BLOCK_N=block_n,
-        DIRECT=direct, IEEE=q.dtype == torch.float32, UPCAST=INTERPRETED and q.dtype != torch.float32,
+        DIRECT=direct, FUSED=fused, IEEE=q.dtype == torch.float32, UPCAST=INTERPRETED and q.dtype != torch.float32,
         num_warps=4, num_stages=2,
     )
-    if not direct:
+    if not direct and not fused:
         _decode_reduce_kernel[(b, h)](
             acc, ml, lens, out,
             fixed, splits,
