@@ -65,7 +65,14 @@ TRITON_SAMPLER = EnvSwitch("PAT_TRITON_SAMPLER", "auto",
                            "bench/results/gpu_check.md, part sampler); on: CPU tensors too under TRITON_INTERPRET=1 "
                            "(tests); off: the torch twin everywhere (A/B runs)")
 
-SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, API_KEY, ENGINE_CACHE, TRITON_LAYERS, SKINNY_GEMM, TRITON_SAMPLER)
+DECODE_REDUCE = EnvSwitch("PAT_DECODE_REDUCE", "kernel",
+                          "fused: the Triton decode attention's splits are merged by each (row, KV head)'s last split "
+                          "to finish instead of a second kernel (pat_kernels/paged_decode_attention.py, fuse_reduce: "
+                          "the same merge in the same order); kernel: the reduce kernel (the default until a GPU run "
+                          "times the fused one ahead, bench/gpucheck/attention.py)")
+
+SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, API_KEY, ENGINE_CACHE, TRITON_LAYERS, SKINNY_GEMM, TRITON_SAMPLER,
+            DECODE_REDUCE)
 
 
 def cpu_gemm_packing() -> bool:
@@ -106,6 +113,12 @@ def skinny_gemm_rows() -> int | None:
     if value == "off":
         return 0
     return min(int(value), SKINNY_MOST_ROWS) if value.isdigit() else None
+
+
+def fused_decode_reduce() -> bool:
+    """Whether ``PAT_DECODE_REDUCE=fused`` asks the Triton decode attention to merge its splits in the split
+    kernel itself."""
+    return DECODE_REDUCE.says("fused")
 
 
 def triton_sampler(device_type: str) -> bool:

@@ -190,6 +190,36 @@ def test_the_fused_reduce_gives_the_reduce_kernels_bits_and_leaves_its_counters_
 
 
 @needs_triton
+@pytest.mark.parametrize("numerics", ["fast", "invariant"])
+def test_pat_decode_reduce_fused_reaches_the_kernel_and_keeps_the_backends_bits(monkeypatch, numerics):
+    """``PAT_DECODE_REDUCE=fused`` builds a backend whose decodes merge in the split kernel: the same bits as
+    the reduce kernel's, in both numerics modes (the invariant mode's fixed split included)."""
+    from pat_kernels import paged_decode_attention as pda
+
+    bs, d, kvh = 4, 16, 2
+    cache, tables = _pool(LONG_TAIL, bs, kvh, d, torch.bfloat16)
+    tables = torch.cat([tables, torch.zeros(len(LONG_TAIL), 80, dtype=tables.dtype, device=DEV)], dim=1)
+    meta = _decode_meta(tables, LONG_TAIL, bs)  # a table 392 tokens wide: the fast rule takes 3 splits
+    q = torch.randn(len(LONG_TAIL), 8, d, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(DEV)
+
+    def backend() -> TritonAttention:
+        return _invariant(16, block_n=16) if numerics == "invariant" else TritonAttention("fast", 132, block_n=16)
+
+    kernel = backend()
+    monkeypatch.setenv("PAT_DECODE_REDUCE", "fused")
+    fused = backend()
+    assert fused.fuse_reduce and not kernel.fuse_reduce
+    calls = []
+    inner = pda.paged_decode_attention
+    monkeypatch.setattr(pda, "paged_decode_attention", lambda *a, **k: calls.append(k["fuse_reduce"]) or inner(*a, **k))
+    from pat_engine.model.layers import triton_attention
+
+    monkeypatch.setattr(triton_attention, "_KERNELS", None)  # re-imported through the patched module
+    assert torch.equal(fused.decode(q, cache, meta, d**-0.5), kernel.decode(q, cache, meta, d**-0.5))
+    assert calls == [True, False]
+
+
+@needs_triton
 def test_backend_decode_writes_then_splits_the_tail(monkeypatch):
     """Through ``paged_attention``: the new token's K/V written first, then the split kernel (fast mode, the tail)."""
     import pat_engine.model.layers.triton_attention as triton_attention

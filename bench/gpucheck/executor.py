@@ -55,21 +55,27 @@ def eager(ex: InferExecutor) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def skinny_gemm(ex: InferExecutor, graphs: DecodeGraphs, rows: int) -> Iterator[None]:
-    """Steps inside multiply as ``PAT_SKINNY_GEMM=<rows>`` builds the layers (each fast-mode linear's
-    ``skinny_rows`` set), replaying ``graphs`` (captured over these GEMMs) in place of the executor's;
-    restored after."""
-    layers = [m for m in ex.model.modules() if hasattr(m, "skinny_rows")]
+def step_variant(ex: InferExecutor, graphs: DecodeGraphs, skinny_rows: int | None = None,
+                 fuse_reduce: bool | None = None) -> Iterator[None]:
+    """Steps inside run another way, replaying ``graphs`` (captured that way) in place of the executor's:
+    ``skinny_rows`` as ``PAT_SKINNY_GEMM=<rows>`` builds the layers (each fast-mode linear's set), and/or
+    ``fuse_reduce`` as ``PAT_DECODE_REDUCE=fused`` builds the Triton attention; restored after."""
+    layers = [m for m in ex.model.modules() if hasattr(m, "skinny_rows")] if skinny_rows is not None else []
     before = [m.skinny_rows for m in layers]
+    reduce_was = getattr(ex.attention, "fuse_reduce", None)
     saved = ex.graphs
     for m in layers:
-        m.skinny_rows = rows
+        m.skinny_rows = skinny_rows
+    if fuse_reduce is not None:
+        ex.attention.fuse_reduce = fuse_reduce
     ex.graphs = graphs
     try:
         yield
     finally:
         for m, was in zip(layers, before):
             m.skinny_rows = was
+        if fuse_reduce is not None:
+            ex.attention.fuse_reduce = reduce_was
         ex.graphs = saved
 
 

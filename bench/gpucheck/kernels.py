@@ -32,10 +32,21 @@ from pat_engine.env import SKINNY_MOST_ROWS
 from pat_engine.model.layers import triton_ops
 
 STEP, LAYER = "pat.step", "pat.layer"  # profiler ranges around a decode step and a decoder layer
-# The step's GEMMs other ways, each with its own graphs, interleaved with the engine's default (auto: the
-# bfloat16 LM head through the skinny GEMM, every layer cuBLAS): every linear's ``skinny_rows`` as
-# PAT_SKINNY_GEMM=<value> builds it (0: cuBLAS everywhere).
-GEMM_VARIANTS = {"cuBLAS": ("off", 0), "skinny": (str(SKINNY_MOST_ROWS), SKINNY_MOST_ROWS)}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The step another way, as a ``PAT_*`` setting builds the executor (``executor.step_variant``'s keywords),
+    timed with its own graphs, interleaved with the step as built."""
+
+    setting: str
+    skinny_rows: int | None = None
+    fuse_reduce: bool | None = None
+
+
+VARIANTS = {"cuBLAS GEMMs": Variant("PAT_SKINNY_GEMM=off", skinny_rows=0),
+            "skinny GEMMs": Variant(f"PAT_SKINNY_GEMM={SKINNY_MOST_ROWS}", skinny_rows=SKINNY_MOST_ROWS),
+            "fused attention reduce": Variant("PAT_DECODE_REDUCE=fused", fuse_reduce=True)}
 KERNELS_PER_LAYER_GOAL = 12
 PIECES = ("GEMM", "attention", "norm", "rotary/KV write", "activation", "other")
 # Substrings of kernel (or CPU op) names, lower case, first match wins: our Triton kernels by name, then
@@ -172,15 +183,15 @@ def labelled_layers(sync: bool = False) -> Iterator[None]:
 class Plan:
     batches: tuple[int, ...]
     prompt: int
-    rounds: int  # rounds of ``block`` steps in each mode (graphs, eager, and the GEMM variants where they run)
+    rounds: int  # rounds of ``block`` steps in each mode (graphs, eager, and the variants where they run)
     block: int
     profiled: int  # steps under the profiler, with graphs and then eager
 
     @property
     def steps(self) -> int:
-        """Decode steps a batch runs at most: 2 warm-ups in each mode (graphs, eager, the GEMM variants),
-        their rounds, both profiles."""
-        modes = 2 + len(GEMM_VARIANTS)
+        """Decode steps a batch runs at most: 2 warm-ups in each mode (graphs, eager, the variants), their
+        rounds, both profiles."""
+        modes = 2 + len(VARIANTS)
         return modes * 2 + self.rounds * modes * self.block + 2 * self.profiled
 
 
@@ -207,13 +218,15 @@ def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
             seqs.decode()
     modes = {"graphs": contextlib.nullcontext, "eager": lambda: executor.eager(ex)}
     variants = {}
-    if batch <= SKINNY_MOST_ROWS and ex.graphs.enabled and env.triton_runs_on(ex.device.type):
-        for name, (_, rows) in GEMM_VARIANTS.items():
-            graphs = executor.more_graphs(ex)  # its own captures, over its GEMMs
-            modes[name] = variants[name] = (lambda g=graphs, r=rows: executor.skinny_gemm(ex, g, r))
-            with variants[name]():
-                for _ in range(2):  # warm-up: its graph's capture, the kernels' compiles
-                    seqs.decode()
+    for name, v in VARIANTS.items():
+        if not runs(v, ex, batch):
+            continue
+        graphs = executor.more_graphs(ex)  # its own captures, over its kernels
+        modes[name] = variants[name] = (lambda g=graphs, v=v: executor.step_variant(
+            ex, g, skinny_rows=v.skinny_rows, fuse_reduce=v.fuse_reduce))
+        with variants[name]():
+            for _ in range(2):  # warm-up: its graph's capture, the kernels' compiles
+                seqs.decode()
     walls: dict[str, list[float]] = {mode: [] for mode in modes}
     names = list(modes)
     for r in range(p.rounds):
@@ -221,11 +234,11 @@ def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
             with modes[mode]():
                 walls[mode] += [seqs.decode() for _ in range(p.block)]
     replay_ms = graph_replay_ms(ex, batch, p.block * p.rounds)
-    gemm_variants = {}
+    variant_ms = {}
     for name, variant in variants.items():
         with variant():
-            gemm_variants[name] = {"ms": median(walls[name]) * 1e3,
-                                   "replay_ms": graph_replay_ms(ex, batch, p.block * p.rounds)}
+            variant_ms[name] = {"ms": median(walls[name]) * 1e3,
+                                "replay_ms": graph_replay_ms(ex, batch, p.block * p.rounds)}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device == "cuda" else [])
     cuda = ctx.device == "cuda"
     with profile(activities=activities) as prof:  # graphs steps: the host's phases beside the GPU's busy time
@@ -243,7 +256,17 @@ def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
     records, steps, layers, outside = profiled_records(prof.events(), cuda)
     return {"batch": batch, "graphs_ms": median(walls["graphs"]) * 1e3, "eager_ms": median(walls["eager"]) * 1e3,
             "steps_timed": len(walls["graphs"]), "table": kernel_table(records, steps, layers),
-            "outside": outside, "replay_ms": replay_ms, "phases": phases, "gemm_variants": gemm_variants}
+            "outside": outside, "replay_ms": replay_ms, "phases": phases, "variants": variant_ms}
+
+
+def runs(v: Variant, ex, batch: int) -> bool:
+    """Whether a variant changes anything here: graphs on, and its GEMM rows serve this batch on a device Triton
+    takes, or its attention knob exists (the Triton backend)."""
+    if not ex.graphs.enabled:
+        return False
+    if v.skinny_rows is not None:
+        return batch <= SKINNY_MOST_ROWS and env.triton_runs_on(ex.device.type)
+    return v.fuse_reduce is None or hasattr(ex.attention, "fuse_reduce")
 
 
 @torch.inference_mode()  # the stand-in backend (CPU smoke) replays by running the forward
@@ -276,13 +299,14 @@ def render(r: dict, cuda: bool) -> str:
              f"its host work, LM head and sampling). Profiled eager step: {t.per_step:.0f} {unit} per step, "
              f"**{per_layer} per layer**, {'GPU' if cuda else 'CPU'} time {t.ms_per_step:.3f} ms per step.", ""]
     lines += [describe(r["phases"]), ""]
-    if r["gemm_variants"]:
-        lines += [f"The step's GEMMs other ways (the layers as `PAT_SKINNY_GEMM=<value>` builds them, each with its "
-                  f"own graphs, interleaved with the graphs and eager steps above, which multiply as "
-                  f"`PAT_SKINNY_GEMM={env.SKINNY_GEMM.value()}` builds them; auto, the default, sends a bfloat16 "
-                  f"LM head on CUDA through the skinny GEMM and every layer's GEMM to cuBLAS): "
-                  + "; ".join(f"{name} (`{GEMM_VARIANTS[name][0]}`) graphs **{v['ms']:.3f}** ms / step, its graph "
-                              f"replayed alone {v['replay_ms']:.3f}" for name, v in r["gemm_variants"].items())
+    if r["variants"]:
+        lines += [f"The step other ways (each as its setting builds the executor, with its own graphs, interleaved "
+                  f"with the graphs and eager steps above, built with `PAT_SKINNY_GEMM={env.SKINNY_GEMM.value()}` "
+                  f"and `PAT_DECODE_REDUCE={env.DECODE_REDUCE.value()}`; the defaults, auto and kernel, send a "
+                  f"bfloat16 LM head on CUDA through the skinny GEMM, every layer's GEMM to cuBLAS and the "
+                  f"attention's splits to the reduce kernel): "
+                  + "; ".join(f"{name} (`{VARIANTS[name].setting}`) graphs **{v['ms']:.3f}** ms / step, its graph "
+                              f"replayed alone {v['replay_ms']:.3f}" for name, v in r["variants"].items())
                   + f" (as built: {r['graphs_ms']:.3f} and {replay}).", ""]
     if r["outside"]:
         lines += [f"{r['outside']} device events started outside every profiled step (counted nowhere).", ""]
@@ -297,13 +321,13 @@ def headline(r: dict, cuda: bool) -> str:
     t: KernelTable = r["table"]
     per_layer = "n/a" if t.per_layer is None else f"{t.per_layer:.1f}"
     replay = "" if r["replay_ms"] is None else f" (its graph replayed alone: {r['replay_ms']:.2f} ms)"
-    skinny = "".join(f"; {name} GEMMs {v['ms']:.2f} ms with graphs (replayed alone: {v['replay_ms']:.2f} ms)"
-                     for name, v in r["gemm_variants"].items())
+    others = "".join(f"; {name} {v['ms']:.2f} ms with graphs (replayed alone: {v['replay_ms']:.2f} ms)"
+                     for name, v in r["variants"].items())
     ph: StepPhases = r["phases"]
     idle = "" if ph.busy_ms is None else f", the GPU idle {ph.wall_ms - ph.busy_ms:.2f} ms of a profiled graphs step"
     return (f"batch {r['batch']}: {t.per_step:.0f} {'kernels' if cuda else 'torch ops'} per step, {per_layer} per "
             f"layer, {t.ms_per_step:.2f} ms of {'GPU' if cuda else 'CPU'} time; in-process step {r['graphs_ms']:.2f} "
-            f"ms with graphs{replay}, {r['eager_ms']:.2f} ms eager{skinny}{idle}")
+            f"ms with graphs{replay}, {r['eager_ms']:.2f} ms eager{others}{idle}")
 
 
 def run(ctx: Ctx) -> PartResult:
@@ -336,7 +360,7 @@ def run(ctx: Ctx) -> PartResult:
                   "(their CPU time), to check the machinery only.")
     body = "\n\n".join([setup, *[render(r, cuda) for r in results]])
     data = {"rows": [{"batch": r["batch"], "graphs_ms": r["graphs_ms"], "eager_ms": r["eager_ms"],
-                      "replay_ms": r["replay_ms"], "gemm_variants": r["gemm_variants"],
+                      "replay_ms": r["replay_ms"], "variants": r["variants"],
                       "per_step": r["table"].per_step, "per_layer": r["table"].per_layer,
                       "ms_per_step": r["table"].ms_per_step, "phases": asdict(r["phases"])} for r in results]}
     return PartResult(body, headlines, data)

@@ -111,6 +111,7 @@ class TritonAttention(AttentionBackend):
         self.invariant_tokens_per_split = invariant_tokens_per_split
         self.prefill_tiles = prefill_tiles  # (BLOCK_M, BLOCK_N) of the varlen kernel
         self.block_n = block_n  # the decode kernel's tokens per iteration
+        self.fuse_reduce = env.fused_decode_reduce()  # the split kernel merges its splits (PAT_DECODE_REDUCE)
         self._torch = TorchAttention(numerics)  # the KV write and the float64 / no-kernel paths
 
     def load(self, device: torch.device, dtype: torch.dtype) -> bool:
@@ -143,7 +144,8 @@ class TritonAttention(AttentionBackend):
                              self.numerics, self.block_n, self.invariant_tokens_per_split)
         return _kernels().paged_decode_attention(q, kv_cache[0], kv_cache[1], tables, lens, scale,
                                                  tokens_per_split=split.tokens_per_split,
-                                                 num_splits=split.num_splits, block_n=self.block_n)
+                                                 num_splits=split.num_splits, block_n=self.block_n,
+                                                 fuse_reduce=self.fuse_reduce)
 
     def prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.cu_seqlens is None or meta.context_lens is None or meta.pad_index is None or not self._serves(q):
