@@ -4,7 +4,8 @@ One pytest process per file, so a file's failures are reported (pytest prints th
 before a slow file later on meets the time limit; each file's whole output is kept in the part's log
 folder. The co-located switch tests go last: they are the slowest. ``--quick`` runs a few selections
 only (``QUICK``): issue 30's tokens-unchanged tests (the fused layer kernels, the skinny GEMM), the gpu
-tests of the kernels no GPU has run yet (the skinny GEMM's, the sampler's), and the float32 co-located
+tests of the kernels no GPU has run yet (the skinny GEMM's, the sampler's, the decode attention's fused
+reduce), and the float32 co-located
 switch, which failed on the second H100 run with its message lost (``--quick``'s decode part checks
 async scheduling's tokens)."""
 
@@ -50,6 +51,7 @@ def outcomes_so_far(verbose_output: str) -> str:
 
 QUICK = (("tests/test_triton_layer_kernels.py", "fused_unfused_graphs or skinny"),  # (file, pytest -k): ~150 s
          ("tests/test_skinny_matmul.py", None), ("tests/test_triton_sampler.py", None),  # not run on a GPU yet
+         ("tests/test_triton_kernel.py", None),  # the decode kernel's fused reduce: not run on a GPU yet
          ("tests/test_invariant_numerics.py", "row_alones"),  # the invariant mode's draws through them: not run yet
          ("tests/test_colocated_gpu.py", "tp1xdp2_to_tp2_and_back_mid_batch_float32"))  # 2 ranks, both KV paths
 
