@@ -8,13 +8,17 @@ multiples of eight and longer than one step of the kernel's walk, on weights spr
 (where another order of the float64 adds gives other bits: checked). The draw follows its own rule, the
 running sum in blocks (``blocked_draw_reference``), which gives the CPU chain's tokens but where the target
 lands between two roundings of a boundary (one such case built by hand). The top_p nucleus takes the same
-walk to where the sum reaches its target (>=: a sum that meets it exactly ends the nucleus there). Through
+walk to where the sum reaches its target (>=: a sum that meets it exactly ends the nucleus there). Greedy's
+first maximum is torch's argmax (ties, NaN, -inf rows, masked chunks). Through
 the sampler (its torch path, ``PAT_CPU_SAMPLER=torch``; the CPU's partial sort and the GPU's whole one),
 ``PAT_TRITON_SAMPLER=on`` draws the same tokens with the same log-probs on these rows, top_p rows too.
 The ``gpu`` test repeats the bits compiled at a real vocabulary.
 """
 
 from __future__ import annotations
+
+import sys
+import types
 
 import pytest
 import torch
@@ -62,6 +66,50 @@ def test_weights_and_max_have_the_torch_twins_bits(dtype):
     strided = torch.zeros(5, 9100, dtype=dtype, device=DEV)[:, :9000]
     strided.copy_(x)
     assert torch.equal(_kernel().weights(strided, inv_temp, floor)[0], want_e)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_max_is_torchs_argmax(dtype):
+    """The first place of the max (ties in two chunks, in one chunk), of the first NaN where there is one,
+    0 for a row of -inf, a max in the masked last chunk; rows of a wider tensor."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(7, 9000, generator=g) * 4).to(dtype)  # two full chunks of 4096 and a masked one
+    x[0, 8999] = 50.0  # the max in the last, masked chunk
+    x[1, [5000, 100, 8000]] = 40.0  # a tie across chunks: the first chunk's place wins
+    x[2, [300, 200]] = 40.0  # a tie inside a chunk
+    x[3] = float("-inf")
+    x[4, [7000, 6000]] = float("nan")  # NaN wins, the first one
+    x[5, 4096] = 40.0  # a chunk's first place
+    x = x.to(DEV)
+    got = _kernel().first_max(x)
+    assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1))
+    assert got[:6].tolist() == [8999, 100, 200, 0, 6000, 4096]
+    wide = torch.full((7, 9100), 99.0, dtype=dtype, device=DEV)[:, :9000]
+    wide.copy_(x)
+    assert torch.equal(_kernel().first_max(wide), got)
+    small = x[:, :5]  # one masked chunk
+    assert torch.equal(_kernel().first_max(small.contiguous()), small.argmax(dim=-1))
+
+
+def test_greedy_rows_take_the_triton_first_max_where_the_sampler_kernels_serve(monkeypatch):
+    """``inverse_cdf.first_max`` (greedy rows without log-probs) runs the kernel where ``PAT_TRITON_SAMPLER``
+    serves the tensor (CUDA by default), torch's argmax elsewhere."""
+    from pat_engine import env
+
+    calls = []
+    monkeypatch.setattr(inverse_cdf, "cpu_sample", None)  # the C++ kernel would take CPU rows first
+    monkeypatch.setattr(env, "triton_runs_on", lambda kind: True)
+    fake = types.ModuleType("pat_kernels.triton_sampler")  # the kernel's wiring only: no Triton needed
+    fake.first_max = lambda x: calls.append(x.shape) or x.argmax(dim=-1)
+    monkeypatch.setitem(sys.modules, "pat_kernels.triton_sampler", fake)
+    x = torch.randn(3, 50)
+    monkeypatch.setenv("PAT_TRITON_SAMPLER", "on")
+    assert torch.equal(inverse_cdf.first_max(x), x.argmax(dim=-1)) and calls == [(3, 50)]
+    monkeypatch.setenv("PAT_TRITON_SAMPLER", "off")
+    inverse_cdf.first_max(x)
+    inverse_cdf.first_max(x.double())
+    assert calls == [(3, 50)]
 
 
 @needs_triton
@@ -247,3 +295,5 @@ def test_gpu_weights_z_and_draw_at_a_real_vocabulary(monkeypatch):
         ranked, top_p = e.sort(dim=-1, descending=True).values, torch.full((rows,), 0.9, dtype=torch.float64, device=DEV)
         reached = _kernel().first_reaching(ranked, top_p, z)
         assert torch.equal(reached, (ranked.double().cumsum(dim=-1) < (top_p * z).unsqueeze(1)).sum(dim=-1))
+        x[:, 5] = x.max()  # a tie with an earlier place
+        assert torch.equal(_kernel().first_max(x), x.argmax(dim=-1))

@@ -103,11 +103,12 @@ def kernel_calls() -> list:
                                               torch.arange(4), randn(128), randn(128)),
     ]
 
-    def sampler():  # weights, Z, the draw, and a top_p nucleus
+    def sampler():  # weights, Z, the draw, a top_p nucleus, greedy's first maximum
         e, _ = triton_sampler.weights(randn(4, 128256), torch.ones(4), torch.full((4,), float("-inf")))
         z = triton_sampler.lane_sum(e.float())
         triton_sampler.draw(e.float(), torch.rand(4, dtype=torch.float64), z)
         triton_sampler.first_reaching(e.float(), torch.full((4,), 0.9, dtype=torch.float64), z)
+        triton_sampler.first_max(randn(4, 128256))
 
     return calls + [sampler]
 

@@ -8,7 +8,8 @@ runs one load, add and store at a time. ``PAT_TRITON_SAMPLER=on`` computes the w
 ``pat_kernels/triton_sampler.py`` instead (the same weights and Z; the draw's running sum in blocks, whose
 token differs only where u·Z lands between two roundings of a boundary). At 1 and 64 rows (and 256 without
 --quick) of random bf16 logits over the Llama-3 vocabulary (128,256), this part times ``sample_on_device``
-for a greedy batch, and a greedy, a temperature-1 and a top_p 0.9 batch with log-probs each way (top_p
+for a greedy batch (its first maximum by torch's argmax or the Triton kernel), and a greedy, a temperature-1
+and a top_p 0.9 batch with log-probs each way (top_p
 sorts each row whole on a GPU; its nucleus is the blocked scan's too under the switch), and Z alone both
 ways; it checks that both give the same tokens, log-probs and Z. GPU ms between CUDA events with the stream held
 busy ahead of each call (the host's launches still show where they outrun the kernels), calls interleaved,
@@ -61,7 +62,8 @@ def draw_case(rows: int, vocab: int, device: str, repeats: int, warmup: int) -> 
     greedy, greedy_lp, drawn, nucleus = batch(0.0, False), batch(0.0, True), batch(1.0, True), batch(1.0, True, 0.9)
     e = weights(logits, torch.ones(rows, device=dev), torch.full((rows,), float("-inf"), device=dev))[0]
     fns = {
-        "greedy": lambda: sample_on_device(logits, greedy).tokens,
+        "greedy, torch": with_switch(False, lambda: sample_on_device(logits, greedy).tokens),
+        "greedy, Triton": with_switch(True, lambda: sample_on_device(logits, greedy).tokens),
         "greedy + log-probs, torch": with_switch(False, lambda: sample_on_device(logits, greedy_lp)),
         "greedy + log-probs, Triton": with_switch(True, lambda: sample_on_device(logits, greedy_lp)),
         "temperature 1 + log-probs, torch": with_switch(False, lambda: sample_on_device(logits, drawn)),
@@ -72,6 +74,7 @@ def draw_case(rows: int, vocab: int, device: str, repeats: int, warmup: int) -> 
         "Z alone, Triton": with_switch(True, lambda: lane_sum(e)),
     }
     same = torch.equal(fns["Z alone, torch"](), fns["Z alone, Triton"]())
+    same = same and torch.equal(fns["greedy, torch"](), fns["greedy, Triton"]())
     for kind in ("temperature 1", "top_p 0.9"):
         a, b = fns[f"{kind} + log-probs, torch"](), fns[f"{kind} + log-probs, Triton"]()
         same = same and torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
@@ -102,7 +105,7 @@ def run(ctx: Ctx) -> PartResult:
             f"torch twin, {triton_ms:.3f} ms through the Triton kernels (Z alone "
             f"{ms['Z alone, torch']:.3f} vs {ms['Z alone, Triton']:.3f}; top_p 0.9 "
             f"{ms['top_p 0.9 + log-probs, torch']:.3f} vs {ms['top_p 0.9 + log-probs, Triton']:.3f}); "
-            f"greedy {ms['greedy']:.3f} ms; "
+            f"greedy {ms['greedy, torch']:.3f} vs {ms['greedy, Triton']:.3f} ms; "
             f"same bits: {verdict(c['same'])}")
     if ctx.smoke:
         headlines = ["smoke: not judged"] + [f"same bits at {c['rows']} rows: {verdict(c['same'])}" for c in cases]

@@ -29,6 +29,10 @@ For a row of logits x, an inverse temperature ``it`` and a floor:
 - ``first_reaching``: the same walk asking where the running sum reaches (>=) a target instead of passing
   it: over a row sorted by descending weight with top_p·Z as the target, one less than the top_p nucleus
   (``inverse_cdf.nucleus_sizes``), so a top_p row's kept prefix is batch-invariant as well.
+- ``first_max``: greedy's token, ``torch.argmax``'s answer (the first place of the row's max; of its first
+  NaN where it holds one), over the same (row, chunk) programs as the weights, then one program a row
+  picks the first chunk holding the winner. torch's own argmax reduces a row in one block: 37 us of a
+  batch-1 greedy step's 6.2 GPU ms for Llama-3's 128,256 logits on the fourth H100 run.
 
 Bits (weights, Z): the twin's operations in the twin's order (0.0 pads a row whose length is not a multiple of eight,
 as its ``F.pad`` does; adding 0.0 to a non-negative sum changes nothing). Tested under
@@ -177,6 +181,39 @@ def _draw_kernel(e_ptr, u_ptr, z_ptr, out_ptr, V, W, stride_e, NB: tl.constexpr,
     tl.store(out_ptr + row, token)
 
 
+@triton.jit
+def _chunk_first_max_kernel(x_ptr, top_ptr, at_ptr, V, stride_x, CHUNK: tl.constexpr):
+    """Program (row, c): chunk c's max (NaN if it holds one) and that value's first place in the row."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    ok = cols < V
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    nan = x != x
+    has_nan = tl.sum(nan.to(tl.int32), axis=0) > 0
+    top = tl.max(tl.where(nan, float("-inf"), x), axis=0)
+    hit = tl.where(has_nan, nan, (x == top) & ok)
+    item = row * tl.num_programs(1) + chunk
+    tl.store(top_ptr + item, tl.where(has_nan, float("nan"), top))
+    tl.store(at_ptr + item, tl.min(tl.where(hit, cols, V), axis=0))
+
+
+@triton.jit
+def _pick_first_max_kernel(top_ptr, at_ptr, out_ptr, CHUNKS, CHUNKS_PAD: tl.constexpr):
+    """Program (row): the first chunk holding the row's winner (a NaN, else the max) gives the token (chunks
+    are in place order, so its first place is the row's)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNKS_PAD)
+    ok = c < CHUNKS
+    tops = tl.load(top_ptr + row * CHUNKS + c, mask=ok, other=float("-inf"))
+    nan = (tops != tops) & ok
+    has_nan = tl.sum(nan.to(tl.int32), axis=0) > 0
+    best = tl.max(tl.where(nan, float("-inf"), tops), axis=0)
+    hit = tl.where(has_nan, nan, (tops == best) & ok)
+    first = tl.min(tl.where(hit, c, CHUNKS_PAD), axis=0)
+    tl.store(out_ptr + row, tl.load(at_ptr + row * CHUNKS + first).to(tl.int64))
+
+
 def _check_rows(t: torch.Tensor, what: str, dtypes: tuple[torch.dtype, ...]) -> None:
     if t.dim() != 2 or t.dtype not in dtypes or (t.shape[1] > 1 and t.stride(1) != 1):
         raise ValueError(f"{what} takes {', '.join(map(str, dtypes))} (rows, V) with unit stride along V, not "
@@ -199,6 +236,22 @@ def weights(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor) -> tup
                                         chunks, CHUNK=CHUNK, CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)),
                                         num_warps=8, enable_fp_fusion=False)
     return e, m.unsqueeze(1)
+
+
+def first_max(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum (int64 (rows,)) of logits ``x`` (rows, V), as ``x.argmax(dim=-1)``: the first
+    place of the row's max, or of its first NaN where it holds one."""
+    _check_rows(x, "first_max", (torch.float32, torch.bfloat16, torch.float16))
+    rows, vocab = x.shape
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if rows and vocab:
+        chunks = triton.cdiv(vocab, CHUNK)
+        tops = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
+        at = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
+        _chunk_first_max_kernel[(rows, chunks)](x, tops, at, vocab, x.stride(0), CHUNK=CHUNK, num_warps=8)
+        _pick_first_max_kernel[(rows,)](tops, at, out, chunks, CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)),
+                                        num_warps=1)
+    return out
 
 
 def lane_sum(e: torch.Tensor) -> torch.Tensor:

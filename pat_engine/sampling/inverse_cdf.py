@@ -176,9 +176,15 @@ def inverse_cdf(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor, u:
 
 
 def first_max(x: torch.Tensor) -> torch.Tensor:
-    """Each row's first maximum (``argmax``), by the kernel's sixteen-lane pass where it serves ``x``."""
+    """Each row's first maximum (``argmax``), by the C++ kernel's sixteen-lane pass where it serves ``x``, or by
+    the Triton sampler's chunked pass where it serves (CUDA by default: torch's argmax reduces a row in one
+    block)."""
     if cpu_sample is not None and cpu_sample.usable(x) and x.stride(-1) == 1:
         return cpu_sample.argmax(x)
+    if x.dim() == 2 and x.dtype != torch.float64 and x.stride(-1) == 1 and _triton_sampler_serves(x):
+        from pat_kernels.triton_sampler import first_max as kernel
+
+        return kernel(x)
     return x.argmax(dim=-1)
 
 
