@@ -185,6 +185,8 @@ def test_the_fused_reduce_gives_the_reduce_kernels_bits_and_leaves_its_counters_
     assert torch.equal(fused, reduced)
     counters = pda.split_counters(q.device, len(LONG_TAIL) * kv_heads)
     assert counters.numel() >= pda._MIN_COUNTERS and not counters.any()
+    bigger = pda.split_counters(q.device, counters.numel() + 1)  # a larger call: a new buffer, the old one kept
+    assert bigger.numel() > counters.numel() and pda._COUNTERS[q.device][-2] is counters
     assert torch.equal(_decode(q, cache, tables, LONG_TAIL, fuse_reduce=True, **split), reduced)
     assert torch.equal(_decode(q, cache, tables, LONG_TAIL, fuse_reduce=True), _decode(q, cache, tables, LONG_TAIL))
 

@@ -199,22 +199,24 @@ def grid_splits(width_tokens: int, tokens_per_split: int | None, num_splits: int
     return max(1, num_splits)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}  # per device, every buffer allocated, the newest last
 _MIN_COUNTERS = 1 << 16  # (row, KV head) pairs: batch 8192 at 8 KV heads in 256 KB, allocated once
 
 
 def split_counters(device: torch.device, pairs: int) -> torch.Tensor:
     """The fused reduce's per-(row, KV head) counters on ``device``: zeros, and zeros again after every call
-    (each merge resets its own), so one buffer serves every layer, step and CUDA graph. Allocated on the
-    first call; a call with more pairs than it holds reallocates it (never while a graph is captured)."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < pairs:
+    (each merge resets its own), so one buffer serves every layer, step and CUDA graph, as long as the calls
+    run one at a time (one stream: a process's decode steps do). Allocated on the first call; a call with
+    more pairs (the invariant mode's prefill, a row a token) allocates a larger one, never while a graph is
+    captured, and the old one stays allocated: a graph captured over it still points at it."""
+    kept = _COUNTERS.setdefault(device, [])
+    if not kept or kept[-1].numel() < pairs:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            have = 0 if counters is None else counters.numel()
+            have = kept[-1].numel() if kept else 0
             raise RuntimeError(f"the fused decode reduce needs {pairs} counters, more than the {have} allocated "
                                "before this CUDA graph capture: run the largest batch eagerly first")
-        counters = _COUNTERS[device] = torch.zeros(max(_MIN_COUNTERS, pairs), dtype=torch.int32, device=device)
-    return counters
+        kept.append(torch.zeros(max(_MIN_COUNTERS, pairs), dtype=torch.int32, device=device))
+    return kept[-1]
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
