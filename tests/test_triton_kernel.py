@@ -169,8 +169,10 @@ def test_one_split_equals_the_reduce_of_one_split():
 @needs_triton
 @pytest.mark.parametrize("heads,kv_heads,d,split,dtype", [
     (8, 2, 16, {"num_splits": 3}, torch.bfloat16),  # GQA 4; the 1- and 3-token rows have one used split
-    (6, 2, 24, {"num_splits": 5}, torch.float32),  # GQA 3 in a tile of 16: padding rows merge nothing
-    (4, 1, 16, {"tokens_per_split": 32}, torch.bfloat16),  # fixed splits: empty ones past each row's length
+    pytest.param(6, 2, 24, {"num_splits": 5}, torch.float32,  # GQA 3 in a tile of 16: padding rows merge nothing
+                 marks=pytest.mark.slow),
+    pytest.param(4, 1, 16, {"tokens_per_split": 32}, torch.bfloat16,  # fixed splits: empty ones past a row's end
+                 marks=pytest.mark.slow),
 ])
 def test_the_fused_reduce_gives_the_reduce_kernels_bits_and_leaves_its_counters_at_zero(heads, kv_heads, d, split,
                                                                                           dtype):
@@ -192,7 +194,7 @@ def test_the_fused_reduce_gives_the_reduce_kernels_bits_and_leaves_its_counters_
 
 
 @needs_triton
-@pytest.mark.parametrize("numerics", ["fast", "invariant"])
+@pytest.mark.parametrize("numerics", ["fast", pytest.param("invariant", marks=pytest.mark.slow)])  # 7 s interpreted
 def test_pat_decode_reduce_fused_reaches_the_kernel_and_keeps_the_backends_bits(monkeypatch, numerics):
     """``PAT_DECODE_REDUCE=fused`` builds a backend whose decodes merge in the split kernel: the same bits as
     the reduce kernel's, in both numerics modes (the invariant mode's fixed split included)."""

@@ -47,6 +47,7 @@ class Variant:
 VARIANTS = {"cuBLAS GEMMs": Variant("PAT_SKINNY_GEMM=off", skinny_rows=0),
             "skinny GEMMs": Variant(f"PAT_SKINNY_GEMM={SKINNY_MOST_ROWS}", skinny_rows=SKINNY_MOST_ROWS),
             "fused attention reduce": Variant("PAT_DECODE_REDUCE=fused", fuse_reduce=True)}
+
 KERNELS_PER_LAYER_GOAL = 12
 PIECES = ("GEMM", "attention", "norm", "rotary/KV write", "activation", "other")
 # Substrings of kernel (or CPU op) names, lower case, first match wins: our Triton kernels by name, then
