@@ -25,6 +25,7 @@ from common import markdown_table
 from gpucheck.report import PartResult
 from gpucheck.shared import LLAMA32_1B, LLAMA3_8B, SMOKE_SPEC, Ctx, log, median, time_interleaved
 from pat_engine.env import SKINNY_GEMM
+from pat_engine.model import gpu_gemm
 from pat_engine.tiny_model import TinyModelSpec
 
 
@@ -113,8 +114,6 @@ def step_ms(cases: list[dict], rows: int, key: str) -> float:
 def engine_takes_skinny(c: dict) -> bool:
     """Whether a bf16 CUDA engine, as ``PAT_SKINNY_GEMM`` is set now, multiplies this case's projection at its
     rows with the skinny GEMM (the rule's config) rather than cuBLAS."""
-    from pat_engine.model import gpu_gemm
-
     return c["rows"] <= gpu_gemm.skinny_rows("cuda", torch.bfloat16, lm_head=c["name"] == "LM head")
 
 

@@ -73,14 +73,22 @@ def _pexp(z):
 
 
 @triton.jit
+def _max_nan_wins(v):
+    """(v's NaN mask, whether v holds a NaN, v's max): torch's max rule over a block, a NaN wins (a max is
+    exact in any order)."""
+    nan = v != v
+    has_nan = tl.sum(nan.to(tl.int32), axis=0) > 0
+    return nan, has_nan, tl.where(has_nan, float("nan"), tl.max(tl.where(nan, float("-inf"), v), axis=0))
+
+
+@triton.jit
 def _chunk_max_kernel(x_ptr, top_ptr, V, stride_x, CHUNK: tl.constexpr):
     """Program (row, c): the max of chunk c of the row (NaN if it holds one, as torch's max)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    nans = tl.sum((x != x).to(tl.int32), axis=0)
-    tl.store(top_ptr + row * tl.num_programs(1) + chunk, tl.where(nans > 0, float("nan"), tl.max(x, axis=0)))
+    tl.store(top_ptr + row * tl.num_programs(1) + chunk, _max_nan_wins(x)[2])
 
 
 @triton.jit
@@ -92,8 +100,7 @@ def _weights_kernel(x_ptr, top_ptr, it_ptr, floor_ptr, e_ptr, m_ptr, V, stride_x
     chunk = tl.program_id(1)
     parts = tl.arange(0, CHUNKS_PAD)
     tops = tl.load(top_ptr + row * CHUNKS + parts, mask=parts < CHUNKS, other=float("-inf"))
-    nans = tl.sum((tops != tops).to(tl.int32), axis=0)
-    m = tl.where(nans > 0, float("nan"), tl.max(tops, axis=0))
+    m = _max_nan_wins(tops)[2]
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     ok = cols < V
     z = (tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32) - m) * tl.load(it_ptr + row)
@@ -189,12 +196,10 @@ def _chunk_first_max_kernel(x_ptr, top_ptr, at_ptr, V, stride_x, CHUNK: tl.const
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     ok = cols < V
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=float("-inf")).to(tl.float32)
-    nan = x != x
-    has_nan = tl.sum(nan.to(tl.int32), axis=0) > 0
-    top = tl.max(tl.where(nan, float("-inf"), x), axis=0)
+    nan, has_nan, top = _max_nan_wins(x)
     hit = tl.where(has_nan, nan, (x == top) & ok)
     item = row * tl.num_programs(1) + chunk
-    tl.store(top_ptr + item, tl.where(has_nan, float("nan"), top))
+    tl.store(top_ptr + item, top)
     tl.store(at_ptr + item, tl.min(tl.where(hit, cols, V), axis=0))
 
 
@@ -205,10 +210,8 @@ def _pick_first_max_kernel(top_ptr, at_ptr, out_ptr, CHUNKS, CHUNKS_PAD: tl.cons
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNKS_PAD)
     ok = c < CHUNKS
-    tops = tl.load(top_ptr + row * CHUNKS + c, mask=ok, other=float("-inf"))
-    nan = (tops != tops) & ok
-    has_nan = tl.sum(nan.to(tl.int32), axis=0) > 0
-    best = tl.max(tl.where(nan, float("-inf"), tops), axis=0)
+    tops = tl.load(top_ptr + row * CHUNKS + c, mask=ok, other=float("-inf"))  # padding: -inf, never a NaN
+    nan, has_nan, best = _max_nan_wins(tops)
     hit = tl.where(has_nan, nan, (tops == best) & ok)
     first = tl.min(tl.where(hit, c, CHUNKS_PAD), axis=0)
     tl.store(out_ptr + row, tl.load(at_ptr + row * CHUNKS + first).to(tl.int64))
