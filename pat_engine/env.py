@@ -71,8 +71,15 @@ DECODE_REDUCE = EnvSwitch("PAT_DECODE_REDUCE", "kernel",
                           "the same merge in the same order); kernel: the reduce kernel (the default until a GPU run "
                           "times the fused one ahead, bench/gpucheck/attention.py)")
 
+GEMM_PROLOGUE = EnvSwitch("PAT_GEMM_PROLOGUE", "off",
+                          "fused: where the skinny GEMM multiplies a step of at most 8 rows, the layer's RMSNorm (with "
+                          "its residual add) and SiLU-mul run in the GEMM's prologue instead of kernels of their own "
+                          "(pat_kernels/skinny_matmul.py: their values, not their launches; model/gpu_gemm.py); off: "
+                          "their own kernels (the default until a GPU run times the fused step ahead, "
+                          "bench/gpucheck/kernels.py)")
+
 SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, API_KEY, ENGINE_CACHE, TRITON_LAYERS, SKINNY_GEMM, TRITON_SAMPLER,
-            DECODE_REDUCE)
+            DECODE_REDUCE, GEMM_PROLOGUE)
 
 
 def cpu_gemm_packing() -> bool:
@@ -119,6 +126,11 @@ def fused_decode_reduce() -> bool:
     """Whether ``PAT_DECODE_REDUCE=fused`` asks the Triton decode attention to merge its splits in the split
     kernel itself."""
     return DECODE_REDUCE.says("fused")
+
+
+def gemm_prologue_fused() -> bool:
+    """Whether ``PAT_GEMM_PROLOGUE=fused`` asks the skinny GEMM to compute its input's norm or SiLU-mul."""
+    return GEMM_PROLOGUE.says("fused")
 
 
 def triton_sampler(device_type: str) -> bool:

@@ -5,8 +5,8 @@ value whose type changes, an unsupported op, a layout the target refuses) would 
 GPU. ``triton_sm90_compile.py`` compiles them all through Triton's own ``ptxas`` in a process of its own,
 and reports what the PTX holds, so the kernels' promises that live in the generated code are checked
 here: the kernels that round every operation on its own (norm, SiLU-mul, rotary, the sampler's weights)
-carry no fused multiply-add; the skinny GEMM's tl.dot path streams its weight through 16-byte
-asynchronous copies (a software pipeline); the sampler's Z walk loads its next step asynchronously
+carry no fused multiply-add, nor do the skinny GEMM's prologues that compute two of them; the skinny
+GEMM's tl.dot path streams its weight through 16-byte asynchronous copies (a software pipeline); the sampler's Z walk loads its next step asynchronously
 while its chain of adds runs.
 """
 
@@ -86,6 +86,16 @@ def test_kernels_that_round_each_operation_carry_no_fma(compiled):
     for r in compiled:
         if r["kernel"] in ROUND_EACH_OP:
             assert r["fma_f32"] == 0, r
+
+
+@pytest.mark.slow
+@needs_triton
+def test_the_skinny_gemms_prologues_round_each_operation_and_keep_the_pipeline(compiled):
+    """The norm and SiLU-mul computed in the GEMM's prologue carry no FMA, as their own kernels; with tl.dot the
+    weight still streams through 16-byte asynchronous copies."""
+    prologues = [r for r in compiled if r["kernel"] == "_skinny_matmul_kernel" and r["prologue"]]
+    assert len(prologues) == 4 and all(r["fma_f32"] == 0 for r in prologues), prologues
+    assert sum(r["cp_async_16"] > 0 for r in prologues) == 3  # the three tl.dot configs (one is the CUDA-core path)
 
 
 @pytest.mark.slow

@@ -160,8 +160,9 @@ def _executor(path: str, dtype: torch.dtype, attention: str, graphs: bool = Fals
     return ex
 
 
-def _greedy(ex: InferExecutor, new: int) -> list[list[int]]:
-    """Prefill every prompt, then decode them together ``new`` tokens."""
+def _greedy(ex: InferExecutor, new: int, logprobs: list | None = None) -> list[list[int]]:
+    """Prefill every prompt, then decode them together ``new`` tokens (each step's log-probs appended to
+    ``logprobs`` when given)."""
     tables = {i: list(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ)) for i in range(len(PROMPTS))}
     res = ex.execute(StepCommand(0, True, [SeqStep(i, list(p), 0, tables[i], sampling=GREEDY)
                                            for i, p in enumerate(PROMPTS)]))
@@ -169,6 +170,8 @@ def _greedy(ex: InferExecutor, new: int) -> list[list[int]]:
     for step in range(1, new):
         res = ex.execute(StepCommand(step, False, [SeqStep(i, [out[i][-1]], len(p) + step - 1)
                                                    for i, p in enumerate(PROMPTS)]))
+        if logprobs is not None:
+            logprobs.append(res.logprobs)
         for i, t in enumerate(res.tokens):
             out[i].append(t)
     ex.seqs.clear()
@@ -193,18 +196,11 @@ def test_model_with_triton_kernels_gives_the_default_paths_tokens(model_dir, mon
         assert _greedy(graphed, new) == got and graphed.graphs.stats.replays > 0
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # plain, QKV bias
-def test_model_with_the_skinny_gemm_gives_the_default_paths_tokens(model_dir, monkeypatch, arch):
-    """float32, greedy, ``PAT_SKINNY_GEMM=on``: decode steps (at most 16 rows) multiply through the skinny
-    Triton GEMM and give the default path's tokens, eagerly and with stand-in decode graphs."""
+def _launches(monkeypatch) -> list[str]:
+    """The names of the Triton kernels launched from now on (the interpreter's grid calls), in order."""
     from triton.runtime.interpreter import GridExecutor
 
-    path = model_dir(arch)
-    new = 4
-    want = _greedy(_executor(path, torch.float32, "torch"), new)
-    monkeypatch.setenv("PAT_SKINNY_GEMM", "on")
-    launched = []
+    launched: list[str] = []
     launch = GridExecutor.__call__
 
     def counted(self, *args, **kwargs):
@@ -212,12 +208,48 @@ def test_model_with_the_skinny_gemm_gives_the_default_paths_tokens(model_dir, mo
         return launch(self, *args, **kwargs)
 
     monkeypatch.setattr(GridExecutor, "__call__", counted)
+    return launched
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # plain, QKV bias
+def test_model_with_the_skinny_gemm_gives_the_default_paths_tokens(model_dir, monkeypatch, arch):
+    """float32, greedy, ``PAT_SKINNY_GEMM=on``: decode steps (at most 16 rows) multiply through the skinny
+    Triton GEMM and give the default path's tokens, eagerly and with stand-in decode graphs."""
+    path = model_dir(arch)
+    new = 4
+    want = _greedy(_executor(path, torch.float32, "torch"), new)
+    monkeypatch.setenv("PAT_SKINNY_GEMM", "on")
+    launched = _launches(monkeypatch)
     eager = _executor(path, torch.float32, "torch")
     assert eager.model.layers[0].mlp.down_proj.skinny_rows == 16 and eager.model.lm_head.skinny_rows == 16
     assert _greedy(eager, new) == want
     assert launched.count("_skinny_matmul_kernel") >= (new - 1) * (4 * eager.arch.num_layers + 1)
     if arch == "llama":
         assert _greedy(_executor(path, torch.float32, "torch", graphs=True), new) == want
+
+
+@pytest.mark.slow
+def test_norms_and_silu_in_the_gemms_prologue_keep_the_skinny_paths_bits(model_dir, monkeypatch):
+    """``PAT_GEMM_PROLOGUE=fused``: decode steps (6 rows, at most 8) compute every layer's norms and SiLU-mul
+    in the skinny GEMM's prologue, so none of their kernels launch, and give the unfused skinny path's tokens
+    and log-probs bit for bit (the interpreter sums a norm's row in one order both ways); the prefill (more
+    rows) runs them as before."""
+    path, dtype = model_dir("qwen2"), torch.bfloat16  # QKV bias: the prologue GEMM adds it too
+    new = 3
+    monkeypatch.setenv("PAT_TRITON_LAYERS", "on")
+    monkeypatch.setenv("PAT_SKINNY_GEMM", "on")
+    want_lp: list = []
+    want = _greedy(_executor(path, dtype, "triton"), new, want_lp)
+    monkeypatch.setenv("PAT_GEMM_PROLOGUE", "fused")
+    launched = _launches(monkeypatch)
+    fused = _executor(path, dtype, "triton")
+    assert fused.model.layers[0].mlp.down_proj.prologue_rows == 8
+    got_lp: list = []
+    assert _greedy(fused, new, got_lp) == want and got_lp == want_lp
+    layers = fused.arch.num_layers
+    assert launched.count("_rms_norm_kernel") == (2 * layers + 1) + (new - 1)  # the prefill's, then the final norm
+    assert launched.count("_silu_mul_kernel") == layers  # the prefill's only
 
 
 class _KernelCount(TorchDispatchMode):
@@ -323,8 +355,9 @@ def test_gpu_fused_unfused_graphs_and_eager_give_the_same_greedy_tokens(model_di
 @pytest.mark.gpu
 @gpu
 def test_gpu_skinny_gemm_gives_cublas_greedy_tokens_with_graphs_and_eagerly(model_dir, monkeypatch):
-    """float32 (IEEE in both: no TF32): decode steps through the skinny GEMM (``PAT_SKINNY_GEMM=on``), with
-    CUDA graphs and eagerly, give the greedy tokens of cuBLAS's GEMMs."""
+    """float32 (IEEE in both: no TF32): decode steps through the skinny GEMM (``PAT_SKINNY_GEMM=on``), then
+    with the norms and SiLU-mul in its prologue (``PAT_GEMM_PROLOGUE=fused``), with CUDA graphs and eagerly,
+    give the greedy tokens of cuBLAS's GEMMs."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # restored after the test
     path = model_dir("llama")
     new = min(MAX_NEW)
@@ -332,5 +365,10 @@ def test_gpu_skinny_gemm_gives_cublas_greedy_tokens_with_graphs_and_eagerly(mode
     monkeypatch.setenv("PAT_SKINNY_GEMM", "on")
     graphed = _executor(path, torch.float32, "triton", graphs=True)
     assert graphed.model.layers[0].self_attn.o_proj.skinny_rows == 16
+    assert _greedy(graphed, new) == cublas and graphed.graphs.stats.replays > 0
+    assert _greedy(_executor(path, torch.float32, "triton"), new) == cublas
+    monkeypatch.setenv("PAT_GEMM_PROLOGUE", "fused")  # the norms and SiLU-mul in the GEMMs' prologues too
+    graphed = _executor(path, torch.float32, "triton", graphs=True)
+    assert graphed.model.layers[0].mlp.down_proj.prologue_rows == 8
     assert _greedy(graphed, new) == cublas and graphed.graphs.stats.replays > 0
     assert _greedy(_executor(path, torch.float32, "triton"), new) == cublas

@@ -81,6 +81,13 @@ def kernel_calls() -> list:
         lambda: sk.skinny_matmul(randn(64, 4096), w, config=sk.config_for(4096, 4096, 132, 64)),
         lambda: sk.skinny_matmul(randn(1, 4096), w, config=sk.SkinnyConfig(dot=False)),
         lambda: sk.skinny_matmul(randn(8, 4096, dtype=f32), w.float()),
+        # the prologues: the norm (with the residual add) at one row both ways and at 8, SiLU-mul at one row
+        lambda: sk.skinny_norm_matmul(randn(1, 4096), randn(1, 4096), randn(4096), 1e-5, w,
+                                      config=sk.SkinnyConfig(block_n=16, split_k=4, dot=False)),
+        lambda: sk.skinny_norm_matmul(randn(1, 4096), randn(1, 4096), randn(4096), 1e-5, w,
+                                      config=sk.SkinnyConfig(block_n=64)),
+        lambda: sk.skinny_norm_matmul(randn(8, 4096), None, randn(4096), 1e-5, w, config=sk.SkinnyConfig(block_n=16)),
+        lambda: sk.skinny_silu_matmul(randn(1, 2 * 14336), randn(4096, 14336), config=sk.SkinnyConfig(block_n=16)),
         lambda: invariant_matmul.invariant_matmul(randn(4, 4096), w),
         lambda: invariant_matmul.invariant_matmul(randn(4, 4096), w, chunks=8),
     ]
@@ -122,6 +129,7 @@ def compile_share(share: int, shares: int) -> list[dict]:
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         ptx = kernel.asm["ptx"]
         out.append({"kernel": self.fn.__name__, "shared": kernel.metadata.shared,
+                    "prologue": bool(kwargs.get("NORM") or kwargs.get("SILU")),
                     "cp_async_16": ptx.count("cp.async.cg.shared.global"),
                     "cp_async_small": ptx.count("cp.async.ca.shared.global"), "fma_f32": ptx.count("fma.rn.f32"),
                     "ld_global": ptx.count("ld.global"), "atomics": ptx.count("atom."),

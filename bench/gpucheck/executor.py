@@ -56,24 +56,26 @@ def eager(ex: InferExecutor) -> Iterator[None]:
 
 @contextlib.contextmanager
 def step_variant(ex: InferExecutor, graphs: DecodeGraphs, skinny_rows: int | None = None,
-                 fuse_reduce: bool | None = None) -> Iterator[None]:
+                 fuse_reduce: bool | None = None, prologue_rows: int | None = None) -> Iterator[None]:
     """Steps inside run another way, replaying ``graphs`` (captured that way) in place of the executor's:
-    ``skinny_rows`` as ``PAT_SKINNY_GEMM=<rows>`` builds the layers (each fast-mode linear's set), and/or
+    ``skinny_rows`` as ``PAT_SKINNY_GEMM=<rows>`` builds the layers (each fast-mode linear's set),
+    ``prologue_rows`` as ``PAT_GEMM_PROLOGUE=fused`` does (the linears that take a deferred input), and/or
     ``fuse_reduce`` as ``PAT_DECODE_REDUCE=fused`` builds the Triton attention; restored after."""
-    layers = [m for m in ex.model.modules() if hasattr(m, "skinny_rows")] if skinny_rows is not None else []
-    before = [m.skinny_rows for m in layers]
+    settings = {"skinny_rows": skinny_rows, "prologue_rows": prologue_rows}
+    changed = [(m, name, getattr(m, name), value) for name, value in settings.items() if value is not None
+               for m in ex.model.modules() if hasattr(m, name)]
     reduce_was = getattr(ex.attention, "fuse_reduce", None)
     saved = ex.graphs
-    for m in layers:
-        m.skinny_rows = skinny_rows
+    for m, name, _, value in changed:
+        setattr(m, name, value)
     if fuse_reduce is not None:
         ex.attention.fuse_reduce = fuse_reduce
     ex.graphs = graphs
     try:
         yield
     finally:
-        for m, was in zip(layers, before):
-            m.skinny_rows = was
+        for m, name, was, _ in changed:
+            setattr(m, name, was)
         if fuse_reduce is not None:
             ex.attention.fuse_reduce = reduce_was
         ex.graphs = saved

@@ -29,6 +29,7 @@ from gpucheck.shared import Ctx, log, median, synchronize, verdict
 from gpucheck.step_phases import StepPhases, describe, step_phases
 from pat_engine import env
 from pat_engine.env import SKINNY_MOST_ROWS
+from pat_engine.model.gpu_gemm import PROLOGUE_MOST_ROWS
 from pat_engine.model.layers import triton_ops
 
 STEP, LAYER = "pat.step", "pat.layer"  # profiler ranges around a decode step and a decoder layer
@@ -42,11 +43,18 @@ class Variant:
     setting: str
     skinny_rows: int | None = None
     fuse_reduce: bool | None = None
+    prologue_rows: int | None = None
 
 
+SKINNY = f"PAT_SKINNY_GEMM={SKINNY_MOST_ROWS}"
+PROLOGUES = dict(skinny_rows=SKINNY_MOST_ROWS, prologue_rows=PROLOGUE_MOST_ROWS)
+# The skinny GEMMs take this device's tuned configs where the table has the shape (pat_kernels/skinny_tuned.json)
 VARIANTS = {"cuBLAS GEMMs": Variant("PAT_SKINNY_GEMM=off", skinny_rows=0),
-            "skinny GEMMs": Variant(f"PAT_SKINNY_GEMM={SKINNY_MOST_ROWS}", skinny_rows=SKINNY_MOST_ROWS),
-            "fused attention reduce": Variant("PAT_DECODE_REDUCE=fused", fuse_reduce=True)}
+            "skinny GEMMs": Variant(SKINNY, skinny_rows=SKINNY_MOST_ROWS),
+            "fused attention reduce": Variant("PAT_DECODE_REDUCE=fused", fuse_reduce=True),
+            "skinny GEMMs + prologues": Variant(f"{SKINNY} PAT_GEMM_PROLOGUE=fused", **PROLOGUES),
+            "all three": Variant(f"{SKINNY} PAT_GEMM_PROLOGUE=fused PAT_DECODE_REDUCE=fused", fuse_reduce=True,
+                                 **PROLOGUES)}
 
 KERNELS_PER_LAYER_GOAL = 12
 PIECES = ("GEMM", "attention", "norm", "rotary/KV write", "activation", "other")
@@ -224,7 +232,7 @@ def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
             continue
         graphs = executor.more_graphs(ex)  # its own captures, over its kernels
         modes[name] = variants[name] = (lambda g=graphs, v=v: executor.step_variant(
-            ex, g, skinny_rows=v.skinny_rows, fuse_reduce=v.fuse_reduce))
+            ex, g, skinny_rows=v.skinny_rows, fuse_reduce=v.fuse_reduce, prologue_rows=v.prologue_rows))
         with variants[name]():
             for _ in range(2):  # warm-up: its graph's capture, the kernels' compiles
                 seqs.decode()
@@ -261,9 +269,11 @@ def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
 
 
 def runs(v: Variant, ex, batch: int) -> bool:
-    """Whether a variant changes anything here: graphs on, and its GEMM rows serve this batch on a device Triton
-    takes, or its attention knob exists (the Triton backend)."""
+    """Whether a variant changes anything here: graphs on, and its GEMM rows (its prologue rows) serve this batch
+    on a device Triton takes, or its attention knob exists (the Triton backend)."""
     if not ex.graphs.enabled:
+        return False
+    if v.prologue_rows is not None and (batch > v.prologue_rows or not triton_ops.serves(ex.device, ex.dtype)):
         return False
     if v.skinny_rows is not None:
         return batch <= SKINNY_MOST_ROWS and env.triton_runs_on(ex.device.type)
@@ -302,10 +312,12 @@ def render(r: dict, cuda: bool) -> str:
     lines += [describe(r["phases"]), ""]
     if r["variants"]:
         lines += [f"The step other ways (each as its setting builds the executor, with its own graphs, interleaved "
-                  f"with the graphs and eager steps above, built with `PAT_SKINNY_GEMM={env.SKINNY_GEMM.value()}` "
-                  f"and `PAT_DECODE_REDUCE={env.DECODE_REDUCE.value()}`; the defaults, auto and kernel, send a "
-                  f"bfloat16 LM head on CUDA through the skinny GEMM, every layer's GEMM to cuBLAS and the "
-                  f"attention's splits to the reduce kernel): "
+                  f"with the graphs and eager steps above, built with `PAT_SKINNY_GEMM={env.SKINNY_GEMM.value()}`, "
+                  f"`PAT_DECODE_REDUCE={env.DECODE_REDUCE.value()}` and "
+                  f"`PAT_GEMM_PROLOGUE={env.GEMM_PROLOGUE.value()}`; the defaults, auto, kernel and off, send a "
+                  f"bfloat16 LM head on CUDA through the skinny GEMM, every layer's GEMM to cuBLAS, the "
+                  f"attention's splits to the reduce kernel and the norms and SiLU-mul to their own kernels; the "
+                  f"skinny GEMMs take the device's tuned configs where `pat_kernels/skinny_tuned.json` has them): "
                   + "; ".join(f"{name} (`{VARIANTS[name].setting}`) graphs **{v['ms']:.3f}** ms / step, its graph "
                               f"replayed alone {v['replay_ms']:.3f}" for name, v in r["variants"].items())
                   + f" (as built: {r['graphs_ms']:.3f} and {replay}).", ""]

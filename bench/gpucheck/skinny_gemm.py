@@ -59,24 +59,22 @@ def sweep_configs(quick: bool, smoke: bool) -> list:
             for s in (1, 2, 4, 8) for d in (True, False)]
 
 
-def label(cfg) -> str:
-    return f"{cfg.block_n}x{cfg.block_k}/{cfg.split_k}{'' if cfg.dot else ' fma'}"
-
-
 def gemm_case(p: Projection, rows: int, configs: list, sm: int, device: str, repeats: int, warmup: int) -> dict:
     """Seconds per call of cuBLAS, the rule's config and each config of the sweep (those with whole K steps
     in every split), one weight and input for all."""
-    from pat_kernels.skinny_matmul import config_for, row_tile, skinny_matmul
+    from pat_kernels.skinny_matmul import config_for, engine_config, row_tile, skinny_matmul
 
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(p.n + p.k + rows)
     w = (torch.randn(p.n, p.k, generator=gen, device=dev) * 0.02).to(torch.bfloat16)
     x = torch.randn(rows, p.k, generator=gen, device=dev).to(torch.bfloat16)
     rule = config_for(p.n, p.k, sm, row_tile(rows))
+    engine = engine_config(p.n, p.k, dev, rows)  # this device's tuned config, else the rule
     steps = -(-p.k // rule.block_k)
     kept = [c for c in configs if -(-p.k // c.block_k) >= c.split_k and c != rule and (c.dot or rows == 1)]
+    kept += [engine] if engine != rule and engine not in kept else []
     fns = {"cublas": lambda: F.linear(x, w), "rule": lambda: skinny_matmul(x, w, config=rule)}
-    fns.update({label(c): (lambda c=c: skinny_matmul(x, w, config=c)) for c in kept})
+    fns.update({c.label: (lambda c=c: skinny_matmul(x, w, config=c)) for c in kept})
     dropped = drop_unlaunchable(fns)
     ref = fns["cublas"]().float()
     scale = ref.abs().max().item() or 1.0
@@ -85,8 +83,9 @@ def gemm_case(p: Projection, rows: int, configs: list, sm: int, device: str, rep
     nbytes = p.n * p.k * 2 + rows * p.k * 2 + rows * p.n * 2
     best = min((n for n in fns if n != "cublas"), key=lambda n: times[n])
     return {"name": p.name, "n": p.n, "k": p.k, "rows": rows, "per_step": p.per_step, "bytes": nbytes,
-            "rule": label(rule), "rule_steps": steps, "cublas_s": times["cublas"], "rule_s": times["rule"],
-            "best": label(rule) if best == "rule" else best, "best_s": times[best],
+            "rule": rule.label, "rule_steps": steps, "cublas_s": times["cublas"], "rule_s": times["rule"],
+            "best": rule.label if best == "rule" else best, "best_s": times[best], "engine": engine.label,
+            "engine_s": times["rule" if engine == rule else engine.label],
             "gbps": {n: nbytes / t / 1e9 for n, t in times.items()}, "max_rel_diff": rel, "dropped": dropped}
 
 
@@ -113,13 +112,13 @@ def step_ms(cases: list[dict], rows: int, key: str) -> float:
 
 def engine_takes_skinny(c: dict) -> bool:
     """Whether a bf16 CUDA engine, as ``PAT_SKINNY_GEMM`` is set now, multiplies this case's projection at its
-    rows with the skinny GEMM (the rule's config) rather than cuBLAS."""
+    rows with the skinny GEMM (the engine's config: tuned, else the rule) rather than cuBLAS."""
     return c["rows"] <= gpu_gemm.skinny_rows("cuda", torch.bfloat16, lm_head=c["name"] == "LM head")
 
 
 def engine_step_ms(cases: list[dict], rows: int) -> float:
     """``step_ms`` with each projection multiplied as the engine's setting multiplies it."""
-    return sum((c["rule_s"] if engine_takes_skinny(c) else c["cublas_s"]) * c["per_step"]
+    return sum((c["engine_s"] if engine_takes_skinny(c) else c["cublas_s"]) * c["per_step"]
                for c in cases if c["rows"] == rows) * 1e3
 
 
@@ -144,10 +143,11 @@ def run(ctx: Ctx) -> PartResult:
                     + (f"; dropped (out of resources): {', '.join(c['dropped'])}" if c["dropped"] else ""))
         table = markdown_table(
             ["projection", "N x K", "rows", "cuBLAS us", "cuBLAS GB/s", "rule (rows x K step / splits)", "rule us",
-             "rule GB/s", "rule / cuBLAS time", "best config", "best us", "best GB/s", "max abs diff / max abs out"],
+             "rule GB/s", "rule / cuBLAS time", "best config", "best us", "best GB/s", "engine's config (tuned)",
+             "engine's us", "max abs diff / max abs out"],
             [[c["name"], f"{c['n']} x {c['k']}", c["rows"], c["cublas_s"] * 1e6, c["gbps"]["cublas"], c["rule"],
               c["rule_s"] * 1e6, c["gbps"]["rule"], c["rule_s"] / c["cublas_s"], c["best"], c["best_s"] * 1e6,
-              c["bytes"] / c["best_s"] / 1e9, c["max_rel_diff"]] for c in cases])
+              c["bytes"] / c["best_s"] / 1e9, c["engine"], c["engine_s"] * 1e6, c["max_rel_diff"]] for c in cases])
         per_step = [[rows, step_ms(cases, rows, "cublas_s"), step_ms(cases, rows, "rule_s"),
                      step_ms(cases, rows, "best_s"), engine_step_ms(cases, rows)] for rows in rows_list]
         setting = f"PAT_SKINNY_GEMM={SKINNY_GEMM.value()}"
@@ -160,8 +160,8 @@ def run(ctx: Ctx) -> PartResult:
                          f"saved)")
         sections += [f"### {model} (hidden {spec.hidden_size}, intermediate {spec.intermediate_size}, "
                      f"{spec.num_layers} layers, vocab {spec.vocab_size})", table, steps]
-        data[model] = [{k: c[k] for k in ("name", "rows", "cublas_s", "rule", "rule_s", "best", "best_s", "dropped")}
-                       for c in cases]
+        data[model] = [{k: c[k] for k in ("name", "n", "k", "rows", "cublas_s", "rule", "rule_s", "best", "best_s",
+                                          "engine", "engine_s", "dropped")} for c in cases]
         dropped = sorted({f"{c['name']} x{c['rows']}: {d}" for c in cases for d in c["dropped"]})
         if dropped:
             sections.append("Configs the device refused (out of shared memory or registers), left out of the sweep: "
@@ -174,7 +174,9 @@ def run(ctx: Ctx) -> PartResult:
         setup = (f"bf16, TP1 shapes, {sm} SMs, random weights (std 0.02) and inputs. Config `R x K / S`: R weight "
                  f"rows a program, K columns a step of its walk, S K splits (summed by a second kernel); `fma`: one "
                  f"row's multiply-adds on the CUDA cores instead of tl.dot (timed at one row only); the rule's "
-                 f"is what `PAT_SKINNY_GEMM` runs (`pat_kernels/skinny_matmul.config_for`). GB/s counts the "
+                 f"is `pat_kernels/skinny_matmul.config_for`; the engine's is the device's tuned config where "
+                 f"`pat_kernels/skinny_tuned.json` has the shape (`bench/skinny_tune.py` writes it from this part's "
+                 f"best configs), else the rule. GB/s counts the "
                  f"weight, the input and the output once. {repeats} calls of each after {warmup} warm-ups, "
                  f"interleaved, median. The per-step rows add each projection's time x the layers (the LM head "
                  f"once). Sweep: {len(configs)} configs (those with a whole K step in every split).")

@@ -6,7 +6,8 @@ last n (the order of ``MLP.gate_up_proj``); out (rows, n). Float32, bfloat16, fl
 Numerics: torch's ``F.silu(gate) * up`` operation by operation: ``g / (1 + exp(-g))`` in float32
 (IEEE division, the precise ``expf``), rounded to the model dtype, then times ``up`` and rounded.
 Elementwise: no value depends on another row. Under Triton's interpreter, which has no libdevice,
-``exp`` is numpy's.
+``exp`` is numpy's. ``silu_mul`` is a jit function the skinny GEMM's prologue calls too
+(``pat_kernels/skinny_matmul.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ BLOCK = 1024
 
 
 @triton.jit
+def silu_mul(gate, up, LIBDEVICE: tl.constexpr, RTNE: tl.constexpr):
+    """``F.silu(gate) * up`` elementwise, each step rounded to gate's dtype (module docstring)."""
+    g = gate.to(tl.float32)
+    silu = round_to(tl.math.div_rn(g, 1.0 + exact_exp(-g, LIBDEVICE)), gate.dtype, RTNE)
+    return round_to(silu.to(tl.float32) * up.to(tl.float32), gate.dtype, RTNE)
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n,
                      BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, RTNE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -29,10 +38,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n,
     ok = cols < n
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n + cols, mask=ok, other=0.0)
-    g = gate.to(tl.float32)
-    silu = round_to(tl.math.div_rn(g, 1.0 + exact_exp(-g, LIBDEVICE)), gate.dtype, RTNE)
-    tl.store(out_ptr + row * stride_o + cols, round_to(silu.to(tl.float32) * up.to(tl.float32), gate.dtype, RTNE),
-             mask=ok)
+    tl.store(out_ptr + row * stride_o + cols, silu_mul(gate, up, LIBDEVICE, RTNE), mask=ok)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ float32, ``mean(x * x)`` as the sum times ``1 / n`` (torch's mean), ``x * rsqrt(
 to the model dtype, then times the weight and rounded again. FMA contraction is off, so every
 product and sum rounds on its own. The sum's order is the kernel's tree (fixed by ``n`` alone), so a
 row's bits never depend on the other rows: batch-invariant. Only the order of that one float32 sum
-may differ from torch's own kernel.
+may differ from torch's own kernel. The three steps are jit functions (``residual_add``, ``inv_rms``,
+``scaled``) that the skinny GEMM's norm prologue calls too (``pat_kernels/skinny_matmul.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,26 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
+def residual_add(x, r, RTNE: tl.constexpr):
+    """The residual stream: ``x + residual`` rounded to the model dtype."""
+    return round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype, RTNE)
+
+
+@triton.jit
+def inv_rms(x, inv_n, eps):
+    """``rsqrt(mean(x * x) + eps)`` of one row (a 1-D block, zeros past its end), in float32."""
+    xf = x.to(tl.float32)
+    return tl.math.rsqrt(tl.sum(xf * xf, axis=0) * inv_n + eps)
+
+
+@triton.jit
+def scaled(x, inv, w, RTNE: tl.constexpr):
+    """``x * inv`` rounded to x's dtype, then times the norm's weight and rounded again."""
+    y = round_to(x.to(tl.float32) * inv, x.dtype, RTNE).to(tl.float32)
+    return round_to(y * w.to(tl.float32), x.dtype, RTNE)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
                      stride_x, stride_r, stride_o, stride_s,
                      n, eps, inv_n,
@@ -33,14 +54,10 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
     ok = cols < n
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     if ADD:
-        r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0)
-        x = round_to(x.to(tl.float32) + r.to(tl.float32), x.dtype, RTNE)  # the residual stream, as x + residual
+        x = residual_add(x, tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0), RTNE)
         tl.store(sum_ptr + row * stride_s + cols, x, mask=ok)
-    xf = x.to(tl.float32)
-    mean = tl.sum(xf * xf, axis=0) * inv_n
-    y = round_to(xf * tl.math.rsqrt(mean + eps), x.dtype, RTNE).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, round_to(y * w, x.dtype, RTNE), mask=ok)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, scaled(x, inv_rms(x, inv_n, eps), w, RTNE), mask=ok)
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float

@@ -33,6 +33,7 @@ from pat_engine.model.layers.attention import (
     paged_attention,
 )
 from pat_engine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pat_engine.model.layers.gemm_input import GatedInput, GemmInput, NormedInput
 from pat_engine.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pat_engine.model.layers.norm import RMSNorm
 from pat_engine.model.layers.rotary import RotaryEmbedding, apply_rotary
@@ -70,7 +71,7 @@ class Attention(nn.Module):
         self.scale = hd**-0.5
         self.triton = triton_ops.kernels_for(device, dtype)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
+    def forward(self, x: GemmInput, ctx: ForwardContext, layer: int) -> torch.Tensor:
         arch, hd = self.arch, self.arch.head_dim
         heads = arch.num_heads // ctx.tp.size
         kv_heads = arch.kv_heads_per_rank(ctx.tp.size)
@@ -103,12 +104,15 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, arch.hidden_size, 1, tp, dtype, device, row_chunks)
         self.triton = triton_ops.kernels_for(device, dtype)
 
-    def forward(self, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    def forward(self, x: GemmInput, tp: TPGroup) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (T, 2 * inter / tp)
-        if self.triton is not None:
-            return self.down_proj(self.triton.silu_and_mul(gate_up), tp)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, tp)
+        return self.down_proj(GatedInput(gate_up, self.triton.silu_and_mul if self.triton else silu_and_mul), tp)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``, the halves of the gate/up projection's output: torch's formula."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
@@ -123,13 +127,12 @@ class DecoderLayer(nn.Module):
                 layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to ``residual`` (None for the first
         layer, whose x is the embedding). Returns (this layer's output, the residual stream);
-        each add is fused with the norm that follows it."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.add_forward(x, residual)
-        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, ctx, layer), residual)
-        return self.mlp(h, ctx.tp), residual
+        each add is fused with the norm that follows it, and that with the GEMM after it where the GEMM
+        computes its input (layers/gemm_input.py)."""
+        h = NormedInput(x, residual, self.input_layernorm)
+        attn_out = self.self_attn(h, ctx, layer)
+        h = NormedInput(attn_out, h.summed, self.post_attention_layernorm)
+        return self.mlp(h, ctx.tp), h.summed
 
 
 class CausalLM(nn.Module):

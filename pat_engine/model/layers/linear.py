@@ -14,19 +14,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from pat_engine.model import chunk_weights, cpu_gemm, gpu_gemm
+from pat_engine.model.layers import triton_ops
+from pat_engine.model.layers.gemm_input import GemmInput
 from pat_engine.parallel.shard_spec import Component, ShardSpec, column_bias, column_parallel, row_parallel
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.reduction_tree import ReductionTree
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           invariant: bool = False, skinny_rows: int = 0) -> torch.Tensor:
+def linear(x: GemmInput, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           invariant: bool = False, skinny_rows: int = 0, prologue_rows: int = 0) -> torch.Tensor:
     """``x @ weight.T (+ bias)``, the one GEMM entry of the layers. ``invariant`` (the invariant numerics
     mode): one reduction order per output element whatever the row count, the padding or the other
     rows (docs/numerics.md): on CUDA the fixed-tiling Triton GEMM (model/gpu_gemm.py), on the CPU
     oneDNN / torch with ``cpu_gemm.padded_rows``'s row floor. ``skinny_rows`` (a fast-mode layer's
     ``gpu_gemm.skinny_rows``): steps of 1 to that many rows go through the skinny Triton GEMM. CPU GEMMs
-    go through the weight's oneDNN pack when it has one (model/cpu_gemm.py)."""
+    go through the weight's oneDNN pack when it has one (model/cpu_gemm.py). ``x`` may be an input still to
+    compute (layers/gemm_input.py): steps of 1 to ``prologue_rows`` rows (``gpu_gemm.prologue_rows``) compute
+    it in the skinny GEMM's prologue, the others first compute it as the layer did."""
+    if not isinstance(x, torch.Tensor):
+        if 0 < x.rows <= min(prologue_rows, skinny_rows):
+            return x.matmul(weight, bias)
+        x = x.computed()
     if skinny_rows and x.dim() == 2 and 0 < x.shape[0] <= skinny_rows:
         return gpu_gemm.skinny_matmul(x, weight, bias)
     if x.device.type == "cpu" and x.dim() == 2:
@@ -54,9 +62,10 @@ class ColumnParallelLinear(nn.Module):
         self.bias = sharded_parameter(column_bias(*components), tp, dtype, device) if bias else None
         self.invariant = invariant  # the invariant numerics mode's GEMM (``linear``)
         self.skinny_rows = 0 if invariant else gpu_gemm.skinny_rows(device, dtype)  # few-row steps' GEMM
+        self.prologue_rows = gpu_gemm.prologue_rows(self.skinny_rows, triton_ops.serves(device, dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.invariant, self.skinny_rows)
+    def forward(self, x: GemmInput) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.invariant, self.skinny_rows, self.prologue_rows)
 
 
 class RowParallelLinear(nn.Module):
@@ -78,10 +87,13 @@ class RowParallelLinear(nn.Module):
         self.chunk_width = in_features // chunks if chunks else 0
         self.is_gemm_weight = chunks is None  # the invariant path multiplies its chunk pieces instead
         self.skinny_rows = 0 if chunks else gpu_gemm.skinny_rows(device, dtype)  # few-row steps' GEMM
+        self.prologue_rows = gpu_gemm.prologue_rows(self.skinny_rows, triton_ops.serves(device, dtype))
 
-    def forward(self, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    def forward(self, x: GemmInput, tp: TPGroup) -> torch.Tensor:
         if self.tree is None:
-            return tp.all_reduce(linear(x, self.weight, skinny_rows=self.skinny_rows))
+            return tp.all_reduce(linear(x, self.weight, skinny_rows=self.skinny_rows, prologue_rows=self.prologue_rows))
+        if not isinstance(x, torch.Tensor):
+            x = x.computed()
         first = tp.rank * self.tree.local_chunks(tp.size)
         node = chunk_weights.local_sum(x, self.weight, self.chunk_width, self.tree, first)  # (M, out)
         return self.tree.reduce(node, tp).to(x.dtype)
