@@ -13,10 +13,10 @@ On a lent machine (``run`` tool), write where the files come back, then copy the
 A session's 15 device minutes (start-up included) hold two such calls (the fourth H100 run took 686 s for
 three). What is still unmeasured first: the CUDA defaults set since the fourth run (async scheduling, the
 Triton sampler and its greedy first maximum, the LM head through the skinny GEMM) in the decode rows and
-under the gpu tests, a batch-1 step's attention at short contexts with and without the fused reduce (the
-attention part's latency table and the kernels part's variants, for the 6.0 ms goal), then the controller
-with them (its table now splits the predictor's error into bias and the steps' own noise, and keeps every
-step):
+under the gpu tests, a batch-1 step's attention at short contexts with and without the fused reduce, the
+skinny GEMMs with their tuned configs and with the norms and SiLU-mul in their prologues (the attention
+part's latency table and the kernels part's variants, for the 6.0 ms goal), then the controller with them
+(its table now splits the predictor's error into bias and the steps' own noise, and keeps every step):
 
     python bench/gpu_check.py --quick --only attention sampler kernels decode tests --budget-s 330 --output "$OUT/gpu_check.md"
     python bench/gpu_check.py --only controller invariant graphs --budget-s 330 --output "$OUT/gpu_check.md"
@@ -28,10 +28,10 @@ H100 are in ``registry.py``; the parts table prints them beside what they took, 
 | part | measures |
 |---|---|
 | attention | decode attention GB/s vs SDPA at 6 shapes, the split sweep; batch-1 latency at 64-2K tokens (the rule as graphs run it, each split with the reduce kernel and fused); fused layer kernels vs torch |
-| gemm | decode GEMMs at 1, 8, 64 rows: cuBLAS vs the skinny Triton GEMM (its rule and a config sweep), a step's GEMM ms |
+| gemm | decode GEMMs at 1, 8, 64 rows: cuBLAS vs the skinny Triton GEMM (its rule, the engine's tuned config and a config sweep), a step's GEMM ms; `bench/skinny_tune.py` files its bests as the tuned table |
 | sampler | the RL draw (temperature 1, log-probs; top_p 0.9) at 1 and 64 rows: the torch twin vs the Triton kernels (weights, Z, draw, nucleus); greedy beside |
 | (checkpoint) | the 16 GB random checkpoint, written once per ``--workdir``, before the parts using it |
-| kernels | kernels per step and per layer, GPU ms by piece, batch 1 and 64, graphs vs eager, the step as built vs cuBLAS everywhere, the skinny GEMM everywhere and the fused attention reduce; a graphs step's host phases beside its GPU busy time |
+| kernels | kernels per step and per layer, GPU ms by piece, batch 1 and 64, graphs vs eager, the step as built vs cuBLAS everywhere, the skinny GEMM everywhere (tuned configs), with the GEMM prologues (batch 1), the fused attention reduce, and all three; a graphs step's host phases beside its GPU busy time |
 | prefill | 64 x 512 and 8 x 4K prefill: tokens/s, model FLOP/s vs an 8192^3 bf16 GEMM |
 | decode | Engine decode ms / token vs roofline and floor: batch 1/16/64, 64 x 512, 64 x 2K, async off/on; 64 x 512 sampled (RL) |
 | profile | pat-profile --emulate-world 8, graphs on, median step; predictor error at TP1 |

@@ -41,7 +41,7 @@ PARTS: tuple[Part, ...] = (
     Part("sampler", "The RL draw: temperature 1 with log-probs, the torch twin beside the Triton kernels", "sampler",
          15, 45, 75, 240, needs_checkpoint=False),
     Part("kernels", "Kernels per decode step (torch.profiler, Llama-3-8B shape, bf16)", "kernels",
-         35, 50, 180, 400),  # 28 s on the fourth run, with the skinny GEMM's mode and a graphs-step profile
+         45, 60, 180, 400),  # 28 s on the fourth run with one variant; five now (two at batch 1 only)
     Part("prefill", "Packed varlen prefill vs the measured bf16 GEMM throughput", "prefill", 25, 40, 150, 300),
     Part("decode", "TP1 decode vs the HBM roofline and the streamed-bytes floor", "decode", 60, 200, 200, 560),
     Part("profile", "pat-profile --emulate-world 8 (graphs on, median step)", "emulated_profile", 40, 40, 150, 480),
