@@ -45,8 +45,9 @@ PARTS: tuple[Part, ...] = (
     Part("prefill", "Packed varlen prefill vs the measured bf16 GEMM throughput", "prefill", 25, 40, 150, 300),
     Part("decode", "TP1 decode vs the HBM roofline and the streamed-bytes floor", "decode", 60, 200, 200, 560),
     Part("profile", "pat-profile --emulate-world 8 (graphs on, median step)", "emulated_profile", 40, 40, 150, 480),
+    # controller: 136 s on the fourth run, 64 of them its pat-profile's one pass over the grid; two passes now
     Part("controller", "The controller on ranks sharing the GPU: the predictor's step error, its choices",
-         "switch_controller", None, 140, 300, 300, needs_checkpoint=False),  # 136 s on the fourth run
+         "switch_controller", None, 200, 360, 360, needs_checkpoint=False),
     Part("switch", "The live switch on one GPU, ranks sharing it: phases, collectives", "switch",
          45, 120, 150, 560, needs_checkpoint=False),  # its own 2.5 GB checkpoint (1B shape); 114 s in full
     Part("graphs", "CUDA graph capture and recapture", "graphs", None, 25, 120, 300),
