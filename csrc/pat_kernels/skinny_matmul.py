@@ -387,8 +387,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), dest.stride(0) if partial else 0,
         dest.stride(1) if partial else dest.stride(0), residual.stride(0), summed.stride(0),
         HAS_BIAS=bias is not None, PARTIAL=partial, DOT=cfg.dot, BLOCK_M=row_tile(M),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PLAIN=prologue is None, ONE_ROW=prologue is not None and M == 1, NORM=norm,
-        ADD=p.residual is not None, SILU=p.silu, ROW_BLOCK=triton.next_power_of_2(K) if norm else 16,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PLAIN=prologue is None, ONE_ROW=prologue is not None and M == 1,
+        NORM=norm, ADD=p.residual is not None, SILU=p.silu, ROW_BLOCK=triton.next_power_of_2(K) if norm else 16,
         LIBDEVICE=not INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         # a prologue rounds each operation on its own, as the layer kernels it replaces do (no FMA)
         enable_fp_fusion=prologue is None, **flags,

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pat_engine.model import gpu_gemm
+
+if TYPE_CHECKING:  # norm.py's layer; imported for the annotation only
+    from pat_engine.model.layers.norm import RMSNorm
 
 
 @dataclass
@@ -23,7 +27,7 @@ class NormedInput:
 
     x: torch.Tensor
     residual: torch.Tensor | None
-    norm: torch.nn.Module  # layers/norm.RMSNorm: its weight, eps and kernels
+    norm: RMSNorm  # its weight and eps, and its kernels where no prologue computes it
     summed: torch.Tensor | None = None
 
     @property
