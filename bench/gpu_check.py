@@ -15,10 +15,12 @@ three). What is still unmeasured first: the CUDA defaults set since the fourth r
 Triton sampler and its greedy first maximum, the LM head through the skinny GEMM) in the decode rows and
 under the gpu tests, a batch-1 step's attention at short contexts with and without the fused reduce, the
 skinny GEMMs with their tuned configs and with the norms and SiLU-mul in their prologues (the attention
-part's latency table and the kernels part's variants, for the 6.0 ms goal), then the controller with them
-(its table now splits the predictor's error into bias and the steps' own noise, and keeps every step):
+part's latency table, the kernels part's variants, and the decode part's batch-1 row on an engine built
+with all three, for the 6.0 ms goal), then the controller with them (its table now splits the predictor's
+error into bias and the steps' own noise, and keeps every step; two passes over its grid). Timeouts of
+about 460 and 420 s; the machine stays warm between back-to-back calls:
 
-    python bench/gpu_check.py --quick --only attention sampler kernels decode tests --budget-s 330 --output "$OUT/gpu_check.md"
+    python bench/gpu_check.py --quick --only attention sampler kernels decode tests --budget-s 380 --output "$OUT/gpu_check.md"
     python bench/gpu_check.py --only controller invariant graphs --budget-s 330 --output "$OUT/gpu_check.md"
 
 Parts (``--only`` names; each a section of ``bench/results/gpu_check.md`` with its command, machine, date
@@ -33,7 +35,7 @@ H100 are in ``registry.py``; the parts table prints them beside what they took, 
 | (checkpoint) | the 16 GB random checkpoint, written once per ``--workdir``, before the parts using it |
 | kernels | kernels per step and per layer, GPU ms by piece, batch 1 and 64, graphs vs eager, the step as built vs cuBLAS everywhere, the skinny GEMM everywhere (tuned configs), with the GEMM prologues (batch 1), the fused attention reduce, and all three; a graphs step's host phases beside its GPU busy time |
 | prefill | 64 x 512 and 8 x 4K prefill: tokens/s, model FLOP/s vs an 8192^3 bf16 GEMM |
-| decode | Engine decode ms / token vs roofline and floor: batch 1/16/64, 64 x 512, 64 x 2K, async off/on; 64 x 512 sampled (RL) |
+| decode | Engine decode ms / token vs roofline and floor: batch 1/16/64, 64 x 512, 64 x 2K, async off/on; 64 x 512 sampled (RL); batch 1 on an engine built with the candidate settings (skinny GEMMs, prologues, fused reduce) |
 | profile | pat-profile --emulate-world 8, graphs on, median step; predictor error at TP1 |
 | controller | the controller on a co-located long-tail rollout (the switch part's 1B shape, 2 ranks), driven by a pat-profile table measured on those ranks: the predictor's step error (goal <= 5%) with its bias and the steps' own noise, its choices against its table |
 | switch | the live switch with 2 (full: and 4) ranks sharing the GPU, 1B shape: each phase in s and bytes, the graphs share, host-staged collectives, CUDA memory; full: capture warm-ups |

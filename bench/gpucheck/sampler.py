@@ -18,29 +18,21 @@ median.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 
 from common import markdown_table
 from gpucheck.report import PartResult
-from gpucheck.shared import Ctx, log, median, time_interleaved, verdict
+from gpucheck.shared import Ctx, env_switches, log, median, time_interleaved, verdict
 from pat_engine.env import TRITON_SAMPLER
 
 
 def with_switch(on: bool, fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` run with ``PAT_TRITON_SAMPLER`` on or off (read on every call), the variable restored after."""
     def run():
-        before = os.environ.get(TRITON_SAMPLER.name)
-        os.environ[TRITON_SAMPLER.name] = "on" if on else "off"
-        try:
+        with env_switches({TRITON_SAMPLER.name: "on" if on else "off"}):
             return fn()
-        finally:
-            if before is None:
-                os.environ.pop(TRITON_SAMPLER.name, None)
-            else:
-                os.environ[TRITON_SAMPLER.name] = before
     return run
 
 

@@ -4,9 +4,12 @@ context (mode, device, checkpoint) and the engine they start. One home, so no pa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import os
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -147,6 +150,22 @@ def free_device_memory() -> None:
 
 
 _START = time.perf_counter()
+
+
+@contextlib.contextmanager
+def env_switches(values: dict[str, str]) -> Iterator[None]:
+    """The ``PAT_*`` switches (pat_engine/env.py) set to ``values`` inside, each restored after (unset where
+    it was unset)."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def log(msg: str) -> None:
