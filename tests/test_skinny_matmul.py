@@ -274,9 +274,9 @@ def test_layers_compute_a_deferred_input_in_the_prologue_only_for_the_rows_asked
         first = NormedInput(x, None, norm)  # the first layer: no residual yet
         assert torch.equal(linear(first, w, skinny_rows=16, prologue_rows=8), F.linear(norm(x), w))
         assert torch.equal(first.summed, x)
-        gate_up = torch.randn(rows, 12)
-        got = linear(GatedInput(gate_up, silu_and_mul), torch.randn(5, 6), skinny_rows=4, prologue_rows=8)
-        assert got.shape == (rows, 5)
+        gate_up, w_down = torch.randn(rows, 12), torch.randn(5, 6)
+        got = linear(GatedInput(gate_up, silu_and_mul), w_down, skinny_rows=4, prologue_rows=8)
+        assert torch.equal(got, F.linear(silu_and_mul(gate_up), w_down))
     assert fused == [("norm", 1), ("norm", 1), ("silu", 1), ("norm", 8), ("norm", 8)]
 
 
