@@ -16,7 +16,8 @@ Triton sampler and its greedy first maximum, the LM head through the skinny GEMM
 under the gpu tests, a batch-1 step's attention at short contexts with and without the fused reduce, the
 skinny GEMMs with their tuned configs and with the norms and SiLU-mul in their prologues (the attention
 part's latency table, the kernels part's variants, and the decode part's batch-1 row on an engine built
-with all three, for the 6.0 ms goal), then the controller with them (its table now splits the predictor's
+with all three, for the 6.0 ms goal), programmatic dependent launch (``PAT_PDL``: the kernels part's two
+PDL variants), then the controller with them (its table now splits the predictor's
 error into bias and the steps' own noise, and keeps every step; two passes over its grid). Timeouts of
 about 460 and 420 s; the machine stays warm between back-to-back calls:
 
@@ -33,7 +34,7 @@ H100 are in ``registry.py``; the parts table prints them beside what they took, 
 | gemm | decode GEMMs at 1, 8, 64 rows: cuBLAS vs the skinny Triton GEMM (its rule, the engine's tuned config and a config sweep), a step's GEMM ms; `bench/skinny_tune.py` files its bests as the tuned table |
 | sampler | the RL draw (temperature 1, log-probs; top_p 0.9) at 1 and 64 rows: the torch twin vs the Triton kernels (weights, Z, draw, nucleus); greedy beside |
 | (checkpoint) | the 16 GB random checkpoint, written once per ``--workdir``, before the parts using it |
-| kernels | kernels per step and per layer, GPU ms by piece, batch 1 and 64, graphs vs eager, the step as built vs cuBLAS everywhere, the skinny GEMM everywhere (tuned configs), with the GEMM prologues (batch 1), the fused attention reduce, and all three; a graphs step's host phases beside its GPU busy time |
+| kernels | kernels per step and per layer, GPU ms by piece, batch 1 and 64, graphs vs eager, the step as built vs cuBLAS everywhere, the skinny GEMM everywhere (tuned configs), with the GEMM prologues (batch 1), the fused attention reduce, all three, and PDL with the defaults and with all three (sm_90); a graphs step's host phases beside its GPU busy time |
 | prefill | 64 x 512 and 8 x 4K prefill: tokens/s, model FLOP/s vs an 8192^3 bf16 GEMM |
 | decode | Engine decode ms / token vs roofline and floor: batch 1/16/64, 64 x 512, 64 x 2K, async off/on; 64 x 512 sampled (RL); batch 1 on an engine built with the candidate settings (skinny GEMMs, prologues, fused reduce) |
 | profile | pat-profile --emulate-world 8, graphs on, median step; predictor error at TP1 |

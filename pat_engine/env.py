@@ -78,8 +78,15 @@ GEMM_PROLOGUE = EnvSwitch("PAT_GEMM_PROLOGUE", "off",
                           "their own kernels (the default until a GPU run times the fused step ahead, "
                           "bench/gpucheck/kernels.py)")
 
+PDL = EnvSwitch("PAT_PDL", "off",
+                "on: the Triton kernels of a step (the skinny GEMM, the layer kernels, the decode attention) launch "
+                "with programmatic dependent launch on sm_90+ GPUs: each kernel's programs are placed while the one "
+                "before finishes, a GEMM's first weight steps asked of L2 meanwhile (pat_kernels/dependent_launch.py: "
+                "where kernels start, not what they compute); off: plain launches (the default until a GPU run times "
+                "the step ahead, bench/gpucheck/kernels.py)")
+
 SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, API_KEY, ENGINE_CACHE, TRITON_LAYERS, SKINNY_GEMM, TRITON_SAMPLER,
-            DECODE_REDUCE, GEMM_PROLOGUE)
+            DECODE_REDUCE, GEMM_PROLOGUE, PDL)
 
 
 def cpu_gemm_packing() -> bool:
@@ -131,6 +138,12 @@ def fused_decode_reduce() -> bool:
 def gemm_prologue_fused() -> bool:
     """Whether ``PAT_GEMM_PROLOGUE=fused`` asks the skinny GEMM to compute its input's norm or SiLU-mul."""
     return GEMM_PROLOGUE.says("fused")
+
+
+def programmatic_launch(device_type: str) -> bool:
+    """Whether ``PAT_PDL=on`` asks a model on this device type to launch its Triton kernels with PDL (CUDA only;
+    the kernels package decides whether the device and Triton can)."""
+    return PDL.says("on") and device_type == "cuda" and triton_runs_on(device_type)
 
 
 def triton_sampler(device_type: str) -> bool:

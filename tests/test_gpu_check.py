@@ -475,6 +475,10 @@ def test_the_kernels_part_plans_room_for_every_decode_it_runs(tmp_path, monkeypa
     skipped = len(kernels.VARIANTS) - len(ran)  # here: the fused reduce (the CPU's attention is torch's)
     assert len(decodes) == p.steps - skipped * (2 + p.rounds * p.block)
     assert r["phases"].wall_ms > 0 and set(r["phases"].phase_ms) == set(step_phases.PHASES)
+    assert "PDL" not in ran  # the CPU never launches with it; on an sm_90 GPU the variant asks the executor:
+    with executor.step_variant(ex, ex.graphs, pdl=True):
+        assert ex.pdl
+    assert not ex.pdl
 
 
 @pytest.mark.slow

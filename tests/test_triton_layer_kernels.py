@@ -374,3 +374,24 @@ def test_gpu_skinny_gemm_gives_cublas_greedy_tokens_with_graphs_and_eagerly(mode
     assert graphed.model.layers[0].mlp.down_proj.prologue_rows == 8
     assert _greedy(graphed, new) == cublas and graphed.graphs.stats.replays > 0
     assert _greedy(_executor(path, torch.float32, "triton"), new) == cublas
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_pdl_changes_no_bit_of_the_step(model_dir, monkeypatch):
+    """``PAT_PDL=on`` moves where each kernel of a step starts, never what it computes: bfloat16 decode steps
+    with every GEMM through the skinny GEMM, its prologues and the fused attention reduce, with CUDA graphs and
+    eagerly, give the tokens and log-probs of the same engine launched plainly, bit for bit. (On a device
+    without PDL, pre-sm_90 or an older Triton, both launch plainly and the test says nothing more.)"""
+    for name, value in (("PAT_SKINNY_GEMM", "on"), ("PAT_GEMM_PROLOGUE", "fused"), ("PAT_DECODE_REDUCE", "fused")):
+        monkeypatch.setenv(name, value)
+    path = model_dir("llama")
+    new = min(MAX_NEW)
+    plain_logprobs: list = []
+    plain = _greedy(_executor(path, torch.bfloat16, "triton", graphs=True), new, plain_logprobs)
+    monkeypatch.setenv("PAT_PDL", "on")
+    for graphs in (True, False):
+        ex, logprobs = _executor(path, torch.bfloat16, "triton", graphs=graphs), []
+        assert ex.pdl
+        assert _greedy(ex, new, logprobs) == plain and logprobs == plain_logprobs
+        assert not graphs or ex.graphs.stats.replays > 0

@@ -117,7 +117,40 @@ def kernel_calls() -> list:
         triton_sampler.first_reaching(e.float(), torch.full((4,), 0.9, dtype=torch.float64), z)
         triton_sampler.first_max(randn(4, 128256))
 
-    return calls + [sampler]
+    return calls + [sampler] + [lambda c=c: with_pdl(c) for c in pdl_calls(randn, w, kv, tables, lens, cos)]
+
+
+def pdl_calls(randn, w, kv, tables, lens, cos) -> list:
+    """The decode step's kernels again, launched with programmatic dependent launch (``PAT_PDL=on``): the
+    skinny GEMM split (with its reduce) and on the CUDA cores with the norm prologue, the layer kernels, the
+    decode attention with its reduce kernel and with the reduce fused."""
+    from pat_kernels import paged_decode_attention, skinny_matmul as sk, triton_activation, triton_norm, triton_rotary
+
+    return [
+        lambda: sk.skinny_matmul(randn(1, 4096), w, config=sk.SkinnyConfig(split_k=4)),
+        lambda: sk.skinny_norm_matmul(randn(1, 4096), randn(1, 4096), randn(4096), 1e-5, w,
+                                      config=sk.SkinnyConfig(block_n=16, dot=False)),
+        lambda: triton_norm.add_rms_norm(randn(4, 4096), randn(4, 4096), randn(4096), 1e-5),
+        lambda: triton_activation.silu_and_mul(randn(4, 2 * 14336)),
+        lambda: triton_rotary.rotary_kv_write(randn(4, 48 * 128), 32, 8, torch.arange(4), cos, cos, kv,
+                                              torch.arange(4)),
+        *[lambda fused=fused: paged_decode_attention.paged_decode_attention(
+            randn(4, 32, 128), kv[0], kv[1], tables, lens, 0.088, num_splits=4, fuse_reduce=fused)
+          for fused in (False, True)],
+    ]
+
+
+def with_pdl(call) -> None:
+    """``call`` inside ``programmatic_launch``, the device taken as one that launches with PDL (an H100's)."""
+    from pat_kernels import dependent_launch
+
+    supports = dependent_launch.device_supports
+    dependent_launch.device_supports = lambda device: True
+    try:
+        with dependent_launch.programmatic_launch(True):
+            call()
+    finally:
+        dependent_launch.device_supports = supports
 
 
 def compile_share(share: int, shares: int) -> list[dict]:
@@ -129,7 +162,12 @@ def compile_share(share: int, shares: int) -> list[dict]:
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         ptx = kernel.asm["ptx"]
         out.append({"kernel": self.fn.__name__, "shared": kernel.metadata.shared,
-                    "prologue": bool(kwargs.get("NORM") or kwargs.get("SILU")),
+                    "prologue": bool(kwargs.get("NORM") or kwargs.get("SILU")), "partial": bool(kwargs.get("PARTIAL")),
+                    "pdl": bool(kwargs.get("PDL")),
+                    "launch_pdl": bool(getattr(kernel.metadata, "launch_pdl", False)),
+                    "gdc_wait": ptx.count("griddepcontrol.wait"),
+                    "gdc_launch": ptx.count("griddepcontrol.launch_dependents"),
+                    "prefetch_l2": ptx.count("prefetch.global.L2"),
                     "cp_async_16": ptx.count("cp.async.cg.shared.global"),
                     "cp_async_small": ptx.count("cp.async.ca.shared.global"), "fma_f32": ptx.count("fma.rn.f32"),
                     "ld_global": ptx.count("ld.global"), "atomics": ptx.count("atom."),

@@ -56,20 +56,24 @@ def eager(ex: InferExecutor) -> Iterator[None]:
 
 @contextlib.contextmanager
 def step_variant(ex: InferExecutor, graphs: DecodeGraphs, skinny_rows: int | None = None,
-                 fuse_reduce: bool | None = None, prologue_rows: int | None = None) -> Iterator[None]:
+                 fuse_reduce: bool | None = None, prologue_rows: int | None = None,
+                 pdl: bool | None = None) -> Iterator[None]:
     """Steps inside run another way, replaying ``graphs`` (captured that way) in place of the executor's:
     ``skinny_rows`` as ``PAT_SKINNY_GEMM=<rows>`` builds the layers (each fast-mode linear's set),
-    ``prologue_rows`` as ``PAT_GEMM_PROLOGUE=fused`` does (the linears that take a deferred input), and/or
-    ``fuse_reduce`` as ``PAT_DECODE_REDUCE=fused`` builds the Triton attention; restored after."""
+    ``prologue_rows`` as ``PAT_GEMM_PROLOGUE=fused`` does (the linears that take a deferred input),
+    ``fuse_reduce`` as ``PAT_DECODE_REDUCE=fused`` builds the Triton attention, and/or ``pdl`` as
+    ``PAT_PDL=on`` builds the executor; restored after."""
     settings = {"skinny_rows": skinny_rows, "prologue_rows": prologue_rows}
     changed = [(m, name, getattr(m, name), value) for name, value in settings.items() if value is not None
                for m in ex.model.modules() if hasattr(m, name)]
     reduce_was = getattr(ex.attention, "fuse_reduce", None)
-    saved = ex.graphs
+    saved, pdl_was = ex.graphs, ex.pdl
     for m, name, _, value in changed:
         setattr(m, name, value)
     if fuse_reduce is not None:
         ex.attention.fuse_reduce = fuse_reduce
+    if pdl is not None:
+        ex.pdl = pdl
     ex.graphs = graphs
     try:
         yield
@@ -78,7 +82,16 @@ def step_variant(ex: InferExecutor, graphs: DecodeGraphs, skinny_rows: int | Non
             setattr(m, name, was)
         if fuse_reduce is not None:
             ex.attention.fuse_reduce = reduce_was
-        ex.graphs = saved
+        ex.graphs, ex.pdl = saved, pdl_was
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with PDL when asked (an sm_90+ GPU, a Triton that can)."""
+    if device.type != "cuda":
+        return False
+    from pat_kernels.dependent_launch import device_supports
+
+    return device_supports(device)
 
 
 def more_graphs(ex: InferExecutor) -> DecodeGraphs:

@@ -3,7 +3,7 @@
 One pytest process per file, so a file's failures are reported (pytest prints them when its run ends)
 before a slow file later on meets the time limit; each file's whole output is kept in the part's log
 folder. The co-located switch tests go last: they are the slowest. ``--quick`` runs a few selections
-only (``QUICK``): issue 30's tokens-unchanged tests (the fused layer kernels, the skinny GEMM), the gpu
+only (``QUICK``): issue 30's tokens-unchanged tests (the fused layer kernels, the skinny GEMM, PDL), the gpu
 tests of the kernels no GPU has run yet (the skinny GEMM's, the sampler's, the decode attention's fused
 reduce), and the float32 co-located
 switch, which failed on the second H100 run with its message lost (``--quick``'s decode part checks
@@ -49,7 +49,7 @@ def outcomes_so_far(verbose_output: str) -> str:
     return done + (f"; last started: {started[-1]}" if started else "")
 
 
-QUICK = (("tests/test_triton_layer_kernels.py", "fused_unfused_graphs or skinny"),  # (file, pytest -k): ~150 s
+QUICK = (("tests/test_triton_layer_kernels.py", "fused_unfused_graphs or skinny or pdl"),  # (file, pytest -k): ~160 s
          ("tests/test_skinny_matmul.py", None), ("tests/test_triton_sampler.py", None),  # not run on a GPU yet
          ("tests/test_triton_kernel.py", None),  # the decode kernel's fused reduce: not run on a GPU yet
          ("tests/test_invariant_numerics.py", "row_alones"),  # the invariant mode's draws through them: not run yet

@@ -44,6 +44,7 @@ class Variant:
     skinny_rows: int | None = None
     fuse_reduce: bool | None = None
     prologue_rows: int | None = None
+    pdl: bool | None = None
 
 
 SKINNY = f"PAT_SKINNY_GEMM={SKINNY_MOST_ROWS}"
@@ -54,7 +55,12 @@ VARIANTS = {"cuBLAS GEMMs": Variant("PAT_SKINNY_GEMM=off", skinny_rows=0),
             "fused attention reduce": Variant("PAT_DECODE_REDUCE=fused", fuse_reduce=True),
             "skinny GEMMs + prologues": Variant(f"{SKINNY} PAT_GEMM_PROLOGUE=fused", **PROLOGUES),
             "all three": Variant(f"{SKINNY} PAT_GEMM_PROLOGUE=fused PAT_DECODE_REDUCE=fused", fuse_reduce=True,
-                                 **PROLOGUES)}
+                                 **PROLOGUES),
+            # programmatic dependent launch: with the defaults (the Triton layer kernels, attention and LM head),
+            # and with every GEMM of the step a Triton kernel too, where each boundary can overlap
+            "PDL": Variant("PAT_PDL=on", pdl=True),
+            "all three + PDL": Variant(f"{SKINNY} PAT_GEMM_PROLOGUE=fused PAT_DECODE_REDUCE=fused PAT_PDL=on",
+                                       fuse_reduce=True, pdl=True, **PROLOGUES)}
 
 KERNELS_PER_LAYER_GOAL = 12
 PIECES = ("GEMM", "attention", "norm", "rotary/KV write", "activation", "other")
@@ -232,7 +238,8 @@ def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
             continue
         graphs = executor.more_graphs(ex)  # its own captures, over its kernels
         modes[name] = variants[name] = (lambda g=graphs, v=v: executor.step_variant(
-            ex, g, skinny_rows=v.skinny_rows, fuse_reduce=v.fuse_reduce, prologue_rows=v.prologue_rows))
+            ex, g, skinny_rows=v.skinny_rows, fuse_reduce=v.fuse_reduce, prologue_rows=v.prologue_rows,
+            pdl=v.pdl))
         with variants[name]():
             for _ in range(2):  # warm-up: its graph's capture, the kernels' compiles
                 seqs.decode()
@@ -270,8 +277,11 @@ def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
 
 def runs(v: Variant, ex, batch: int) -> bool:
     """Whether a variant changes anything here: graphs on, and its GEMM rows (its prologue rows) serve this batch
-    on a device Triton takes, or its attention knob exists (the Triton backend)."""
+    on a device Triton takes, or its attention knob exists (the Triton backend); PDL where the device and this
+    Triton launch with it (else the variant is its twin without)."""
     if not ex.graphs.enabled:
+        return False
+    if v.pdl and not executor.pdl_supported(ex.device):
         return False
     if v.prologue_rows is not None and (batch > v.prologue_rows or not triton_ops.serves(ex.device, ex.dtype)):
         return False
@@ -313,11 +323,13 @@ def render(r: dict, cuda: bool) -> str:
     if r["variants"]:
         lines += [f"The step other ways (each as its setting builds the executor, with its own graphs, interleaved "
                   f"with the graphs and eager steps above, built with `PAT_SKINNY_GEMM={env.SKINNY_GEMM.value()}`, "
-                  f"`PAT_DECODE_REDUCE={env.DECODE_REDUCE.value()}` and "
-                  f"`PAT_GEMM_PROLOGUE={env.GEMM_PROLOGUE.value()}`; the defaults, auto, kernel and off, send a "
-                  f"bfloat16 LM head on CUDA through the skinny GEMM, every layer's GEMM to cuBLAS, the "
-                  f"attention's splits to the reduce kernel and the norms and SiLU-mul to their own kernels; the "
-                  f"skinny GEMMs take the device's tuned configs where `pat_kernels/skinny_tuned.json` has them): "
+                  f"`PAT_DECODE_REDUCE={env.DECODE_REDUCE.value()}`, "
+                  f"`PAT_GEMM_PROLOGUE={env.GEMM_PROLOGUE.value()}` and `PAT_PDL={env.PDL.value()}`; the defaults, "
+                  f"auto, kernel, off and off, send a bfloat16 LM head on CUDA through the skinny GEMM, every "
+                  f"layer's GEMM to cuBLAS, the attention's splits to the reduce kernel and the norms and SiLU-mul "
+                  f"to their own kernels, each kernel launched plainly; the skinny GEMMs take the device's tuned "
+                  f"configs where `pat_kernels/skinny_tuned.json` has them; the PDL variants run only where the "
+                  f"device and Triton launch with it): "
                   + "; ".join(f"{name} (`{VARIANTS[name].setting}`) graphs **{v['ms']:.3f}** ms / step, its graph "
                               f"replayed alone {v['replay_ms']:.3f}" for name, v in r["variants"].items())
                   + f" (as built: {r['graphs_ms']:.3f} and {replay}).", ""]

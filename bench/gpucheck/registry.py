@@ -41,7 +41,7 @@ PARTS: tuple[Part, ...] = (
     Part("sampler", "The RL draw: temperature 1 with log-probs, the torch twin beside the Triton kernels", "sampler",
          15, 45, 75, 240, needs_checkpoint=False),
     Part("kernels", "Kernels per decode step (torch.profiler, Llama-3-8B shape, bf16)", "kernels",
-         45, 60, 180, 400),  # 28 s on the fourth run with one variant; five now (two at batch 1 only)
+         55, 75, 180, 400),  # 28 s on the fourth run with one variant; seven now (three at batch 1 only)
     Part("prefill", "Packed varlen prefill vs the measured bf16 GEMM throughput", "prefill", 25, 40, 150, 300),
     # decode: 55 s on the fourth run (--quick); a third engine now (the candidate settings at batch 1), ~25 s more
     Part("decode", "TP1 decode vs the HBM roofline and the streamed-bytes floor", "decode", 85, 230, 230, 560),

@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pat_kernels.dependent_launch import pdl_options, pdl_wait
 from pat_kernels.triton_support import INTERPRETED
 
 BLOCK_N = 64  # tokens per iteration (4 pages of 16): one K and one V tile load each
@@ -95,8 +96,9 @@ def _decode_partial_kernel(
     stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, FUSED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    DIRECT: tl.constexpr, FUSED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -177,8 +179,9 @@ def _decode_reduce_kernel(
     acc_ptr, ml_ptr, lens_ptr, out_ptr,
     fixed_tokens_per_split, num_splits,
     stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     dims = tl.arange(0, HEAD_PAD)
@@ -260,6 +263,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         ml = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
     counters = split_counters(q.device, b * kvh) if fused else lens  # lens: an unused pointer
     fixed = tokens_per_split or 0
+    pdl = pdl_options(q.device)
     _decode_partial_kernel[(b, kvh, splits)](
         q, k_cache, v_cache, tables, lens, acc, ml, out, counters,
         scale, fixed, splits,
@@ -270,7 +274,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, GROUP_PAD=max(GROUP_PAD, triton.next_power_of_2(group)), PAGE=page,
         HEAD_DIM=d, HEAD_PAD=head_pad, BLOCK_N=block_n,
         DIRECT=direct, FUSED=fused, IEEE=q.dtype == torch.float32, UPCAST=INTERPRETED and q.dtype != torch.float32,
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **pdl,
     )
     if not direct and not fused:
         _decode_reduce_kernel[(b, h)](
@@ -278,6 +282,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             fixed, splits,
             out.stride(0), out.stride(1),
             HEAD_DIM=d, HEAD_PAD=head_pad, BLOCK_N=block_n,
-            num_warps=1,
+            num_warps=1, **pdl,
         )
     return out

@@ -58,6 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pat_kernels.dependent_launch import pdl_options, pdl_wait, prefetch_l2
 from pat_kernels.triton_activation import silu_mul
 from pat_kernels.triton_norm import inv_rms, residual_add, scaled
 from pat_kernels.triton_support import INTERPRETED, dot_acc, round_to
@@ -66,6 +67,7 @@ MAX_ROWS = 64  # the most rows one program holds
 MAX_NORM_WIDTH = 16384  # the norm prologue holds a whole row in one block
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REDUCE_BLOCK = 256  # output columns per program of the split-K reduce
+PREFETCH_STEPS = 2  # with PDL: K steps of its weight slab a program asks L2 for before the kernel ahead ends
 
 
 @dataclass(frozen=True)
@@ -215,13 +217,19 @@ def _skinny_matmul_kernel(
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr,
     RTNE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PLAIN: tl.constexpr, ONE_ROW: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr,
-    ROW_BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
+    ROW_BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    SECTOR: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = split * k_span + tl.arange(0, BLOCK_K)  # this split's K range: [split * k_span, + k_span)
+    if PDL:  # the first PREFETCH columns of this program's weight slab into L2 while the kernel ahead ends
+        pf = split * k_span + tl.arange(0, PREFETCH // SECTOR) * SECTOR  # a pointer per 32-byte sector
+        prefetch_l2(w_ptr + cols[:, None].to(tl.int64) * stride_wn + pf[None, :] * stride_wk,
+                    (cols[:, None] < N) & (pf[None, :] < K))
+    pdl_wait(PDL)  # x, the residual and every output: only after the kernel ahead has finished
     up_offset = K * stride_xk  # SILU: x is (M, 2K), the up half K columns on
     sum_rows = tl.where(pid_n == 0, M, 0)  # ADD: the programs of the first weight tile store x + residual
     inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -282,7 +290,8 @@ def _skinny_matmul_kernel(
 
 @triton.jit
 def _skinny_reduce_kernel(part_ptr, bias_ptr, out_ptr, N, SPLITS, stride_ps, stride_pm, stride_om,
-                          HAS_BIAS: tl.constexpr, RTNE: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, RTNE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
@@ -381,6 +390,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     norm = p.norm_weight is not None
     residual = p.residual if p.residual is not None else x
     summed = p.summed if p.summed is not None else x
+    pdl = pdl_options(x.device)
+    sector = max(1, 32 // weight.element_size())
     _skinny_matmul_kernel[(triton.cdiv(N, cfg.block_n), cfg.split_k)](
         x, weight, bias_arg, dest, residual, p.norm_weight if norm else x, summed,
         M, N, K, cfg.k_span(K), p.eps, float(np.float32(1.0) / np.float32(K)),
@@ -389,13 +400,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
         HAS_BIAS=bias is not None, PARTIAL=partial, DOT=cfg.dot, BLOCK_M=row_tile(M),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PLAIN=prologue is None, ONE_ROW=prologue is not None and M == 1,
         NORM=norm, ADD=p.residual is not None, SILU=p.silu, ROW_BLOCK=triton.next_power_of_2(K) if norm else 16,
-        LIBDEVICE=not INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        LIBDEVICE=not INTERPRETED, PREFETCH=max(PREFETCH_STEPS * cfg.block_k, sector), SECTOR=sector,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         # a prologue rounds each operation on its own, as the layer kernels it replaces do (no FMA)
-        enable_fp_fusion=prologue is None, **flags,
+        enable_fp_fusion=prologue is None, **flags, **pdl,
     )
     if partial:
         _skinny_reduce_kernel[(M, triton.cdiv(N, REDUCE_BLOCK))](
             dest, bias_arg, out, N, cfg.split_k, dest.stride(0), dest.stride(1), out.stride(0),
-            HAS_BIAS=bias is not None, RTNE=INTERPRETED, BLOCK=REDUCE_BLOCK,
+            HAS_BIAS=bias is not None, RTNE=INTERPRETED, BLOCK=REDUCE_BLOCK, **pdl,
         )
     return out

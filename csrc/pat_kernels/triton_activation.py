@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pat_kernels.dependent_launch import pdl_options, pdl_wait
 from pat_kernels.triton_support import INTERPRETED, exact_exp, round_to
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -32,7 +33,8 @@ def silu_mul(gate, up, LIBDEVICE: tl.constexpr, RTNE: tl.constexpr):
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n,
-                     BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, RTNE: tl.constexpr):
+                     BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, RTNE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n
@@ -51,5 +53,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[(rows, triton.cdiv(n, BLOCK))](
             gate_up, out, gate_up.stride(0), out.stride(0), n,
             BLOCK=BLOCK, LIBDEVICE=not INTERPRETED, RTNE=INTERPRETED, num_warps=4, enable_fp_fusion=False,
+            **pdl_options(gate_up.device),
         )
     return out

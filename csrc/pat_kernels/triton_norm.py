@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pat_kernels.dependent_launch import pdl_options, pdl_wait
 from pat_kernels.triton_support import INTERPRETED, round_to
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -48,7 +49,8 @@ def scaled(x, inv, w, RTNE: tl.constexpr):
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
                      stride_x, stride_r, stride_o, stride_s,
                      n, eps, inv_n,
-                     BLOCK: tl.constexpr, ADD: tl.constexpr, RTNE: tl.constexpr):
+                     BLOCK: tl.constexpr, ADD: tl.constexpr, RTNE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n
@@ -77,7 +79,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         x.stride(0), res.stride(0), out.stride(0), out.stride(0),
         n, eps, inv_n,
         BLOCK=block, ADD=residual is not None, RTNE=INTERPRETED,
-        num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False,
+        num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False, **pdl_options(x.device),
     )
     return out, summed
 

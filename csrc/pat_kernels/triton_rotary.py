@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pat_kernels.dependent_launch import pdl_options, pdl_wait
 from pat_kernels.triton_support import INTERPRETED, round_to
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -64,7 +65,8 @@ def _rotary_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_ptr,
                       stride_t, stride_rope, stride_slot, stride_kh,
                       n_real, d, eps, inv_d,
                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_PAD: tl.constexpr, HALF: tl.constexpr,
-                      NORM: tl.constexpr, DTYPE: tl.constexpr, RTNE: tl.constexpr):
+                      NORM: tl.constexpr, DTYPE: tl.constexpr, RTNE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     pos = tl.load(pos_ptr + t)
@@ -118,5 +120,6 @@ def rotary_kv_write(qkv: torch.Tensor, heads: int, kv_heads: int, positions: tor
             slots.shape[0], d, eps, float(np.float32(1.0) / np.float32(d)),
             HEADS=heads, KV_HEADS=kv_heads, HEAD_PAD=triton.next_power_of_2(d), HALF=d // 2, NORM=norm,
             DTYPE=_TL_DTYPES[qkv.dtype], RTNE=INTERPRETED, num_warps=1, enable_fp_fusion=False,
+            **pdl_options(qkv.device),
         )
     return qkv[:, : heads * d].view(t, heads, d)

@@ -24,11 +24,13 @@ from typing import Iterator
 import torch
 from torch.profiler import record_function
 
+from pat_engine import env
 from pat_engine.config import DEFAULT_MAX_TP
 from pat_engine.host_tensors import to_device
 from pat_engine.model import chunk_weights, cpu_gemm
 from pat_engine.model.arch import ModelArch
 from pat_engine.model.layers.attention import attention_backend
+from pat_engine.model.layers.triton_ops import launch_policy
 from pat_engine.model.llama import CausalLM, ForwardContext
 from pat_engine.model.weights import load_shard_from_disk, load_shard_from_tensors
 from pat_engine.parallel.comm import TPGroup
@@ -69,6 +71,8 @@ class InferExecutor:
         self._last_draw: tuple[int, torch.Tensor] | None = None  # TP rank 0: (step id, its drawn tokens)
         # the invariant mode's draws may not depend on the batch: on CUDA ATen's scan does (docs/numerics.md)
         self.batch_invariant_draws = numerics == "invariant" and device.type == "cuda"
+        # PAT_PDL: this rank's Triton kernels (and the graphs capturing them) launch with PDL (launch_policy)
+        self.pdl = env.programmatic_launch(device.type)
 
     @contextlib.contextmanager
     def writing_weights(self) -> Iterator[None]:
@@ -119,7 +123,8 @@ class InferExecutor:
     def capture_graphs(self, upto: int | None = None) -> tuple[int, float]:
         """Capture the decode graphs a batch of at most ``upto`` sequences can use (all for None), over
         the current group and pool; returns (graphs captured, seconds). Nothing when graphs are off."""
-        return self.graphs.capture(self.model, self.tp, self.kv, upto)
+        with launch_policy(self.pdl):
+            return self.graphs.capture(self.model, self.tp, self.kv, upto)
 
     def load_weights(self, model_path: str) -> None:
         with self.writing_weights():
@@ -192,6 +197,10 @@ class InferExecutor:
     def launch(self, cmd: StepCommand) -> "LaunchedStep | None":
         """Queue one step's work: inputs, forward, LM head and the draw, nothing read back. TP rank 0
         gets the step to answer (``LaunchedStep.answer``); the other ranks None."""
+        with launch_policy(self.pdl):  # graphs captured lazily by the step capture its launches too
+            return self._launch(cmd)
+
+    def _launch(self, cmd: StepCommand) -> "LaunchedStep | None":
         if self.kv_released or self._residency != "resident":
             raise RuntimeError("a step arrived while this rank's memory is released (sleep); the driver must not "
                                "dispatch until wake_up restores it")

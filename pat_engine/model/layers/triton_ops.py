@@ -14,6 +14,7 @@ The choice is made once, when a layer is built (``serves``), not per call.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,3 +54,14 @@ def kernels_for(device: torch.device | str, dtype: torch.dtype) -> TritonKernels
 
     return TritonKernels(triton_norm.rms_norm, triton_norm.add_rms_norm, triton_activation.silu_and_mul,
                          triton_rotary.rotary_kv_write)
+
+
+def launch_policy(pdl: bool) -> contextlib.AbstractContextManager:
+    """The Triton kernels launched inside (the skinny GEMM, the layer kernels, the decode attention) use
+    programmatic dependent launch where ``pdl`` (``PAT_PDL``) and the device can: where each kernel starts,
+    not what it computes (``pat_kernels/dependent_launch.py``). Nothing is imported without ``pdl``."""
+    if not pdl:
+        return contextlib.nullcontext()
+    from pat_kernels.dependent_launch import programmatic_launch
+
+    return programmatic_launch(True)
