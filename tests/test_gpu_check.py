@@ -482,6 +482,32 @@ def test_the_kernels_part_plans_room_for_every_decode_it_runs(tmp_path, monkeypa
 
 
 @pytest.mark.slow
+@needs_triton
+def test_a_variant_that_fails_its_warm_up_is_left_out_and_named_not_the_part(tmp_path, monkeypatch):
+    """A launch the device's software refuses (a PDL launch on a Triton without it, say) costs its variant
+    only: the others are timed and the section names the one left out."""
+    from gpucheck import executor
+
+    ctx = _ctx(tmp_path, ["kernels"])
+    p = kernels.plan(ctx)
+    ex = kernels.build_executor(ctx, p)
+    monkeypatch.setattr(kernels, "VARIANTS", {"cuBLAS GEMMs": kernels.VARIANTS["cuBLAS GEMMs"],
+                                              "refused": kernels.Variant("PAT_SKINNY_GEMM=1", skinny_rows=1)})
+    variant = executor.step_variant
+
+    def refusing(ex, graphs, **settings):
+        if settings["skinny_rows"] == 1:
+            raise RuntimeError("launch option refused")
+        return variant(ex, graphs, **settings)
+
+    monkeypatch.setattr(executor, "step_variant", refusing)
+    r = kernels.measure_batch(ctx, ex, 1, p)
+    assert set(r["variants"]) == {"cuBLAS GEMMs"} and "launch option refused" in r["refused"]["refused"]
+    assert "refused: `RuntimeError: launch option refused`" in kernels.render(r, cuda=False)
+    assert "refused FAILED in its warm-up" in kernels.headline(r, cuda=False)
+
+
+@pytest.mark.slow
 def test_the_driver_writes_a_report_of_isolated_parts(tmp_path):
     out = tmp_path / "r.md"
     assert gc.main(["--smoke", "--only", "prefill", "--workdir", str(tmp_path), "--output", str(out)]) == 0

@@ -232,17 +232,23 @@ def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
         for _ in range(2):
             seqs.decode()
     modes = {"graphs": contextlib.nullcontext, "eager": lambda: executor.eager(ex)}
-    variants = {}
+    variants, refused = {}, {}
     for name, v in VARIANTS.items():
         if not runs(v, ex, batch):
             continue
         graphs = executor.more_graphs(ex)  # its own captures, over its kernels
-        modes[name] = variants[name] = (lambda g=graphs, v=v: executor.step_variant(
+        variant = (lambda g=graphs, v=v: executor.step_variant(
             ex, g, skinny_rows=v.skinny_rows, fuse_reduce=v.fuse_reduce, prologue_rows=v.prologue_rows,
             pdl=v.pdl))
-        with variants[name]():
-            for _ in range(2):  # warm-up: its graph's capture, the kernels' compiles
-                seqs.decode()
+        try:
+            with variant():
+                for _ in range(2):  # warm-up: its graph's capture, the kernels' compiles
+                    seqs.decode()
+        except Exception as exc:  # a launch this software stack refuses costs that variant only, not the part
+            refused[name] = f"{type(exc).__name__}: {exc}"[:400]
+            log(f"kernels: batch {batch}: variant {name!r} failed in its warm-up: {refused[name]}")
+            continue
+        modes[name] = variants[name] = variant
     walls: dict[str, list[float]] = {mode: [] for mode in modes}
     names = list(modes)
     for r in range(p.rounds):
@@ -272,7 +278,8 @@ def measure_batch(ctx: Ctx, ex, batch: int, p: Plan) -> dict:
     records, steps, layers, outside = profiled_records(prof.events(), cuda)
     return {"batch": batch, "graphs_ms": median(walls["graphs"]) * 1e3, "eager_ms": median(walls["eager"]) * 1e3,
             "steps_timed": len(walls["graphs"]), "table": kernel_table(records, steps, layers),
-            "outside": outside, "replay_ms": replay_ms, "phases": phases, "variants": variant_ms}
+            "outside": outside, "replay_ms": replay_ms, "phases": phases, "variants": variant_ms,
+            "refused": refused}
 
 
 def runs(v: Variant, ex, batch: int) -> bool:
@@ -333,6 +340,9 @@ def render(r: dict, cuda: bool) -> str:
                   + "; ".join(f"{name} (`{VARIANTS[name].setting}`) graphs **{v['ms']:.3f}** ms / step, its graph "
                               f"replayed alone {v['replay_ms']:.3f}" for name, v in r["variants"].items())
                   + f" (as built: {r['graphs_ms']:.3f} and {replay}).", ""]
+    if r.get("refused"):
+        lines += ["Variants that failed in their warm-up (left out): " + "; ".join(
+            f"{name}: `{why}`" for name, why in r["refused"].items()), ""]
     if r["outside"]:
         lines += [f"{r['outside']} device events started outside every profiled step (counted nowhere).", ""]
     lines += [markdown_table(["piece", f"{unit} / step", "ms / step", f"{unit} / layer"],
@@ -348,6 +358,7 @@ def headline(r: dict, cuda: bool) -> str:
     replay = "" if r["replay_ms"] is None else f" (its graph replayed alone: {r['replay_ms']:.2f} ms)"
     others = "".join(f"; {name} {v['ms']:.2f} ms with graphs (replayed alone: {v['replay_ms']:.2f} ms)"
                      for name, v in r["variants"].items())
+    others += "".join(f"; {name} FAILED in its warm-up" for name in r["refused"])
     ph: StepPhases = r["phases"]
     idle = "" if ph.busy_ms is None else f", the GPU idle {ph.wall_ms - ph.busy_ms:.2f} ms of a profiled graphs step"
     return (f"batch {r['batch']}: {t.per_step:.0f} {'kernels' if cuda else 'torch ops'} per step, {per_layer} per "
@@ -385,7 +396,7 @@ def run(ctx: Ctx) -> PartResult:
                   "(their CPU time), to check the machinery only.")
     body = "\n\n".join([setup, *[render(r, cuda) for r in results]])
     data = {"rows": [{"batch": r["batch"], "graphs_ms": r["graphs_ms"], "eager_ms": r["eager_ms"],
-                      "replay_ms": r["replay_ms"], "variants": r["variants"],
+                      "replay_ms": r["replay_ms"], "variants": r["variants"], "refused": r["refused"],
                       "per_step": r["table"].per_step, "per_layer": r["table"].per_layer,
                       "ms_per_step": r["table"].ms_per_step, "phases": asdict(r["phases"])} for r in results]}
     return PartResult(body, headlines, data)
