@@ -8,7 +8,7 @@ PDL may be placed as soon as every program of the kernel before it has said so
 (``griddepcontrol.launch_dependents``); it then waits (``griddepcontrol.wait``) until that kernel has
 finished and its writes are visible. Before the wait it may only read what no kernel of the step
 writes: a GEMM asks L2 for the start of its weight slab there (``prefetch_l2``), so its first steps
-hit L2. TensorRT-LLM and SGLang's FlashInfer norms launch their decode kernels this way.
+hit L2. FlashInfer's norm kernels offer the same launch (their ``enable_pdl`` flag).
 
 Contract of a kernel that takes ``PDL`` (a compile-time flag): it calls ``pdl_wait(PDL)`` before it
 reads anything another kernel may have written and before it writes anything; before that call it
@@ -37,12 +37,12 @@ import triton.language as tl
 
 from pat_kernels.triton_support import INTERPRETED
 
-try:  # Triton >= 3.3 on NVIDIA: the griddepcontrol instructions and the launch attribute
+try:  # the griddepcontrol instructions and the launch attribute (Triton 3.9 has both; an older one may not)
     from triton.backends.nvidia.compiler import CUDAOptions
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     TRITON_HAS_PDL = "launch_pdl" in CUDAOptions.__dataclass_fields__
-except ImportError:
+except (ImportError, AttributeError):  # an older Triton, or one without the NVIDIA backend
     TRITON_HAS_PDL = False
 
     @triton.jit
