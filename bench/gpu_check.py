@@ -1,7 +1,7 @@
 """One command for a one-GPU machine: measure the engine against its targets and run the ``gpu`` tests
 (issues 23 and 30). The parts live in ``bench/gpucheck/`` (one file each, listed in ``registry.py``).
 
-    python bench/gpu_check.py --quick                 # every headline row (146 s on the second H100 run) + 2 test selections
+    python bench/gpu_check.py --quick                 # every headline row (146 s on the second H100 run) + the QUICK test selections
     python bench/gpu_check.py --only controller graphs weightsync tests invariant   # the rest, ~10 min
     python bench/gpu_check.py                         # every part (> 10 min: split it under the device tool)
     python bench/gpu_check.py --smoke [--quick]       # toy sizes on the CPU, into a temp file (never the results)
@@ -51,7 +51,7 @@ H100 are in ``registry.py``; the parts table prints them beside what they took, 
 batch 1 and 64), one round of 64 (batch 1) or 32 (long prompts) tokens; ``attention`` with 20 calls per
 case and splits up to 64; ``prefill`` with 2 runs per row; ``profile`` on TP 1/2/4/8 x batch 1/64 x
 contexts 512 and 2048, 8 steps a point; ``switch`` with one measured batch (migrate) after its warm-up;
-``tests`` with two selections (``gpu_tests.QUICK``). It skips ``graphs``, ``weightsync`` and ``invariant`` (their figures are not
+``tests`` with the selections of ``gpu_tests.QUICK``. It skips ``graphs``, ``weightsync`` and ``invariant`` (their figures are not
 headlines; run them as the second command above). ``--budget-s`` (default 540 with ``--quick``) caps
 each part's timeout by what is left of it and skips a part when less is left than the registry expects
 it to take, so the command ends inside the device tool's 10 minutes.

@@ -235,7 +235,7 @@ def test_the_registry_and_quicks_selection():
     for p in registry.PARTS:
         assert callable(p.runner()) and p.quick_timeout_s > 0 and p.full_timeout_s > 0
     quick = [p.name for p in gc.selected(gc.parse_args(["--quick"]))]
-    # the headlines and two test selections; not graphs, weightsync, invariant
+    # the headlines and the tests part (gpu_tests.QUICK); not graphs, weightsync, invariant
     assert quick == ["attention", "gemm", "sampler", "kernels", "prefill", "decode", "profile", "switch", "tests"]
     planned = sum(registry.part(n).quick_s for n in quick) + registry.CHECKPOINT_S
     assert planned <= gc.QUICK_BUDGET_S - 40  # ~8 min planned, inside the budget the device tool allows

@@ -3,11 +3,11 @@
 One pytest process per file, so a file's failures are reported (pytest prints them when its run ends)
 before a slow file later on meets the time limit; each file's whole output is kept in the part's log
 folder. The co-located switch tests go last: they are the slowest. ``--quick`` runs a few selections
-only (``QUICK``): issue 30's tokens-unchanged tests (the fused layer kernels, the skinny GEMM, PDL), the gpu
+only (``QUICK``): issue 30's tokens-unchanged tests (the fused layer kernels, the skinny GEMM), the gpu
 tests of the kernels no GPU has run yet (the skinny GEMM's, the sampler's, the decode attention's fused
-reduce), and the float32 co-located
-switch, which failed on the second H100 run with its message lost (``--quick``'s decode part checks
-async scheduling's tokens)."""
+reduce), the float32 co-located switch, which failed on the second H100 run with its message lost
+(``--quick``'s decode part checks async scheduling's tokens), and last, so that it delays none of those,
+the bits of a step with programmatic dependent launch (``PAT_PDL``)."""
 
 from __future__ import annotations
 
@@ -49,11 +49,12 @@ def outcomes_so_far(verbose_output: str) -> str:
     return done + (f"; last started: {started[-1]}" if started else "")
 
 
-QUICK = (("tests/test_triton_layer_kernels.py", "fused_unfused_graphs or skinny or pdl"),  # (file, pytest -k): ~160 s
+QUICK = (("tests/test_triton_layer_kernels.py", "fused_unfused_graphs or skinny"),  # (file, pytest -k): ~150 s
          ("tests/test_skinny_matmul.py", None), ("tests/test_triton_sampler.py", None),  # not run on a GPU yet
          ("tests/test_triton_kernel.py", None),  # the decode kernel's fused reduce: not run on a GPU yet
          ("tests/test_invariant_numerics.py", "row_alones"),  # the invariant mode's draws through them: not run yet
-         ("tests/test_colocated_gpu.py", "tp1xdp2_to_tp2_and_back_mid_batch_float32"))  # 2 ranks, both KV paths
+         ("tests/test_colocated_gpu.py", "tp1xdp2_to_tp2_and_back_mid_batch_float32"),  # 2 ranks, both KV paths
+         ("tests/test_triton_layer_kernels.py", "pdl"))  # PAT_PDL's bits (the newest: last, so it delays no other)
 
 
 def gpu_test_files(tests_dir: Path) -> list[Path]:
@@ -110,7 +111,7 @@ def run(ctx: Ctx) -> PartResult:
         if returncode not in (0, 5):
             failures.append(f"```\n{out.strip()[-3000:]}\n```")
     total = time.perf_counter() - started
-    lines = [(f"`python -m pytest -v -m gpu FILE`, one process per file{' (--quick: two selections)' if ctx.quick else ''} "
+    lines = [(f"`python -m pytest -v -m gpu FILE`, one process per file{f' (--quick: {len(QUICK)} selections)' if ctx.quick else ''} "
               f"({total:.0f} s in all, limit {limit:.0f} s; logs in {logs}):"), "",
              markdown_table(["file", "result", "seconds"], rows), "",
              ("Only the files that hold `gpu`-marked tests are collected: the full `tests/` would import the serving "
