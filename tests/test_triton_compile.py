@@ -130,6 +130,7 @@ def test_with_pdl_every_step_kernel_waits_for_the_one_ahead_and_only_the_gemm_pr
     assert {r["kernel"] for r in with_pdl} == PDL_KERNELS
     for r in with_pdl:
         assert r["launch_pdl"] and r["gdc_wait"] == 1 and r["gdc_launch"] == 1, r
+        assert r["accesses_before_wait"] == 0, r  # only the prefetch (no value, never stale) comes first
         assert (r["prefetch_l2"] > 0) == (r["kernel"] == "_skinny_matmul_kernel"), r
     for r in compiled:
         if not r["pdl"]:

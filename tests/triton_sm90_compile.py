@@ -153,6 +153,16 @@ def with_pdl(call) -> None:
         dependent_launch.device_supports = supports
 
 
+MEMORY_ACCESS = re.compile(r"\b(ld\.global|st\.global|cp\.async|atom\.|red\.)")
+
+
+def accesses_before_wait(ptx: str) -> int | None:
+    """Global loads, stores, async copies and atomics the PTX holds before its ``griddepcontrol.wait`` (None
+    without one): under PDL a kernel may touch no memory another kernel writes before it waits."""
+    head, found, _ = ptx.partition("griddepcontrol.wait")
+    return len(MEMORY_ACCESS.findall(head)) if found else None
+
+
 def compile_share(share: int, shares: int) -> list[dict]:
     """Compile calls ``share``, ``share + shares``, ... of ``kernel_calls``; a record per compiled kernel."""
     out: list[dict] = []
@@ -167,7 +177,7 @@ def compile_share(share: int, shares: int) -> list[dict]:
                     "launch_pdl": bool(getattr(kernel.metadata, "launch_pdl", False)),
                     "gdc_wait": ptx.count("griddepcontrol.wait"),
                     "gdc_launch": ptx.count("griddepcontrol.launch_dependents"),
-                    "prefetch_l2": ptx.count("prefetch.global.L2"),
+                    "prefetch_l2": ptx.count("prefetch.global.L2"), "accesses_before_wait": accesses_before_wait(ptx),
                     "cp_async_16": ptx.count("cp.async.cg.shared.global"),
                     "cp_async_small": ptx.count("cp.async.ca.shared.global"), "fma_f32": ptx.count("fma.rn.f32"),
                     "ld_global": ptx.count("ld.global"), "atomics": ptx.count("atom."),
