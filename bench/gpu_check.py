@@ -36,7 +36,7 @@ H100 are in ``registry.py``; the parts table prints them beside what they took, 
 | (checkpoint) | the 16 GB random checkpoint, written once per ``--workdir``, before the parts using it |
 | kernels | kernels per step and per layer, GPU ms by piece, batch 1 and 64, graphs vs eager, the step as built vs cuBLAS everywhere, the skinny GEMM everywhere (tuned configs), with the GEMM prologues (batch 1), the fused attention reduce, all three, and PDL with the defaults and with all three (sm_90); a graphs step's host phases beside its GPU busy time |
 | prefill | 64 x 512 and 8 x 4K prefill: tokens/s, model FLOP/s vs an 8192^3 bf16 GEMM |
-| decode | Engine decode ms / token vs roofline and floor: batch 1/16/64, 64 x 512, 64 x 2K, async off/on; 64 x 512 sampled (RL); batch 1 on an engine built with the candidate settings (skinny GEMMs, prologues, fused reduce) |
+| decode | Engine decode ms / token vs roofline and floor: batch 1/16/64, 64 x 512, 64 x 2K, async off/on; 64 x 512 sampled (RL); batch 1 on an engine built with the candidate settings (skinny GEMMs, prologues, fused reduce, PDL; its failure costs its rows only) |
 | profile | pat-profile --emulate-world 8, graphs on, median step; predictor error at TP1 |
 | controller | the controller on a co-located long-tail rollout (the switch part's 1B shape, 2 ranks), driven by a pat-profile table measured on those ranks: the predictor's step error (goal <= 5%) with its bias and the steps' own noise, its choices against its table |
 | switch | the live switch with 2 (full: and 4) ranks sharing the GPU, 1B shape: each phase in s and bytes, the graphs share, host-staged collectives, CUDA memory; full: capture warm-ups |

@@ -535,3 +535,26 @@ def test_attention_timing_layer_kernels_and_bandwidth_on_the_gpu():
     assert all(r[2] > 0 and r[3] > 0 for r in rows.values())
     bw = measure_copy_bandwidth("cuda", 256 << 20, repeats=5)
     assert 1e11 < bw < 2e13  # between 100 GB/s and 20 TB/s: a copy was timed, in bytes per second
+
+
+def test_a_failing_candidate_engine_costs_its_own_rows_only():
+    """The decode part's candidate engine runs settings no GPU has run yet: its first failure is kept, the
+    engine shut down, and every later call on it skipped, so the default rows beside it are still reported."""
+    class FakeEngine:
+        down = False
+
+        def shutdown(self):
+            self.down = True
+
+    engines: dict = {}
+    candidate = decode.Candidate(engines)
+    engine = candidate.attempt(FakeEngine, {"PAT_PDL": "on"})
+    assert engines["candidate"] is engine and candidate.attempt(lambda: 3) == 3
+    assert "PAT_PDL" not in os.environ  # the settings held for the start only
+
+    def refused():
+        raise RuntimeError("launch refused")
+
+    assert candidate.attempt(refused) is None
+    assert candidate.error == "RuntimeError: launch refused" and engine.down and "candidate" not in engines
+    assert candidate.attempt(lambda: 3) is None  # nothing runs on it after its failure

@@ -13,9 +13,11 @@ one token, so it is the ms per token.
 
 The batch-1 row runs a third way too: on an engine built with ``CANDIDATE``, the settings the kernels part
 times as variants but the engine does not default to yet (every layer's GEMM through the skinny GEMM with
-its tuned configs, the norms and SiLU-mul in its prologues, the attention's reduce fused), with graphs and
-with async scheduling, interleaved with the default engine: what they give the 6.0 ms goal through the
-real engine, in the same run that measures the defaults.
+its tuned configs, the norms and SiLU-mul in its prologues, the attention's reduce fused, the step's Triton
+kernels launched with PDL where the device can), with graphs and with async scheduling, interleaved with
+the default engine: what they give the 6.0 ms goal through the real engine, in the same run that measures
+the defaults. No GPU has run those settings yet, so a failure of that engine costs its rows only
+(``Candidate``): the report names it and keeps the default rows.
 
 Floors: the roofline is every weight byte over the bandwidth (issue 23's 6.0 ms = 1.25x that at the
 H100 SXM datasheet's 3.35 TB/s); the floor of a shape is what a step must stream, the weights less the
@@ -34,11 +36,12 @@ from common import markdown_table
 from gpucheck.report import PartResult
 from gpucheck.shared import (Ctx, datasheet_bandwidth, env_switches, kv_bytes_per_token, log,
                              measure_copy_bandwidth, median, roofline_ms, verdict, weight_bytes)
-from pat_engine.env import DECODE_REDUCE, GEMM_PROLOGUE, SKINNY_GEMM, SKINNY_MOST_ROWS
+from pat_engine.env import DECODE_REDUCE, GEMM_PROLOGUE, PDL, SKINNY_GEMM, SKINNY_MOST_ROWS
 
 BATCH1_MS_GOAL = 6.0  # issue 30, on an H100 (1.25x the SXM datasheet roofline)
 FLOOR_GOAL = 1.3
-CANDIDATE = {SKINNY_GEMM.name: str(SKINNY_MOST_ROWS), GEMM_PROLOGUE.name: "fused", DECODE_REDUCE.name: "fused"}
+CANDIDATE = {SKINNY_GEMM.name: str(SKINNY_MOST_ROWS), GEMM_PROLOGUE.name: "fused", DECODE_REDUCE.name: "fused",
+             PDL.name: "on"}  # PDL: sm_90 with a Triton that has it, else plain launches (dependent_launch.py)
 CANDIDATE_MODES = ("candidate", "candidate async")  # the batch-1 row on the candidate engine, async off / on
 
 
@@ -121,27 +124,32 @@ def run(ctx: Ctx) -> PartResult:
                 kv_tokens=max(s.batch * (s.prompt + s.new_tokens + 16) for s in mine))
         # read as its layers and attention are built; the smoke leaves out the skinny GEMM, which the CPU
         # runs through Triton's interpreter at a second a step
-        with env_switches(candidate_settings(ctx)):
-            engines["candidate"] = ctx.start_engine(eager=False, max_batch=1, max_len=b1.prompt + b1.new_tokens + 16,
-                                                    kv_tokens=b1.prompt + b1.new_tokens + 16)
+        candidate = Candidate(engines)
+        candidate.attempt(lambda: ctx.start_engine(eager=False, max_batch=1, max_len=b1.prompt + b1.new_tokens + 16,
+                                                   kv_tokens=b1.prompt + b1.new_tokens + 16), candidate_settings(ctx))
         runs = ["graphs", "async"] + (["eager"] if "eager" in modes else [])  # "async": the graphs engine, flipped
 
         def order_of(s: Shape) -> list[str]:
             return (runs if s.eager else runs[:2]) + (list(CANDIDATE_MODES) if s is b1 else [])
 
-        def engine_of(mode: str):
-            return engines["candidate"] if mode in CANDIDATE_MODES else engines.get(mode, engines["graphs"])
+        def run_mode(mode: str, s: Shape, new_tokens: int, seed: int) -> dict | None:
+            if mode not in CANDIDATE_MODES:
+                return _run(engines.get(mode, engines["graphs"]), s, new_tokens, seed, spec.vocab_size,
+                            mode == "async")
+            return candidate.attempt(lambda: _run(engines["candidate"], s, new_tokens, seed, spec.vocab_size,
+                                                  mode.endswith("async")))
 
         for s in todo:  # warm-up: every shape once (lazy allocations, Triton JIT, the allocator)
             for mode in order_of(s):
-                _run(engine_of(mode), s, min(8, s.new_tokens), 99, spec.vocab_size, mode.endswith("async"))
+                run_mode(mode, s, min(8, s.new_tokens), 99)
         got: dict[tuple[str, Shape], dict[str, list[float]]] = {}
         for r in range(rounds):
             for s in todo:
                 order = order_of(s)
                 for mode in (order if r % 2 == 0 else order[::-1]):
-                    res = _run(engine_of(mode), s, s.new_tokens, r * 1000 + s.batch + s.prompt, spec.vocab_size,
-                               mode.endswith("async"))
+                    res = run_mode(mode, s, s.new_tokens, r * 1000 + s.batch + s.prompt)
+                    if res is None:  # the candidate engine failed: its rows are left out, named in the report
+                        continue
                     acc = got.setdefault((mode, s), {"step_s": [], "forward_s": [], "tokens": []})
                     acc["step_s"] += res["step_s"]
                     acc["forward_s"] += res["forward_s"]
@@ -151,10 +159,44 @@ def run(ctx: Ctx) -> PartResult:
     finally:
         for engine in engines.values():
             engine.shutdown()
-    return _report(ctx, todo, got, stats, bw, sheet, rounds)
+    if candidate.error:  # a partial record of a failed engine says nothing: its rows go
+        got = {key: v for key, v in got.items() if key[0] not in CANDIDATE_MODES}
+    return _report(ctx, todo, got, stats, bw, sheet, rounds, candidate.error)
 
 
-def _report(ctx: Ctx, todo, got, stats, bw: float, sheet, rounds: int) -> PartResult:
+class Candidate:
+    """The candidate engine's runs, whose failure costs its own rows only: the candidate settings are what no
+    GPU has run yet (a launch the device's software refuses, say), and the default rows beside them are the
+    part's headline."""
+
+    def __init__(self, engines: dict):
+        self.engines, self.error = engines, None
+
+    def attempt(self, call, settings: dict[str, str] | None = None):
+        """``call()``'s result (under ``settings``, the engine's start), or None once the candidate failed;
+        on the first failure the error is kept and the engine shut down."""
+        if self.error is not None:
+            return None
+        try:
+            if settings is None:
+                return call()
+            with env_switches(settings):
+                self.engines["candidate"] = call()
+            return self.engines["candidate"]
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"[:400]
+            log(f"decode: the candidate engine failed, its rows are left out: {self.error}")
+            engine = self.engines.pop("candidate", None)
+            if engine is not None:
+                try:
+                    engine.shutdown()
+                except Exception as down:  # noqa: BLE001  the error above is the one to report
+                    log(f"decode: shutting the failed candidate engine down: {down}")
+            return None
+
+
+def _report(ctx: Ctx, todo, got, stats, bw: float, sheet, rounds: int, candidate_error: str | None = None
+            ) -> PartResult:
     spec = ctx.spec
     wbytes = weight_bytes(spec, 2)
     rows, data, async_data, sampled_data, misses = [], [], [], [], []
@@ -186,23 +228,27 @@ def _report(ctx: Ctx, todo, got, stats, bw: float, sheet, rounds: int) -> PartRe
     b1_async = next(d for d in async_data if d["batch"] == 1)["step_ms"]
     b1, b1_mode = min((b1_sync, "graphs"), (b1_async, "graphs + async scheduling"))
     b1_shape = batch1(todo)
-    cand = {m: median(got[(m, b1_shape)]["step_s"]) * 1e3 for m in CANDIDATE_MODES}
-    cand_same = got[(CANDIDATE_MODES[0], b1_shape)]["tokens"] == got[("graphs", b1_shape)]["tokens"]
+    ran = candidate_error is None
+    cand = {m: median(got[(m, b1_shape)]["step_s"]) * 1e3 for m in CANDIDATE_MODES} if ran else {}
+    cand_same = ran and got[(CANDIDATE_MODES[0], b1_shape)]["tokens"] == got[("graphs", b1_shape)]["tokens"]
     settings = " ".join(f"{k}={v}" for k, v in candidate_settings(ctx).items())
     if ctx.smoke:
         headlines = ["smoke: goals not judged", same_tokens]
     else:
         on_h100 = bool(ctx.gpu_name) and "H100" in ctx.gpu_name
         goal_ms = BATCH1_MS_GOAL if on_h100 else 1.25 * roofline_ms(wbytes, sheet[0] if sheet else bw)
-        best_cand = min(cand.values())
+        if ran:
+            candidate_line = (f"batch 1 on an engine built with `{settings}` (not the defaults): graphs "
+                              f"{cand['candidate']:.2f} ms, graphs + async scheduling {cand['candidate async']:.2f} "
+                              f"ms / token (target <= {goal_ms:.2f} ms: {verdict(min(cand.values()) <= goal_ms)} with "
+                              f"them); greedy tokens equal to the default engine's: "
+                              f"{'yes' if cand_same else 'no (another GEMM order in bf16)'}")
+        else:
+            candidate_line = f"batch 1 on an engine built with `{settings}`: FAILED, its rows left out ({candidate_error})"
         headlines = [f"**batch 1 with {b1_mode}: {b1:.2f} ms / token (target <= {goal_ms:.2f} ms"
                      f"{'' if on_h100 else ', 1.25x this device roofline'}): {verdict(b1 <= goal_ms)}** "
                      f"(graphs {b1_sync:.2f} ms, graphs + async scheduling {b1_async:.2f} ms)",
-                     f"batch 1 on an engine built with `{settings}` (not the defaults): graphs "
-                     f"{cand['candidate']:.2f} ms, graphs + async scheduling {cand['candidate async']:.2f} ms / "
-                     f"token (target <= {goal_ms:.2f} ms: {verdict(best_cand <= goal_ms)} with them); greedy tokens "
-                     f"equal to the default engine's: {'yes' if cand_same else 'no (another GEMM order in bf16)'}",
-                     same_tokens,
+                     candidate_line, same_tokens,
                      f"**every decode row within {FLOOR_GOAL}x of its floor (graphs, with or without async "
                      f"scheduling): "
                      f"{verdict(not misses)}{' (' + ', '.join(misses) + ')' if misses else ''}**"]
@@ -215,7 +261,8 @@ def _report(ctx: Ctx, todo, got, stats, bw: float, sheet, rounds: int) -> PartRe
         f"prefix caching off, each sized for its rows; {rounds} round(s) after a warm-up run of every row, "
         f"graphs, async (the graphs engine with async_scheduling on) and eager in turn (the order swapped every "
         f"round). Steps counted: decode steps of the whole batch. The batch-1 row also on an engine built with "
-        f"`{settings}` (modes `candidate` and `candidate async`).",
+        f"`{settings}` (modes `candidate` and `candidate async`)"
+        + (f"; that engine FAILED and its rows are left out: `{candidate_error}`." if candidate_error else "."),
         "",
         f"Bandwidth: measured device-to-device copy {bw / 1e9:.0f} GB/s (2 x bytes / time); datasheet: "
         f"{sheet[1] if sheet else 'n/a'}. Floor: (weights less the embedding table + KV at the mean context "
@@ -235,7 +282,8 @@ def _report(ctx: Ctx, todo, got, stats, bw: float, sheet, rounds: int) -> PartRe
     return PartResult("\n".join(lines), headlines, {"rows": data, "async_rows": async_data,
                                                     "sampled_rows": sampled_data, "copy_bandwidth": bw,
                                                     "candidate": {"settings": candidate_settings(ctx), **cand,
-                                                                  "same_tokens": cand_same}})
+                                                                  "same_tokens": cand_same,
+                                                                  "error": candidate_error}})
 
 
 def _sampling_line(s: Shape, got) -> str:
