@@ -79,11 +79,11 @@ GEMM_PROLOGUE = EnvSwitch("PAT_GEMM_PROLOGUE", "off",
                           "bench/gpucheck/kernels.py)")
 
 PDL = EnvSwitch("PAT_PDL", "off",
-                "on: the Triton kernels of a step (the skinny GEMM, the layer kernels, the decode attention) launch "
-                "with programmatic dependent launch on sm_90+ GPUs: each kernel's programs are placed while the one "
-                "before finishes, a GEMM's first weight steps asked of L2 meanwhile (pat_kernels/dependent_launch.py: "
-                "where kernels start, not what they compute); off: plain launches (the default until a GPU run times "
-                "the step ahead, bench/gpucheck/kernels.py)")
+                "on: the Triton kernels of a step (the skinny GEMM, the layer kernels, the decode attention, greedy's "
+                "first maximum) launch with programmatic dependent launch on sm_90+ GPUs: each kernel's programs are "
+                "placed while the one before finishes, a GEMM's first weight steps asked of L2 meanwhile "
+                "(pat_kernels/dependent_launch.py: where kernels start, not what they compute); off: plain launches "
+                "(the default until a GPU run times the step ahead, bench/gpucheck/kernels.py)")
 
 SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, API_KEY, ENGINE_CACHE, TRITON_LAYERS, SKINNY_GEMM, TRITON_SAMPLER,
             DECODE_REDUCE, GEMM_PROLOGUE, PDL)

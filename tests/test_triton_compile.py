@@ -29,7 +29,8 @@ KERNELS = {"_skinny_matmul_kernel", "_skinny_reduce_kernel", "_matmul_kernel", "
            "_chunk_first_max_kernel", "_pick_first_max_kernel"}
 ROUND_EACH_OP = {"_rms_norm_kernel", "_silu_mul_kernel", "_rotary_kv_kernel", "_weights_kernel"}
 PDL_KERNELS = {"_skinny_matmul_kernel", "_skinny_reduce_kernel", "_decode_partial_kernel", "_decode_reduce_kernel",
-               "_rms_norm_kernel", "_silu_mul_kernel", "_rotary_kv_kernel"}
+               "_rms_norm_kernel", "_silu_mul_kernel", "_rotary_kv_kernel", "_chunk_first_max_kernel",
+               "_pick_first_max_kernel"}
 
 
 SHARES = 2  # processes compiling at once: one a core of CI's two

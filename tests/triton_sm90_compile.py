@@ -123,8 +123,9 @@ def kernel_calls() -> list:
 def pdl_calls(randn, w, kv, tables, lens, cos) -> list:
     """The decode step's kernels again, launched with programmatic dependent launch (``PAT_PDL=on``): the
     skinny GEMM split (with its reduce) and on the CUDA cores with the norm prologue, the layer kernels, the
-    decode attention with its reduce kernel and with the reduce fused."""
-    from pat_kernels import paged_decode_attention, skinny_matmul as sk, triton_activation, triton_norm, triton_rotary
+    decode attention with its reduce kernel and with the reduce fused, greedy's first maximum."""
+    from pat_kernels import (paged_decode_attention, skinny_matmul as sk, triton_activation, triton_norm, triton_rotary,
+                             triton_sampler)
 
     return [
         lambda: sk.skinny_matmul(randn(1, 4096), w, config=sk.SkinnyConfig(split_k=4)),
@@ -137,6 +138,7 @@ def pdl_calls(randn, w, kv, tables, lens, cos) -> list:
         *[lambda fused=fused: paged_decode_attention.paged_decode_attention(
             randn(4, 32, 128), kv[0], kv[1], tables, lens, 0.088, num_splits=4, fuse_reduce=fused)
           for fused in (False, True)],
+        lambda: triton_sampler.first_max(randn(1, 128256)),  # greedy after the LM head
     ]
 
 

@@ -47,6 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pat_kernels.dependent_launch import pdl_options, pdl_wait
+
 UNROLL = 64  # groups of eight read per step of the lane walk: 64 loads in flight before the first add waits
 CHUNK = 4096  # logits per program of the weight passes: a row is cut among many programs (batch 1 too)
 BLOCK = 1024  # logits per step of the draw's fallback scan
@@ -189,8 +191,9 @@ def _draw_kernel(e_ptr, u_ptr, z_ptr, out_ptr, V, W, stride_e, NB: tl.constexpr,
 
 
 @triton.jit
-def _chunk_first_max_kernel(x_ptr, top_ptr, at_ptr, V, stride_x, CHUNK: tl.constexpr):
+def _chunk_first_max_kernel(x_ptr, top_ptr, at_ptr, V, stride_x, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Program (row, c): chunk c's max (NaN if it holds one) and that value's first place in the row."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -204,9 +207,10 @@ def _chunk_first_max_kernel(x_ptr, top_ptr, at_ptr, V, stride_x, CHUNK: tl.const
 
 
 @triton.jit
-def _pick_first_max_kernel(top_ptr, at_ptr, out_ptr, CHUNKS, CHUNKS_PAD: tl.constexpr):
+def _pick_first_max_kernel(top_ptr, at_ptr, out_ptr, CHUNKS, CHUNKS_PAD: tl.constexpr, PDL: tl.constexpr):
     """Program (row): the first chunk holding the row's winner (a NaN, else the max) gives the token (chunks
     are in place order, so its first place is the row's)."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNKS_PAD)
     ok = c < CHUNKS
@@ -251,9 +255,10 @@ def first_max(x: torch.Tensor) -> torch.Tensor:
         chunks = triton.cdiv(vocab, CHUNK)
         tops = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
         at = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
-        _chunk_first_max_kernel[(rows, chunks)](x, tops, at, vocab, x.stride(0), CHUNK=CHUNK, num_warps=8)
+        pdl = pdl_options(x.device)  # greedy at batch 1 follows the LM head on the step's critical path
+        _chunk_first_max_kernel[(rows, chunks)](x, tops, at, vocab, x.stride(0), CHUNK=CHUNK, num_warps=8, **pdl)
         _pick_first_max_kernel[(rows,)](tops, at, out, chunks, CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)),
-                                        num_warps=1)
+                                        num_warps=1, **pdl)
     return out
 
 

@@ -57,9 +57,10 @@ def kernels_for(device: torch.device | str, dtype: torch.dtype) -> TritonKernels
 
 
 def launch_policy(pdl: bool) -> contextlib.AbstractContextManager:
-    """The Triton kernels launched inside (the skinny GEMM, the layer kernels, the decode attention) use
-    programmatic dependent launch where ``pdl`` (``PAT_PDL``) and the device can: where each kernel starts,
-    not what it computes (``pat_kernels/dependent_launch.py``). Nothing is imported without ``pdl``."""
+    """The Triton kernels launched inside (the skinny GEMM, the layer kernels, the decode attention, greedy's
+    first maximum) use programmatic dependent launch where ``pdl`` (``PAT_PDL``) and the device can: where
+    each kernel starts, not what it computes (``pat_kernels/dependent_launch.py``). Nothing is imported
+    without ``pdl``."""
     if not pdl:
         return contextlib.nullcontext()
     from pat_kernels.dependent_launch import programmatic_launch
