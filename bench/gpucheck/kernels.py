@@ -340,7 +340,7 @@ def render(r: dict, cuda: bool) -> str:
                   + "; ".join(f"{name} (`{VARIANTS[name].setting}`) graphs **{v['ms']:.3f}** ms / step, its graph "
                               f"replayed alone {v['replay_ms']:.3f}" for name, v in r["variants"].items())
                   + f" (as built: {r['graphs_ms']:.3f} and {replay}).", ""]
-    if r.get("refused"):
+    if r["refused"]:
         lines += ["Variants that failed in their warm-up (left out): " + "; ".join(
             f"{name}: `{why}`" for name, why in r["refused"].items()), ""]
     if r["outside"]:
