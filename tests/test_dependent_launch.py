@@ -67,6 +67,20 @@ def test_pat_pdl_asks_for_it_on_cuda_only(monkeypatch):
 
 
 @needs_triton
+def test_a_model_takes_pdl_where_asked_and_possible_and_says_when_it_cannot(dl, monkeypatch, caplog):
+    monkeypatch.setattr(env, "triton_runs_on", lambda kind: True)
+    monkeypatch.setenv("PAT_PDL", "on")
+    assert triton_ops.programmatic_launch(CUDA) and not triton_ops.programmatic_launch(CPU)
+    monkeypatch.setattr(dl, "device_supports", lambda device: False)  # an A100, or a Triton without launch_pdl
+    with caplog.at_level("WARNING", logger="pat_engine.model.layers.triton_ops"):
+        assert not triton_ops.programmatic_launch(CUDA)
+    assert "launch plainly" in caplog.text
+    monkeypatch.delenv("PAT_PDL")
+    monkeypatch.setattr(dl, "device_supports", lambda device: True)
+    assert not triton_ops.programmatic_launch(CUDA)  # not asked
+
+
+@needs_triton
 def test_the_launch_policy_scopes_the_ask(dl):
     with triton_ops.launch_policy(True):
         assert dl.pdl_options(CUDA)["PDL"]

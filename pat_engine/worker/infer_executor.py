@@ -24,13 +24,12 @@ from typing import Iterator
 import torch
 from torch.profiler import record_function
 
-from pat_engine import env
 from pat_engine.config import DEFAULT_MAX_TP
 from pat_engine.host_tensors import to_device
 from pat_engine.model import chunk_weights, cpu_gemm
 from pat_engine.model.arch import ModelArch
 from pat_engine.model.layers.attention import attention_backend
-from pat_engine.model.layers.triton_ops import launch_policy
+from pat_engine.model.layers.triton_ops import launch_policy, programmatic_launch
 from pat_engine.model.llama import CausalLM, ForwardContext
 from pat_engine.model.weights import load_shard_from_disk, load_shard_from_tensors
 from pat_engine.parallel.comm import TPGroup
@@ -72,7 +71,7 @@ class InferExecutor:
         # the invariant mode's draws may not depend on the batch: on CUDA ATen's scan does (docs/numerics.md)
         self.batch_invariant_draws = numerics == "invariant" and device.type == "cuda"
         # PAT_PDL: this rank's Triton kernels (and the graphs capturing them) launch with PDL (launch_policy)
-        self.pdl = env.programmatic_launch(device.type)
+        self.pdl = programmatic_launch(device)
 
     @contextlib.contextmanager
     def writing_weights(self) -> Iterator[None]:

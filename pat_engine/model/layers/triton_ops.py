@@ -15,6 +15,7 @@ The choice is made once, when a layer is built (``serves``), not per call.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ import torch
 from pat_engine import env
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,21 @@ def kernels_for(device: torch.device | str, dtype: torch.dtype) -> TritonKernels
 
     return TritonKernels(triton_norm.rms_norm, triton_norm.add_rms_norm, triton_activation.silu_and_mul,
                          triton_rotary.rotary_kv_write)
+
+
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether a model on ``device`` launches its step's Triton kernels with PDL: asked for (``PAT_PDL=on``, CUDA
+    only) and possible there (sm_90+, a Triton that launches with it). Asked for but not possible: a warning,
+    and plain launches."""
+    if not env.programmatic_launch(device.type):
+        return False
+    from pat_kernels.dependent_launch import device_supports
+
+    if not device_supports(device):
+        log.warning("PAT_PDL=on: %s cannot launch with programmatic dependent launch (it needs an sm_90+ GPU and "
+                    "a Triton with launch_pdl); its kernels launch plainly", device)
+        return False
+    return True
 
 
 def launch_policy(pdl: bool) -> contextlib.AbstractContextManager:
