@@ -140,7 +140,7 @@ def gemm_prologue_fused() -> bool:
     return GEMM_PROLOGUE.says("fused")
 
 
-def programmatic_launch(device_type: str) -> bool:
+def pdl_asked(device_type: str) -> bool:
     """Whether ``PAT_PDL=on`` asks a model on this device type to launch its Triton kernels with PDL (CUDA only;
     the kernels package decides whether the device and Triton can)."""
     return PDL.says("on") and device_type == "cuda" and triton_runs_on(device_type)

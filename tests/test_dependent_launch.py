@@ -59,25 +59,25 @@ def test_the_cpu_and_the_interpreter_never_launch_with_pdl():
 def test_pat_pdl_asks_for_it_on_cuda_only(monkeypatch):
     monkeypatch.setattr(env, "triton_runs_on", lambda kind: True)
     monkeypatch.delenv("PAT_PDL", raising=False)
-    assert not env.programmatic_launch("cuda")  # off by default
+    assert not env.pdl_asked("cuda")  # off by default
     monkeypatch.setenv("PAT_PDL", " On ")
-    assert env.programmatic_launch("cuda") and not env.programmatic_launch("cpu")
+    assert env.pdl_asked("cuda") and not env.pdl_asked("cpu")
     monkeypatch.setattr(env, "triton_runs_on", lambda kind: False)  # no Triton: nothing to launch with it
-    assert not env.programmatic_launch("cuda")
+    assert not env.pdl_asked("cuda")
 
 
 @needs_triton
 def test_a_model_takes_pdl_where_asked_and_possible_and_says_when_it_cannot(dl, monkeypatch, caplog):
     monkeypatch.setattr(env, "triton_runs_on", lambda kind: True)
     monkeypatch.setenv("PAT_PDL", "on")
-    assert triton_ops.programmatic_launch(CUDA) and not triton_ops.programmatic_launch(CPU)
+    assert triton_ops.launches_with_pdl(CUDA) and not triton_ops.launches_with_pdl(CPU)
     monkeypatch.setattr(dl, "device_supports", lambda device: False)  # an A100, or a Triton without launch_pdl
     with caplog.at_level("WARNING", logger="pat_engine.model.layers.triton_ops"):
-        assert not triton_ops.programmatic_launch(CUDA)
+        assert not triton_ops.launches_with_pdl(CUDA)
     assert "launch plainly" in caplog.text
     monkeypatch.delenv("PAT_PDL")
     monkeypatch.setattr(dl, "device_supports", lambda device: True)
-    assert not triton_ops.programmatic_launch(CUDA)  # not asked
+    assert not triton_ops.launches_with_pdl(CUDA)  # not asked
 
 
 @needs_triton

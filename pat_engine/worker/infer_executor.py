@@ -29,7 +29,7 @@ from pat_engine.host_tensors import to_device
 from pat_engine.model import chunk_weights, cpu_gemm
 from pat_engine.model.arch import ModelArch
 from pat_engine.model.layers.attention import attention_backend
-from pat_engine.model.layers.triton_ops import launch_policy, programmatic_launch
+from pat_engine.model.layers.triton_ops import launch_policy, launches_with_pdl
 from pat_engine.model.llama import CausalLM, ForwardContext
 from pat_engine.model.weights import load_shard_from_disk, load_shard_from_tensors
 from pat_engine.parallel.comm import TPGroup
@@ -71,7 +71,7 @@ class InferExecutor:
         # the invariant mode's draws may not depend on the batch: on CUDA ATen's scan does (docs/numerics.md)
         self.batch_invariant_draws = numerics == "invariant" and device.type == "cuda"
         # PAT_PDL: this rank's Triton kernels (and the graphs capturing them) launch with PDL (launch_policy)
-        self.pdl = programmatic_launch(device)
+        self.pdl = launches_with_pdl(device)
 
     @contextlib.contextmanager
     def writing_weights(self) -> Iterator[None]:

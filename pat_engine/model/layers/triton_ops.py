@@ -58,11 +58,11 @@ def kernels_for(device: torch.device | str, dtype: torch.dtype) -> TritonKernels
                          triton_rotary.rotary_kv_write)
 
 
-def programmatic_launch(device: torch.device) -> bool:
+def launches_with_pdl(device: torch.device) -> bool:
     """Whether a model on ``device`` launches its step's Triton kernels with PDL: asked for (``PAT_PDL=on``, CUDA
     only) and possible there (sm_90+, a Triton that launches with it). Asked for but not possible: a warning,
     and plain launches."""
-    if not env.programmatic_launch(device.type):
+    if not env.pdl_asked(device.type):
         return False
     from pat_kernels.dependent_launch import device_supports
 
