@@ -68,8 +68,9 @@ def programmatic_launch(on: bool = True) -> Iterator[None]:
 
 @functools.lru_cache(maxsize=8)
 def device_supports(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can launch with PDL: an sm_90+ CUDA device, this Triton, no interpreter."""
-    if device.type != "cuda" or INTERPRETED or not TRITON_HAS_PDL:
+    """Whether kernels on ``device`` can launch with PDL: an sm_90+ NVIDIA device (ROCm's "cuda" devices have no
+    griddepcontrol), this Triton, no interpreter."""
+    if device.type != "cuda" or INTERPRETED or not TRITON_HAS_PDL or torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
