@@ -67,6 +67,14 @@ def test_pat_pdl_asks_for_it_on_cuda_only(monkeypatch):
 
 
 @needs_triton
+def test_pdl_is_possible_on_a_device_that_can_only(dl, monkeypatch):
+    monkeypatch.setattr(env, "triton_runs_on", lambda kind: True)
+    assert triton_ops.pdl_possible(CUDA) and not triton_ops.pdl_possible(CPU)
+    monkeypatch.setattr(env, "triton_runs_on", lambda kind: False)  # no Triton for CUDA tensors
+    assert not triton_ops.pdl_possible(CUDA)
+
+
+@needs_triton
 def test_a_model_takes_pdl_where_asked_and_possible_and_says_when_it_cannot(dl, monkeypatch, caplog):
     monkeypatch.setattr(env, "triton_runs_on", lambda kind: True)
     monkeypatch.setenv("PAT_PDL", "on")

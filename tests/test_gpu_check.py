@@ -548,9 +548,10 @@ def test_a_failing_candidate_engine_costs_its_own_rows_only():
 
     engines: dict = {}
     candidate = decode.Candidate(engines)
-    engine = candidate.attempt(FakeEngine, {"PAT_PDL": "on"})
-    assert engines["candidate"] is engine and candidate.attempt(lambda: 3) == 3
-    assert "PAT_PDL" not in os.environ  # the settings held for the start only
+    before = os.environ.get("PAT_PDL")
+    engine = candidate.attempt(lambda: FakeEngine() if os.environ["PAT_PDL"] == "on" else None, {"PAT_PDL": "on"})
+    assert isinstance(engine, FakeEngine) and engines["candidate"] is engine and candidate.attempt(lambda: 3) == 3
+    assert os.environ.get("PAT_PDL") == before  # the settings held for the start only
 
     def refused():
         raise RuntimeError("launch refused")

@@ -85,15 +85,6 @@ def step_variant(ex: InferExecutor, graphs: DecodeGraphs, skinny_rows: int | Non
         ex.graphs, ex.pdl = saved, pdl_was
 
 
-def pdl_supported(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch with PDL when asked (an sm_90+ GPU, a Triton that can)."""
-    if device.type != "cuda":
-        return False
-    from pat_kernels.dependent_launch import device_supports
-
-    return device_supports(device)
-
-
 def more_graphs(ex: InferExecutor) -> DecodeGraphs:
     """Another, empty set of decode graphs with the executor's ladder and width (captured lazily)."""
     g = ex.graphs

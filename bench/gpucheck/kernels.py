@@ -288,7 +288,7 @@ def runs(v: Variant, ex, batch: int) -> bool:
     Triton launch with it (else the variant is its twin without)."""
     if not ex.graphs.enabled:
         return False
-    if v.pdl and not executor.pdl_supported(ex.device):
+    if v.pdl and not triton_ops.pdl_possible(ex.device):
         return False
     if v.prologue_rows is not None and (batch > v.prologue_rows or not triton_ops.serves(ex.device, ex.dtype)):
         return False

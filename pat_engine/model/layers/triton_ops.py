@@ -9,7 +9,9 @@ operations with the same roundings (see each kernel's header), row by row.
 They serve a model whose parameters live on a CUDA device, in float16, bfloat16 or float32, when
 Triton imports. ``PAT_TRITON_LAYERS=off`` turns them off (the torch formulas run: A/B runs, the
 fused-vs-unfused GPU test); ``on`` runs them on CPU tensors too, under ``TRITON_INTERPRET=1`` (tests).
-The choice is made once, when a layer is built (``serves``), not per call.
+The choice is made once, when a layer is built (``serves``), not per call. Here too: whether a model's
+step launches these kernels (and the skinny GEMM, the decode attention, greedy's first maximum) with
+programmatic dependent launch (``PAT_PDL``; ``launches_with_pdl``, ``launch_policy``).
 """
 
 from __future__ import annotations
@@ -58,15 +60,22 @@ def kernels_for(device: torch.device | str, dtype: torch.dtype) -> TritonKernels
                          triton_rotary.rotary_kv_write)
 
 
-def launches_with_pdl(device: torch.device) -> bool:
-    """Whether a model on ``device`` launches its step's Triton kernels with PDL: asked for (``PAT_PDL=on``, CUDA
-    only) and possible there (sm_90+, a Triton that launches with it). Asked for but not possible: a warning,
-    and plain launches."""
-    if not env.pdl_asked(device.type):
+def pdl_possible(device: torch.device) -> bool:
+    """Whether Triton kernels on ``device`` can launch with PDL (an sm_90+ NVIDIA GPU, a Triton with
+    ``launch_pdl``); False where Triton cannot take the device's tensors."""
+    if device.type != "cuda" or not env.triton_runs_on(device.type):
         return False
     from pat_kernels.dependent_launch import device_supports
 
-    if not device_supports(device):
+    return device_supports(device)
+
+
+def launches_with_pdl(device: torch.device) -> bool:
+    """Whether a model on ``device`` launches its step's Triton kernels with PDL: asked for (``PAT_PDL=on``, CUDA
+    only) and possible there (``pdl_possible``). Asked for but not possible: a warning, and plain launches."""
+    if not env.pdl_asked(device.type):
+        return False
+    if not pdl_possible(device):
         log.warning("PAT_PDL=on: %s cannot launch with programmatic dependent launch (it needs an sm_90+ GPU and "
                     "a Triton with launch_pdl); its kernels launch plainly", device)
         return False
