@@ -85,8 +85,15 @@ PDL = EnvSwitch("PAT_PDL", "off",
                 "(pat_kernels/dependent_launch.py: where kernels start, not what they compute); off: plain launches "
                 "(the default until a GPU run times the step ahead, bench/gpucheck/kernels.py)")
 
+SWITCH_P2P = EnvSwitch("PAT_SWITCH_P2P", "auto",
+                       "how a switch's weights and KV travel between ranks (parallel/p2p.py): auto: ranks sharing a "
+                       "GPU pass their CUDA buffers by IPC handle and copy device to device, every other world "
+                       "sends directly (NCCL between GPUs, gloo on the CPU); host: ranks sharing a GPU stage the "
+                       "buffers through host memory and gloo instead (A/B runs); handles: every world by handle, "
+                       "CPU workers through shared-memory files (tests)")
+
 SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, API_KEY, ENGINE_CACHE, TRITON_LAYERS, SKINNY_GEMM, TRITON_SAMPLER,
-            DECODE_REDUCE, GEMM_PROLOGUE, PDL)
+            DECODE_REDUCE, GEMM_PROLOGUE, PDL, SWITCH_P2P)
 
 
 def cpu_gemm_packing() -> bool:
@@ -144,6 +151,12 @@ def pdl_asked(device_type: str) -> bool:
     """Whether ``PAT_PDL=on`` asks a model on this device type to launch its Triton kernels with PDL (CUDA only;
     the kernels package decides whether the device and Triton can)."""
     return PDL.says("on") and device_type == "cuda" and triton_runs_on(device_type)
+
+
+def switch_p2p() -> str:
+    """``PAT_SWITCH_P2P``: "auto", "host" or "handles" (anything else reads as "auto")."""
+    value = SWITCH_P2P.value().strip().lower()
+    return value if value in ("host", "handles") else "auto"
 
 
 def triton_sampler(device_type: str) -> bool:

@@ -1,7 +1,8 @@
 """The live switch end to end on one GPU whose ranks share it (parallel/devices.py; issue 32, items 1-2).
 
 Every rank runs on the same device, the KV of each sized from its memory share; collectives go through
-gloo on host copies, so TP>1 groups decode eagerly while TP1 layouts keep their CUDA graphs. Checked:
+gloo on host copies, so TP>1 groups decode eagerly while TP1 layouts keep their CUDA graphs; a switch's
+weights and KV pass by CUDA IPC handle (parallel/p2p.py; ``PAT_SWITCH_P2P=host`` stages them). Checked:
 start-up within the shares, TP1xDP2 -> TP2xDP1 -> TP1xDP2 and TP1xDP4 -> TP4xDP1 mid-batch over both KV
 paths with graphs on, tokens as an unswitched run gives (float32; bfloat16 with ``numerics="invariant"``,
 log-probs too), and no CUDA memory kept across 20 switches. Skipped without CUDA; the CPU side of the
@@ -16,6 +17,7 @@ import torch
 from conftest import MAX_NEW, PROMPTS
 from pat_engine import Engine, SamplingParams
 from pat_engine.errors import InvalidRequestError
+from pat_engine.parallel.p2p import path_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,  # worker processes on the device
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -69,10 +71,6 @@ def _assert_same_bits(plain, switched) -> None:
     assert [(o.token_ids, o.logprobs) for o in switched] == [(o.token_ids, o.logprobs) for o in plain]
 
 
-def _graph_stats(engine: Engine) -> list[dict]:
-    return [s["graphs"] for s in engine.worker_stats()]
-
-
 def test_ranks_sharing_the_gpu_start_inside_their_shares(model_dir):
     """The issue's start-up: each rank sized its KV from the free memory as if alone, and the second OOMed."""
     total = torch.cuda.get_device_properties(0).total_memory
@@ -96,7 +94,9 @@ def test_tp1xdp2_to_tp2_and_back_mid_batch_float32(model_dir, kv):
         plain = _run(engine, _greedy(top=True))
         switched = _run(engine, _greedy(), [(3, 2), (20, 1)], kv)
         merge, split = engine.switches[-2:]
-        graphs = _graph_stats(engine)
+        stats = engine.worker_stats()
+    graphs = [s["graphs"] for s in stats]
+    assert {s["p2p"] for s in stats} == {path_for(host_staged=True)}  # CUDA IPC unless PAT_SWITCH_P2P=host
     assert (merge.to_layout, split.to_layout) == ("TP2xDP1", "TP1xDP2")
     _assert_same_greedy(plain, switched)
     assert merge.costs["graphs_captured"] == 0  # the co-located TP2 group decodes eagerly, no capture tried

@@ -3,21 +3,24 @@
 Model: Llama-3.2-1B's shape with random bf16 weights (``shared.LLAMA32_1B``, 2.47 GB, written once per
 workdir). Engine: ``tp=1, dp=2`` on one device: both ranks on it (parallel/devices.py: each rank sizes its
 KV from its memory share; collectives through gloo on host copies; TP>1 groups decode eagerly, TP1 groups
-keep their CUDA graphs), graphs on, prefix caching off. A long-tail batch merges to TP2xDP1 at decode step
+keep their CUDA graphs; a switch's weights and KV pass by CUDA IPC handle, device to device, unless
+``PAT_SWITCH_P2P=host`` stages them through host memory: parallel/p2p.py), graphs on, prefix caching off. A long-tail batch merges to TP2xDP1 at decode step
 16 while every request runs and splits back to TP1xDP2 once only the long ones are left; each switch is
 reported by phase: drain (steps in flight finished), groups, weights, KV, graphs (recapture of the sizes
 the unfinished requests can use), and the rest (plan, install, barriers, the driver's round trip), with
 bytes moved and peak extra memory. The first batch is a warm-up (groups made, first TP2 kernels compiled,
 first captures) and is shown apart. Goal (issue 32): the graphs phase <= 10% of a switch that recaptures.
 
-Also: what the host-staged collectives cost (point-to-point GB/s, decode steps per layout; full mode:
+Also: point-to-point GB/s a rank along both paths, by handle and staged through the host (interleaved),
+what the host-staged collectives cost (decode steps per layout; full mode:
 each collective a TP2 decode step makes, timed on its shapes), CUDA memory per rank before and after the
 measured switches, and (full mode) a TP1xDP4 -> TP4xDP1 merge and the capture warm-ups (2 per size as the
 first H100 run captured, against 2 for an epoch's first size and 1 for the rest), each of the three on its
 own: one that fails says so in its place and the rest of the part stands. The controller on this
 deployment is the ``controller`` part (switch_controller.py), its own process.
 
-Read the communication figures as host memory's, not NVLink's: on one device this mode proves a switch's
+Read the collectives' figures as host memory's, not NVLink's; a switch's weights and KV, copied device to
+device, move at HBM speed, above what NVLink would give: on one device this mode proves a switch's
 mechanics (tokens, memory, recapture) and times everything but its communication. ``--quick``: one
 measured batch (migrate) after the warm-up, the headline rows only.
 """
@@ -271,6 +274,27 @@ def decode_tokens(ex, graphs: bool) -> list[list[int]]:
     return out
 
 
+P2P_WORDS = {"handles": "by handle (CUDA IPC: device copies)", "host": "staged through host memory (gloo)",
+             "direct": "sent directly"}
+P2P_ROUNDS = 2
+
+
+def p2p_rates(engine, host_staged: bool, nbytes: int) -> dict[str, float]:
+    """Bytes/s a rank along each point-to-point path this world can take (parallel/p2p.py), interleaved
+    (A, B, A, B), best of each."""
+    paths = ("host", "handles") if host_staged else ("direct", "handles")
+    best = dict.fromkeys(paths, 0.0)
+    for _ in range(P2P_ROUNDS):
+        for path in paths:
+            best[path] = max(best[path], engine.measure_bandwidth(nbytes, path=path))
+    return best
+
+
+def rates_line(rates: dict[str, float], used: str) -> str:
+    return ", ".join(f"{P2P_WORDS[p].split(' (')[0]} {r / 1e9:.2f} GB/s" + (" (the switches')" if p == used else "")
+                     for p, r in rates.items())
+
+
 def run(ctx: Ctx) -> PartResult:
     from pat_engine.model.arch import load_model_arch
 
@@ -281,10 +305,13 @@ def run(ctx: Ctx) -> PartResult:
     with start(ckpt, 2, ctx.device, ctx.smoke) as engine:
         stats = engine.worker_stats()
         where = (f"{len(stats)} ranks on {', '.join(sorted({s['device'] for s in stats}))}; collectives "
-                 f"{'host-staged (gloo)' if stats[0]['host_staged'] else 'not staged'}; "
+                 f"{'host-staged (gloo)' if stats[0]['host_staged'] else 'not staged'}; a switch's weights and "
+                 f"KV {P2P_WORDS[stats[0]['p2p']]}; "
                  f"{engine.memory.num_blocks(engine.layout)} KV blocks per rank at TP1xDP2")
         rows, events, steps, memory = switch_rows(engine, w, 2, kvs, vocab, "TP1xDP2")
-        bandwidth = engine.measure_bandwidth(8 * MiB if ctx.smoke else 64 * MiB)
+        probe_bytes = 8 * MiB if ctx.smoke else 64 * MiB
+        rates = p2p_rates(engine, stats[0]["host_staged"], probe_bytes)
+        bandwidth = rates[stats[0]["p2p"]]
     free_device_memory()
     split = [ev for ev in events if ev.costs["graphs_captured"] > 0] or events
     worst = max(split, key=graphs_share)
@@ -305,7 +332,8 @@ def run(ctx: Ctx) -> PartResult:
         f"requests: {phases(merge)}"
         + (" (the co-located TP2 group decodes eagerly: nothing captured)" if not merge.costs["graphs_captured"]
            else ""),
-        f"host-staged collectives: point-to-point {bandwidth / 1e9:.2f} GB/s per rank; decode steps "
+        f"point-to-point per rank: {rates_line(rates, stats[0]['p2p'])}; decode steps"
+        + (" (collectives host-staged) " if stats[0]["host_staged"] else " ")
         + "; ".join(f"{k} {v}" for k, v in steps_ms.items()),
         f"CUDA memory across {len(events)} measured switches: {memory['delta']}",
     ]
@@ -324,14 +352,15 @@ def run(ctx: Ctx) -> PartResult:
         "Decode steps per layout (driver-side median over the measured batches): "
         + "; ".join(f"{k}: {v}" for k, v in steps_ms.items()) + ".",
         "",
-        f"Point-to-point between the co-located ranks (the switch's weight and KV path, staged through host "
-        f"memory): {bandwidth / 1e9:.2f} GB/s per rank (Engine.measure_bandwidth). CUDA memory per rank, after "
+        f"Point-to-point between the ranks, every rank sending {probe_bytes // MiB} MiB to the next at once "
+        f"(Engine.measure_bandwidth along each path, interleaved, best of {P2P_ROUNDS} rounds of 3): "
+        f"{rates_line(rates, stats[0]['p2p'])}. CUDA memory per rank, after "
         f"the measured batches less before (each read after the rank returned its unused cached blocks, "
         f"Engine.worker_stats(release_cached=True)): {memory['delta']}.",
     ]
     data: dict[str, Any] = {"switches": [{"from": e.from_layout, "to": e.to_layout, "kv": e.kv_path,
                                           "seconds": e.seconds, **e.costs} for e in events],
-                            "bandwidth": bandwidth}
+                            "bandwidth": bandwidth, "p2p": stats[0]["p2p"], "p2p_rates": rates}
     if not ctx.quick:  # each piece on its own: one that fails keeps the rows above and the pieces after it
         lines += apart("host-staged collectives", lambda: collectives_section(ctx, spec))
         lines += apart("four ranks", lambda: four_ranks_section(ctx, ckpt, w, vocab, data))

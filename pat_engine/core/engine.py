@@ -195,9 +195,13 @@ class Engine:
         finally:
             self._stepping.set_step_log(None)
 
-    def measure_bandwidth(self, nbytes: int = 8 << 20, repeats: int = 3) -> float:
-        """One-way per-rank point-to-point bandwidth (bytes/s), every rank sending at once."""
-        seconds = self._stepping.bandwidth_probe(nbytes, repeats)
+    def measure_bandwidth(self, nbytes: int = 8 << 20, repeats: int = 3, path: str | None = None) -> float:
+        """One-way per-rank point-to-point bandwidth (bytes/s), every rank sending at once, along ``path``
+        ("direct", "host" or "handles", parallel/p2p.py; None: the path this world's switches take)."""
+        try:
+            seconds = self._stepping.bandwidth_probe(nbytes, repeats, path)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
         slowest = max(seconds)
         return float("inf") if slowest == 0 else nbytes / slowest
 

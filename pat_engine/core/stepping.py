@@ -35,6 +35,7 @@ from pat_engine.core.timeline import Timeline
 from pat_engine.core.worker_pool import WorkerPool
 from pat_engine.errors import WorkerFailure, last_traceback_line
 from pat_engine.parallel.dp_placement import PlacementRule
+from pat_engine.parallel.p2p import check_path
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.policy import ClusterStatus, GroupSnapshot, RequestSnapshot
 from pat_engine.protocol import AnswerHeld, StepCommand, StepResult
@@ -446,9 +447,12 @@ class Stepping:
         return self.pool.ask(Stats(release_cached))
 
     @on_loop
-    def bandwidth_probe(self, nbytes: int, repeats: int) -> list[float]:
-        """Each rank's best seconds to exchange ``nbytes`` with its neighbours, all ranks at once."""
-        return self.pool.ask(BandwidthProbe(nbytes, repeats))
+    def bandwidth_probe(self, nbytes: int, repeats: int, path: str | None = None) -> list[float]:
+        """Each rank's best seconds to exchange ``nbytes`` with its neighbours, all ranks at once, along
+        ``path`` (parallel/p2p.py; None: the world's)."""
+        if path is not None:
+            check_path(path, self.pool.placement.host_staged)
+        return self.pool.ask(BandwidthProbe(nbytes, repeats, path))
 
 
 def _notify(seq: Sequence, new_tokens: int) -> None:

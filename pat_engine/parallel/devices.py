@@ -10,9 +10,9 @@ as such wherever it runs:
   ``gpu_memory_utilization`` split equally among the most ranks any device holds). Ranks size their KV
   from that share and agree on the smallest pool, so every rank holds a pool of the same size;
 - **collectives**: NCCL refuses two ranks on one device ("Duplicate GPU detected"), so such a world's
-  device collectives run through gloo, on host copies of the CUDA tensors (``host_staged``). Its
-  communication times are those of host memory, not of NVLink: such a run proves a switch's mechanics
-  (tokens, memory, graph recapture), not its communication cost;
+  device collectives run through gloo, on host copies of the CUDA tensors (``host_staged``), at host
+  memory's speed, not NVLink's: such a run proves a switch's mechanics (tokens, memory, graph recapture),
+  not its communication cost. A switch's weights and KV pass by CUDA IPC handle instead (parallel/p2p.py);
 - **graphs**: a collective staged through the host cannot be recorded in a CUDA graph (the device-to-host
   copies synchronise, and the exchange itself, gloo or the shared-memory channel, is host work), and a
   spinning cross-process wait on one device without MPS can deadlock a captured graph. So a TP group of host-staged collectives decodes eagerly; TP1 groups (no

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.layout import Layout
-from pat_engine.parallel import shm_collectives
+from pat_engine.parallel import p2p, shm_collectives
 
 
 @dataclass
@@ -35,6 +35,11 @@ class CommGroupPool:
         self.timeout = timeout
         self.stats = GroupPoolStats()
         self._groups: dict[Layout, TPGroup] = {}
+
+    @property
+    def p2p_path(self) -> str:
+        """How this world's switch traffic travels (parallel/p2p.py: direct, host or handles)."""
+        return p2p.path_for(self.host_staged)
 
     def get(self, layout: Layout) -> tuple[TPGroup, bool]:
         """Return this rank's TP group for ``layout`` and whether it was a cache hit."""

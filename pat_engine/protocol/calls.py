@@ -79,10 +79,12 @@ class Stats(WorkerCall[list[dict]]):
 
 @dataclass(frozen=True)
 class BandwidthProbe(WorkerCall[list[float]]):
-    """Best seconds to send ``nbytes`` to the next rank while receiving as many from the previous, per rank."""
+    """Best seconds to send ``nbytes`` to the next rank while receiving as many from the previous, per rank,
+    along ``path`` (parallel/p2p.py; None: the path the world's switches take)."""
 
     nbytes: int
     repeats: int = 3
+    path: str | None = None
     reply = ReplyRule.EACH
 
 

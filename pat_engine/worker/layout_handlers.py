@@ -31,12 +31,14 @@ class LayoutHandlers:
                 "graphs": {"captured": list(ex.graphs.captured), "capturable": ex.tp.graphs_capturable,
                            **ex.graphs.stats.to_dict()},
                 "device": str(ex.device), "host_staged": self.groups.host_staged,
+                "p2p": self.groups.p2p_path,
                 "device_memory": allocator_stats(ex.device, call.release_cached)}
 
     def bandwidth_probe(self, call: BandwidthProbe) -> float:
         # every rank sends and receives at once, the pattern of a KV or weight redistribution
         from pat_engine.parallel.p2p import exchange
 
+        path = call.path or self.groups.p2p_path
         if self.world == 1:
             return 0.0
         device = self.executor.device
@@ -46,8 +48,7 @@ class LayoutHandlers:
         for _ in range(call.repeats):
             dist.barrier(group=self.cpu_world)
             t = time.perf_counter()
-            exchange({(self.rank + 1) % self.world: out}, {(self.rank - 1) % self.world: inp},
-                     self.groups.host_staged)
+            exchange({(self.rank + 1) % self.world: out}, {(self.rank - 1) % self.world: inp}, path)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - t)

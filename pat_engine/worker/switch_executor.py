@@ -168,7 +168,7 @@ class SwitchExecutor:
                  for src, views in incoming.items()}
         buffers = sum(_nbytes(b) for b in [*sends.values(), *recvs.values()])
         meter.add(buffers)
-        exchange(sends, recvs, self.groups.host_staged)
+        exchange(sends, recvs, self.groups.p2p_path)
         sent += sum(_nbytes(b) for b in sends.values())
         for src, views in incoming.items():
             offset = 0
@@ -216,7 +216,7 @@ class SwitchExecutor:
             live = sum(_nbytes(b) for b in list(bufs.values()) + list(recvs.values())) + (_nbytes(local) if local is not None else 0)
             meter.add(live)
             del flat, old_layer  # packed: the old layer's memory becomes the new layer (the pool's is the last reference)
-            exchange(bufs, recvs, self.groups.host_staged)
+            exchange(bufs, recvs, self.groups.p2p_path)
             sent += sum(_nbytes(b) for b in bufs.values())
             new_layer = new_pool.append_layer_from(old_pool, layer)
             new_flat = new_layer.view(2, -1, new_layer.shape[-2], new_layer.shape[-1])
