@@ -29,30 +29,53 @@ def _rank(rank: int, world: int, port: int, device: str, shapes: list[tuple[str,
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     group, _ = CommGroupPool(rank, world, "gloo", timeout, host_staged=dev.type == "cuda").get(Layout(world, 1))
-    result = {}
+    result: dict = {}
     for name, rows, cols in shapes:
         x = torch.randn(rows, cols, dtype=dtype, device=dev)
         op = (lambda: group.all_reduce(x.clone())) if name == "all_reduce" else \
             (lambda: group.gather_to_leader(x, dim=-1))
-        secs = []
-        for i in range(WARMUP + REPEATS):
-            dist.barrier()
-            t = time.perf_counter()
-            op()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            if i >= WARMUP:
-                secs.append(time.perf_counter() - t)
-        result[f"{name} {rows}x{cols}"] = statistics.median(secs)
+        result[f"{name} {rows}x{cols}"] = _median_seconds(op, dev)
+    first = next(((rows, cols) for name, rows, cols in shapes if name == "all_reduce"), None)
+    if first is not None:
+        result["pieces"] = _pieces(group, torch.randn(*first, dtype=dtype, device=dev), dev)
     if rank == 0:
         out.put(result)
     dist.destroy_process_group()
 
 
+def _median_seconds(op, dev: torch.device) -> float:
+    """Median seconds of ``op`` and the device sync after it, every rank starting together (a barrier)."""
+    secs = []
+    for i in range(WARMUP + REPEATS):
+        dist.barrier()
+        t = time.perf_counter()
+        op()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        if i >= WARMUP:
+            secs.append(time.perf_counter() - t)
+    return statistics.median(secs)
+
+
+def _pieces(group, x: torch.Tensor, dev: torch.device) -> dict[str, float]:
+    """A staged all-reduce's pieces, each timed alone with every rank at once: a kernel and the sync every
+    piece ends with, the copy to the host, the exchange between the ranks' host copies (the CPU workers'
+    path), the copy back. Tells whether the device round trips (two processes taking turns on one GPU)
+    or the host exchange hold the time, which decides what a faster co-located collective would change."""
+    host = x.cpu()
+    ops = {PIECES[0]: lambda: x.add_(0), PIECES[1]: lambda: x.cpu(),
+           PIECES[2]: lambda: group.all_reduce(host.clone()), PIECES[3]: lambda: x.copy_(host)}
+    return {name: _median_seconds(op, dev) for name, op in ops.items()}
+
+
+PIECES = ("a kernel + sync", "to host", "host exchange", "to device")
+
+
 def time_collectives(world: int, device: str, shapes: list[tuple[str, int, int]],
                      dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
-    """Median seconds of each (op, rows, cols) on a host-staged TP group of ``world`` ranks of one device;
-    op is "all_reduce" (a row-parallel output) or "gather" (logits to the TP leader)."""
+    """Median seconds of each (op, rows, cols) on a host-staged TP group of ``world`` ranks of one device,
+    keyed "op RxC"; op is "all_reduce" (a row-parallel output) or "gather" (logits to the TP leader). Also
+    "pieces": the first all-reduce's pieces (``_pieces``), seconds each."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # an OS-chosen port

@@ -13,7 +13,8 @@ first captures) and is shown apart. Goal (issue 32): the graphs phase <= 10% of 
 
 Also: point-to-point GB/s a rank along both paths, by handle and staged through the host (interleaved),
 what the host-staged collectives cost (decode steps per layout; full mode:
-each collective a TP2 decode step makes, timed on its shapes), CUDA memory per rank before and after the
+each collective a TP2 decode step makes, timed on its shapes, and a batch-1 all-reduce piece by piece:
+device round trips or host exchange), CUDA memory per rank before and after the
 measured switches, and (full mode) a TP1xDP4 -> TP4xDP1 merge and the capture warm-ups (2 per size as the
 first H100 run captured, against 2 for an epoch's first size and 1 for the rest), each of the three on its
 own: one that fails says so in its place and the rest of the part stands. The controller on this
@@ -171,8 +172,9 @@ def switch_rows(engine, w: Workload, high: int, kvs: tuple[str, ...], vocab: int
     return rows, events, steps, {"delta": memory_delta(before, after), "stats": after}
 
 
-def collective_rows(ctx: Ctx, spec, world: int) -> list[list]:
-    """Each collective of a TP``world`` decode step (fast numerics), timed on its shapes, and per step."""
+def collective_rows(ctx: Ctx, spec, world: int) -> tuple[list[list], dict[str, float]]:
+    """Each collective of a TP``world`` decode step (fast numerics), timed on its shapes, and per step; and
+    the pieces of the first all-reduce (staged_collectives._pieces)."""
     from gpucheck.staged_collectives import time_collectives
 
     batches = (1, 8) if ctx.smoke else (1, 8, 32)
@@ -184,7 +186,7 @@ def collective_rows(ctx: Ctx, spec, world: int) -> list[list]:
         reduce_s, gather_s = got[f"all_reduce {b}x{spec.hidden_size}"], got[f"gather {b}x{shard}"]
         per_step = (2 * spec.num_layers + 1) * reduce_s + gather_s  # o_proj + down_proj a layer, embedding, logits
         rows.append([b, reduce_s * 1e3, gather_s * 1e3, 2 * spec.num_layers + 1, per_step * 1e3])
-    return rows
+    return rows, got["pieces"]
 
 
 def capture_warmups(ctx: Ctx, ckpt: Path) -> list[list]:
@@ -224,11 +226,14 @@ def apart(what: str, section) -> list[str]:
 
 
 def collectives_section(ctx: Ctx, spec: TinyModelSpec) -> list[str]:
+    rows, pieces = collective_rows(ctx, spec, 2)
     return ["", "**What each host-staged collective costs** (a TP2 group of two processes on this device, "
             "gloo on host copies, median of 30 calls; per step = 2 all-reduces a layer + the embedding's "
             "+ the logits gather; fast numerics):", "",
             markdown_table(["batch", "all-reduce (batch x hidden) ms", "logits gather ms",
-                            "all-reduces a step", "collectives a step ms"], collective_rows(ctx, spec, 2))]
+                            "all-reduces a step", "collectives a step ms"], rows), "",
+            "Where a batch-1 all-reduce's time goes (each piece alone, both ranks at once, median ms; each ends "
+            "with a device sync): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in pieces.items()) + "."]
 
 
 def four_ranks_section(ctx: Ctx, ckpt: Path, w: Workload, vocab: int, data: dict) -> list[str]:
