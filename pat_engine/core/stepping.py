@@ -35,8 +35,8 @@ from pat_engine.core.timeline import Timeline
 from pat_engine.core.worker_pool import WorkerPool
 from pat_engine.errors import WorkerFailure, last_traceback_line
 from pat_engine.parallel.dp_placement import PlacementRule
-from pat_engine.parallel.p2p import check_path
 from pat_engine.parallel.layout import Layout
+from pat_engine.parallel.p2p import check_path
 from pat_engine.predictor.policy import ClusterStatus, GroupSnapshot, RequestSnapshot
 from pat_engine.protocol import AnswerHeld, StepCommand, StepResult
 from pat_engine.protocol.calls import BandwidthProbe, Reply, Stats
