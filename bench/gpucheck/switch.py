@@ -316,6 +316,7 @@ def run(ctx: Ctx) -> PartResult:
         rows, events, steps, memory = switch_rows(engine, w, 2, kvs, vocab, "TP1xDP2")
         probe_bytes = 8 * MiB if ctx.smoke else 64 * MiB
         rates = p2p_rates(engine, stats[0]["host_staged"], probe_bytes)
+        small = p2p_rates(engine, stats[0]["host_staged"], MiB)  # what an exchange costs beside its bytes
         bandwidth = rates[stats[0]["p2p"]]
     free_device_memory()
     split = [ev for ev in events if ev.costs["graphs_captured"] > 0] or events
@@ -359,13 +360,16 @@ def run(ctx: Ctx) -> PartResult:
         "",
         f"Point-to-point between the ranks, every rank sending {probe_bytes // MiB} MiB to the next at once "
         f"(Engine.measure_bandwidth along each path, interleaved, best of {P2P_ROUNDS} rounds of 3): "
-        f"{rates_line(rates, stats[0]['p2p'])}. CUDA memory per rank, after "
+        f"{rates_line(rates, stats[0]['p2p'])}; one exchange of 1 MiB takes "
+        + ", ".join(f"{P2P_WORDS[p].split(' (')[0]} {MiB / r * 1e3:.2f} ms" for p, r in small.items())
+        + " (a switch makes one a layer for its weights and one for its KV). CUDA memory per rank, after "
         f"the measured batches less before (each read after the rank returned its unused cached blocks, "
         f"Engine.worker_stats(release_cached=True)): {memory['delta']}.",
     ]
     data: dict[str, Any] = {"switches": [{"from": e.from_layout, "to": e.to_layout, "kv": e.kv_path,
                                           "seconds": e.seconds, **e.costs} for e in events],
-                            "bandwidth": bandwidth, "p2p": stats[0]["p2p"], "p2p_rates": rates}
+                            "bandwidth": bandwidth, "p2p": stats[0]["p2p"], "p2p_rates": rates,
+                            "p2p_rates_1mib": small}
     if not ctx.quick:  # each piece on its own: one that fails keeps the rows above and the pieces after it
         lines += apart("host-staged collectives", lambda: collectives_section(ctx, spec))
         lines += apart("four ranks", lambda: four_ranks_section(ctx, ckpt, w, vocab, data))
