@@ -26,6 +26,9 @@ warm between back-to-back calls:
     python bench/gpu_check.py --quick --only attention sampler kernels decode tests --budget-s 380 --output "$OUT/gpu_check.md"
     python bench/gpu_check.py --only controller switch --quick --budget-s 330 --output "$OUT/gpu_check.md"
 
+(The first command's co-located gpu test switches by handle; should it fail there, run the second with
+``PAT_SWITCH_P2P=host``, the fourth run's path, and say so.)
+
 Parts (``--only`` names; each a section of ``bench/results/gpu_check.md`` with its command, machine, date
 and environment, headlines with each target's verdict at the top). Each part's expected seconds on an
 H100 are in ``registry.py``; the parts table prints them beside what they took, so a run can correct them:
