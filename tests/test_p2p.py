@@ -23,8 +23,9 @@ from pat_engine.errors import InvalidRequestError
 from pat_engine.parallel import p2p
 
 WORLD = 3
-# (src, dst) -> numel: ranks that only send (0), send and receive (1), only receive (2); uneven sizes
-PATTERN = {(0, 1): 5, (0, 2): 1000, (1, 2): 3, (1, 0): 0}
+# (src, dst) -> numel: ranks that only send (0), send and receive (1), only receive (2); uneven sizes, one
+# of several MB
+PATTERN = {(0, 1): 5, (0, 2): 1_500_001, (1, 2): 3, (1, 0): 0}
 
 
 def _payload(src: int, dst: int, n: int, dtype: torch.dtype) -> torch.Tensor:
