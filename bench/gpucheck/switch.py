@@ -4,8 +4,9 @@ Model: Llama-3.2-1B's shape with random bf16 weights (``shared.LLAMA32_1B``, 2.4
 workdir). Engine: ``tp=1, dp=2`` on one device: both ranks on it (parallel/devices.py: each rank sizes its
 KV from its memory share; collectives through gloo on host copies; TP>1 groups decode eagerly, TP1 groups
 keep their CUDA graphs; a switch's weights and KV pass by CUDA IPC handle, device to device, unless
-``PAT_SWITCH_P2P=host`` stages them through host memory: parallel/p2p.py), graphs on, prefix caching off. A long-tail batch merges to TP2xDP1 at decode step
-16 while every request runs and splits back to TP1xDP2 once only the long ones are left; each switch is
+``PAT_SWITCH_P2P=host`` stages them through host memory: parallel/p2p.py), graphs on, prefix caching off.
+A long-tail batch merges to TP2xDP1 at decode step 16 while every request runs and splits back to
+TP1xDP2 once only the long ones are left; each switch is
 reported by phase: drain (steps in flight finished), groups, weights, KV, graphs (recapture of the sizes
 the unfinished requests can use), and the rest (plan, install, barriers, the driver's round trip), with
 bytes moved and peak extra memory. The first batch is a warm-up (groups made, first TP2 kernels compiled,
@@ -281,6 +282,7 @@ def decode_tokens(ex, graphs: bool) -> list[list[int]]:
 
 P2P_WORDS = {"handles": "by handle (CUDA IPC: device copies)", "host": "staged through host memory (gloo)",
              "direct": "sent directly"}
+P2P_SHORT = {"handles": "by handle", "host": "staged through host memory", "direct": "sent directly"}
 P2P_ROUNDS = 2
 
 
@@ -296,7 +298,7 @@ def p2p_rates(engine, host_staged: bool, nbytes: int) -> dict[str, float]:
 
 
 def rates_line(rates: dict[str, float], used: str) -> str:
-    return ", ".join(f"{P2P_WORDS[p].split(' (')[0]} {r / 1e9:.2f} GB/s" + (" (the switches')" if p == used else "")
+    return ", ".join(f"{P2P_SHORT[p]} {r / 1e9:.2f} GB/s" + (" (the switches')" if p == used else "")
                      for p, r in rates.items())
 
 
@@ -361,7 +363,7 @@ def run(ctx: Ctx) -> PartResult:
         f"Point-to-point between the ranks, every rank sending {probe_bytes // MiB} MiB to the next at once "
         f"(Engine.measure_bandwidth along each path, interleaved, best of {P2P_ROUNDS} rounds of 3): "
         f"{rates_line(rates, stats[0]['p2p'])}; one exchange of 1 MiB takes "
-        + ", ".join(f"{P2P_WORDS[p].split(' (')[0]} {MiB / r * 1e3:.2f} ms" for p, r in small.items())
+        + ", ".join(f"{P2P_SHORT[p]} {MiB / r * 1e3:.2f} ms" for p, r in small.items())
         + " (a switch makes one a layer for its weights and one for its KV). CUDA memory per rank, after "
         f"the measured batches less before (each read after the rank returned its unused cached blocks, "
         f"Engine.worker_stats(release_cached=True)): {memory['delta']}.",

@@ -15,8 +15,9 @@ as such wherever it runs:
   not its communication cost. A switch's weights and KV pass by CUDA IPC handle instead (parallel/p2p.py);
 - **graphs**: a collective staged through the host cannot be recorded in a CUDA graph (the device-to-host
   copies synchronise, and the exchange itself, gloo or the shared-memory channel, is host work), and a
-  spinning cross-process wait on one device without MPS can deadlock a captured graph. So a TP group of host-staged collectives decodes eagerly; TP1 groups (no
-  collective) keep their graphs (``graphs_capturable``).
+  spinning cross-process wait on one device without MPS can deadlock a captured graph. So a TP group of
+  host-staged collectives decodes eagerly; TP1 groups (no collective) keep their graphs
+  (``graphs_capturable``).
 
 Pure functions of counts: the driver places the world once (core/worker_pool.py hands each worker its
 ``DevicePlacement``; predictor/deployment.py names a co-located deployment in its tables), the worker
