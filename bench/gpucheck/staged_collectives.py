@@ -57,6 +57,9 @@ def _median_seconds(op, dev: torch.device) -> float:
     return statistics.median(secs)
 
 
+PIECES = ("a kernel + sync", "to host", "host exchange", "to device")
+
+
 def _pieces(group, x: torch.Tensor, dev: torch.device) -> dict[str, float]:
     """A staged all-reduce's pieces, each timed alone with every rank at once: a kernel and the sync every
     piece ends with, the copy to the host, the exchange between the ranks' host copies (the CPU workers'
@@ -66,9 +69,6 @@ def _pieces(group, x: torch.Tensor, dev: torch.device) -> dict[str, float]:
     ops = {PIECES[0]: lambda: x.add_(0), PIECES[1]: lambda: x.cpu(),
            PIECES[2]: lambda: group.all_reduce(host.clone()), PIECES[3]: lambda: x.copy_(host)}
     return {name: _median_seconds(op, dev) for name, op in ops.items()}
-
-
-PIECES = ("a kernel + sync", "to host", "host exchange", "to device")
 
 
 def time_collectives(world: int, device: str, shapes: list[tuple[str, int, int]],
