@@ -20,14 +20,17 @@ with all three, for the 6.0 ms goal), programmatic dependent launch (``PAT_PDL``
 PDL variants), then the controller with them (its table now splits the predictor's
 error into bias and the steps' own noise, and keeps every step; two passes over its grid) and the switch
 with its weights and KV passed by CUDA IPC handle (the fourth run's host-staged moves took 3.6 of a 4.0 s
-switch; the part times both paths' GB/s, interleaved). Timeouts of about 460 and 420 s; the machine stays
-warm between back-to-back calls:
+switch; the part times both paths' GB/s, interleaved) and a TP2 group's collectives through each other's
+device memory (the fourth run's host-staged ones took 0.6 ms an all-reduce, 20 ms of a 44 ms TP2 step; the
+part times both paths, interleaved). Timeouts of about 460 and 420 s; the machine stays warm between
+back-to-back calls:
 
     python bench/gpu_check.py --quick --only attention sampler kernels decode tests --budget-s 380 --output "$OUT/gpu_check.md"
-    python bench/gpu_check.py --only controller switch --quick --budget-s 330 --output "$OUT/gpu_check.md"
+    python bench/gpu_check.py --only controller switch collectives --quick --budget-s 330 --output "$OUT/gpu_check.md"
 
-(The first command's co-located gpu test switches by handle; should it fail there, run the second with
-``PAT_SWITCH_P2P=host``, the fourth run's path, and say so.)
+(The first command's co-located gpu tests switch by handle and reduce through the IPC slots; should one
+fail there, run the second with ``PAT_SWITCH_P2P=host`` or ``PAT_COLOCATED_COLLECTIVES=host`` (whichever
+path failed: the fourth run's), and say so.)
 
 Parts (``--only`` names; each a section of ``bench/results/gpu_check.md`` with its command, machine, date
 and environment, headlines with each target's verdict at the top). Each part's expected seconds on an
@@ -44,7 +47,8 @@ H100 are in ``registry.py``; the parts table prints them beside what they took, 
 | decode | Engine decode ms / token vs roofline and floor: batch 1/16/64, 64 x 512, 64 x 2K, async off/on; 64 x 512 sampled (RL); batch 1 on an engine built with the candidate settings (skinny GEMMs, prologues, fused reduce, PDL; its failure costs its rows only) |
 | profile | pat-profile --emulate-world 8, graphs on, median step; predictor error at TP1 |
 | controller | the controller on a co-located long-tail rollout (the switch part's 1B shape, 2 ranks), driven by a pat-profile table measured on those ranks: the predictor's step error (goal <= 5%) with its bias and the steps' own noise, its choices against its table |
-| switch | the live switch with 2 (full: and 4) ranks sharing the GPU, 1B shape: each phase in s and bytes, the graphs share, point-to-point GB/s by handle (CUDA IPC, the switch's path) and staged through the host, CUDA memory; full: host-staged collectives, capture warm-ups |
+| switch | the live switch with 2 (full: and 4) ranks sharing the GPU, 1B shape: each phase in s and bytes, the graphs share, point-to-point GB/s by handle (CUDA IPC, the switch's path) and staged through the host, CUDA memory, full: four ranks, capture warm-ups |
+| collectives | each collective of a co-located TP2 decode step (1B shape, batch 1/8/32) through the IPC slots and staged through the host, interleaved; a host-staged all-reduce piece by piece |
 | graphs | CUDA graph capture per ladder size, recapture after an emulated switch |
 | weightsync | update_weights GB/s, update_weights_from_distributed (gloo; NCCL attempted) |
 | tests | ``pytest -m gpu`` over the files holding gpu tests |

@@ -92,8 +92,15 @@ SWITCH_P2P = EnvSwitch("PAT_SWITCH_P2P", "auto",
                        "buffers through host memory and gloo instead (A/B runs); handles: every world by handle, "
                        "CPU workers through shared-memory files (tests)")
 
+COLOCATED_COLLECTIVES = EnvSwitch("PAT_COLOCATED_COLLECTIVES", "auto",
+                                  "how the TP collectives of ranks sharing a GPU travel (parallel/ipc_collectives.py): "
+                                  "auto: through each other's device memory, mapped once by CUDA IPC handle; host: "
+                                  "their CUDA tensors staged through host copies (the fourth H100 run's path: A/B "
+                                  "runs, and the fallback should the IPC path fail on a device); ipc: CPU workers "
+                                  "too, their slots in shared-memory files (tests)")
+
 SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, API_KEY, ENGINE_CACHE, TRITON_LAYERS, SKINNY_GEMM, TRITON_SAMPLER,
-            DECODE_REDUCE, GEMM_PROLOGUE, PDL, SWITCH_P2P)
+            DECODE_REDUCE, GEMM_PROLOGUE, PDL, SWITCH_P2P, COLOCATED_COLLECTIVES)
 
 
 def cpu_gemm_packing() -> bool:
@@ -157,6 +164,12 @@ def switch_p2p() -> str:
     """``PAT_SWITCH_P2P``: "auto", "host" or "handles" (anything else reads as "auto")."""
     value = SWITCH_P2P.value().strip().lower()
     return value if value in ("host", "handles") else "auto"
+
+
+def colocated_collectives() -> str:
+    """``PAT_COLOCATED_COLLECTIVES``: "auto", "host" or "ipc" (anything else reads as "auto")."""
+    value = COLOCATED_COLLECTIVES.value().strip().lower()
+    return value if value in ("host", "ipc") else "auto"
 
 
 def triton_sampler(device_type: str) -> bool:

@@ -50,6 +50,30 @@ SPECS = {
 }
 
 
+def shared_memory_files(pids: list[int], since: float) -> list[str]:
+    """The shared-memory files torch made for these processes (``file_system`` names them torch_<pid>_...)
+    that are not older than ``since`` (time.time()): a file an earlier process of a reused pid left is not
+    theirs."""
+    return [str(f) for pid in pids for f in Path("/dev/shm").glob(f"torch_{pid}_*")
+            if _mtime(f) >= since - 1.0]
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:  # unlinked meanwhile
+        return float("-inf")
+
+
+def wait_for_no_shared_memory_files(pids: list[int], since: float, seconds: float = 10.0) -> list[str]:
+    """Wait until torch's shm manager unlinked these processes' files (it does once their last user let go);
+    what is still there after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while (left := shared_memory_files(pids, since)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
 def _engine_loops() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name == LOOP_THREAD_NAME and t.is_alive()}
 

@@ -1,8 +1,10 @@
 """The live switch end to end on one GPU whose ranks share it (parallel/devices.py; issue 32, items 1-2).
 
-Every rank runs on the same device, the KV of each sized from its memory share; collectives go through
-gloo on host copies, so TP>1 groups decode eagerly while TP1 layouts keep their CUDA graphs; a switch's
-weights and KV pass by CUDA IPC handle (parallel/p2p.py; ``PAT_SWITCH_P2P=host`` stages them). Checked:
+Every rank runs on the same device, the KV of each sized from its memory share; a TP>1 group's collectives
+read each other's device memory (parallel/ipc_collectives.py; ``PAT_COLOCATED_COLLECTIVES=host`` stages
+them through host copies), waiting on the host, so TP>1 groups decode eagerly while TP1 layouts keep their
+CUDA graphs; a switch's weights and KV pass by CUDA IPC handle (parallel/p2p.py; ``PAT_SWITCH_P2P=host``
+stages them). Checked:
 start-up within the shares, TP1xDP2 -> TP2xDP1 -> TP1xDP2 and TP1xDP4 -> TP4xDP1 mid-batch over both KV
 paths with graphs on, tokens as an unswitched run gives (float32; bfloat16 with ``numerics="invariant"``,
 log-probs too), and no CUDA memory kept across 20 switches. Skipped without CUDA; the CPU side of the
@@ -17,6 +19,7 @@ import torch
 from conftest import MAX_NEW, PROMPTS
 from pat_engine import Engine, SamplingParams
 from pat_engine.errors import InvalidRequestError
+from pat_engine.parallel import ipc_collectives
 from pat_engine.parallel.p2p import path_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,  # worker processes on the device
@@ -102,6 +105,18 @@ def test_tp1xdp2_to_tp2_and_back_mid_batch_float32(model_dir, kv):
     assert merge.costs["graphs_captured"] == 0  # the co-located TP2 group decodes eagerly, no capture tried
     assert split.costs["graphs_captured"] > 0 and split.costs["graphs_s"] > 0  # TP1 groups recapture
     assert all(g["uncapturable_decodes"] > 0 and g["replays"] > 0 for g in graphs)
+
+
+def test_a_co_located_tp2_group_reduces_through_the_ipc_slots(model_dir):
+    """Merged into TP2 and left there: the group's collectives take the IPC slots (``host-staged`` with
+    ``PAT_COLOCATED_COLLECTIVES=host``), and its greedy float32 tokens are TP1xDP2's."""
+    with _engine(model_dir, 2) as engine:
+        plain = _run(engine, _greedy(top=True))
+        merged = _run(engine, _greedy(), [(2, 2)])
+        stats = engine.worker_stats()
+    assert engine.switches[-1].to_layout == "TP2xDP1"
+    assert {s["collectives"] for s in stats} == {"ipc" if ipc_collectives.wanted(True, "gloo") else "host-staged"}
+    _assert_same_greedy(plain, merged)
 
 
 @pytest.mark.parametrize("kv", ["migrate", "recompute"])

@@ -9,7 +9,6 @@ runs in test_colocated_gpu.py (``gpu``).
 from __future__ import annotations
 
 import datetime
-import glob
 import os
 import time
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import wait_for_no_shared_memory_files
 from local_cluster import free_port
 
 from pat_engine.errors import InvalidRequestError
@@ -63,22 +63,15 @@ def _exchange_in_turn(rank: int, port: int, failures, pids) -> None:
         dist.destroy_process_group()
 
 
-def _shared_files(pids: list[int]) -> list[str]:
-    """The shared-memory files torch made for these processes (``file_system`` names them torch_<pid>_...)."""
-    return [f for pid in pids for f in glob.glob(f"/dev/shm/torch_{pid}_*")]
-
-
 @pytest.mark.slow  # starts processes
 def test_every_path_delivers_each_pairs_buffer_and_frees_the_senders_at_once():
     context = mp.get_context("spawn")
     failures, pid_queue = context.SimpleQueue(), context.SimpleQueue()
+    start = time.time()
     mp.spawn(_exchange_in_turn, args=(free_port(), failures, pid_queue), nprocs=WORLD)
     assert failures.empty(), failures.get()
     pids = [pid_queue.get() for _ in range(WORLD)]
-    deadline = time.monotonic() + 10  # torch's shm manager unlinks a file once its last user let go
-    while _shared_files(pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _shared_files(pids)  # no shared-memory file outlives the processes that exchanged
+    assert not wait_for_no_shared_memory_files(pids, start)  # no file outlives the processes that exchanged
 
 
 def test_each_world_takes_its_path(monkeypatch):

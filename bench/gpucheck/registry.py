@@ -51,6 +51,9 @@ PARTS: tuple[Part, ...] = (
          "switch_controller", None, 200, 360, 360, needs_checkpoint=False),
     Part("switch", "The live switch on one GPU, ranks sharing it: phases, collectives", "switch",
          45, 120, 150, 560, needs_checkpoint=False),  # its own 2.5 GB checkpoint (1B shape); 114 s in full
+    # collectives: two spawned ranks (CUDA start-up) and a few hundred calls; not a headline of --quick
+    Part("collectives", "A co-located TP2 step's collectives: through the IPC slots and host-staged",
+         "collectives", None, 30, 120, 120, needs_checkpoint=False),
     Part("graphs", "CUDA graph capture and recapture", "graphs", None, 25, 120, 300),
     Part("weightsync", "Weight sync", "weightsync", None, 60, 120, 400),
     Part("tests", "gpu-marked tests", "gpu_tests", 170, 400, 240, 480),  # --quick: gpu_tests.QUICK; full: over 200 s

@@ -2,9 +2,11 @@
 
 Model: Llama-3.2-1B's shape with random bf16 weights (``shared.LLAMA32_1B``, 2.47 GB, written once per
 workdir). Engine: ``tp=1, dp=2`` on one device: both ranks on it (parallel/devices.py: each rank sizes its
-KV from its memory share; collectives through gloo on host copies; TP>1 groups decode eagerly, TP1 groups
-keep their CUDA graphs; a switch's weights and KV pass by CUDA IPC handle, device to device, unless
-``PAT_SWITCH_P2P=host`` stages them through host memory: parallel/p2p.py), graphs on, prefix caching off.
+KV from its memory share; a TP>1 group's collectives through each other's device memory (CUDA IPC slots,
+parallel/ipc_collectives.py) unless ``PAT_COLOCATED_COLLECTIVES=host`` stages them through host copies;
+TP>1 groups decode eagerly, TP1 groups keep their CUDA graphs; a switch's weights and KV pass by CUDA IPC
+handle, device to device, unless ``PAT_SWITCH_P2P=host`` stages them through host memory: parallel/p2p.py),
+graphs on, prefix caching off.
 A long-tail batch merges to TP2xDP1 at decode step 16 while every request runs and splits back to
 TP1xDP2 once only the long ones are left; each switch is
 reported by phase: drain (steps in flight finished), groups, weights, KV, graphs (recapture of the sizes
@@ -13,15 +15,14 @@ bytes moved and peak extra memory. The first batch is a warm-up (groups made, fi
 first captures) and is shown apart. Goal (issue 32): the graphs phase <= 10% of a switch that recaptures.
 
 Also: point-to-point GB/s a rank along both paths, by handle and staged through the host (interleaved),
-what the host-staged collectives cost (decode steps per layout; full mode:
-each collective a TP2 decode step makes, timed on its shapes, and a batch-1 all-reduce piece by piece:
-device round trips or host exchange), CUDA memory per rank before and after the
-measured switches, and (full mode) a TP1xDP4 -> TP4xDP1 merge and the capture warm-ups (2 per size as the
-first H100 run captured, against 2 for an epoch's first size and 1 for the rest), each of the three on its
-own: one that fails says so in its place and the rest of the part stands. The controller on this
-deployment is the ``controller`` part (switch_controller.py), its own process.
+decode steps per layout, CUDA memory per rank before and after the measured switches, and (full mode) a
+TP1xDP4 -> TP4xDP1 merge and the capture warm-ups (2 per size as the first H100 run captured, against 2
+for an epoch's first size and 1 for the rest), each of the two on its own: one that fails says so in its
+place and the rest of the part stands. Two parts of their own, each in its own process, measure the same
+deployment: ``controller`` (switch_controller.py) and ``collectives`` (collectives.py: what each
+collective of a TP2 step costs along the IPC slots and host-staged).
 
-Read the collectives' figures as host memory's, not NVLink's; a switch's weights and KV, copied device to
+Read the collectives' figures as one device's, not NVLink's; a switch's weights and KV, copied device to
 device, move at HBM speed, above what NVLink would give: on one device this mode proves a switch's
 mechanics (tokens, memory, recapture) and times everything but its communication. ``--quick``: one
 measured batch (migrate) after the warm-up, the headline rows only.
@@ -173,23 +174,6 @@ def switch_rows(engine, w: Workload, high: int, kvs: tuple[str, ...], vocab: int
     return rows, events, steps, {"delta": memory_delta(before, after), "stats": after}
 
 
-def collective_rows(ctx: Ctx, spec, world: int) -> tuple[list[list], dict[str, float]]:
-    """Each collective of a TP``world`` decode step (fast numerics), timed on its shapes, and per step; and
-    the pieces of the first all-reduce (staged_collectives._pieces)."""
-    from gpucheck.staged_collectives import time_collectives
-
-    batches = (1, 8) if ctx.smoke else (1, 8, 32)
-    shard = -(-spec.vocab_size // world)
-    shapes = [("all_reduce", b, spec.hidden_size) for b in batches] + [("gather", b, shard) for b in batches]
-    got = time_collectives(world, ctx.device, shapes)
-    rows = []
-    for b in batches:
-        reduce_s, gather_s = got[f"all_reduce {b}x{spec.hidden_size}"], got[f"gather {b}x{shard}"]
-        per_step = (2 * spec.num_layers + 1) * reduce_s + gather_s  # o_proj + down_proj a layer, embedding, logits
-        rows.append([b, reduce_s * 1e3, gather_s * 1e3, 2 * spec.num_layers + 1, per_step * 1e3])
-    return rows, got["pieces"]
-
-
 def capture_warmups(ctx: Ctx, ckpt: Path) -> list[list]:
     """ms per captured size with 2 warm-ups for every size against 2 for an epoch's first size and 1 for the
     rest (the engine's backend), interleaved; and whether graph replays give the eager tokens."""
@@ -224,17 +208,6 @@ def apart(what: str, section) -> list[str]:
     except Exception as exc:  # noqa: BLE001 - reported in the results, never hidden
         log(f"switch: {what} failed: {type(exc).__name__}: {exc}")
         return ["", f"**{what}: FAILED** ({type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''})"]
-
-
-def collectives_section(ctx: Ctx, spec: TinyModelSpec) -> list[str]:
-    rows, pieces = collective_rows(ctx, spec, 2)
-    return ["", "**What each host-staged collective costs** (a TP2 group of two processes on this device, "
-            "gloo on host copies, median of 30 calls; per step = 2 all-reduces a layer + the embedding's "
-            "+ the logits gather; fast numerics):", "",
-            markdown_table(["batch", "all-reduce (batch x hidden) ms", "logits gather ms",
-                            "all-reduces a step", "collectives a step ms"], rows), "",
-            "Where a batch-1 all-reduce's time goes (each piece alone, both ranks at once, median ms; each ends "
-            "with a device sync): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in pieces.items()) + "."]
 
 
 def four_ranks_section(ctx: Ctx, ckpt: Path, w: Workload, vocab: int, data: dict) -> list[str]:
@@ -302,6 +275,17 @@ def rates_line(rates: dict[str, float], used: str) -> str:
                      for p, r in rates.items())
 
 
+def tp_collectives(host_staged: bool) -> str:
+    """How the world's TP>1 groups reduce (parallel/comm.py), in words for the placement line."""
+    from pat_engine.parallel import ipc_collectives
+
+    if not host_staged:
+        return "by the world's backend (NCCL between GPUs, shared memory or gloo on the CPU)"
+    if ipc_collectives.wanted(host_staged, "gloo"):
+        return "through each other's device memory (CUDA IPC slots)"
+    return "staged through host copies (PAT_COLOCATED_COLLECTIVES=host)"
+
+
 def run(ctx: Ctx) -> PartResult:
     from pat_engine.model.arch import load_model_arch
 
@@ -311,8 +295,9 @@ def run(ctx: Ctx) -> PartResult:
     kvs = ("migrate",) if ctx.quick else ("migrate", "recompute")
     with start(ckpt, 2, ctx.device, ctx.smoke) as engine:
         stats = engine.worker_stats()
-        where = (f"{len(stats)} ranks on {', '.join(sorted({s['device'] for s in stats}))}; collectives "
-                 f"{'host-staged (gloo)' if stats[0]['host_staged'] else 'not staged'}; a switch's weights and "
+        collectives = tp_collectives(stats[0]["host_staged"])
+        where = (f"{len(stats)} ranks on {', '.join(sorted({s['device'] for s in stats}))}; TP>1 collectives "
+                 f"{collectives}; a switch's weights and "
                  f"KV {P2P_WORDS[stats[0]['p2p']]}; "
                  f"{engine.memory.num_blocks(engine.layout)} KV blocks per rank at TP1xDP2")
         rows, events, steps, memory = switch_rows(engine, w, 2, kvs, vocab, "TP1xDP2")
@@ -341,7 +326,7 @@ def run(ctx: Ctx) -> PartResult:
         + (" (the co-located TP2 group decodes eagerly: nothing captured)" if not merge.costs["graphs_captured"]
            else ""),
         f"point-to-point per rank: {rates_line(rates, stats[0]['p2p'])}; decode steps"
-        + (" (collectives host-staged) " if stats[0]["host_staged"] else " ")
+        + (f" (collectives {collectives}) " if stats[0]["host_staged"] else " ")
         + "; ".join(f"{k} {v}" for k, v in steps_ms.items()),
         f"CUDA memory across {len(events)} measured switches: {memory['delta']}",
     ]
@@ -373,7 +358,6 @@ def run(ctx: Ctx) -> PartResult:
                             "bandwidth": bandwidth, "p2p": stats[0]["p2p"], "p2p_rates": rates,
                             "p2p_rates_1mib": small}
     if not ctx.quick:  # each piece on its own: one that fails keeps the rows above and the pieces after it
-        lines += apart("host-staged collectives", lambda: collectives_section(ctx, spec))
         lines += apart("four ranks", lambda: four_ranks_section(ctx, ckpt, w, vocab, data))
         lines += apart("capture warm-ups", lambda: warmups_section(ctx, ckpt))
     if ctx.smoke:

@@ -6,8 +6,8 @@ static at TP1xDP2, static at TP2xDP1 and under the controller that table drives,
 that starts at TP1 after an untimed one there, so that no timed run captures decode graphs the others do
 not).
 
-What one device can show: the ranks share one HBM and co-located TP>1 groups decode eagerly through
-host-staged collectives, so a switch cannot win time here. The checks are that the predictor, fitted to
+What one device can show: the ranks share one HBM and co-located TP>1 groups decode eagerly, their
+collectives waiting on the host, so a switch cannot win time here. The checks are that the predictor, fitted to
 the table, predicts this GPU's decode steps (goal: <= 5% per step) and that the controller picks what its
 table says at every evaluation (its recorded predictions: a switch exactly when one beat staying by the
 margin). The model and deployment are the ``switch`` part's (the 1B shape, two ranks on the device); this
@@ -174,8 +174,8 @@ def measure(ctx: Ctx, ckpt: Path, engine_kwargs: dict) -> tuple[list[str], list[
         "round(s).",
         "",
         "**On one device a switch cannot win time**: the ranks share one HBM, and a co-located TP2 group decodes "
-        "eagerly through host-staged collectives. What is checked: the predictor's error on this GPU's steps, and "
-        "that the controller picks what its table says.",
+        "eagerly, its collectives waiting on the host. What is checked: the predictor's error on this GPU's "
+        "steps, and that the controller picks what its table says.",
         "",
         markdown_table(["run", "seconds (each round)", "mean s", "vs best static"],
                        [[label, " / ".join(f"{t:.2f}" for t in ts), mean[label], mean[label] / mean[best_static]]

@@ -4,9 +4,11 @@ Layers get this handle through the forward context instead of reading
 ``torch.distributed`` globals, so a layout switch only swaps the handle.
 On CPU workers of one host the collectives go through shared memory
 (parallel/shm_collectives.py) when the tensor fits its slots, else through gloo.
-Ranks that share a GPU (parallel/devices.py) cannot use NCCL: their group is ``host_staged``,
-each collective runs the CPU path above on a host copy of the CUDA tensor and copies the result
-back. No CUDA graph can record that (``graphs_capturable``).
+Ranks that share a GPU (parallel/devices.py) cannot use NCCL: their group is ``host_staged``.
+Its collectives read each other's device memory (parallel/ipc_collectives.py) when the tensor fits
+those slots; otherwise (or with ``PAT_COLOCATED_COLLECTIVES=host``) each runs the CPU path above on a
+host copy of the CUDA tensor and copies the result back. Either way the host takes part in every
+collective, so no CUDA graph can record them (``graphs_capturable``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pat_engine.parallel.devices import graphs_capturable
+from pat_engine.parallel.ipc_collectives import IpcChannel
 from pat_engine.parallel.shm_collectives import ShmChannel
 
 
@@ -31,18 +34,33 @@ class TPGroup:
     ranks: tuple[int, ...]  # global ranks, in TP-rank order
     device_group: object | None = field(default=None, repr=False)  # nccl on GPU, gloo on CPU; None for one rank
     shm: ShmChannel | None = field(default=None, repr=False)  # CPU, one host: the shared-memory path
-    host_staged: bool = False  # CUDA tensors through host copies (ranks sharing a GPU: gloo, no NCCL)
+    ipc: IpcChannel | None = field(default=None, repr=False)  # ranks sharing a GPU: each other's device memory
+    host_staged: bool = False  # ranks sharing a GPU (no NCCL): CUDA tensors the IPC slots cannot take go by host
 
     @property
     def graphs_capturable(self) -> bool:
         """Whether a CUDA graph can record this group's collectives (parallel/devices.py)."""
         return graphs_capturable(self.size, self.host_staged)
 
+    @property
+    def collectives(self) -> str:
+        """The path a decode step's collectives take, for stats and results: "none" (one rank, or no
+        communicator: pat-profile's emulated shards), "ipc", "host-staged", "shm" or the backend's name."""
+        if self.size == 1 or self.device_group is None:
+            return "none"
+        if self.ipc is not None:
+            return "ipc"
+        if self.host_staged:
+            return "host-staged"
+        return "shm" if self.shm is not None else dist.get_backend(self.device_group)
+
     def _staged(self, x: torch.Tensor) -> bool:
         return self.host_staged and x.device.type != "cpu"
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
+            if self.ipc is not None and self.ipc.fits(x):
+                return self.ipc.all_reduce(x)
             if self._staged(x):
                 return x.copy_(self.all_reduce(x.cpu()))
             if self.shm is not None and self.shm.fits(x):
@@ -55,6 +73,8 @@ class TPGroup:
         Moves bits only (no sum), so a caller can add the parts in an order of its own."""
         if self.size == 1:
             return x.unsqueeze(0)
+        if self.ipc is not None and self.ipc.fits(x):
+            return self.ipc.all_gather(x)
         if self._staged(x):
             return self.all_gather(x.cpu()).to(x.device)
         if self.shm is not None and self.shm.fits(x):
@@ -68,6 +88,8 @@ class TPGroup:
         """TP rank 0 gets every rank's ``x`` concatenated along ``dim``; others get None."""
         if self.size == 1:
             return x
+        if self.ipc is not None and self.ipc.fits(x):
+            return self.ipc.gather(x, dim)
         if self._staged(x):
             out = self.gather_to_leader(x.cpu(), dim)
             return None if out is None else out.to(x.device)

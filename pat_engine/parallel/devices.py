@@ -9,15 +9,16 @@ as such wherever it runs:
 - **memory**: each rank may use an explicit fraction of its device (``rank_memory_fraction``, by default
   ``gpu_memory_utilization`` split equally among the most ranks any device holds). Ranks size their KV
   from that share and agree on the smallest pool, so every rank holds a pool of the same size;
-- **collectives**: NCCL refuses two ranks on one device ("Duplicate GPU detected"), so such a world's
-  device collectives run through gloo, on host copies of the CUDA tensors (``host_staged``), at host
-  memory's speed, not NVLink's: such a run proves a switch's mechanics (tokens, memory, graph recapture),
-  not its communication cost. A switch's weights and KV pass by CUDA IPC handle instead (parallel/p2p.py);
-- **graphs**: a collective staged through the host cannot be recorded in a CUDA graph (the device-to-host
-  copies synchronise, and the exchange itself, gloo or the shared-memory channel, is host work), and a
-  spinning cross-process wait on one device without MPS can deadlock a captured graph. So a TP group of
-  host-staged collectives decodes eagerly; TP1 groups (no collective) keep their graphs
-  (``graphs_capturable``).
+- **collectives**: NCCL refuses two ranks on one device ("Duplicate GPU detected"), so such a world runs
+  gloo (``host_staged``): a TP group's collectives read each other's device memory, mapped by CUDA IPC
+  handle (parallel/ipc_collectives.py), or go on host copies of the CUDA tensors (tensors over a slot,
+  ``PAT_COLOCATED_COLLECTIVES=host``). Either way one device's speed, not NVLink's: such a run proves a
+  switch's mechanics (tokens, memory, graph recapture), not its communication cost. A switch's weights
+  and KV pass by CUDA IPC handle too (parallel/p2p.py);
+- **graphs**: a co-located collective cannot be recorded in a CUDA graph (on either path the host waits
+  for the device and exchanges with its peers), and a spinning cross-process wait on one device without
+  MPS can deadlock a captured graph. So a co-located TP group of more than one rank decodes eagerly; TP1
+  groups (no collective) keep their graphs (``graphs_capturable``).
 
 Pure functions of counts: the driver places the world once (core/worker_pool.py hands each worker its
 ``DevicePlacement``; predictor/deployment.py names a co-located deployment in its tables), the worker
@@ -95,8 +96,8 @@ class DevicePlacement:
         if not self.colocated:
             return f"{self.world} rank(s), one per CUDA device (NCCL)"
         return (f"{self.world} ranks on {self.devices} CUDA device(s), up to {self.most_sharing} per device: "
-                f"co-located test/dev mode (collectives through gloo on host copies, not NVLink; TP>1 groups "
-                f"decode without CUDA graphs)")
+                f"co-located test/dev mode (collectives through each other's device memory or host copies, not "
+                f"NVLink; TP>1 groups decode without CUDA graphs)")
 
     def _check(self, rank: int) -> None:
         if not 0 <= rank < self.world:

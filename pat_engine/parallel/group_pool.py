@@ -11,11 +11,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.layout import Layout
-from pat_engine.parallel import p2p, shm_collectives
+from pat_engine.parallel import ipc_collectives, p2p, shm_collectives
 
 
 @dataclass
@@ -27,11 +28,13 @@ class GroupPoolStats:
 
 
 class CommGroupPool:
-    def __init__(self, global_rank: int, world: int, device_backend: str, timeout=None, host_staged: bool = False):
+    def __init__(self, global_rank: int, world: int, device_backend: str, timeout=None, host_staged: bool = False,
+                 device: torch.device | None = None):
         self.global_rank = global_rank
         self.world = world
         self.device_backend = device_backend
-        self.host_staged = host_staged  # ranks share a GPU: CUDA tensors cross as host copies (parallel/devices.py)
+        self.host_staged = host_staged  # ranks share a GPU: no NCCL between them (parallel/devices.py)
+        self.device = device or torch.device("cpu")  # where this rank's model runs (its IPC slots live there)
         self.timeout = timeout
         self.stats = GroupPoolStats()
         self._groups: dict[Layout, TPGroup] = {}
@@ -65,11 +68,19 @@ class CommGroupPool:
             # A one-rank group needs no communicator; keep creation collective-free.
             return TPGroup(rank=max(my_index, 0), size=1, ranks=tuple(ranks))
         device = dist.new_group(ranks, backend=self.device_backend, timeout=self.timeout)
-        shm = None
+        shm = ipc = None
         if my_index >= 0 and shm_collectives.usable(self.device_backend):
             shm = shm_collectives.ShmChannel.create(device, my_index, len(ranks), self.timeout)
-        return TPGroup(rank=my_index, size=len(ranks), ranks=tuple(ranks), device_group=device, shm=shm,
+        if my_index >= 0 and ipc_collectives.wanted(self.host_staged, self.device_backend):
+            ipc = ipc_collectives.IpcChannel.create(device, my_index, len(ranks), self.timeout, self.device)
+        return TPGroup(rank=my_index, size=len(ranks), ranks=tuple(ranks), device_group=device, shm=shm, ipc=ipc,
                        host_staged=self.host_staged)
+
+    def close(self) -> None:
+        """Let go of what the groups map of other processes (the IPC channels' peer slots), at shutdown."""
+        for group in self._groups.values():
+            if group.ipc is not None:
+                group.ipc.close()
 
     def __len__(self) -> int:
         return len(self._groups)

@@ -46,10 +46,15 @@ class CollectiveError(RuntimeError):
     """A TP peer died or missed the collective timeout."""
 
 
+def board_usable(backend: str) -> bool:
+    """Whether a group's members can meet on a shared sequence board: gloo groups (the board's set-up
+    gathers over the group) on x86-64 (its store order: module docstring)."""
+    return backend == "gloo" and platform.machine().lower() in ("x86_64", "amd64")
+
+
 def usable(backend: str) -> bool:
     """Shared memory serves the CPU (gloo) groups on x86-64; ``PAT_CPU_COLLECTIVES=gloo`` turns it off."""
-    return (backend == "gloo" and platform.machine().lower() in ("x86_64", "amd64")
-            and env.shm_collectives())
+    return board_usable(backend) and env.shm_collectives()
 
 
 def _alive(pid: int) -> bool:
@@ -68,12 +73,38 @@ def _alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
+def seconds_of(timeout: timedelta | None) -> float:
+    """A group's collective timeout in seconds (torch's default when the group has none)."""
+    return timeout.total_seconds() if timeout else 120.0
+
+
+def join(device_group: object, rank: int, size: int, extra: object = None) -> tuple[str, list[int], list] | None:
+    """Collective over the group: the shared segment's name, each member's pid and ``extra`` (in group rank
+    order), if every member runs on this host; else None. Every member maps the segment, then calls
+    ``forget_name``."""
+    token = f"/dev/shm/pat-tp-{uuid.uuid4().hex}" if rank == 0 else None
+    members: list[tuple[str, int, str | None, object] | None] = [None] * size
+    dist.all_gather_object(members, (socket.gethostname(), os.getpid(), token, extra), group=device_group)
+    if len({host for host, _, _, _ in members}) != 1:
+        return None
+    return members[0][2], [pid for _, pid, _, _ in members], [e for _, _, _, e in members]
+
+
+def forget_name(device_group: object, rank: int, path: str) -> None:
+    """Once every member has mapped the segment, its name can go (the mappings keep it)."""
+    dist.barrier(group=device_group)
+    if rank == 0:
+        os.unlink(path)
+
+
 class ShmChannel:
     """One TP group's shared segment; every member holds one, made by ``ShmChannel.create``."""
 
+    HOST_SLOTS = True  # the slots live in the shared segment (ipc_collectives.IpcChannel: in device memory)
+
     def __init__(self, path: str, rank: int, size: int, pids: list[int], timeout_s: float):
         self.rank, self.size, self.pids, self.timeout_s = rank, size, pids, timeout_s
-        total = _HEADER_BYTES + 2 * size * SLOT_BYTES
+        total = _HEADER_BYTES + (2 * size * SLOT_BYTES if self.HOST_SLOTS else 0)
         self._raw = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
         self._seqs = self._raw[: size * 8].view(torch.int64).numpy()  # numpy: a cheap scalar store/load
         self._seq = 0
@@ -81,16 +112,12 @@ class ShmChannel:
     @classmethod
     def create(cls, device_group: object, rank: int, size: int, timeout: timedelta | None) -> "ShmChannel | None":
         """Collective over the group: a channel if every member is on this host, else None."""
-        token = f"/dev/shm/pat-tp-{uuid.uuid4().hex}" if rank == 0 else None
-        members: list[tuple[str, int, str | None] | None] = [None] * size
-        dist.all_gather_object(members, (socket.gethostname(), os.getpid(), token), group=device_group)
-        if len({host for host, _, _ in members}) != 1:
+        members = join(device_group, rank, size)
+        if members is None:
             return None
-        path = members[0][2]
-        channel = cls(path, rank, size, [pid for _, pid, _ in members], timeout.total_seconds() if timeout else 120.0)
-        dist.barrier(group=device_group)  # every member has mapped it: the name can go
-        if rank == 0:
-            os.unlink(path)
+        path, pids, _ = members
+        channel = cls(path, rank, size, pids, seconds_of(timeout))
+        forget_name(device_group, rank, path)
         return channel
 
     def _slot(self, parity: int, rank: int, nbytes: int) -> torch.Tensor:
@@ -100,12 +127,17 @@ class ShmChannel:
     def fits(self, x: torch.Tensor) -> bool:
         return x.numel() * x.element_size() <= SLOT_BYTES
 
+    def _settle(self) -> None:
+        """What must finish before peers may read this rank's slot: nothing here (a CPU copy is done when
+        it returns); the device's queued copy for slots in device memory."""
+
     def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Publish ``x``, wait for every peer's, return all ranks' tensors (views of the segment)."""
+        """Publish ``x``, wait for every peer's, return all ranks' tensors (views of the slots)."""
         self._seq += 1
         parity, nbytes = self._seq % 2, x.numel() * x.element_size()
         mine = self._slot(parity, self.rank, nbytes).view(x.dtype).view(x.shape)
         mine.copy_(x)
+        self._settle()
         self._seqs[self.rank] = self._seq
         self._wait_for(self._seq)
         return [self._slot(parity, r, nbytes).view(x.dtype).view(x.shape) for r in range(self.size)]

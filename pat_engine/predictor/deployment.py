@@ -11,6 +11,7 @@ import torch
 from pat_engine.config import EngineConfig
 from pat_engine.model.arch import ModelArch
 from pat_engine.model.footprint import weight_bytes_per_rank
+from pat_engine.parallel import ipc_collectives
 from pat_engine.parallel.devices import DevicePlacement, visible_devices
 from pat_engine.parallel.layout import Layout
 from pat_engine.platform_info import cpu_name, gpu_name
@@ -20,9 +21,13 @@ from pat_engine.version import __version__
 
 def device_name(device: str, ranks_per_device: int = 1) -> str:
     """CPU timings depend on the processor and the core count; GPU timings on the GPU model, and on how many
-    ranks share each GPU (a co-located test deployment's steps and collectives are not a one-per-GPU one's)."""
+    ranks share each GPU and which path their collectives take (a co-located test deployment's steps and
+    collectives are not a one-per-GPU one's, and its host-staged collectives not its IPC slots')."""
     if device == "cuda":
-        shared = f", {ranks_per_device} ranks per device" if ranks_per_device > 1 else ""
+        shared = ""
+        if ranks_per_device > 1:
+            path = "IPC slots" if ipc_collectives.wanted(True, "gloo") else "host-staged"
+            shared = f", {ranks_per_device} ranks per device, collectives {path}"
         return f"cuda: {gpu_name() or 'unknown'}{shared}"
     return f"cpu: {cpu_name()} ({os.cpu_count()} cores)"
 

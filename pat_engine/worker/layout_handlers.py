@@ -31,7 +31,7 @@ class LayoutHandlers:
                 "graphs": {"captured": list(ex.graphs.captured), "capturable": ex.tp.graphs_capturable,
                            **ex.graphs.stats.to_dict()},
                 "device": str(ex.device), "host_staged": self.groups.host_staged,
-                "p2p": self.groups.p2p_path,
+                "p2p": self.groups.p2p_path, "collectives": ex.tp.collectives,
                 "device_memory": allocator_stats(ex.device, call.release_cached)}
 
     def bandwidth_probe(self, call: BandwidthProbe) -> float:

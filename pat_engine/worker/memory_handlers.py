@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from pat_engine.config import EngineConfig
+from pat_engine.parallel import ipc_collectives
 from pat_engine.protocol.calls import AllocateKV, KVBudget, ReleaseMemory, RestoreMemory
 from pat_engine.worker.device_memory import RankMemory
 from pat_engine.worker.infer_executor import InferExecutor
@@ -37,4 +38,6 @@ class MemoryHandlers:
         reserve = cfg.max_num_batched_tokens * (4 * arch.hidden_size + 2 * arch.intermediate_size // tp) * elt
         reserve += cfg.max_num_seqs * arch.vocab_size * 4
         reserve += ex.graphs.reserve_bytes(arch.hidden_size, arch.intermediate_size // tp, elt)
+        if self.share.sharing > 1:  # the TP groups a later switch builds take device slots of their own
+            reserve += ipc_collectives.reserve_bytes(cfg.world)
         return self.share.kv_budget(reserve)

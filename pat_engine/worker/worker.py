@@ -64,7 +64,8 @@ class Worker:
         dist.init_process_group(backend, store=store, rank=args.rank, world_size=args.world, timeout=timeout)
         # control group for CPU objects when the device backend is NCCL
         self.cpu_world = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-        self.groups = CommGroupPool(args.rank, args.world, backend, timeout, host_staged=placement.host_staged)
+        self.groups = CommGroupPool(args.rank, args.world, backend, timeout, host_staged=placement.host_staged,
+                                    device=self.device)
         tp_group, _ = self.groups.get(args.layout)
         self.executor = InferExecutor(arch, args.layout, tp_group, cfg.torch_dtype(), self.device,
                                       cfg.block_size, args.num_blocks, lazy_kv=cfg.kv_cache_bytes is None,
@@ -86,6 +87,7 @@ class Worker:
         return handler(call)
 
     def shutdown(self, call: Shutdown) -> None:
+        self.groups.close()
         return None  # answered; ``serve`` then returns
 
     def step(self, cmd: StepCommand) -> LaunchedStep | None:

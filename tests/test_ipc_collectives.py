@@ -1,0 +1,152 @@
+"""TP collectives through each other's slots, mapped by handle (parallel/ipc_collectives.py), between real
+processes.
+
+Ranks sharing a GPU take this channel with their slots in device memory (CUDA IPC); on the CPU the same
+protocol runs with the slots in shared-memory files (``PAT_COLOCATED_COLLECTIVES=ipc``), which is what is
+tested here: the same bits as the shared-memory channel (both add in rank order) over many back-to-back
+calls of changing shapes (the two slot sets alternate), too-large tensors by the other path, a dead peer
+an error, and an engine's tokens unchanged through a live switch. The CUDA side runs in
+test_colocated_gpu.py (``gpu``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import wait_for_no_shared_memory_files
+from local_cluster import free_port
+
+from pat_engine.parallel import ipc_collectives, shm_collectives
+from pat_engine.parallel.comm import TPGroup
+from pat_engine.parallel.group_pool import CommGroupPool
+from pat_engine.parallel.layout import Layout
+
+pytestmark = pytest.mark.skipif(not shm_collectives.board_usable("gloo"), reason="the host board needs x86-64")
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    os.environ["PAT_COLOCATED_COLLECTIVES"] = "ipc"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+
+
+def _agree_with_shared_memory(rank: int, world: int, port: int, failures, pids) -> None:
+    pids.put(os.getpid())
+    _init(rank, world, port)
+    try:
+        group, _ = CommGroupPool(rank, world, "gloo", datetime.timedelta(seconds=30)).get(Layout(world, 1))
+        assert group.ipc is not None and group.shm is not None and group.collectives == "ipc"
+        host = TPGroup(group.rank, group.size, group.ranks, group.device_group, shm=group.shm)
+        g = torch.Generator().manual_seed(rank)
+        for i in range(24):  # shapes change every call: both slot sets, and partial slot use
+            rows = 1 + (i * 7) % 23
+            dtype = (torch.float32, torch.bfloat16, torch.float64)[i % 3]
+            x = torch.randn(rows, 48, generator=g).to(dtype)
+            assert torch.equal(group.all_reduce(x.clone()), host.all_reduce(x.clone())), i  # rank order: same bits
+            gathered, want_gather = group.gather_to_leader(x, dim=-1), host.gather_to_leader(x, dim=-1)
+            assert (gathered is None) == (rank != 0) and (want_gather is None) == (rank != 0)
+            if rank == 0:
+                assert torch.equal(gathered, want_gather), i
+            stacked = group.all_gather(x)  # every rank, rank order
+            assert stacked.shape == (world, *x.shape) and torch.equal(stacked, host.all_gather(x)), i
+            assert torch.equal(stacked[rank], x), i
+        every = [None] * world
+        dist.all_gather_object(every, group.all_reduce(torch.arange(5, dtype=torch.float32) * (rank + 1)).tolist())
+        assert all(v == every[0] for v in every) and every[0] == [sum(range(1, world + 1)) * k for k in range(5)]
+        big = torch.ones(ipc_collectives.SLOT_BYTES // 4 + 1)  # one float over a slot: the other path serves
+        assert not group.ipc.fits(big)
+        assert torch.equal(group.all_reduce(big), torch.full_like(big, world))
+        assert torch.equal(group.all_gather(big * rank), torch.arange(world, dtype=big.dtype)[:, None] * big)
+    except BaseException as e:  # reported to the parent: mp.spawn only says which rank failed
+        failures.put(f"rank {rank}: {e!r}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # starts processes
+@pytest.mark.parametrize("world", [2, 4])
+def test_slots_by_handle_give_the_shared_memory_channels_bits(world):
+    context = mp.get_context("spawn")
+    failures, pid_queue = context.SimpleQueue(), context.SimpleQueue()
+    start = time.time()
+    mp.spawn(_agree_with_shared_memory, args=(world, free_port(), failures, pid_queue), nprocs=world)
+    assert failures.empty(), failures.get()
+    pids = [pid_queue.get() for _ in range(world)]
+    assert not wait_for_no_shared_memory_files(pids, start)  # no slot outlives its ranks
+
+
+def _peer_dies(rank: int, port: int, result) -> None:
+    _init(rank, 2, port)
+    group, _ = CommGroupPool(rank, 2, "gloo", datetime.timedelta(seconds=60)).get(Layout(2, 1))
+    group.all_reduce(torch.ones(4))
+    if rank == 1:
+        os._exit(0)  # dies without a word
+    start = time.monotonic()
+    try:
+        group.all_reduce(torch.ones(4))
+        result.put("no error")
+    except shm_collectives.CollectiveError as e:
+        result.put(f"{time.monotonic() - start:.2f} {e}")
+
+
+@pytest.mark.slow  # starts processes
+def test_a_dead_peer_is_an_error_not_a_hang():
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    result = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_peer_dies, args=(r, port, result)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    seconds, text = result.get().split(" ", 1)
+    assert "died during a collective" in text and float(seconds) < 5, text
+
+
+def test_which_groups_take_the_channel(monkeypatch):
+    monkeypatch.delenv("PAT_COLOCATED_COLLECTIVES", raising=False)
+    monkeypatch.delenv("PAT_CPU_COLLECTIVES", raising=False)
+    assert ipc_collectives.wanted(host_staged=True, backend="gloo")  # ranks sharing a GPU
+    assert not ipc_collectives.wanted(host_staged=False, backend="gloo")  # CPU workers: the shared-memory channel
+    assert not ipc_collectives.wanted(host_staged=False, backend="nccl")
+    monkeypatch.setenv("PAT_CPU_COLLECTIVES", "gloo")  # the CPU channel off: the device one is another switch
+    assert ipc_collectives.wanted(host_staged=True, backend="gloo")
+    monkeypatch.setenv("PAT_COLOCATED_COLLECTIVES", " Host ")
+    assert not ipc_collectives.wanted(True, "gloo")
+    monkeypatch.setenv("PAT_COLOCATED_COLLECTIVES", "ipc")
+    assert ipc_collectives.wanted(False, "gloo") and not ipc_collectives.wanted(False, "nccl")
+    monkeypatch.setenv("PAT_COLOCATED_COLLECTIVES", "nvlink")  # not a path: the default
+    assert ipc_collectives.wanted(True, "gloo") and not ipc_collectives.wanted(False, "gloo")
+
+
+def test_a_rank_reserves_slots_for_every_group_it_can_join():
+    slots = 2 * ipc_collectives.SLOT_BYTES
+    assert [ipc_collectives.reserve_bytes(w) // slots for w in (1, 2, 3, 4, 8)] == [0, 1, 1, 2, 3]
+
+
+@pytest.mark.slow  # starts worker processes
+def test_an_engine_through_the_slots_gives_the_unswitched_tokens(model_dir, monkeypatch):
+    from pat_engine import Engine, SamplingParams
+
+    monkeypatch.setenv("PAT_COLOCATED_COLLECTIVES", "ipc")  # the workers inherit it
+    prompts = [[1, 5, 9, 2], [7, 3], [4, 4, 8, 1, 6], [2, 9]]
+    params = SamplingParams(max_new_tokens=12)
+    with Engine(model_dir("llama"), tp=1, dp=2, dtype="float64") as engine:
+        assert [s["collectives"] for s in engine.worker_stats()] == ["none"] * 2
+        plain = [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+        switched = engine.generate(prompts, params, switch_schedule=[(3, 2), (8, 1)], kv_transfer="migrate",
+                                   use_tqdm=False)
+        assert [o.token_ids for o in switched] == plain
+        assert [e.to_layout for e in engine.switches[-2:]] == ["TP2xDP1", "TP1xDP2"]
+        merged = engine.generate(prompts, params, switch_schedule=[(2, 2)], use_tqdm=False)  # stays at TP2
+        assert [o.token_ids for o in merged] == plain
+        assert [s["collectives"] for s in engine.worker_stats()] == ["ipc"] * 2
+        assert [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)] == plain
