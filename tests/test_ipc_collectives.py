@@ -111,6 +111,33 @@ def test_a_dead_peer_is_an_error_not_a_hang():
     assert "died during a collective" in text and float(seconds) < 5, text
 
 
+def _one_rank_cannot_map(rank: int, port: int, result) -> None:
+    _init(rank, 2, port)
+    if rank == 1:  # as a driver that refuses to open an IPC handle would
+        def refuse(*args, **kwargs):
+            raise RuntimeError("CUDA error: invalid resource handle")
+        ipc_collectives.rebuild = refuse
+    group, _ = CommGroupPool(rank, 2, "gloo", datetime.timedelta(seconds=60)).get(Layout(2, 1))
+    x = torch.arange(6, dtype=torch.float32) * (rank + 1)
+    result.put((rank, group.collectives, group.all_reduce(x).tolist()))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # starts processes
+def test_a_rank_that_cannot_map_its_peers_slots_sends_the_whole_group_the_other_way():
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    result = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_one_rank_cannot_map, args=(r, port, result)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    got = sorted(result.get() for _ in range(2))
+    assert [(r, path) for r, path, _ in got] == [(0, "shm"), (1, "shm")]  # both ranks agree: no IPC channel
+    assert got[0][2] == got[1][2] == [3.0 * k for k in range(6)]
+
+
 def test_which_groups_take_the_channel(monkeypatch):
     monkeypatch.delenv("PAT_COLOCATED_COLLECTIVES", raising=False)
     monkeypatch.delenv("PAT_CPU_COLLECTIVES", raising=False)

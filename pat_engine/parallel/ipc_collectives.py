@@ -23,13 +23,17 @@ tests): there it checks the protocol, not CUDA's IPC.
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from pat_engine import env
 from pat_engine.parallel.shm_collectives import ShmChannel, board_usable, forget_name, join, seconds_of
 from pat_engine.tensor_handles import device_key, rebuild, serialize
+
+log = logging.getLogger(__name__)
 
 SLOT_BYTES = 8 << 20  # per rank and parity, in device memory: a batch of 256 rows of hidden 8192 in float32
 HOST, IPC = "host", "ipc"
@@ -52,6 +56,25 @@ def reserve_bytes(world: int) -> int:
     return groups * 2 * SLOT_BYTES
 
 
+def _attempt(fn):
+    """(fn(), None), or (None, what went wrong) where CUDA IPC is refused (a driver or allocator that cannot
+    export or open a handle)."""
+    try:
+        return fn(), None
+    except Exception as exc:  # noqa: BLE001 - reported by _agreed, the group falls back to the host path
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def _agreed(size: int, errors: list[str | None], what: str) -> bool:
+    """Whether no member failed ``what``; if one did, a warning naming it (every member sees the same list)."""
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        r, e = failed[0]
+        log.warning("co-located collectives: rank %d of a TP%d group could not %s (%s); its collectives are "
+                    "staged through the host instead", r, size, what, e)
+    return not failed
+
+
 class IpcChannel(ShmChannel):
     """One TP group's slots in device memory, every member's mapped by every other; made by ``create``."""
 
@@ -66,21 +89,30 @@ class IpcChannel(ShmChannel):
     @classmethod
     def create(cls, device_group: object, rank: int, size: int, timeout: timedelta | None,
                device: torch.device) -> "IpcChannel | None":
-        """Collective over the group: a channel if every member runs on this host and on one device, else
-        None (every member decides the same from the same gathered facts)."""
+        """Collective over the group: a channel if every member runs on this host and on one device and
+        every member could export its slots and map its peers', else None: the group stages through the
+        host, with a warning that says why (every member decides the same from the same gathered facts)."""
         own = torch.zeros(2 * SLOT_BYTES, dtype=torch.uint8, device=device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # zeroed before any peer maps it
-        members = join(device_group, rank, size, (device_key(device), serialize(own)))
+        handle, error = _attempt(lambda: serialize(own))
+        members = join(device_group, rank, size, (device_key(device), handle, error))
         if members is None:
             return None
         path, pids, extras = members
-        if len({key for key, _ in extras}) != 1:
+        if len({key for key, _, _ in extras}) != 1:
+            return None
+        if not _agreed(size, [e for _, _, e in extras], "export its slots"):
             return None
         # a CPU slot's file reference is dropped by its first reader only (tensor_handles._HandleUnpickler)
-        slots = [own if r == rank else rebuild(handle, first_reader=rank == min(set(range(size)) - {r}),
-                                               own_device=device if device.type == "cuda" else None)
-                 for r, (_, handle) in enumerate(extras)]
+        slots, error = _attempt(lambda: [
+            own if r == rank else rebuild(h, first_reader=rank == min(set(range(size)) - {r}),
+                                          own_device=device if device.type == "cuda" else None)
+            for r, (_, h, _) in enumerate(extras)])
+        errors: list[str | None] = [None] * size
+        dist.all_gather_object(errors, error, group=device_group)
+        if not _agreed(size, errors, "map its peers' slots"):
+            return None
         channel = cls(path, rank, size, pids, seconds_of(timeout), slots)
         forget_name(device_group, rank, path)
         return channel
