@@ -17,8 +17,10 @@ host wait's liveness check (``CollectiveError``); no stream is left waiting on a
 come. The price is one wait for the rank's own device per collective, where the host path has two
 and two copies more. Tensors larger than a slot (long prefills, big-vocab logits) take the host path.
 
-On CPU workers the same protocol runs with slots in shared-memory files (``PAT_COLOCATED_COLLECTIVES=ipc``,
-tests): there it checks the protocol, not CUDA's IPC.
+A member that cannot export its slots or map a peer's (a driver or allocator refusing CUDA IPC) sends the
+whole group to the host path, with a warning that names the failure. On CPU workers the same protocol runs
+with slots in shared-memory files (``PAT_COLOCATED_COLLECTIVES=ipc``, tests): there it checks the protocol,
+not CUDA's IPC.
 """
 
 from __future__ import annotations
