@@ -146,12 +146,18 @@ class _HandleUnpickler(pickle.Unpickler):
 def rebuild(data: bytes, first_reader: bool, own_device: torch.device | None = None,
             classes: Mapping[tuple[str, str], type] | None = None) -> Any:
     """What ``serialize`` pickled, its tensors viewing the sender's memory (nothing is copied)."""
+    unpickler = _HandleUnpickler(bytes(data), own_device, first_reader, classes or {})
     try:
-        return _HandleUnpickler(bytes(data), own_device, first_reader, classes or {}).load()
+        return unpickler.load()
     except InvalidRequestError:
         raise
     except Exception as exc:  # a truncated payload, a shared-memory file already gone, a closed IPC handle
         raise InvalidRequestError(f"cannot rebuild a tensor handle: {type(exc).__name__}: {exc}") from None
+    finally:
+        # the memo holds find_class's bound methods (a cycle through the unpickler) and every rebuilt
+        # storage: left to the garbage collector, a shared-memory file or a CUDA IPC mapping would outlive
+        # its reader's use by however long the collector waits, past the process's end if it is killed
+        unpickler.memo.clear()
 
 
 def rebuild_tensor(data: bytes) -> torch.Tensor:

@@ -9,6 +9,7 @@ base layout and after a live switch. CUDA IPC itself is in the GPU-marked test a
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import subprocess
@@ -76,6 +77,22 @@ def test_a_payload_cannot_name_other_code():
         load_named_tensors([serialize({"x": torch.zeros(1)})], 0, CPU)
     with pytest.raises(InvalidRequestError, match="cannot rebuild"):
         load_named_tensors([b"\x80\x04garbage"], 0, CPU)
+
+
+def test_a_rebuilt_payload_is_released_when_its_reader_lets_go():
+    """No reference cycle keeps what a reader rebuilt: its shared-memory files (and, on a GPU, its CUDA IPC
+    mappings) end when the reader drops the tensors, not when the garbage collector next runs, which a
+    killed process never waits for (the OpenRLHF actors' workers left a file per parameter so)."""
+    payload = serialize_named_tensors([("w", torch.arange(12.0)), ("b", torch.ones(3))])
+    gc.collect()
+    gc.disable()
+    try:
+        named = load_named_tensors([payload], 0, CPU)
+        assert [n for n, _ in named] == ["w", "b"]
+        del named
+        assert gc.collect() == 0  # nothing was left for the collector
+    finally:
+        gc.enable()
 
 
 def test_byte_buckets_close_at_the_limit():
