@@ -55,7 +55,7 @@ QUICK = (("tests/test_triton_layer_kernels.py", "fused_unfused_graphs or skinny"
          ("tests/test_triton_kernel.py", None),  # the decode kernel's fused reduce: not run on a GPU yet
          ("tests/test_invariant_numerics.py", "row_alones"),  # the invariant mode's draws through them: not run yet
          # 2 ranks, both KV paths; a TP2 group's collectives through the IPC slots: not run on a GPU yet
-         ("tests/test_colocated_gpu.py", "tp1xdp2_to_tp2_and_back_mid_batch_float32 or ipc_slots"),
+         ("tests/test_colocated_gpu.py", "tp1xdp2_to_tp2_and_back_mid_batch_float32"),
          ("tests/test_triton_layer_kernels.py", "pdl"))  # PAT_PDL's bits (the newest: last, so it delays no other)
 
 
