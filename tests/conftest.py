@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
 import re
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,6 +51,25 @@ SPECS = {
     "qwen3": TinyModelSpec(arch="qwen3", num_kv_heads=2, seed=2),
     "llama31": TinyModelSpec(arch="llama", num_kv_heads=8, llama3_rope_scaling=True, seed=3),
 }
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, port: int, failures=None) -> Iterator[None]:
+    """A spawned test rank inside its process group (gloo on loopback, one torch thread): an exception goes
+    to ``failures`` (``mp.spawn`` only says which rank failed), and the group ends either way."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        yield
+    except BaseException as e:
+        if failures is not None:
+            failures.put(f"rank {rank}: {e!r}")
+        raise
+    finally:
+        dist.destroy_process_group()
 
 
 def shared_memory_files(pids: list[int], since: float) -> list[str]:

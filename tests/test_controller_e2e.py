@@ -26,8 +26,11 @@ BASE = {1: 0.010, 2: 0.006, 4: 0.004}
 PER_REQUEST = {1: 0.0004, 2: 0.0010, 4: 0.0020}
 STEP = lambda tp, b, total: BASE[tp] + PER_REQUEST[tp] * b + 1e-7 * total / tp
 
-# Long tail: most requests stop early, two run on.
-MAX_NEW = [6, 6, 8, 8, 9, 10, 10, 12, 12, 14, 40, 72]
+# Long tail: most requests stop early, two run on, the last alone for about a hundred steps. The DP groups
+# step unsynchronised, so on a loaded host one group can run tens of steps ahead of the other: with 40 and
+# 72 tokens here, a check could find the last request alone only in its final step, too late for any
+# switch to pay, and the run ended on TP2xDP2 (1 run in 2-5 beside busy processes).
+MAX_NEW = [6, 6, 8, 8, 9, 10, 10, 12, 12, 14, 24, 120]
 PROMPTS = [[10 + 7 * i + j for j in range(3 + i % 5)] for i in range(len(MAX_NEW))]
 
 

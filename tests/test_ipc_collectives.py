@@ -4,8 +4,9 @@ processes.
 Ranks sharing a GPU take this channel with their slots in device memory (CUDA IPC); on the CPU the same
 protocol runs with the slots in shared-memory files (``PAT_COLOCATED_COLLECTIVES=ipc``), which is what is
 tested here: the same bits as the shared-memory channel (both add in rank order) over many back-to-back
-calls of changing shapes (the two slot sets alternate), too-large tensors by the other path, a dead peer
-an error, and an engine's tokens unchanged through a live switch. The CUDA side runs in
+calls of changing shapes (the two slot sets alternate), too-large tensors by the other path, a rank that
+cannot map its peer's slots, and an engine's tokens unchanged through a live switch (a dead peer:
+test_shm_collectives.py, for both channels). The CUDA side runs in
 test_colocated_gpu.py (``gpu``).
 """
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import wait_for_no_shared_memory_files
+from conftest import MAX_NEW, PROMPTS, gloo_rank, wait_for_no_shared_memory_files
 from local_cluster import free_port
 
 from pat_engine.parallel import ipc_collectives, shm_collectives
@@ -30,17 +31,10 @@ from pat_engine.parallel.layout import Layout
 pytestmark = pytest.mark.skipif(not shm_collectives.board_usable("gloo"), reason="the host board needs x86-64")
 
 
-def _init(rank: int, world: int, port: int) -> None:
-    os.environ["PAT_COLOCATED_COLLECTIVES"] = "ipc"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-
-
 def _agree_with_shared_memory(rank: int, world: int, port: int, failures, pids) -> None:
     pids.put(os.getpid())
-    _init(rank, world, port)
-    try:
+    os.environ["PAT_COLOCATED_COLLECTIVES"] = "ipc"
+    with gloo_rank(rank, world, port, failures):
         group, _ = CommGroupPool(rank, world, "gloo", datetime.timedelta(seconds=30)).get(Layout(world, 1))
         assert group.ipc is not None and group.shm is not None and group.collectives == "ipc"
         host = TPGroup(group.rank, group.size, group.ranks, group.device_group, shm=group.shm)
@@ -64,11 +58,6 @@ def _agree_with_shared_memory(rank: int, world: int, port: int, failures, pids) 
         assert not group.ipc.fits(big)
         assert torch.equal(group.all_reduce(big), torch.full_like(big, world))
         assert torch.equal(group.all_gather(big * rank), torch.arange(world, dtype=big.dtype)[:, None] * big)
-    except BaseException as e:  # reported to the parent: mp.spawn only says which rank failed
-        failures.put(f"rank {rank}: {e!r}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow  # starts processes
@@ -83,56 +72,24 @@ def test_slots_by_handle_give_the_shared_memory_channels_bits(world):
     assert not wait_for_no_shared_memory_files(pids, start)  # no slot outlives its ranks
 
 
-def _peer_dies(rank: int, port: int, result) -> None:
-    _init(rank, 2, port)
-    group, _ = CommGroupPool(rank, 2, "gloo", datetime.timedelta(seconds=60)).get(Layout(2, 1))
-    group.all_reduce(torch.ones(4))
-    if rank == 1:
-        os._exit(0)  # dies without a word
-    start = time.monotonic()
-    try:
-        group.all_reduce(torch.ones(4))
-        result.put("no error")
-    except shm_collectives.CollectiveError as e:
-        result.put(f"{time.monotonic() - start:.2f} {e}")
-
-
-@pytest.mark.slow  # starts processes
-def test_a_dead_peer_is_an_error_not_a_hang():
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    result = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_peer_dies, args=(r, port, result)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(30)
-    seconds, text = result.get().split(" ", 1)
-    assert "died during a collective" in text and float(seconds) < 5, text
-
-
-def _one_rank_cannot_map(rank: int, port: int, result) -> None:
-    _init(rank, 2, port)
+def _one_rank_cannot_map(rank: int, port: int, failures, result) -> None:
+    os.environ["PAT_COLOCATED_COLLECTIVES"] = "ipc"
     if rank == 1:  # as a driver that refuses to open an IPC handle would
         def refuse(*args, **kwargs):
             raise RuntimeError("CUDA error: invalid resource handle")
         ipc_collectives.rebuild = refuse
-    group, _ = CommGroupPool(rank, 2, "gloo", datetime.timedelta(seconds=60)).get(Layout(2, 1))
-    x = torch.arange(6, dtype=torch.float32) * (rank + 1)
-    result.put((rank, group.collectives, group.all_reduce(x).tolist()))
-    dist.destroy_process_group()
+    with gloo_rank(rank, 2, port, failures):
+        group, _ = CommGroupPool(rank, 2, "gloo", datetime.timedelta(seconds=60)).get(Layout(2, 1))
+        x = torch.arange(6, dtype=torch.float32) * (rank + 1)
+        result.put((rank, group.collectives, group.all_reduce(x).tolist()))
 
 
 @pytest.mark.slow  # starts processes
 def test_a_rank_that_cannot_map_its_peers_slots_sends_the_whole_group_the_other_way():
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    result = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_one_rank_cannot_map, args=(r, port, result)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
+    context = mp.get_context("spawn")
+    failures, result = context.SimpleQueue(), context.SimpleQueue()
+    mp.spawn(_one_rank_cannot_map, args=(free_port(), failures, result), nprocs=2)
+    assert failures.empty(), failures.get()
     got = sorted(result.get() for _ in range(2))
     assert [(r, path) for r, path, _ in got] == [(0, "shm"), (1, "shm")]  # both ranks agree: no IPC channel
     assert got[0][2] == got[1][2] == [3.0 * k for k in range(6)]
@@ -164,16 +121,16 @@ def test_an_engine_through_the_slots_gives_the_unswitched_tokens(model_dir, monk
     from pat_engine import Engine, SamplingParams
 
     monkeypatch.setenv("PAT_COLOCATED_COLLECTIVES", "ipc")  # the workers inherit it
-    prompts = [[1, 5, 9, 2], [7, 3], [4, 4, 8, 1, 6], [2, 9]]
-    params = SamplingParams(max_new_tokens=12)
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
+
+    def tokens(**kw) -> list[list[int]]:
+        return [o.token_ids for o in engine.generate(PROMPTS, params, use_tqdm=False, **kw)]
+
     with Engine(model_dir("llama"), tp=1, dp=2, dtype="float64") as engine:
         assert [s["collectives"] for s in engine.worker_stats()] == ["none"] * 2
-        plain = [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
-        switched = engine.generate(prompts, params, switch_schedule=[(3, 2), (8, 1)], kv_transfer="migrate",
-                                   use_tqdm=False)
-        assert [o.token_ids for o in switched] == plain
+        plain = tokens()
+        assert tokens(switch_schedule=[(3, 2), (8, 1)], kv_transfer="migrate") == plain
         assert [e.to_layout for e in engine.switches[-2:]] == ["TP2xDP1", "TP1xDP2"]
-        merged = engine.generate(prompts, params, switch_schedule=[(2, 2)], use_tqdm=False)  # stays at TP2
-        assert [o.token_ids for o in merged] == plain
+        assert tokens(switch_schedule=[(2, 2)]) == plain  # left at TP2
         assert [s["collectives"] for s in engine.worker_stats()] == ["ipc"] * 2
-        assert [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)] == plain
+        assert tokens() == plain

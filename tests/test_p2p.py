@@ -8,7 +8,6 @@ runs in test_colocated_gpu.py (``gpu``).
 
 from __future__ import annotations
 
-import datetime
 import os
 import time
 
@@ -16,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import wait_for_no_shared_memory_files
+from conftest import gloo_rank, wait_for_no_shared_memory_files
 from local_cluster import free_port
 
 from pat_engine.errors import InvalidRequestError
@@ -34,10 +33,7 @@ def _payload(src: int, dst: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _exchange_in_turn(rank: int, port: int, failures, pids) -> None:
     pids.put(os.getpid())
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_rank(rank, WORLD, port, failures):
         for path in (p2p.DIRECT, p2p.HANDLES):
             for dtype in (torch.float64, torch.bfloat16):
                 sends = {d: _payload(rank, d, n, dtype) for (s, d), n in PATTERN.items() if s == rank}
@@ -56,11 +52,6 @@ def _exchange_in_turn(rank: int, port: int, failures, pids) -> None:
             assert torch.equal(inp, torch.arange(16 * i, 16 * (i + 1), dtype=torch.float32) + (rank - 1) % WORLD), i
         with pytest.raises(RuntimeError, match="planned different exchanges"):  # both sides see the mismatch
             p2p.exchange({(rank + 1) % WORLD: torch.ones(4)}, {(rank - 1) % WORLD: torch.empty(5)}, p2p.HANDLES)
-    except BaseException as e:  # reported to the parent: mp.spawn only says which rank failed
-        failures.put(f"rank {rank}: {e!r}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow  # starts processes

@@ -1,7 +1,8 @@
 """Shared-memory TP collectives (parallel/shm_collectives.py) between real processes.
 
 Same results as gloo (all-reduce, gather to the leader, all-gather), on every rank, over many back-to-back calls of changing shapes (the two
-slot sets alternate); too-large tensors take gloo; a dead peer is an error within a second.
+slot sets alternate); too-large tensors take gloo; a dead peer is an error within a second, on this channel
+and on the IPC slots' (parallel/ipc_collectives.py), which meet on the same board.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import gloo_rank
 from local_cluster import free_port
 
 from pat_engine.parallel import shm_collectives
@@ -25,15 +27,8 @@ pytestmark = [pytest.mark.slow,  # starts processes
               pytest.mark.skipif(not shm_collectives.usable("gloo"), reason="shared-memory collectives need x86-64")]
 
 
-def _init(rank: int, world: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-
-
 def _agree_with_gloo(rank: int, world: int, port: int, failures) -> None:
-    _init(rank, world, port)
-    try:
+    with gloo_rank(rank, world, port, failures):
         group, _ = CommGroupPool(rank, world, "gloo", datetime.timedelta(seconds=30)).get(Layout(world, 1))
         assert group.shm is not None
         plain = TPGroup(group.rank, group.size, group.ranks, group.device_group)  # the gloo path
@@ -57,11 +52,6 @@ def _agree_with_gloo(rank: int, world: int, port: int, failures) -> None:
         assert not group.shm.fits(big)
         assert torch.equal(group.all_reduce(big), torch.full_like(big, world))
         assert torch.equal(group.all_gather(big * rank), torch.arange(world, dtype=big.dtype)[:, None] * big)
-    except BaseException as e:  # reported to the parent: mp.spawn only says which rank failed
-        failures.put(f"rank {rank}: {e!r}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def test_shared_memory_collectives_equal_gloo() -> None:
@@ -72,25 +62,28 @@ def test_shared_memory_collectives_equal_gloo() -> None:
     assert failures.empty()
 
 
-def _peer_dies(rank: int, port: int, result) -> None:
-    _init(rank, 2, port)
-    group, _ = CommGroupPool(rank, 2, "gloo", datetime.timedelta(seconds=60)).get(Layout(2, 1))
-    group.all_reduce(torch.ones(4))
-    if rank == 1:
-        os._exit(0)  # dies without a word
-    start = time.monotonic()
-    try:
+def _peer_dies(rank: int, port: int, result, collectives: str) -> None:
+    os.environ["PAT_COLOCATED_COLLECTIVES"] = collectives
+    with gloo_rank(rank, 2, port):
+        group, _ = CommGroupPool(rank, 2, "gloo", datetime.timedelta(seconds=60)).get(Layout(2, 1))
+        assert group.collectives == ("ipc" if collectives == "ipc" else "shm")
         group.all_reduce(torch.ones(4))
-        result.put("no error")
-    except shm_collectives.CollectiveError as e:
-        result.put(f"{time.monotonic() - start:.2f} {e}")
+        if rank == 1:
+            os._exit(0)  # dies without a word
+        start = time.monotonic()
+        try:
+            group.all_reduce(torch.ones(4))
+            result.put("no error")
+        except shm_collectives.CollectiveError as e:
+            result.put(f"{time.monotonic() - start:.2f} {e}")
 
 
-def test_dead_peer_is_an_error_not_a_hang() -> None:
+@pytest.mark.parametrize("collectives", ["auto", "ipc"])  # the CPU channel; the IPC slots on the same board
+def test_dead_peer_is_an_error_not_a_hang(collectives) -> None:
     port = free_port()
     ctx = mp.get_context("spawn")
     result = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_peer_dies, args=(r, port, result)) for r in range(2)]
+    procs = [ctx.Process(target=_peer_dies, args=(r, port, result, collectives)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
