@@ -26,7 +26,9 @@ not CUDA's IPC.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,7 @@ from pat_engine.parallel.shm_collectives import ShmChannel, board_usable, forget
 from pat_engine.tensor_handles import device_key, rebuild, serialize
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SLOT_BYTES = 8 << 20  # per rank and parity, in device memory: a batch of 256 rows of hidden 8192 in float32
 HOST, IPC = "host", "ipc"
@@ -58,7 +61,7 @@ def reserve_bytes(world: int) -> int:
     return groups * 2 * SLOT_BYTES
 
 
-def _attempt(fn):
+def _attempt(fn: Callable[[], T]) -> tuple[T | None, str | None]:
     """(fn(), None), or (None, what went wrong) where CUDA IPC is refused (a driver or allocator that cannot
     export or open a handle)."""
     try:
