@@ -276,13 +276,15 @@ def rates_line(rates: dict[str, float], used: str) -> str:
 
 
 def tp_collectives(host_staged: bool) -> str:
-    """How the world's TP>1 groups reduce (parallel/comm.py), in words for the placement line."""
+    """How the world's TP>1 groups are set to reduce (parallel/comm.py), in words for the placement line. A
+    group whose ranks cannot map each other's slots stages through the host instead, with a warning in the
+    part's log; the ``collectives`` part and the co-located gpu test read the path a group took."""
     from pat_engine.parallel import ipc_collectives
 
     if not host_staged:
         return "by the world's backend (NCCL between GPUs, shared memory or gloo on the CPU)"
     if ipc_collectives.wanted(host_staged, "gloo"):
-        return "through each other's device memory (CUDA IPC slots)"
+        return "set to go through each other's device memory (CUDA IPC slots)"
     return "staged through host copies (PAT_COLOCATED_COLLECTIVES=host)"
 
 
