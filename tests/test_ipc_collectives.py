@@ -120,14 +120,17 @@ def test_a_rank_reserves_slots_for_every_group_it_can_join():
 def test_an_engine_through_the_slots_gives_the_unswitched_tokens(model_dir, monkeypatch):
     from pat_engine import Engine, SamplingParams
 
-    monkeypatch.setenv("PAT_COLOCATED_COLLECTIVES", "ipc")  # the workers inherit it
+    # the workers inherit both: the protocols of ranks sharing a GPU (collectives through each other's
+    # slots, a switch's moves by handle), on CPU workers through shared-memory files
+    monkeypatch.setenv("PAT_COLOCATED_COLLECTIVES", "ipc")
+    monkeypatch.setenv("PAT_SWITCH_P2P", "handles")
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in MAX_NEW]
 
     def tokens(**kw) -> list[list[int]]:
         return [o.token_ids for o in engine.generate(PROMPTS, params, use_tqdm=False, **kw)]
 
     with Engine(model_dir("llama"), tp=1, dp=2, dtype="float64") as engine:
-        assert [s["collectives"] for s in engine.worker_stats()] == ["none"] * 2
+        assert [(s["collectives"], s["p2p"]) for s in engine.worker_stats()] == [("none", "handles")] * 2
         plain = tokens()
         assert tokens(switch_schedule=[(3, 2), (8, 1)], kv_transfer="migrate") == plain
         assert [e.to_layout for e in engine.switches[-2:]] == ["TP2xDP1", "TP1xDP2"]
