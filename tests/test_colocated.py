@@ -125,7 +125,7 @@ def test_config_checks_the_memory_fractions():
 
 def test_a_colocated_table_is_not_a_one_per_gpu_table(monkeypatch):
     monkeypatch.delenv("PAT_COLOCATED_COLLECTIVES", raising=False)
-    assert device_name("cuda", 2).endswith(", 2 ranks per device, collectives IPC slots")
+    assert device_name("cuda", 2).endswith(", 2 ranks per device, collectives ipc")
     assert "ranks per device" not in device_name("cuda", 1)
     monkeypatch.setenv("PAT_COLOCATED_COLLECTIVES", "host")  # a table measured on the other path is another's
     assert device_name("cuda", 2).endswith(", 2 ranks per device, collectives host-staged")

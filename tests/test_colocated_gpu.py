@@ -103,7 +103,7 @@ def test_tp1xdp2_to_tp2_and_back_mid_batch_float32(model_dir, kv):
     graphs = [s["graphs"] for s in stats]
     assert {s["p2p"] for s in stats} == {path_for(host_staged=True)}  # CUDA IPC unless PAT_SWITCH_P2P=host
     # through the IPC slots unless PAT_COLOCATED_COLLECTIVES=host (or a rank could not map them: a warning)
-    assert {s["collectives"] for s in at_tp2} == {"ipc" if ipc_collectives.wanted(True, "gloo") else "host-staged"}
+    assert {s["collectives"] for s in at_tp2} == {ipc_collectives.colocated_path()}
     assert (merge.to_layout, split.to_layout) == ("TP2xDP1", "TP1xDP2")
     _assert_same_greedy(plain, switched)
     _assert_same_greedy(plain, merged)

@@ -103,8 +103,9 @@ def test_which_groups_take_the_channel(monkeypatch):
     assert not ipc_collectives.wanted(host_staged=False, backend="nccl")
     monkeypatch.setenv("PAT_CPU_COLLECTIVES", "gloo")  # the CPU channel off: the device one is another switch
     assert ipc_collectives.wanted(host_staged=True, backend="gloo")
+    assert ipc_collectives.colocated_path() == ipc_collectives.IPC
     monkeypatch.setenv("PAT_COLOCATED_COLLECTIVES", " Host ")
-    assert not ipc_collectives.wanted(True, "gloo")
+    assert not ipc_collectives.wanted(True, "gloo") and ipc_collectives.colocated_path() == "host-staged"
     monkeypatch.setenv("PAT_COLOCATED_COLLECTIVES", "ipc")
     assert ipc_collectives.wanted(False, "gloo") and not ipc_collectives.wanted(False, "nccl")
     monkeypatch.setenv("PAT_COLOCATED_COLLECTIVES", "nvlink")  # not a path: the default

@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from common import markdown_table
 from gpucheck.report import PartResult
 from gpucheck.shared import LLAMA32_1B, SMOKE_SPEC, Ctx, log
+from pat_engine.parallel.ipc_collectives import HOST_STAGED, IPC
 
 REPEATS, WARMUP = 30, 5
 
@@ -161,7 +162,7 @@ def run(ctx: Ctx) -> PartResult:
     batch = max(b for b, _ in step_ms)
     headline = "collectives of a co-located TP2 step at batch " + f"{batch}: " + ", ".join(
         f"{path} {step_ms[(batch, path)]:.2f} ms" for path in got["paths"])
-    if "ipc" in got["paths"] and "host-staged" in got["paths"]:
-        headline += f" ({step_ms[(batch, 'host-staged')] / step_ms[(batch, 'ipc')]:.1f}x by the IPC slots)"
+    if {IPC, HOST_STAGED} <= set(got["paths"]):
+        headline += f" ({step_ms[(batch, HOST_STAGED)] / step_ms[(batch, IPC)]:.1f}x by the IPC slots)"
     return PartResult("\n".join(lines), ["smoke: not judged (CPU)"] if ctx.smoke else [headline],
                       {"rows": rows, "timings": got})

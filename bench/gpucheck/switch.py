@@ -283,7 +283,7 @@ def tp_collectives(host_staged: bool) -> str:
 
     if not host_staged:
         return "by the world's backend (NCCL between GPUs, shared memory or gloo on the CPU)"
-    if ipc_collectives.wanted(host_staged, "gloo"):
+    if ipc_collectives.colocated_path() == ipc_collectives.IPC:
         return "set to go through each other's device memory (CUDA IPC slots)"
     return "staged through host copies (PAT_COLOCATED_COLLECTIVES=host)"
 

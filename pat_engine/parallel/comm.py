@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pat_engine.parallel.devices import graphs_capturable
-from pat_engine.parallel.ipc_collectives import IpcChannel
+from pat_engine.parallel.ipc_collectives import HOST_STAGED, IPC, IpcChannel
 from pat_engine.parallel.shm_collectives import ShmChannel
 
 
@@ -49,9 +49,9 @@ class TPGroup:
         if self.size == 1 or self.device_group is None:
             return "none"
         if self.ipc is not None:
-            return "ipc"
+            return IPC
         if self.host_staged:
-            return "host-staged"
+            return HOST_STAGED
         return "shm" if self.shm is not None else dist.get_backend(self.device_group)
 
     def _staged(self, x: torch.Tensor) -> bool:

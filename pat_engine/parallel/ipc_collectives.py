@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SLOT_BYTES = 8 << 20  # per rank and parity, in device memory: a batch of 256 rows of hidden 8192 in float32
-HOST, IPC = "host", "ipc"
+HOST, IPC = "host", "ipc"  # PAT_COLOCATED_COLLECTIVES values besides "auto"
+HOST_STAGED = "host-staged"  # a path's name (TPGroup.collectives): "ipc" or this, where ranks share a GPU
 
 
 def wanted(host_staged: bool, backend: str) -> bool:
@@ -52,6 +53,12 @@ def wanted(host_staged: bool, backend: str) -> bool:
     if not board_usable(backend) or asked == HOST:
         return False
     return host_staged or asked == IPC
+
+
+def colocated_path() -> str:
+    """The path a TP group of ranks sharing a GPU is set to take, ``IPC`` or ``HOST_STAGED`` (a group whose
+    ranks cannot map each other's slots falls back, with a warning: ``TPGroup.collectives`` says which)."""
+    return IPC if wanted(host_staged=True, backend="gloo") else HOST_STAGED
 
 
 def reserve_bytes(world: int) -> int:

@@ -26,8 +26,7 @@ def device_name(device: str, ranks_per_device: int = 1) -> str:
     if device == "cuda":
         shared = ""
         if ranks_per_device > 1:
-            path = "IPC slots" if ipc_collectives.wanted(True, "gloo") else "host-staged"
-            shared = f", {ranks_per_device} ranks per device, collectives {path}"
+            shared = f", {ranks_per_device} ranks per device, collectives {ipc_collectives.colocated_path()}"
         return f"cuda: {gpu_name() or 'unknown'}{shared}"
     return f"cpu: {cpu_name()} ({os.cpu_count()} cores)"
 

@@ -38,6 +38,6 @@ class MemoryHandlers:
         reserve = cfg.max_num_batched_tokens * (4 * arch.hidden_size + 2 * arch.intermediate_size // tp) * elt
         reserve += cfg.max_num_seqs * arch.vocab_size * 4
         reserve += ex.graphs.reserve_bytes(arch.hidden_size, arch.intermediate_size // tp, elt)
-        if self.share.sharing > 1:  # the TP groups a later switch builds take device slots of their own
-            reserve += ipc_collectives.reserve_bytes(cfg.world)
+        if self.share.sharing > 1 and ipc_collectives.colocated_path() == ipc_collectives.IPC:
+            reserve += ipc_collectives.reserve_bytes(cfg.world)  # the slots of the groups later switches build
         return self.share.kv_budget(reserve)
