@@ -139,9 +139,9 @@ class _CountingBackend(StandInGraphBackend):
     def __init__(self) -> None:
         self.captures = 0
 
-    def capture(self, forward):
+    def capture(self, forward, warmups):
         self.captures += 1
-        return super().capture(forward)
+        return super().capture(forward, warmups)
 
 
 def _tp2_shard(path: str, host_staged: bool) -> tuple[InferExecutor, _CountingBackend]:

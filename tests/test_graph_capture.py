@@ -34,10 +34,13 @@ GREEDY = SamplingSpec(temperature=0.0, top_k=0, top_p=1.0, seed=0, logprobs=True
 NEW = [m // 4 for m in MAX_NEW]  # 12, 5, 14, 7, 3, 10: the batch shrinks 6 -> 1 across ladder sizes
 
 
-def _executor(path: str, graphs: bool, max_graph_batch: int = 8) -> InferExecutor:
+def _executor(path: str, graphs: bool, max_graph_batch: int = 8, device: str = "cpu",
+              dtype: torch.dtype = torch.float64) -> InferExecutor:
+    """One rank; its graphs stand-in on the CPU, CUDA graphs on a GPU (test_graph_capture_e2e.py)."""
     arch = load_model_arch(path)
-    settings = GraphSettings("standin", graph_ladder(max_graph_batch), 512) if graphs else None
-    ex = InferExecutor(arch, Layout(1, 1), TPGroup(rank=0, size=1, ranks=(0,)), torch.float64, torch.device("cpu"),
+    backend = "cuda" if device == "cuda" else "standin"
+    settings = GraphSettings(backend, graph_ladder(max_graph_batch), 512) if graphs else None
+    ex = InferExecutor(arch, Layout(1, 1), TPGroup(rank=0, size=1, ranks=(0,)), dtype, torch.device(device),
                        block_size=BLOCK, num_blocks=NUM_BLOCKS, graphs=settings)
     ex.load_weights(path)
     return ex
@@ -182,6 +185,73 @@ def test_a_new_pool_is_never_replayed_stale(model_dir) -> None:
     ex.kv = ex.new_pool(ex.layout, NUM_BLOCKS)  # the graphs still point into the previous one
     assert _generate(ex) == _generate(_executor(path, graphs=False))
     assert ex.graphs.stats.lazy_captures == 4  # every size captured again, over this pool
+
+
+class _WarmupLog(StandInGraphBackend):
+    """The stand-in, recording how many warm-ups each capture was asked for; ``refuse_cold`` makes a capture
+    without any fail, as a lazy initialisation inside a CUDA capture would."""
+
+    def __init__(self, refuse_cold: bool = False) -> None:
+        self.asked: list[int] = []
+        self.refuse_cold = refuse_cold
+
+    def capture(self, forward, warmups):
+        self.asked.append(warmups)
+        if self.refuse_cold and warmups == 0:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return super().capture(forward, warmups)
+
+
+def test_shapes_captured_before_are_captured_without_warm_ups(model_dir) -> None:
+    """An epoch's first capture of new shapes warms up twice, its other sizes once; the same shapes captured
+    again over a new pool of the same geometry (a switch back, a wake-up) take none; another geometry is new."""
+    path = model_dir("llama")
+    ex = _executor(path, graphs=True)
+    log = ex.graphs.backend = _WarmupLog()
+    ex.capture_graphs()
+    assert log.asked == [2, 1, 1, 1]  # 8, 4, 2, 1: largest first
+    ex.allocate_kv(NUM_BLOCKS)  # a new pool, the same geometry: every graph dropped
+    assert ex.graphs.captured == ()
+    ex.capture_graphs(upto=4)
+    assert log.asked[4:] == [0, 0, 0] and ex.graphs.stats.warmup_forwards == 5
+    ex.allocate_kv(NUM_BLOCKS + 8)  # another block count: the kernels may specialise on it
+    ex.capture_graphs(upto=1)
+    assert log.asked[7:] == [2]
+    assert _generate(ex) == _generate(_executor(path, graphs=False))  # sizes 2-8 lazily: 2 is new here, 4, 8 too
+    assert log.asked[8:] == [1, 1, 1]
+    ex.graphs.forget_warm_shapes()  # benchmarks: everything new again
+    ex.allocate_kv(NUM_BLOCKS)
+    ex.capture_graphs(upto=2)
+    assert log.asked[11:] == [2, 1]
+
+
+def test_the_ranks_of_a_larger_group_warm_up_every_capture(model_dir) -> None:
+    """A TP2 shard (emulated group): its warm-up forwards hold collectives that pair up only if every rank of
+    the group runs as many, so shapes captured before are warmed up again."""
+    from pat_profiler.emulate import EmulatedTPGroup
+
+    path = model_dir("llama")
+    ex = InferExecutor(load_model_arch(path), Layout(2, 1), EmulatedTPGroup(2), torch.float64, torch.device("cpu"),
+                       block_size=BLOCK, num_blocks=NUM_BLOCKS, graphs=GraphSettings("standin", graph_ladder(8), 512))
+    ex.load_weights(path)
+    log = ex.graphs.backend = _WarmupLog()
+    ex.capture_graphs(upto=2)
+    ex.allocate_kv(NUM_BLOCKS)
+    ex.capture_graphs(upto=2)
+    assert log.asked == [2, 1, 2, 1]
+
+
+def test_a_capture_without_warm_ups_that_fails_is_taken_again_after_them(model_dir, caplog) -> None:
+    path = model_dir("llama")
+    ex = _executor(path, graphs=True)
+    log = ex.graphs.backend = _WarmupLog(refuse_cold=True)
+    ex.capture_graphs(upto=2)
+    ex.allocate_kv(NUM_BLOCKS)
+    with caplog.at_level("WARNING"):
+        ex.capture_graphs(upto=2)
+    assert log.asked == [2, 1, 0, 2, 0, 2] and ex.graphs.captured == (1, 2)
+    assert "capture without warm-up failed" in caplog.text
+    assert _generate(ex, max_new=[2] * len(PROMPTS)) == _generate(_executor(path, graphs=False), max_new=[2] * len(PROMPTS))
 
 
 def test_disabled_manager_is_inert() -> None:

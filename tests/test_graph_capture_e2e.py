@@ -27,6 +27,8 @@ def _graphs(engine: Engine) -> list[dict]:
 def test_graphs_across_a_live_switch_and_sleep(model_dir):
     with Engine(model_dir("llama"), tp=1, dp=2, dtype="float64", graph_backend="standin", max_num_seqs=16) as engine:
         assert all(g["captured"] == list(LADDER) and g["lazy_captures"] == 0 for g in _graphs(engine))  # start-up
+        assert all(g["warmup_forwards"] == 2 + len(LADDER) - 1 for g in _graphs(engine))  # new shapes: 2, then 1
+        warm = _graphs(engine)[0]["warmup_forwards"]
 
         # TP1xDP2 -> TP2xDP1 while all six requests run, then back to TP1xDP2 once two have finished
         outs = engine.generate(PROMPTS, GREEDY, switch_schedule=[(3, 2), (25, 1)], kv_transfer="migrate",
@@ -40,6 +42,8 @@ def test_graphs_across_a_live_switch_and_sleep(model_dir):
         assert len(graph_sizes_upto(LADDER, 2)) <= split.costs["graphs_captured"] <= len(graph_sizes_upto(LADDER, 3))
         stats = _graphs(engine)
         assert all(max(g["captured"]) <= 4 and g["lazy_captures"] == 0 and g["replays"] > 0 for g in stats)
+        # TP2's shapes were new (2, then 1 a size); back at TP1 over a pool of the start-up's geometry, none
+        assert all(g["warmup_forwards"] == warm + 2 + 3 for g in stats)
 
         engine.sleep(level=1)
         assert all(g["captured"] == [] for g in _graphs(engine))
@@ -47,6 +51,7 @@ def test_graphs_across_a_live_switch_and_sleep(model_dir):
         again = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.token_ids for o in again] == hf_greedy_batch(model_dir("llama"))
         assert all(g["captured"] and set(g["captured"]) <= set(LADDER) for g in _graphs(engine))  # lazily
+        assert all(g["warmup_forwards"] == warm + 5 for g in _graphs(engine))  # shapes captured before
 
 
 @pytest.mark.slow
@@ -84,7 +89,30 @@ def test_cuda_graph_backend_replays_what_it_captured():
     from pat_engine.worker.graph_backends import CudaGraphBackend
 
     x = torch.zeros(4, device="cuda")
-    graph = CudaGraphBackend(torch.device("cuda")).capture(lambda: x * 2 + 1)
+    graph = CudaGraphBackend(torch.device("cuda")).capture(lambda: x * 2 + 1, warmups=1)
     x.fill_(3.0)
     graph.replay()
     assert graph.output.tolist() == [7.0] * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_captured_again_without_warm_ups_give_the_same_bits(model_dir):
+    """Float32, one rank in process: graphs captured again over a new pool of the same geometry (as after a
+    switch back or a wake-up) run no warm-up forward and replay the tokens and log-probs of the graphs
+    captured after warm-ups, bit for bit; the tokens are the eager steps'."""
+    from test_graph_capture import NUM_BLOCKS, _executor, _generate
+
+    path = model_dir("llama")
+    ex = _executor(path, graphs=True, device="cuda", dtype=torch.float32)
+    ex.capture_graphs()
+    warm = ex.graphs.stats.warmup_forwards
+    first = _generate(ex)
+    ex.allocate_kv(NUM_BLOCKS)  # drops every graph
+    ex.capture_graphs()
+    assert ex.graphs.stats.warmup_forwards == warm and ex.graphs.captured == (1, 2, 4, 8)
+    again = _generate(ex)
+    assert ex.graphs.stats.replays > 0 and ex.graphs.stats.lazy_captures == 0
+    assert again == first
+    eager = _generate(_executor(path, graphs=False, device="cuda", dtype=torch.float32))
+    assert [[t for t, _ in seq] for seq in again] == [[t for t, _ in seq] for seq in eager]

@@ -15,10 +15,11 @@ bytes moved and peak extra memory. The first batch is a warm-up (groups made, fi
 first captures) and is shown apart. Goal (issue 32): the graphs phase <= 10% of a switch that recaptures.
 
 Also: point-to-point GB/s a rank along both paths, by handle and staged through the host (interleaved),
-decode steps per layout, CUDA memory per rank before and after the measured switches, and (full mode) a
-TP1xDP4 -> TP4xDP1 merge and the capture warm-ups (2 per size as the first H100 run captured, against 2
-for an epoch's first size and 1 for the rest), each of the two on its own: one that fails says so in its
-place and the rest of the part stands. Two parts of their own, each in its own process, measure the same
+decode steps per layout, CUDA memory per rank before and after the measured switches, the capture
+warm-ups (ms per size with 2 warm-ups each as the first H100 run captured, with the engine's rule for new
+shapes, 2 for an epoch's first size and 1 for the rest, and for shapes captured before, none) and (full
+mode) a TP1xDP4 -> TP4xDP1 merge, each of the two on its own: one that fails says so in its place and the
+rest of the part stands. Two parts of their own, each in its own process, measure the same
 deployment: ``controller`` (switch_controller.py) and ``collectives`` (collectives.py: what each
 collective of a TP2 step costs along the IPC slots and host-staged).
 
@@ -175,30 +176,40 @@ def switch_rows(engine, w: Workload, high: int, kvs: tuple[str, ...], vocab: int
 
 
 def capture_warmups(ctx: Ctx, ckpt: Path) -> list[list]:
-    """ms per captured size with 2 warm-ups for every size against 2 for an epoch's first size and 1 for the
-    rest (the engine's backend), interleaved; and whether graph replays give the eager tokens."""
+    """ms per captured size, interleaved epochs: 2 warm-ups for every size, the engine's rule for shapes this
+    process has not captured (2 for an epoch's first size, 1 for the rest), and for shapes it has (none: a
+    switch back to a layout, a wake-up); and whether the replays of graphs captured without warm-ups give
+    the eager tokens."""
     from gpucheck.executor import build
     from pat_engine.config import graph_ladder, graph_sizes_upto
-    from pat_engine.worker.graph_backends import CudaGraphBackend
+    from pat_engine.worker.graph_capture import CaptureWarmups
 
     ladder, upto = graph_ladder(64), 32
     ex = build(ctx, 1024, ladder, 1024, ckpt=ckpt)
-    settings = {"2 per size": (2, 2), "2, then 1 (engine)": (2, 1)}
+    settings = {"2 per size (new shapes)": (CaptureWarmups(2, 2), True),
+                "2, then 1 (engine, new shapes)": (CaptureWarmups(), True),
+                "none (engine, shapes captured before)": (CaptureWarmups(), False)}
     per_graph: dict[str, list[float]] = {k: [] for k in settings}
     for _ in range(3):
-        for name, (first, later) in settings.items():
+        for name, (warmups, forget) in settings.items():
             ex.graphs.drop()
-            ex.graphs.backend = CudaGraphBackend(ex.device, first, later)
+            ex.graphs.warmups = warmups
+            if forget:
+                ex.graphs.forget_warm_shapes()
+            before = ex.graphs.stats.warmup_forwards
             n, secs = ex.capture_graphs(upto)
+            assert forget or ex.graphs.stats.warmup_forwards == before, "shapes captured before were warmed up"
             per_graph[name].append(secs / n)
-    # graphs read block tables as wide as the model allows, eager steps as wide as the batch needs: the decode
-    # kernel's split count follows the width, so a bf16 near-tie of the random weights may pick another token
+    # the graphs held now were captured without warm-ups. Graphs read block tables as wide as the model allows,
+    # eager steps as wide as the batch needs: the decode kernel's split count follows the width, so a bf16 near
+    # tie of the random weights may pick another token
     same = ("yes" if decode_tokens(ex, graphs=True) == decode_tokens(ex, graphs=False)
             else "differ (another split count at the graphs' wider tables: a bf16 near tie?)")
     sizes = len(graph_sizes_upto(ladder, upto))
     del ex
     free_device_memory()
-    return [[name, sizes, statistics.median(v) * 1e3, same] for name, v in per_graph.items()]
+    return [[name, sizes, statistics.median(v) * 1e3, same if name.startswith("none") else ""]
+            for name, v in per_graph.items()]
 
 
 def apart(what: str, section) -> list[str]:
@@ -227,13 +238,16 @@ def four_ranks_section(ctx: Ctx, ckpt: Path, w: Workload, vocab: int, data: dict
     return lines
 
 
-def warmups_section(ctx: Ctx, ckpt: Path) -> list[str]:
-    if ctx.smoke:
-        return ["", "Capture warm-ups: not timed (no CUDA graphs on the CPU)."]
+def warmups_section(ctx: Ctx, ckpt: Path, headlines: list[str]) -> list[str]:
+    """The capture warm-ups' rows; their headline appended to ``headlines`` (smoke: the stand-in's rows, to check
+    the code; it runs no warm-up forwards)."""
+    rows = capture_warmups(ctx, ckpt)
+    headlines.append("capture ms per size (TP1, sizes up to 32): " + ", ".join(f"{r[0]} {r[2]:.1f}" for r in rows)
+                     + f"; graphs captured without warm-ups give the eager tokens: {rows[-1][3]}")
     return ["", "**Capture warm-ups** (TP1 shard in this process, capture of the sizes up to 32, median of 3 "
-            "interleaved epochs; tokens of 4 decode steps of 8 requests, graphs against eager):", "",
-            markdown_table(["warm-ups", "sizes", "ms per size", "graph tokens = eager tokens"],
-                           capture_warmups(ctx, ckpt))]
+            "interleaved epochs; tokens of 4 decode steps of 8 requests through the graphs captured without "
+            "warm-ups, against eager):", "",
+            markdown_table(["warm-ups", "sizes", "ms per size", "graph tokens = eager tokens"], rows)]
 
 
 def decode_tokens(ex, graphs: bool) -> list[list[int]]:
@@ -359,9 +373,10 @@ def run(ctx: Ctx) -> PartResult:
                                           "seconds": e.seconds, **e.costs} for e in events],
                             "bandwidth": bandwidth, "p2p": stats[0]["p2p"], "p2p_rates": rates,
                             "p2p_rates_1mib": small}
-    if not ctx.quick:  # each piece on its own: one that fails keeps the rows above and the pieces after it
+    # each piece on its own: one that fails keeps the rows above and the pieces after it
+    if not ctx.quick:
         lines += apart("four ranks", lambda: four_ranks_section(ctx, ckpt, w, vocab, data))
-        lines += apart("capture warm-ups", lambda: warmups_section(ctx, ckpt))
+    lines += apart("capture warm-ups", lambda: warmups_section(ctx, ckpt, headlines))
     if ctx.smoke:
         headlines = ["smoke: not judged (CPU, stand-in graphs)"] + headlines[1:]
     return PartResult("\n".join(lines), headlines, data)

@@ -1,19 +1,16 @@
 """How a decode forward over persistent buffers becomes replayable: the ``GraphBackend`` protocol.
 
-``CudaGraphBackend``: ``torch.cuda.CUDAGraph``. Each capture first runs the forward on a side
-stream (lazy initialisations: cuBLAS workspaces, NCCL communicators, Triton compiles, must not be
-recorded), then records it; the graphs of one epoch share one memory pool. Only built on CUDA.
-The first capture of an epoch (a new group, pool or weights) warms up twice; the later ones, whose
-forward differs only in its batch size, once: whatever a new size initialises lazily (a Triton
-specialisation, a GEMM heuristic) the first warm-up runs. On the first H100 run a capture took ~60 ms
-a size on an 8B shape beside 25 ms eager steps (bench/results/gpu_2026-11-26_h100_first_run/), so the
-dropped forward is about a third of a capture; the ``switch`` part of bench/gpu_check.py times both
-settings (not yet run on a GPU).
+``CudaGraphBackend``: ``torch.cuda.CUDAGraph``. A capture first runs the forward on a side stream as
+many times as its caller asks (lazy initialisations: cuBLAS workspaces, NCCL connections, Triton
+compiles, must not be recorded), then records it; the graphs of one epoch share one memory pool. Only
+built on CUDA. How many warm-ups a capture needs is the caller's rule (graph_capture.CaptureWarmups:
+none for shapes this process has captured before).
 
-``StandInGraphBackend``: CPU CI. Its capture runs the forward once (the warm-up) and records the
-callable; a replay runs it eagerly and copies the result into the output it kept, as a graph's
-static output is rewritten. Everything around it (graph_capture.py: ladder, buffers, padding,
-copies, invalidation) then runs exactly as with CUDA graphs, which is what the CPU tests check.
+``StandInGraphBackend``: CPU CI. Its capture runs the forward once and records the callable; a replay
+runs it eagerly and copies the result into the output it kept, as a graph's static output is
+rewritten. It has nothing to initialise, so it runs no warm-ups. Everything around it
+(graph_capture.py: ladder, buffers, padding, copies, invalidation, the warm-up rule) then runs exactly
+as with CUDA graphs, which is what the CPU tests check.
 """
 
 from __future__ import annotations
@@ -42,12 +39,13 @@ class GraphBackend(Protocol):
         """Every graph was dropped: later captures start a fresh memory pool."""
         ...
 
-    def capture(self, forward: Callable[[], torch.Tensor]) -> CapturedGraph:
-        """Warm ``forward`` up, then capture it.
+    def capture(self, forward: Callable[[], torch.Tensor], warmups: int) -> CapturedGraph:
+        """Run ``forward`` ``warmups`` times, then capture it.
 
         Args:
             forward: reads and writes only tensors that outlive the graph (the buffers, the weights,
                 the KV pool); returns the hidden states.
+            warmups: forwards to run first, unrecorded (a backend with nothing to initialise may skip them).
         Returns:
             The graph; ``replay`` reruns ``forward`` on whatever the buffers hold then.
         """
@@ -70,7 +68,7 @@ class StandInGraphBackend:
     def new_epoch(self) -> None:
         pass
 
-    def capture(self, forward: Callable[[], torch.Tensor]) -> CapturedGraph:
+    def capture(self, forward: Callable[[], torch.Tensor], warmups: int) -> CapturedGraph:
         return _Recorded(forward, forward())
 
 
@@ -88,11 +86,10 @@ class CudaGraphBackend:
 
     name = "cuda"
 
-    def __init__(self, device: torch.device, warmups: int = 2, later_warmups: int = 1):
+    def __init__(self, device: torch.device):
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.device = device
-        self.warmups, self.later_warmups = warmups, later_warmups  # an epoch's first capture, the others
         self._pool: object | None = None
         # one warm-up stream for every capture: a new torch.cuda.Stream each time walks torch's pool of 32, and
         # cuBLAS keeps a workspace (32 MiB on an H100) for every stream it meets, ~1 GiB a rank at worst
@@ -101,14 +98,14 @@ class CudaGraphBackend:
     def new_epoch(self) -> None:
         self._pool = None
 
-    def capture(self, forward: Callable[[], torch.Tensor]) -> CapturedGraph:
-        # warm-up: lazy initialisations must not be recorded
-        side = self._side
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(self.warmups if self._pool is None else self.later_warmups):
-                forward()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+    def capture(self, forward: Callable[[], torch.Tensor], warmups: int) -> CapturedGraph:
+        if warmups:  # lazy initialisations must not be recorded
+            side = self._side
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(warmups):
+                    forward()
+            torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             output = forward()

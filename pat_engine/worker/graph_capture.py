@@ -34,7 +34,13 @@ What a graph holds, and so when it must go:
   write that moves any parameter, or that rebuilds derived copies (CPU GEMM packs, the invariant
   mode's chunk pieces), drops them (``after_weight_write``).
 What survives a layout change: the input buffers (their sizes depend on ``max_graph_batch`` and
-``max_model_len`` only) and the ladder. Nothing here depends on heads per rank.
+``max_model_len`` only), the ladder, and the shapes this rank has captured (``CaptureWarmups``): a
+capture runs its forward unrecorded first, so that nothing initialises lazily while it records,
+unless this process has captured the same forward before (the same batch size, weight and KV shapes)
+in a one-rank group: then nothing is left to initialise and the warm-ups are skipped. A switch back to
+TP1, as every RL rollout round makes, a wake-up, a weight write that moved the weights: all capture
+shapes seen before. The ranks of a larger group always warm up: their warm-up forwards hold
+collectives, so every rank must run as many, and their pools' geometries may differ.
 
 Every rank of a TP group captures the same sizes in the same order, as the collectives recorded
 inside must pair up: every decision above follows calls and steps the whole group receives.
@@ -46,8 +52,10 @@ ladder, the padding and the copies in and out run exactly as on a GPU.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
+from collections.abc import Hashable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -61,6 +69,8 @@ from pat_engine.protocol import StepCommand
 from pat_engine.worker.graph_backends import CapturedGraph, GraphBackend, make_backend
 from pat_engine.worker.kv_pool import PagedKVPool
 from pat_engine.worker.step_inputs import StepInputs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -112,10 +122,25 @@ class _GraphBuffers:
         self.tables[start:stop].fill_(scratch_block)
 
 
+@dataclass(frozen=True)
+class CaptureWarmups:
+    """Unrecorded forwards before a capture of shapes this process has not captured yet: ``first`` for an
+    epoch's first capture (a new group, pool or weights: what they initialise lazily, e.g. an NCCL
+    communicator's connections, may take more than one call), ``later`` for the epoch's other sizes
+    (whatever a new batch size initialises, a Triton specialisation or a GEMM heuristic, the first warm-up
+    runs). Shapes a one-rank group captured before take none. The fourth H100 run
+    (bench/results/gpu_check.md, switch part, 1B shape, sizes up to 32): 37.6 ms a size with 2 warm-ups
+    each, 21.5 ms with 2 then 1: a warm-up forward is about as long as the rest of a capture."""
+
+    first: int = 2
+    later: int = 1
+
+
 @dataclass
 class GraphStats:
     captures: int = 0
     capture_s: float = 0.0
+    warmup_forwards: int = 0  # run before captures; none for shapes captured before
     lazy_captures: int = 0  # captured by a step that needed the size
     replays: int = 0
     eager_decodes: int = 0  # decode steps no graph could hold
@@ -147,12 +172,15 @@ class DecodeGraphs:
         self.backend = backend or (make_backend(settings.backend, device) if settings else None)
         self.graphs: dict[int, CapturedGraph] = {}  # batch size -> its graph
         self.stats = GraphStats()
+        self.warmups = CaptureWarmups()
+        self._warm: set[Hashable] = set()  # capture keys (size, shapes) this process has captured at TP1
         self._bufs: _GraphBuffers | None = None
         self._model: torch.nn.Module | None = None  # what the graphs were captured over
         self._tp: TPGroup | None = None
         self._pool: PagedKVPool | None = None
         self._layer0: torch.Tensor | None = None  # the pool's first layer then (a released pool has none)
         self._weights: tuple[int, ...] | None = None
+        self._shapes: Hashable | None = None  # what a capture's kernels depend on besides its size (_bind)
 
     @property
     def enabled(self) -> bool:
@@ -175,7 +203,11 @@ class DecodeGraphs:
         if self.graphs and self.backend is not None:
             self.backend.new_epoch()
         self.graphs.clear()
-        self._model = self._tp = self._pool = self._layer0 = self._weights = None
+        self._model = self._tp = self._pool = self._layer0 = self._weights = self._shapes = None
+
+    def forget_warm_shapes(self) -> None:
+        """Capture every shape as if for the first time: with ``CaptureWarmups`` (benchmarks)."""
+        self._warm.clear()
 
     def after_weight_write(self, model: torch.nn.Module) -> None:
         """A weight write ended: keep the graphs only if every tensor they read stayed where it was."""
@@ -236,6 +268,13 @@ class DecodeGraphs:
         self._model, self._tp, self._pool = model, tp, pool
         self._layer0 = pool.layers[0] if pool.layers else None
         self._weights = _weights_key(model)
+        # what the recorded kernels depend on besides the batch size: the rank's weight shapes and the pool's
+        # geometry (a new shape may be a new specialisation). None for a group of several ranks (every capture
+        # warmed up): their warm-ups hold collectives, which pair up only if every rank runs as many
+        layer0 = self._layer0
+        self._shapes = None if tp.size > 1 else (
+            tuple(layer0.shape), layer0.stride(), layer0.dtype,
+            tuple((tuple(p.shape), p.dtype) for p in model.parameters()))
         if self._bufs is None:  # they survive every drop: their sizes depend on no layout
             with torch.inference_mode():
                 self._bufs = _GraphBuffers(self.ladder[-1], self.max_blocks, self.block_size, self.device)
@@ -254,7 +293,28 @@ class DecodeGraphs:
             return model(ids, pos, ForwardContext(tp=tp, kv_caches=layers, attn=attn,
                                                   attn_backend=self.attention))  # (b, hidden)
 
-        graph = self.graphs[b] = self.backend.capture(forward)
+        graph = self.graphs[b] = self._warmed_capture(forward, None if self._shapes is None else (b, self._shapes))
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - start
+        return graph
+
+    def _warmed_capture(self, forward, key: Hashable | None) -> CapturedGraph:
+        """The backend's capture with the warm-ups ``CaptureWarmups`` asks (``key``: the size and shapes, None
+        where every capture warms up); should a capture without any fail all the same, it is taken again
+        after the full warm-up, with a warning (an initialisation this rule did not foresee: a bug to
+        report, not a reason to fail the step or the switch)."""
+        if key is not None and key in self._warm:
+            try:
+                return self.backend.capture(forward, 0)
+            except RuntimeError as exc:
+                log.warning("a decode graph capture without warm-up failed (%s: %s); capturing it again after "
+                            "%d warm-up forwards", type(exc).__name__, exc, self.warmups.first)
+                self._warm.discard(key)
+                warmups = self.warmups.first
+        else:
+            warmups = self.warmups.first if not self.graphs else self.warmups.later
+        graph = self.backend.capture(forward, warmups)
+        self.stats.warmup_forwards += warmups
+        if key is not None:
+            self._warm.add(key)
         return graph
