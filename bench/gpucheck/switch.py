@@ -15,11 +15,12 @@ bytes moved and peak extra memory. The first batch is a warm-up (groups made, fi
 first captures) and is shown apart. Goal (issue 32): the graphs phase <= 10% of a switch that recaptures.
 
 Also: point-to-point GB/s a rank along both paths, by handle and staged through the host (interleaved),
-decode steps per layout, CUDA memory per rank before and after the measured switches, the capture
-warm-ups (ms per size with 2 warm-ups each as the first H100 run captured, with the engine's rule for new
-shapes, 2 for an epoch's first size and 1 for the rest, and for shapes captured before, none) and (full
-mode) a TP1xDP4 -> TP4xDP1 merge, each of the two on its own: one that fails says so in its place and the
-rest of the part stands. Two parts of their own, each in its own process, measure the same
+decode steps per layout, CUDA memory per rank before and after the measured switches, and (full mode) a
+TP1xDP4 -> TP4xDP1 merge and the capture warm-ups (ms per size with 2 warm-ups each as the first H100 run
+captured, with the engine's rule for new shapes, 2 for an epoch's first size and 1 for the rest, and for
+shapes captured before, none), each of the two on its own: one that fails says so in its place and the
+rest of the part stands. In ``--quick``, the switch back to TP1 recaptures shapes captured at start-up: its
+graphs phase is the no-warm-up one. Two parts of their own, each in its own process, measure the same
 deployment: ``controller`` (switch_controller.py) and ``collectives`` (collectives.py: what each
 collective of a TP2 step costs along the IPC slots and host-staged).
 
@@ -373,10 +374,9 @@ def run(ctx: Ctx) -> PartResult:
                                           "seconds": e.seconds, **e.costs} for e in events],
                             "bandwidth": bandwidth, "p2p": stats[0]["p2p"], "p2p_rates": rates,
                             "p2p_rates_1mib": small}
-    # each piece on its own: one that fails keeps the rows above and the pieces after it
-    if not ctx.quick:
+    if not ctx.quick:  # each piece on its own: one that fails keeps the rows above and the pieces after it
         lines += apart("four ranks", lambda: four_ranks_section(ctx, ckpt, w, vocab, data))
-    lines += apart("capture warm-ups", lambda: warmups_section(ctx, ckpt, headlines))
+        lines += apart("capture warm-ups", lambda: warmups_section(ctx, ckpt, headlines))
     if ctx.smoke:
         headlines = ["smoke: not judged (CPU, stand-in graphs)"] + headlines[1:]
     return PartResult("\n".join(lines), headlines, data)
