@@ -227,6 +227,19 @@ def test_env_switch_and_unsupported_dtype(kernel, monkeypatch):
     assert cpu_attention.cpu_decode_kernel(torch.float32) is None
 
 
+def test_inside_a_step_a_switch_is_read_once(kernel, monkeypatch):
+    """``switches_read_once`` (the worker's step): a switch flipped inside keeps its first reading until the
+    step ends; outside, every call reads the environment (A/B runs flip it between steps)."""
+    monkeypatch.delenv(cpu_attention.ENV_SWITCH, raising=False)
+    with cpu_extension.switches_read_once():
+        assert cpu_attention.cpu_decode_kernel(torch.float32) is kernel
+        monkeypatch.setenv(cpu_attention.ENV_SWITCH, "torch")
+        assert cpu_attention.cpu_decode_kernel(torch.float32) is kernel
+    assert cpu_attention.cpu_decode_kernel(torch.float32) is None
+    with cpu_extension.switches_read_once():
+        assert cpu_attention.cpu_decode_kernel(torch.float32) is None
+
+
 def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog):
     def no_compiler():
         raise RuntimeError("Ninja is required to load C++ extensions")

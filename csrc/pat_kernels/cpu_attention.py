@@ -1,7 +1,7 @@
 """The CPU paged attention kernels, built by ``cpu_extension``: decode attention over the block pool
 (``cpu/paged_decode_attention.cpp``) and the store of new tokens' K/V into it (``cpu/kv_write.cpp``).
 
-``PAT_CPU_ATTENTION=torch`` turns both off (read on every call, for A/B runs).
+``PAT_CPU_ATTENTION=torch`` turns both off (for A/B runs: ``cpu_extension.switched_on``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Built by ``cpu_extension``.
 The weight is read as ``panels``: its ``(n, K)`` shard transposed into blocks of 16 output columns in
 the weight's own dtype, zero past n (bfloat16 keeps k in pairs, as AVX512-BF16's dot product reads
 them); ``pat_engine/model/chunk_weights.py`` keeps them as derived state. ``PAT_CPU_CHUNK_GEMM=torch``
-turns the kernel off (read on every call, for A/B runs): the chunks then go through oneDNN one by one.
+turns the kernel off (for A/B runs: ``cpu_extension.switched_on``): the chunks then go through oneDNN one by one.
 """
 
 from __future__ import annotations

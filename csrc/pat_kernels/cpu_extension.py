@@ -13,13 +13,18 @@ Concurrent builds (threads, or worker processes starting together) are serialise
 was killed, which would make torch wait forever) is removed before loading.
 
 Where the build fails, the torch paths serve and one warning names the reason. Each kernel family
-has its own accessor and off switch, read on every call for A/B runs: ``cpu_attention``
-(``PAT_CPU_ATTENTION=torch``), ``cpu_norm`` (``PAT_CPU_NORM=torch``), ``cpu_rotary``
-(``PAT_CPU_ROTARY=torch``) and ``cpu_chunk_gemm`` (``PAT_CPU_CHUNK_GEMM=torch``).
+has its own accessor and off switch: ``cpu_attention`` (``PAT_CPU_ATTENTION=torch``), ``cpu_norm``
+(``PAT_CPU_NORM=torch``), ``cpu_rotary`` (``PAT_CPU_ROTARY=torch``), ``cpu_chunk_gemm``
+(``PAT_CPU_CHUNK_GEMM=torch``), ``cpu_skinny_gemm`` and ``cpu_sample``. A switch is read on every call, so
+that A/B runs may flip it between two steps of one process; inside ``switches_read_once`` (a model
+step: the engine's worker wraps each in it) once, at its first call: a host-bound decode step asks them
+hundreds of times, and the environment's lookups were a tenth of a small model's CPU step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import logging
 import os
@@ -27,6 +32,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -86,9 +92,29 @@ def _build() -> None:
             fcntl.flock(held, fcntl.LOCK_UN)
 
 
+_READ_ONCE: contextvars.ContextVar[dict[str, bool] | None] = contextvars.ContextVar("pat_kernels_switches",
+                                                                                    default=None)
+
+
+@contextlib.contextmanager
+def switches_read_once() -> Iterator[None]:
+    """Inside, each kernel family's switch is read from the environment at its first call only (a step)."""
+    token = _READ_ONCE.set({})
+    try:
+        yield
+    finally:
+        _READ_ONCE.reset(token)
+
+
 def switched_on(env_switch: str) -> bool:
     """A kernel family is on unless its environment switch says ``torch``."""
-    return os.environ.get(env_switch, "kernel").strip().lower() != "torch"
+    read = _READ_ONCE.get()
+    on = None if read is None else read.get(env_switch)
+    if on is None:
+        on = os.environ.get(env_switch, "kernel").strip().lower() != "torch"
+        if read is not None:
+            read[env_switch] = on
+    return on
 
 
 def serves(x: torch.Tensor, dtypes: tuple[torch.dtype, ...], env_switch: str) -> bool:

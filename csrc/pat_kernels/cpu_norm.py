@@ -4,7 +4,7 @@ residual add before it; float32 and bfloat16. Built by ``cpu_extension``.
 float64 is left to the torch formula in ``pat_engine/model/layers/norm.py``, which mirrors
 transformers' operation by operation: it is the dtype of the exactness suite, and the kernel's
 vector-lane sum of squares differs in the last bit. ``PAT_CPU_NORM=torch`` turns the kernels off
-(read on every call, for A/B runs).
+(for A/B runs: ``cpu_extension.switched_on``).
 """
 
 from __future__ import annotations

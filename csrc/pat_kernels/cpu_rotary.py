@@ -1,7 +1,7 @@
 """The CPU rotary kernel (``cpu/rotary.cpp``): rotates q and k in place in one pass, with the
 torch path's rounding (so float64 keeps its bits). Built by ``cpu_extension``.
 
-``PAT_CPU_ROTARY=torch`` turns it off (read on every call, for A/B runs).
+``PAT_CPU_ROTARY=torch`` turns it off (for A/B runs: ``cpu_extension.switched_on``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The CPU sampling kernel (``cpu/sample.cpp``): inverse CDF in token-id order, one row per thread.
-Built by ``cpu_extension``. ``PAT_CPU_SAMPLER=torch`` turns it off (read on every call, for A/B
-runs); pat_engine/sampling/inverse_cdf.py then computes the same bits with torch ops.
+Built by ``cpu_extension``. ``PAT_CPU_SAMPLER=torch`` turns it off (for A/B runs:
+``cpu_extension.switched_on``); pat_engine/sampling/inverse_cdf.py then computes the same bits with torch ops.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The CPU GEMM of decode steps of a few rows (``cpu/skinny_gemm.cpp``): each weight row read once, from the
 plain weight, each output in one fixed float32 sequence (see the .cpp). Built by ``cpu_extension``;
-``PAT_CPU_SKINNY_GEMM=torch`` turns it off (read on every call, for A/B runs): oneDNN's pack serves then.
+``PAT_CPU_SKINNY_GEMM=torch`` turns it off (for A/B runs: ``cpu_extension.switched_on``): oneDNN's pack serves
+then.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pat_kernels import cpu_extension
 DTYPES = (torch.float32, torch.bfloat16)
 ENV_SWITCH = "PAT_CPU_SKINNY_GEMM"
 MAX_ROWS = 8  # kMaxRows in the .cpp
+_NO_BIAS = {dtype: torch.empty(0, dtype=dtype) for dtype in DTYPES}  # what the op takes for "no bias"
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -25,5 +27,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """``x @ weight.T (+ bias)`` in x's dtype; call only where ``usable``."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    empty = torch.empty(0, dtype=x.dtype)
-    return torch.ops.pat_kernels.skinny_linear_cpu(x, weight, empty if bias is None else bias.contiguous())
+    return torch.ops.pat_kernels.skinny_linear_cpu(x, weight, _NO_BIAS[x.dtype] if bias is None else bias.contiguous())

@@ -67,7 +67,7 @@ def local_sum(x: torch.Tensor, weight: nn.Parameter, width: int, tree: Reduction
 
 def derived(weight: nn.Parameter, width: int) -> torch.Tensor | list[torch.Tensor]:
     """What the CPU multiplies ``weight``'s local shard through: its panels where the chunk kernel
-    serves (now: its switch is read on every call), else its ``(out, width)`` chunk pieces in chunk order."""
+    serves (now: ``cpu_extension.switched_on``), else its ``(out, width)`` chunk pieces in chunk order."""
     kernel = cpu_chunk_gemm is not None and cpu_chunk_gemm.usable(weight, width)
     key = (weight.data_ptr(), tuple(weight.shape), width, kernel)
     entry = getattr(weight, DERIVED_ATTR, None)

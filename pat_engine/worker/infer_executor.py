@@ -44,6 +44,11 @@ from pat_engine.worker.kv_pool import PagedKVPool
 from pat_engine.worker.logprob_outputs import prompt_logprobs
 from pat_engine.worker.step_inputs import SeqState, StepInputBuilder
 
+try:  # the kernels package sits beside the engine in a checkout and in an install
+    from pat_kernels.cpu_extension import switches_read_once
+except ImportError:  # pragma: no cover - a partial install: no CPU kernel switches to read
+    switches_read_once = contextlib.nullcontext
+
 
 class InferExecutor:
     def __init__(self, arch: ModelArch, layout: Layout, tp: TPGroup, dtype: torch.dtype, device: torch.device,
@@ -196,7 +201,8 @@ class InferExecutor:
     def launch(self, cmd: StepCommand) -> "LaunchedStep | None":
         """Queue one step's work: inputs, forward, LM head and the draw, nothing read back. TP rank 0
         gets the step to answer (``LaunchedStep.answer``); the other ranks None."""
-        with launch_policy(self.pdl):  # graphs captured lazily by the step capture its launches too
+        # graphs captured lazily by the step capture its launches too; the CPU kernels' switches read once a step
+        with launch_policy(self.pdl), switches_read_once():
             return self._launch(cmd)
 
     def _launch(self, cmd: StepCommand) -> "LaunchedStep | None":
