@@ -76,6 +76,25 @@ def test_the_controller_agrees_with_its_table_when_it_switches_exactly_on_a_gain
     assert agree == 4 and [r[-1] for r in rows] == ["yes", "yes", "yes", "deferred", "NO"]
 
 
+def _step(group: int, end: float, seconds: float, batch: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(group=group, t=end, seconds=seconds, batch_size=batch, context_tokens=100)
+
+
+def test_a_step_is_alone_on_the_device_when_no_other_group_ran_for_half_of_it():
+    run = [_step(0, 1.0, 1.0), _step(1, 1.2, 1.0),  # overlap 0.8 of each
+           _step(0, 2.0, 1.0), _step(1, 1.5, 0.2),  # group 0's second step: 0.2 + 0.2 of it another's
+           _step(0, 3.0, 1.0)]  # nothing else runs
+    assert [round(f, 3) for f in switch_controller.overlapped(run)] == [0.8, 1.0, 0.4, 1.0, 0.0]
+
+    class Table:  # predicts 10 ms at batch 1
+        def step_seconds(self, tp, batch, context):
+            return 0.01 * batch
+
+    steps = [_step(0, 0.01, 0.01), _step(1, 0.0105, 0.01), _step(0, 0.03, 0.008)]  # the last one alone, 25% off
+    e = switch_controller.step_errors(Table(), 1, [steps])
+    assert e["shared"] == pytest.approx(0.0) and e["alone"] == pytest.approx(25.0) and e["alone_steps"] == 1
+
+
 def test_the_controller_table_is_measured_on_the_co_located_deployment(tmp_path):
     ctx = SimpleNamespace(smoke=False)
     argv = switch_controller.profile_argv(ctx, tmp_path / "m", tmp_path / "t.json")

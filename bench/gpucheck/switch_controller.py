@@ -88,19 +88,44 @@ def step_errors(pred, tp: int, runs: list[list]) -> dict[str, float]:
     """The predictor on one layout's static runs, in %: per-step MAPE, its median signed error (the table's
     bias: a constant the table misses, e.g. the driver's round trip), the steps' own noise (the MAPE a
     predictor knowing each step's local mean would still have) and the drain-time error. MAPE well above
-    the noise with a bias near it says the table is off; MAPE near the noise says the steps are."""
+    the noise with a bias near it says the table is off; MAPE near the noise says the steps are.
+
+    With several DP groups on the device, also the MAPE of the steps that another group's steps overlapped for
+    at least half their time (``shared``) and of the others (``alone``): the table's points ran every group at
+    once, so a step alone on the device may run faster than its point (None where there were none)."""
     steps = [s for run in runs for s in run]
     meas = np.array([s.seconds for s in steps])
     est = np.array([float(pred.step_seconds(tp, s.batch_size, s.context_tokens)) for s in steps])
+    shared = np.array([f >= 0.5 for run in runs for f in overlapped(run)])
     return {"mape": mape(est, meas), "bias": float(np.median(est / meas - 1) * 100), "noise": step_noise(runs),
-            "drain": float(abs(est.sum() - meas.sum()) / meas.sum() * 100)}
+            "drain": float(abs(est.sum() - meas.sum()) / meas.sum() * 100),
+            "shared": mape(est[shared], meas[shared]) if shared.any() else None,
+            "alone": mape(est[~shared], meas[~shared]) if (~shared).any() else None,
+            "alone_steps": int((~shared).sum())}
+
+
+def overlapped(run: list) -> list[float]:
+    """Per step of one run: the share of its time (dispatch to result) another group's steps were running."""
+    spans = [(s.t - s.seconds, s.t, s.group) for s in run]
+    out = []
+    for start, end, group in spans:
+        # other groups' steps of one group never overlap each other, so their overlaps add up
+        covered = sum(max(0.0, min(end, e) - max(start, b)) for b, e, g in spans if g != group)
+        out.append(min(1.0, covered / (end - start)) if end > start else 0.0)
+    return out
 
 
 def step_records(pred, tp: int, runs: list[list]) -> list[list]:
-    """[batch, context tokens, measured ms, predicted ms] of every step, for analysis after the device is gone."""
+    """[batch, context tokens, measured ms, predicted ms, group, share of it another group ran, completion s] of
+    every step, for analysis after the device is gone."""
     return [[s.batch_size, s.context_tokens, round(s.seconds * 1e3, 4),
-             round(float(pred.step_seconds(tp, s.batch_size, s.context_tokens)) * 1e3, 4)]
-            for run in runs for s in run]
+             round(float(pred.step_seconds(tp, s.batch_size, s.context_tokens)) * 1e3, 4), s.group, round(f, 3),
+             round(s.t, 6)]
+            for run in runs for s, f in zip(run, overlapped(run))]
+
+
+def pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}%"
 
 
 def run(ctx: Ctx) -> PartResult:
@@ -184,13 +209,16 @@ def measure(ctx: Ctx, ckpt: Path, engine_kwargs: dict) -> tuple[list[str], list[
         f"Controller's switches: {switches}.",
         "",
         markdown_table(["layout", "decode steps", "per-step error (MAPE)", "median signed error (bias)",
-                        "steps' own noise", "drain-time error"],
+                        "steps' own noise", "drain-time error", "MAPE, another group busy", "MAPE, alone (steps)"],
                        [[f"TP{tp}xDP{2 // tp}", sum(map(len, steps[tp])), f"{e['mape']:.2f}%", f"{e['bias']:+.2f}%",
-                         f"{e['noise']:.2f}%", f"{e['drain']:.2f}%"] for tp, e in errors.items()]),
+                         f"{e['noise']:.2f}%", f"{e['drain']:.2f}%", pct(e["shared"]),
+                         f"{pct(e['alone'])} ({e['alone_steps']})"] for tp, e in errors.items()]),
         "",
         "The steps' own noise: the MAPE that a predictor knowing each step's local mean (its group's steps of the "
-        "same batch size, up to 4 either side) would still have. The raw steps are in the JSON beside this file "
-        "(`data.steps`: batch, context tokens, measured and predicted ms).",
+        "same batch size, up to 4 either side) would still have. *Another group busy* / *alone*: the steps the "
+        "other DP group's steps overlapped for at least half their time, and the others (the table's points ran "
+        "both groups at once). The raw steps are in the JSON beside this file (`data.steps`: batch, context "
+        "tokens, measured and predicted ms, group, the share of the step another group ran, completion time).",
         "",
         "Every evaluation of the controller (predicted totals in seconds: staying, or switching now with the "
         "switch cost; the table says switch when the best plan beats staying by the margin; \"deferred\": the "
