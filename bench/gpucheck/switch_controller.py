@@ -235,7 +235,9 @@ def measure(ctx: Ctx, ckpt: Path, engine_kwargs: dict) -> tuple[list[str], list[
         f"(goal <= {STEP_ERROR_GOAL:.0%}: {verdict(worst_step <= STEP_ERROR_GOAL * 100)}); drain-time "
         + ", ".join(f"TP{tp} {e['drain']:.1f}%" for tp, e in errors.items()) + "; bias "
         + ", ".join(f"TP{tp} {e['bias']:+.1f}%" for tp, e in errors.items()) + ", steps' own noise "
-        + ", ".join(f"TP{tp} {e['noise']:.1f}%" for tp, e in errors.items()),
+        + ", ".join(f"TP{tp} {e['noise']:.1f}%" for tp, e in errors.items())
+        + f"; TP1 steps another group overlapped {pct(errors[1]['shared'])}, alone {pct(errors[1]['alone'])} "
+        f"({errors[1]['alone_steps']} steps)",
     ]
     if ctx.smoke:
         headlines = ["smoke: controller not judged (CPU)"]
