@@ -16,6 +16,7 @@ part runs in a process of its own, so a fault or a timeout in either costs the o
 
 from __future__ import annotations
 
+import bisect
 import os
 import shlex
 import statistics
@@ -105,12 +106,25 @@ def step_errors(pred, tp: int, runs: list[list]) -> dict[str, float]:
 
 
 def overlapped(run: list) -> list[float]:
-    """Per step of one run: the share of its time (dispatch to result) another group's steps were running."""
-    spans = [(s.t - s.seconds, s.t, s.group) for s in run]
+    """Per step of one run: the share of its time (dispatch to result) another group's steps were running.
+    A group's own steps follow one another, so each group's spans, sorted by start, are sorted by end too."""
+    by_group: dict[int, list[tuple[float, float]]] = {}
+    for s in run:
+        by_group.setdefault(s.group, []).append((s.t - s.seconds, s.t))
+    for spans in by_group.values():
+        spans.sort()
+    ends = {g: [e for _, e in spans] for g, spans in by_group.items()}
     out = []
-    for start, end, group in spans:
-        # other groups' steps of one group never overlap each other, so their overlaps add up
-        covered = sum(max(0.0, min(end, e) - max(start, b)) for b, e, g in spans if g != group)
+    for s in run:
+        start, end = s.t - s.seconds, s.t
+        covered = 0.0
+        for g, spans in by_group.items():
+            if g == s.group:
+                continue
+            i = bisect.bisect_right(ends[g], start)  # the first of g's steps still running at `start`
+            while i < len(spans) and spans[i][0] < end:
+                covered += min(end, spans[i][1]) - max(start, spans[i][0])
+                i += 1
         out.append(min(1.0, covered / (end - start)) if end > start else 0.0)
     return out
 
