@@ -91,7 +91,7 @@ def test_a_step_is_alone_on_the_device_when_no_other_group_ran_for_half_of_it():
             return 0.01 * batch
 
     steps = [_step(0, 0.01, 0.01), _step(1, 0.0105, 0.01), _step(0, 0.03, 0.008)]  # the last one alone, 25% off
-    e = switch_controller.step_errors(Table(), 1, [steps])
+    e = switch_controller.step_errors(switch_controller.LayoutSteps.of(Table(), 1, [steps]))
     assert e["shared"] == pytest.approx(0.0) and e["alone"] == pytest.approx(25.0) and e["alone_steps"] == 1
 
 

@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -85,7 +86,25 @@ def warm_tp1(engine, prompts: list[list[int]], params: list) -> None:
     engine.generate(prompts, params, policy=StaticLayout(), use_tqdm=False)
 
 
-def step_errors(pred, tp: int, runs: list[list]) -> dict[str, float]:
+@dataclass(frozen=True)
+class LayoutSteps:
+    """One layout's static runs, each step once: measured and predicted seconds, and the share of it another
+    DP group's steps ran (``overlapped``), in the runs' order."""
+
+    runs: list[list]
+    measured: np.ndarray
+    predicted: np.ndarray
+    overlap: np.ndarray
+
+    @classmethod
+    def of(cls, pred, tp: int, runs: list[list]) -> "LayoutSteps":
+        steps = [s for run in runs for s in run]
+        return cls(runs, np.array([s.seconds for s in steps]),
+                   np.array([float(pred.step_seconds(tp, s.batch_size, s.context_tokens)) for s in steps]),
+                   np.array([f for run in runs for f in overlapped(run)]))
+
+
+def step_errors(steps: LayoutSteps) -> dict[str, float]:
     """The predictor on one layout's static runs, in %: per-step MAPE, its median signed error (the table's
     bias: a constant the table misses, e.g. the driver's round trip), the steps' own noise (the MAPE a
     predictor knowing each step's local mean would still have) and the drain-time error. MAPE well above
@@ -94,11 +113,8 @@ def step_errors(pred, tp: int, runs: list[list]) -> dict[str, float]:
     With several DP groups on the device, also the MAPE of the steps that another group's steps overlapped for
     at least half their time (``shared``) and of the others (``alone``): the table's points ran every group at
     once, so a step alone on the device may run faster than its point (None where there were none)."""
-    steps = [s for run in runs for s in run]
-    meas = np.array([s.seconds for s in steps])
-    est = np.array([float(pred.step_seconds(tp, s.batch_size, s.context_tokens)) for s in steps])
-    shared = np.array([f >= 0.5 for run in runs for f in overlapped(run)])
-    return {"mape": mape(est, meas), "bias": float(np.median(est / meas - 1) * 100), "noise": step_noise(runs),
+    meas, est, shared = steps.measured, steps.predicted, steps.overlap >= 0.5
+    return {"mape": mape(est, meas), "bias": float(np.median(est / meas - 1) * 100), "noise": step_noise(steps.runs),
             "drain": float(abs(est.sum() - meas.sum()) / meas.sum() * 100),
             "shared": mape(est[shared], meas[shared]) if shared.any() else None,
             "alone": mape(est[~shared], meas[~shared]) if (~shared).any() else None,
@@ -129,13 +145,13 @@ def overlapped(run: list) -> list[float]:
     return out
 
 
-def step_records(pred, tp: int, runs: list[list]) -> list[list]:
+def step_records(steps: LayoutSteps) -> list[list]:
     """[batch, context tokens, measured ms, predicted ms, group, share of it another group ran, completion s] of
     every step, for analysis after the device is gone."""
-    return [[s.batch_size, s.context_tokens, round(s.seconds * 1e3, 4),
-             round(float(pred.step_seconds(tp, s.batch_size, s.context_tokens)) * 1e3, 4), s.group, round(f, 3),
-             round(s.t, 6)]
-            for run in runs for s, f in zip(run, overlapped(run))]
+    flat = [s for run in steps.runs for s in run]
+    return [[s.batch_size, s.context_tokens, round(s.seconds * 1e3, 4), round(float(est) * 1e3, 4), s.group,
+             round(float(f), 3), round(s.t, 6)]
+            for s, est, f in zip(flat, steps.predicted, steps.overlap)]
 
 
 def pct(value: float | None) -> str:
@@ -197,7 +213,8 @@ def measure(ctx: Ctx, ckpt: Path, engine_kwargs: dict) -> tuple[list[str], list[
                     tp = 1 if "TP1" in label else 2
                     steps[tp].append(run_layout(engine, tp, prompts, lengths))
                 times[label].append(time.perf_counter() - t)
-    errors = {tp: step_errors(pred, tp, s) for tp, s in steps.items()}
+    per_layout = {tp: LayoutSteps.of(pred, tp, runs) for tp, runs in steps.items()}
+    errors = {tp: step_errors(s) for tp, s in per_layout.items()}
     agree, eval_rows = table_agreement(history)
     mean = {label: statistics.fmean(ts) for label, ts in times.items()}
     best_static = min(("static TP1xDP2", "static TP2xDP1"), key=mean.get)
@@ -256,7 +273,7 @@ def measure(ctx: Ctx, ckpt: Path, engine_kwargs: dict) -> tuple[list[str], list[
     if ctx.smoke:
         headlines = ["smoke: controller not judged (CPU)"]
     data = {"times": times, "errors": {str(tp): e for tp, e in errors.items()},
-            "steps": {str(tp): step_records(pred, tp, runs) for tp, runs in steps.items()},
+            "steps": {str(tp): step_records(s) for tp, s in per_layout.items()},
             "switches": [f"{e.from_layout}->{e.to_layout}" for e in events], "agree": agree,
             "evaluations": len(history), "unpriced_checks": unpriced}
     return lines, headlines, data
