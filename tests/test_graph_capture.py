@@ -316,3 +316,42 @@ def test_predictor_prices_the_recapture(tmp_path) -> None:
     assert est.graphs_s == pytest.approx(0.04)  # the busiest new group holds 6
     assert est.total_s == pytest.approx(est.weights_s + min(est.migrate_s, est.recompute_s) + est.fixed_s + 0.04)
     assert est.to_dict()["graphs_s"] == pytest.approx(0.04)
+
+    # TP2's layout left sizes 1 and 2 set aside (a merge, then a split back): a return captures 4 and 8 only
+    pred.record_graphs(1, 4, 2)  # TP1 -> TP2: TP1 left its four smallest sizes
+    pred.record_graphs(2, 2, 1)  # TP2 -> TP1: TP2 left two, TP1's are restored
+    assert pred.graph_seconds(1, 2, 6) == pytest.approx(0.02) and pred.graph_seconds(1, 2, 2) == 0.0
+    assert pred.graph_seconds(2, 1, 6) == pytest.approx(0.04)  # TP1's own are in use again: none left aside
+    pred.forget_graphs()  # a sleep dropped them all
+    assert pred.graph_seconds(1, 2, 6) == pytest.approx(0.04)
+
+
+def test_graphs_set_aside_run_again_only_where_everything_they_read_stayed(model_dir) -> None:
+    """A switch sets a layout's graphs aside; a return restores them without a capture when the group, every
+    weight and every KV layer are where they were (a switch keeps them there), and drops them otherwise."""
+    path = model_dir("llama")
+    ex = _executor(path, graphs=True)
+    ex.capture_graphs()
+    sizes, stats = ex.graphs.captured, ex.graphs.stats
+    assert ex.graphs.set_aside() == len(sizes)  # every ladder size, from the first
+    assert ex.graphs.captured == ()
+    ex.capture_graphs()  # the same group, weights and pool: back
+    assert ex.graphs.captured == sizes and stats.restored == len(sizes) and stats.captures == len(sizes)
+    want = _generate(_executor(path, graphs=False))
+    assert _generate(ex) == want and stats.replays > 0 and stats.captures == len(sizes)
+
+    ex.graphs.set_aside()
+    ex.kv = ex.new_pool(ex.layout, NUM_BLOCKS)  # the same geometry in other memory: the graphs would write the old
+    ex.capture_graphs(upto=2)
+    assert stats.restored == len(sizes) and ex.graphs.captured == (1, 2) and not ex.graphs._left
+
+    assert ex.graphs.set_aside() == 2  # over the same pool now
+    with ex.writing_weights():  # a weight moved (a reload into fresh tensors)
+        ex.model.norm.weight.data = ex.model.norm.weight.data.clone()
+    ex.capture_graphs(upto=1)
+    assert stats.restored == len(sizes) and ex.graphs.captured == (1,)
+    assert _generate(ex) == want
+
+    ex.graphs.set_aside()
+    ex.allocate_kv(NUM_BLOCKS)  # a release of the KV forgets what every layout left
+    assert not ex.graphs._left

@@ -1,4 +1,5 @@
-"""The CPU KV pool's default size and its lazily committed memory."""
+"""A rank's memory: the CPU KV pool's default size, its lazily committed memory, and where a switch puts
+the KV layers and the weight shards (the same memory, so the addresses decode graphs read stay put)."""
 
 from __future__ import annotations
 
@@ -102,6 +103,11 @@ def test_a_switch_layer_reuses_the_old_memory_or_frees_it_before_allocating(monk
     first = old.layers[0].data_ptr()
     smaller = PagedKVPool.filled_later(150, 16, 1, 8, torch.float32, "cpu")  # fewer bytes: a view of the old
     assert smaller.append_layer_from(old, 0).data_ptr() == first and old.layers[0] is None
+    # and back: the view's storage is the old layer's whole memory, so the first geometry is seen there again,
+    # at the same address (the decode graphs captured over it stay valid: worker/graph_capture.py)
+    again = PagedKVPool.filled_later(100, 16, 2, 8, torch.float32, "cpu")
+    back = again.append_layer_from(smaller, 0)
+    assert back.data_ptr() == first and back.shape == again.layer_shape and back.is_contiguous()
 
     events = []
     real_zeroed = kv_pool.zeroed
@@ -123,7 +129,9 @@ def test_a_switch_layer_reuses_the_old_memory_or_frees_it_before_allocating(monk
 
 def test_only_the_cpu_derives_chunk_pieces_so_a_gpu_plan_counts_the_weights_alone(tmp_path):
     """The invariant mode's chunk pieces are a CPU thing (model/chunk_weights.py: on CUDA the Triton GEMM
-    reads the weights in place), so a GPU plan's KV budget moves across layouts by the weights' bytes only."""
+    reads the weights in place), so a GPU plan's KV budget moves across layouts by the weights' bytes only:
+    a layout with larger shards than the base's loses their extra bytes, one with smaller shards keeps the
+    base's budget (its shards are written into the base's storage: worker/switch_executor.py)."""
     from pat_engine.model import chunk_weights
     from pat_engine.model.footprint import weight_bytes_per_rank
     from pat_engine.model.llama import CausalLM
@@ -131,6 +139,27 @@ def test_only_the_cpu_derives_chunk_pieces_so_a_gpu_plan_counts_the_weights_alon
     arch = load_model_arch(write_tiny_model(tmp_path / "m", TinyModelSpec(num_kv_heads=2)))
     assert chunk_weights.pack(CausalLM(arch, 1, torch.bfloat16, "cpu", row_chunks=8)) == 2 * arch.num_layers
     assert chunk_weights.pack(CausalLM(arch, 1, torch.bfloat16, "meta", row_chunks=8)) == 0  # not a CPU tensor
-    plan = MemoryPlan(arch, torch.bfloat16, 16, 1 << 30, Layout(1, 2), device_budget=True)
-    freed = weight_bytes_per_rank(arch, 1, torch.bfloat16) - weight_bytes_per_rank(arch, 2, torch.bfloat16)
-    assert freed > 0 and plan.kv_budget(Layout(2, 1)) - (1 << 30) == freed
+    plan = MemoryPlan(arch, torch.bfloat16, 16, 1 << 30, Layout(2, 1), device_budget=True)
+    grown = weight_bytes_per_rank(arch, 1, torch.bfloat16) - weight_bytes_per_rank(arch, 2, torch.bfloat16)
+    assert grown > 0 and (1 << 30) - plan.kv_budget(Layout(1, 2)) == grown
+    low = MemoryPlan(arch, torch.bfloat16, 16, 1 << 30, Layout(1, 2), device_budget=True)
+    assert low.kv_budget(Layout(2, 1)) == low.kv_budget(Layout(1, 2)) == 1 << 30
+
+
+def test_a_switch_writes_a_shard_into_its_parameters_own_storage():
+    """A smaller shard goes where the larger one was, and the way back finds the room; a shard that does not
+    fit, or a tensor that does not start its storage, gets the fresh tensor instead."""
+    from pat_engine.worker.switch_executor import into_own_storage
+
+    full = torch.arange(12, dtype=torch.float32).view(4, 3)
+    at = full.data_ptr()
+    half = full[2:].clone()  # a TP2 rank's rows
+    kept = into_own_storage(full, half)
+    assert kept.data_ptr() == at and torch.equal(kept, half) and kept.is_contiguous() and kept.shape == (2, 3)
+    whole = torch.ones(4, 3)
+    back = into_own_storage(kept, whole)
+    assert back.data_ptr() == at and torch.equal(back, whole)
+    larger = torch.ones(5, 3)
+    assert into_own_storage(back, larger) is larger
+    assert into_own_storage(back[1:], half) is half  # not its storage's start: another tensor's memory
+    assert into_own_storage(back, half.double()) is not back  # another dtype

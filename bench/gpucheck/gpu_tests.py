@@ -5,7 +5,8 @@ before a slow file later on meets the time limit; each file's whole output is ke
 folder. The co-located switch tests go last: they are the slowest. ``--quick`` runs a few selections
 only (``QUICK``): issue 30's tokens-unchanged tests (the fused layer kernels, the skinny GEMM), the gpu
 tests of the kernels no GPU has run yet (the skinny GEMM's, the sampler's, the decode attention's fused
-reduce) and of graphs captured again without warm-ups, the float32 co-located switch, which failed on the second H100 run with its message lost, and a
+reduce), of graphs captured again without warm-ups and of graphs set aside and restored, the float32
+co-located switch, which failed on the second H100 run with its message lost, and a
 co-located TP2 group's collectives through the IPC slots (``--quick``'s decode part checks async
 scheduling's tokens), and last, so that it delays none of those, the bits of a step with programmatic
 dependent launch (``PAT_PDL``)."""
@@ -54,7 +55,8 @@ QUICK = (("tests/test_triton_layer_kernels.py", "fused_unfused_graphs or skinny"
          ("tests/test_skinny_matmul.py", None), ("tests/test_triton_sampler.py", None),  # not run on a GPU yet
          ("tests/test_triton_kernel.py", None),  # the decode kernel's fused reduce: not run on a GPU yet
          ("tests/test_invariant_numerics.py", "row_alones"),  # the invariant mode's draws through them: not run yet
-         ("tests/test_graph_capture_e2e.py", "without_warm_ups"),  # a capture without warm-ups: not run yet
+         # a capture without warm-ups, graphs set aside and restored: not run on a GPU yet
+         ("tests/test_graph_capture_e2e.py", "without_warm_ups or set_aside"),
          # 2 ranks, both KV paths; a TP2 group's collectives through the IPC slots: not run on a GPU yet
          ("tests/test_colocated_gpu.py", "tp1xdp2_to_tp2_and_back_mid_batch_float32"),
          ("tests/test_triton_layer_kernels.py", "pdl"))  # PAT_PDL's bits (the newest: last, so it delays no other)

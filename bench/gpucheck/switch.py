@@ -9,18 +9,19 @@ handle, device to device, unless ``PAT_SWITCH_P2P=host`` stages them through hos
 graphs on, prefix caching off.
 A long-tail batch merges to TP2xDP1 at decode step 16 while every request runs and splits back to
 TP1xDP2 once only the long ones are left; each switch is
-reported by phase: drain (steps in flight finished), groups, weights, KV, graphs (recapture of the sizes
-the unfinished requests can use), and the rest (plan, install, barriers, the driver's round trip), with
-bytes moved and peak extra memory. The first batch is a warm-up (groups made, first TP2 kernels compiled,
-first captures) and is shown apart. Goal (issue 32): the graphs phase <= 10% of a switch that recaptures.
+reported by phase: drain (steps in flight finished), groups, weights, KV, graphs (the graphs TP1 set aside
+at the merge restored, and a capture of the sizes the unfinished requests can use that it lacks), and the
+rest (plan, install, barriers, the driver's round trip), with bytes moved and peak extra memory. The first
+batch is a warm-up (groups made, first TP2 kernels compiled, first captures) and is shown apart. Goal
+(issue 32): the graphs phase <= 10% of the switch back to TP1.
 
 Also: point-to-point GB/s a rank along both paths, by handle and staged through the host (interleaved),
 decode steps per layout, CUDA memory per rank before and after the measured switches, and (full mode) a
 TP1xDP4 -> TP4xDP1 merge and the capture warm-ups (ms per size with 2 warm-ups each as the first H100 run
 captured, with the engine's rule for new shapes, 2 for an epoch's first size and 1 for the rest, and for
 shapes captured before, none), each of the two on its own: one that fails says so in its place and the
-rest of the part stands. In ``--quick``, the switch back to TP1 recaptures shapes captured at start-up: its
-graphs phase is the no-warm-up one. Two parts of their own, each in its own process, measure the same
+rest of the part stands. The switch back to TP1 restores the graphs start-up captured (the weights and the KV
+layers are where they were: docs/switch.md, "The graphs phase"): its graphs phase is the restore. Two parts of their own, each in its own process, measure the same
 deployment: ``controller`` (switch_controller.py) and ``collectives`` (collectives.py: what each
 collective of a TP2 step costs along the IPC slots and host-staged).
 
@@ -126,12 +127,13 @@ def phase_row(label: str, ev) -> list:
     c = ev.costs
     rest = ev.seconds - sum(c[p] for p in PHASES)
     return [label, f"{ev.from_layout} -> {ev.to_layout}", ev.kv_path, c["requests"], ev.seconds,
-            *(c[p] for p in PHASES), c["graphs_captured"], rest, f"{graphs_share(ev):.1%}",
+            *(c[p] for p in PHASES), c["graphs_captured"], c.get("graphs_restored", 0), rest, f"{graphs_share(ev):.1%}",
             c["weight_bytes_sent"] / MiB, c["kv_bytes_sent"] / MiB, c["peak_extra_bytes"] / MiB]
 
 
 PHASE_HEADERS = ["run", "switch", "KV path", "requests", "total s", "drain s", "groups s", "weights s", "KV s",
-                 "graphs s", "graphs captured", "rest s", "graphs share", "weights MiB sent", "KV MiB sent",
+                 "graphs s", "graphs captured", "graphs restored", "rest s", "graphs share", "weights MiB sent",
+                 "KV MiB sent",
                  "peak extra MiB"]
 
 
@@ -323,7 +325,7 @@ def run(ctx: Ctx) -> PartResult:
         small = p2p_rates(engine, stats[0]["host_staged"], MiB)  # what an exchange costs beside its bytes
         bandwidth = rates[stats[0]["p2p"]]
     free_device_memory()
-    split = [ev for ev in events if ev.costs["graphs_captured"] > 0] or events
+    split = [ev for ev in events if ev.to_layout == "TP1xDP2"] or events  # the way back: its TP1 graphs
     worst = max(split, key=graphs_share)
     merge = next((ev for ev in events if ev.to_layout == "TP2xDP1"), events[0])
     steps_ms = decode_ms(steps)
@@ -332,7 +334,7 @@ def run(ctx: Ctx) -> PartResult:
         c = ev.costs
         return (f"{ev.seconds:.3f} s = drain {c['drain_s']:.3f} + groups {c['groups_s']:.3f} + weights "
                 f"{c['weights_s']:.3f} + KV {c['kv_s']:.3f} + graphs {c['graphs_s']:.3f} ({c['graphs_captured']} "
-                f"sizes) + rest")
+                f"sizes captured, {c.get('graphs_restored', 0)} restored) + rest")
 
     headlines = [
         f"**switch {worst.from_layout} -> {worst.to_layout} ({worst.kv_path}) with {worst.costs['requests']} "
@@ -340,8 +342,8 @@ def run(ctx: Ctx) -> PartResult:
         f"{GRAPHS_SHARE_GOAL:.0%}: {verdict(graphs_share(worst) <= GRAPHS_SHARE_GOAL)})**",
         f"switch {merge.from_layout} -> {merge.to_layout} ({merge.kv_path}) with {merge.costs['requests']} "
         f"requests: {phases(merge)}"
-        + (" (the co-located TP2 group decodes eagerly: nothing captured)" if not merge.costs["graphs_captured"]
-           else ""),
+        + (" (the co-located TP2 group decodes eagerly: nothing captured)"
+           if not merge.costs["graphs_captured"] and not merge.costs.get("graphs_restored") else ""),
         f"point-to-point per rank: {rates_line(rates, stats[0]['p2p'])}; decode steps"
         + (f" (collectives {collectives}) " if stats[0]["host_staged"] else " ")
         + "; ".join(f"{k} {v}" for k, v in steps_ms.items()),

@@ -41,6 +41,7 @@ class GlobalCoordinator:
         self.memory_release = MemoryRelease(config, memory_plan, self.stepping, self.weights, self.thread)
         sleep = self.memory_release.state
         self.switching = Switching(config, memory_plan, self.stepping, sleep, self.timeline, self.thread)
+        self.memory_release.on_release = self.switching.graphs_dropped  # the workers drop every graph with it
         self.stepping.watcher = self.switching  # its cost source and its policy learn from every step
         self.weight_sync = WeightSync(memory_plan.arch, config, self.stepping, self.weights, sleep, self.thread)
 
@@ -62,4 +63,5 @@ class GlobalCoordinator:
         recompute, nothing is released, no switch is pending."""
         self.memory_release.state.clear()
         self.switching.drop_decisions()
+        self.switching.graphs_dropped()
         return self.stepping.restart(pool, self.memory_plan.base)

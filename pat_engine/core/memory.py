@@ -3,9 +3,12 @@
 On CPU the KV budget per rank is configured, or by default a share of the memory available at
 start-up (``default_cpu_kv_bytes``, as vLLM's CPU build sizes its pool). On GPU each
 worker measures what is left after loading its weights; the ranks agree on
-the minimum. A layout with smaller TP holds bigger weight shards, so its KV
-budget shrinks by the difference (model/footprint.py); fewer KV heads per rank make each block
-smaller, so a higher TP fits more blocks in the same bytes.
+the minimum. A switch writes each weight shard into its parameter's storage when it fits there
+(worker/switch_executor.py), so a layout with a higher TP than the base's keeps the base's weight
+bytes and the base's KV bytes; one with a lower TP holds bigger shards, so its KV budget shrinks by the
+difference (model/footprint.py). Fewer KV heads per rank make each block smaller, so a higher TP fits
+more blocks in the same bytes. Equal bytes keep every KV layer and weight at one address across switches
+to higher TPs and back, so the decode graphs of a layout survive its leaving (worker/graph_capture.py).
 """
 
 from __future__ import annotations
@@ -65,9 +68,9 @@ class MemoryPlan:
     def kv_budget(self, layout: Layout) -> int:
         if not self.device_budget:
             return self.kv_budget_base
-        delta = (weight_bytes_per_rank(self.arch, self.base.tp, self.dtype)
-                 - weight_bytes_per_rank(self.arch, layout.tp, self.dtype))
-        return max(0, self.kv_budget_base + delta)
+        grown = (weight_bytes_per_rank(self.arch, layout.tp, self.dtype)
+                 - weight_bytes_per_rank(self.arch, self.base.tp, self.dtype))
+        return max(0, self.kv_budget_base - max(0, grown))  # smaller shards keep the base's storage
 
     def block_bytes(self, layout: Layout) -> int:
         return self.block_size * self.arch.kv_bytes_per_token(layout.tp, self.dtype)

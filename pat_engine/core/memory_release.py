@@ -9,6 +9,8 @@ Runs in the loop thread: methods marked ``on_loop`` may be called from any threa
 
 from __future__ import annotations
 
+from typing import Callable
+
 from pat_engine.config import EngineConfig
 from pat_engine.core.loop_thread import LoopThread, on_loop
 from pat_engine.core.memory import MemoryPlan
@@ -24,6 +26,7 @@ class MemoryRelease:
         self.config, self.memory_plan, self.stepping, self.weights = config, memory_plan, stepping, weights
         self.thread = thread
         self.state = SleepState()  # what was released; nothing runs until it is restored
+        self.on_release: Callable[[], None] = lambda: None  # told once the workers released memory
 
     def sleep(self, level: int, tags: list[str] | None) -> int:
         """``Engine.sleep``: a level (1: the KV, on GPU the weights to host memory; 2: the weights
@@ -59,6 +62,7 @@ class MemoryRelease:
             stepping.flush_prefix_cache()
             stepping.check_block_invariants()  # every block is free now: a restored pool holds nothing anyone reads
         freed = stepping.pool.ask(ReleaseMemory(kv, weights))
+        self.on_release()
         self.state.kv_cache = self.state.kv_cache or kv
         self.state.weights = self.state.weights or weights
         return freed

@@ -99,6 +99,10 @@ class Switching:
         else:
             self._decide()
 
+    def graphs_dropped(self) -> None:
+        """The workers dropped every decode graph (a memory release, a new world): a return captures again."""
+        self.cost_source.forget_graphs()
+
     def drop_decisions(self) -> None:
         """Forget the pending switch and any decision due (a restart adopts a fresh world at the base layout)."""
         self.pending, self.decision_due = None, False
@@ -186,6 +190,7 @@ class Switching:
         if planned.path == "migrate":
             self.cost_source.record_kv_transfer(report.busiest_kv_bytes, report.busiest_kv_s)
         self.cost_source.record_weight_reshard(old.tp, new.tp, report.weights_s)
+        self.cost_source.record_graphs(old.tp, report.graphs_left, new.tp)
         costs = {**report.to_dict(), "drain_s": drain_s, "migrated_requests": len(planned.tables),
                  "requests": requests}
         del costs["rank"]

@@ -40,3 +40,12 @@ class CostSource(Protocol):
     def record_weight_reshard(self, from_tp: int, to_tp: int, seconds: float) -> None:
         """A switch's weight phase (allocate and move the new shards) from_tp -> to_tp took ``seconds``."""
         ...
+
+    def record_graphs(self, from_tp: int, left: int, to_tp: int) -> None:
+        """A switch from_tp -> to_tp set aside the first ``left`` ladder sizes of from_tp's decode graphs on
+        every rank (a return restores them: worker/graph_capture.py) and restored what to_tp had left."""
+        ...
+
+    def forget_graphs(self) -> None:
+        """Every decode graph was dropped (a memory release, a new worker world)."""
+        ...

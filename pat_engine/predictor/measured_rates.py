@@ -1,8 +1,8 @@
 """Rates the engine measures as it runs, used when no profile table is loaded.
 
 Prefill throughput per TP degree (tokens per second of one group's prefill
-step), and from earlier switches the KV migration bandwidth and the weight
-reshard time of each layout change. Before any measurement, migration is
+step), and from earlier switches the KV migration bandwidth, the weight
+reshard time of each layout change and which layouts' decode graphs wait set aside for a return. Before any measurement, migration is
 assumed cheap (1 GB/s) and prefill is taken from the nearest measured TP
 degree, scaled by the TP ratio.
 """
@@ -20,6 +20,7 @@ class MeasuredRates(CostSource):
         self.prefill_tokens_per_s: dict[int, float] = {}
         self.kv_bandwidth: float | None = None
         self.weight_reshard_s: dict[tuple[int, int], float] = {}  # (from_tp, to_tp) -> seconds
+        self.graphs_left: dict[int, int] = {}  # TP -> leading ladder sizes its layout's graphs left set aside
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
@@ -38,6 +39,16 @@ class MeasuredRates(CostSource):
         if seconds > 0:
             key = (from_tp, to_tp)
             self.weight_reshard_s[key] = self._ema(self.weight_reshard_s.get(key), seconds)
+
+    def record_graphs(self, from_tp: int, left: int, to_tp: int) -> None:
+        self.graphs_left.pop(to_tp, None)  # restored: they are the layout's current graphs now
+        if left > 0:
+            self.graphs_left[from_tp] = left
+        else:
+            self.graphs_left.pop(from_tp, None)
+
+    def forget_graphs(self) -> None:
+        self.graphs_left.clear()
 
     def bandwidth(self) -> float:
         return self.kv_bandwidth or self.DEFAULT_BANDWIDTH

@@ -11,9 +11,10 @@ the busiest sender's reshard bytes / bandwidth);
 KV = min(migrate, recompute) with migrate = Eq. 1-2 (busiest source group's
 per-rank KV bytes / bandwidth) and recompute = Eq. 3-4 (prefill at the RMS
 context length of each target group, groups in parallel); plus the fixed
-costs measured by the profiler (groups, rebuild) and the decode graphs' recapture: the profiled
+costs measured by the profiler (groups, rebuild) and the decode graphs' capture: the profiled
 capture time of one graph times the ladder sizes the busiest new DP group can still use (its
-requests rounded up to a ladder size, and every smaller size; worker/graph_capture.py).
+requests rounded up to a ladder size, and every smaller size; worker/graph_capture.py) that the
+new layout did not leave set aside on an earlier visit (``MeasuredRates.graphs_left``).
 
 Also the engine's ``CostSource`` (``cost_source.py``). Measured KV transfers
 refine the bandwidth (EMA); the table's prefill fit stays authoritative.
@@ -113,6 +114,12 @@ class LatencyPredictor(CostSource):
     def record_weight_reshard(self, from_tp: int, to_tp: int, seconds: float) -> None:
         self._measured.record_weight_reshard(from_tp, to_tp, seconds)
 
+    def record_graphs(self, from_tp: int, left: int, to_tp: int) -> None:
+        self._measured.record_graphs(from_tp, left, to_tp)
+
+    def forget_graphs(self) -> None:
+        self._measured.forget_graphs()
+
     # ---- step latency -------------------------------------------------------------------------------
 
     def step_seconds(self, tp: int, batch, total_tokens) -> np.ndarray:
@@ -201,13 +208,15 @@ class LatencyPredictor(CostSource):
         return cost.fixed_s if cost is not None else self._default_fixed
 
     def graph_seconds(self, from_tp: int, to_tp: int, requests: np.ndarray | int) -> np.ndarray | float:
-        """Recapturing decode graphs after from_tp -> to_tp when the busiest new DP group holds ``requests``:
-        one profiled capture per ladder size up to ``requests`` rounded up to a ladder size (elementwise)."""
+        """Capturing decode graphs after from_tp -> to_tp when the busiest new DP group holds ``requests``:
+        one profiled capture per ladder size up to ``requests`` rounded up to a ladder size (elementwise),
+        less the sizes to_tp's layout left set aside on an earlier visit (restored without a capture)."""
         cost = self.table.switch_cost(from_tp, to_tp)
         per_size = cost.graphs_s_per_size if cost is not None else 0.0
         ladder = self.graph_ladder
         n = np.asarray(requests)
         sizes = np.where(n > 0, np.minimum(np.searchsorted(ladder, n, side="left") + 1, len(ladder)), 0)
+        sizes = np.maximum(sizes - self._measured.graphs_left.get(to_tp, 0), 0)
         out = per_size * sizes
         return float(out) if out.ndim == 0 else out
 

@@ -36,7 +36,15 @@ class GraphBackend(Protocol):
     name: str
 
     def new_epoch(self) -> None:
-        """Every graph was dropped: later captures start a fresh memory pool."""
+        """Every graph was dropped or set aside: later captures start a fresh memory pool."""
+        ...
+
+    def epoch(self) -> object:
+        """The current epoch's memory pool, to resume when graphs set aside with it are restored."""
+        ...
+
+    def resume_epoch(self, epoch: object) -> None:
+        """Later captures join ``epoch``'s pool again (its graphs were restored)."""
         ...
 
     def capture(self, forward: Callable[[], torch.Tensor], warmups: int) -> CapturedGraph:
@@ -68,6 +76,12 @@ class StandInGraphBackend:
     def new_epoch(self) -> None:
         pass
 
+    def epoch(self) -> object:
+        return None
+
+    def resume_epoch(self, epoch: object) -> None:
+        pass
+
     def capture(self, forward: Callable[[], torch.Tensor], warmups: int) -> CapturedGraph:
         return _Recorded(forward, forward())
 
@@ -97,6 +111,12 @@ class CudaGraphBackend:
 
     def new_epoch(self) -> None:
         self._pool = None
+
+    def epoch(self) -> object:
+        return self._pool
+
+    def resume_epoch(self, epoch: object) -> None:
+        self._pool = epoch
 
     def capture(self, forward: Callable[[], torch.Tensor], warmups: int) -> CapturedGraph:
         if warmups:  # lazy initialisations must not be recorded

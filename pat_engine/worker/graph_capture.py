@@ -23,13 +23,20 @@ and replays them with one launch. ``DecodeGraphs`` owns all of it for one rank:
   nothing (no capture is tried) and decodes eagerly; its TP1 layouts keep their graphs.
 
 What a graph holds, and so when it must go:
-- the TP group's communicator and the KV pool's layer tensors. A layout switch brings a new group
-  and a new pool (other heads per rank, another block count), and releasing the KV (sleep) frees
-  the pool: both drop every graph. A switch recaptures, inside its timed ``graphs_s`` phase, only the
-  sizes its unfinished requests can still reach (``SwitchPlan.group_requests`` for this rank's DP
-  group rounded up to a ladder size, and every smaller size: a batch only shrinks until new
+- the TP group's communicator and the KV pool's layer tensors. A layout switch brings another group
+  and another pool geometry (other heads per rank, another block count): the graphs of the layout it
+  leaves are set aside (``set_aside``), with the addresses of everything they read. A switch keeps
+  every weight and KV layer at one address across layouts (the weights are resharded into their own
+  storage, the KV layers re-viewed in their memory: core/memory.py gives every higher TP the base's
+  bytes), so a return to a layout finds them where its graphs left them and replays those graphs again
+  without capturing anything (``GraphStats.restored``): the way back to the base layout that every RL
+  rollout round makes after its tail merge, and the next round's merge. Graphs whose addresses moved
+  are dropped. A switch then captures, inside its timed ``graphs_s`` phase, only the sizes its
+  unfinished requests can still reach that it does not have (``SwitchPlan.group_requests`` for this
+  rank's DP group rounded up to a ladder size, and every smaller size: a batch only shrinks until new
   requests arrive). Any other size is captured the first time a step needs it (requests arriving
-  after the switch, the first steps after a wake-up).
+  after the switch, the first steps after a wake-up). Releasing the KV or the weights (sleep) drops
+  every graph, those set aside too.
 - the weights' storage. An RL weight update copies into the same tensors and keeps the graphs; a
   write that moves any parameter, or that rebuilds derived copies (CPU GEMM packs, the invariant
   mode's chunk pieces), drops them (``after_weight_write``).
@@ -142,6 +149,7 @@ class GraphStats:
     capture_s: float = 0.0
     warmup_forwards: int = 0  # run before captures; none for shapes captured before
     lazy_captures: int = 0  # captured by a step that needed the size
+    restored: int = 0  # graphs a layout left behind, replayed again on a return to it (no capture)
     replays: int = 0
     eager_decodes: int = 0  # decode steps no graph could hold
     uncapturable_decodes: int = 0  # of those, steps of a TP group whose collectives no graph can record
@@ -150,13 +158,28 @@ class GraphStats:
         return {**asdict(self), "capture_s_per_size": self.capture_s / self.captures if self.captures else 0.0}
 
 
-def _weights_key(model: torch.nn.Module) -> tuple[int, ...] | None:
-    """Where every tensor the forward reads lives; None where derived copies exist (they are rebuilt
+def _where(t: torch.Tensor) -> tuple:
+    """What a graph recorded of a tensor it reads: its address and its layout there."""
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+
+
+def _weights_key(model: torch.nn.Module) -> tuple | None:
+    """Where every weight tensor the forward reads lives; None where derived copies exist (they are rebuilt
     on every write, so graphs never survive one)."""
     params = list(model.parameters())
     if any(hasattr(p, cpu_gemm.PACKED_ATTR) or hasattr(p, chunk_weights.DERIVED_ATTR) for p in params):
         return None
-    return tuple(t.data_ptr() for t in [*params, *model.buffers()])
+    return tuple(_where(t) for t in [*params, *model.buffers()])
+
+
+@dataclass
+class _LeftGraphs:
+    """The graphs of a layout a switch left, kept for a return to it (``DecodeGraphs.set_aside``)."""
+
+    tp: TPGroup  # the layout's group (the pool of groups keeps one object per layout)
+    graphs: dict[int, CapturedGraph]
+    addresses: tuple  # everything they read: weights, KV layers, the scratch block (``DecodeGraphs._addresses``)
+    epoch: object  # their memory pool (``GraphBackend.epoch``)
 
 
 class DecodeGraphs:
@@ -179,8 +202,9 @@ class DecodeGraphs:
         self._tp: TPGroup | None = None
         self._pool: PagedKVPool | None = None
         self._layer0: torch.Tensor | None = None  # the pool's first layer then (a released pool has none)
-        self._weights: tuple[int, ...] | None = None
+        self._weights: tuple | None = None
         self._shapes: Hashable | None = None  # what a capture's kernels depend on besides its size (_bind)
+        self._left: dict[int, _LeftGraphs] = {}  # id(TP group) -> the graphs its layout left (set_aside)
 
     @property
     def enabled(self) -> bool:
@@ -204,6 +228,24 @@ class DecodeGraphs:
             self.backend.new_epoch()
         self.graphs.clear()
         self._model = self._tp = self._pool = self._layer0 = self._weights = self._shapes = None
+
+    def drop_all(self) -> None:
+        """``drop``, and the graphs layouts left behind: the memory they read is going (released, reloaded)."""
+        self.drop()
+        self._left.clear()
+
+    def set_aside(self) -> int:
+        """A switch begins: keep this layout's graphs for a return to it, which restores them when every
+        address they read is the same again (``_bind``); none of them runs meanwhile. Returns how many
+        leading ladder sizes were set aside (what a return need not capture: the predictor's price)."""
+        left = 0
+        if self.graphs and self._weights is not None:
+            self._left[id(self._tp)] = _LeftGraphs(self._tp, dict(self.graphs), self._addresses(),
+                                                   self.backend.epoch())
+            while left < len(self.ladder) and self.ladder[left] in self.graphs:
+                left += 1
+        self.drop()
+        return left
 
     def forget_warm_shapes(self) -> None:
         """Capture every shape as if for the first time: with ``CaptureWarmups`` (benchmarks)."""
@@ -268,6 +310,7 @@ class DecodeGraphs:
         self._model, self._tp, self._pool = model, tp, pool
         self._layer0 = pool.layers[0] if pool.layers else None
         self._weights = _weights_key(model)
+        self._restore(tp)
         # what the recorded kernels depend on besides the batch size: the rank's weight shapes and the pool's
         # geometry (a new shape may be a new specialisation). None for a group of several ranks (every capture
         # warmed up): their warm-ups hold collectives, which pair up only if every rank runs as many
@@ -278,6 +321,21 @@ class DecodeGraphs:
         if self._bufs is None:  # they survive every drop: their sizes depend on no layout
             with torch.inference_mode():
                 self._bufs = _GraphBuffers(self.ladder[-1], self.max_blocks, self.block_size, self.device)
+
+    def _addresses(self) -> tuple:
+        """Everything the bound graphs read besides the persistent buffers (kept for the worker's life)."""
+        return self._weights, tuple(_where(layer) for layer in self._pool.layers), self._pool.scratch_block
+
+    def _restore(self, tp: TPGroup) -> None:
+        """Take back the graphs this layout left, if everything they read is where it was then: the weights
+        (resharded into their own storage: worker/switch_executor.into_own_storage) and the KV layers
+        (re-viewed in their memory: PagedKVPool.append_layer_from) normally are."""
+        left = self._left.pop(id(tp), None)
+        if left is None or left.tp is not tp or self._weights is None or left.addresses != self._addresses():
+            return  # dropped: something moved, so they can never run again
+        self.graphs.update(left.graphs)
+        self.backend.resume_epoch(left.epoch)
+        self.stats.restored += len(left.graphs)
 
     @torch.inference_mode()
     def _capture_one(self, b: int) -> CapturedGraph:

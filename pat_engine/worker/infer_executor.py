@@ -107,7 +107,7 @@ class InferExecutor:
 
     def allocate_kv(self, num_blocks: int) -> None:
         """A fresh, empty KV pool of ``num_blocks`` blocks under the current layout (start-up on GPU, wake-up)."""
-        self.graphs.drop()
+        self.graphs.drop_all()
         self.kv.release()
         self.kv = self.new_pool(self.layout, num_blocks)
 
@@ -117,7 +117,7 @@ class InferExecutor:
         self._check_tp(layout)
         self.layout, self.tp, self.kv = layout, tp, pool
         self.inputs.seqs = dict(tables)
-        self.graphs.drop()  # captured over the old group and pool; the switch recaptures (capture_graphs)
+        self.graphs.drop()  # captured over the old group and pool; the switch restores or captures (capture_graphs)
 
     def _check_tp(self, layout: Layout) -> None:
         if self.row_chunks is not None and self.row_chunks % layout.tp:
@@ -147,7 +147,7 @@ class InferExecutor:
         """Give memory back; returns the bytes freed. ``kv``: the KV pool (the driver has taken every
         sequence's blocks back first); ``weights``: "offloaded" to host memory or "discarded"."""
         freed = 0
-        self.graphs.drop()  # they read the pool and the weights (the "cuda_graph" tag goes with either)
+        self.graphs.drop_all()  # they read the pool and the weights (the "cuda_graph" tag goes with either)
         if kv:
             freed += self.kv.nbytes
             self.kv.release()

@@ -50,22 +50,25 @@ class PagedKVPool:
     def append_layer_from(self, donor: "PagedKVPool", index: int) -> torch.Tensor:
         """Add a layer made of ``donor``'s layer ``index``, which the donor forgets.
 
-        A layout switch keeps the per-rank byte budget, so the old layer's memory usually fits the new
-        geometry: re-viewing it skips a free, an allocation and page faults. Stale values in reused slots
-        are never read unmasked (every slot is written before a query reaches it) and are finite. When
-        it is too small (a higher TP frees weight bytes, so its layers are a little larger), the old
-        layer is freed and handed back to the device before the new one is allocated: on a GPU whose
-        ranks hold most of its memory, a second layer beside the first does not fit (a 2-layer model's
-        layer is half the pool), and a freed layer kept in one rank's allocator cache starves the rank
-        beside it (the fourth H100 run: one rank grew to 47 GiB while the other failed a 1.9 GiB layer).
+        A layout switch keeps the per-rank byte budget (core/memory.py), so the old layer's memory fits
+        the new geometry: the new layer is a view of it from its first byte, whatever part of it the old
+        geometry used. That skips a free, an allocation and page faults, and keeps each layer at one
+        address for the worker's life, so the decode graphs captured over a layout stay valid when the rank
+        returns to it (graph_capture.py). Stale values in reused slots are never read unmasked (every slot
+        is written before a query reaches it) and are finite. When it is too small (a TP below the base
+        layout's holds larger weight shards, so its layers are smaller: the way back), the old layer is
+        freed and handed back to the device before the new one is allocated: on a GPU whose ranks hold most
+        of its memory, a second layer beside the first does not fit (a 2-layer model's layer is half the
+        pool), and a freed layer kept in one rank's allocator cache starves the rank beside it (the fourth
+        H100 run: one rank grew to 47 GiB while the other failed a 1.9 GiB layer).
         """
         old = donor.layers[index]
         donor.layers[index] = None
-        numel = math.prod(self.layer_shape)
-        if old.is_contiguous() and old.numel() >= numel and old.dtype == self.dtype:
-            layer = old.view(-1)[:numel].view(self.layer_shape)
+        storage = old.untyped_storage()
+        if old.dtype == self.dtype and storage.nbytes() >= math.prod(self.layer_shape) * self.dtype.itemsize:
+            layer = torch.empty(0, dtype=self.dtype, device=old.device).set_(storage, 0, self.layer_shape)
         else:
-            del old  # the only reference
+            del old, storage  # the only references
             release_cached(self.device)
             layer = self.new_layer()
         self.layers.append(layer)

@@ -2,16 +2,18 @@
 
 Runs while every rank is paused at a step boundary:
   1. take the new layout's TP group from the pool (created once, then cached);
-  2. reshard weights layer by layer, moving only rows this rank lacks;
+  2. reshard weights layer by layer, moving only rows this rank lacks, each new shard written into its
+     parameter's own storage when it fits there (``into_own_storage``: one address per parameter);
   3. KV: migrate the valid tokens of unfinished sequences layer by layer into
-     a pool sized for the new layout, or drop the pool for recompute;
+     a pool sized for the new layout, or drop the pool for recompute (each layer re-viewed in its memory);
   4. hand the executor its new group, pool and block tables (``InferExecutor.install``);
-  5. recapture the decode graphs this rank's new DP group can still use (worker/graph_capture.py);
+  5. restore the decode graphs this rank kept for the new layout if it was there before (they were set
+     aside at step 1), and capture those its new DP group can still use that it lacks (worker/graph_capture.py);
 and reports (``SwitchReport``) the time of each part, bytes sent and the peak extra memory.
 
 Peak extra memory is counted explicitly: the new shards of one layer while
-the old ones are alive, plus packed send/receive buffers. The old KV layer is
-freed before the new one is allocated, so migration never holds two pools.
+the old ones are alive, plus packed send/receive buffers. A KV layer is re-viewed in
+the old one's memory, or freed before the new one is allocated, so migration never holds two pools.
 """
 
 from __future__ import annotations
@@ -59,6 +61,22 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def into_own_storage(old: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """``shard`` copied into ``old``'s storage from its first byte when it fits there, else ``shard`` itself.
+
+    Each parameter owns its storage (model/layers: one allocation each), which therefore only grows: a switch
+    to a higher TP writes the smaller shard where the larger one was, and the way back finds the room again.
+    A parameter so keeps one address across layouts, which the decode graphs captured over a layout need to
+    survive its leaving (worker/graph_capture.py), and a switch neither frees nor allocates weight memory
+    (core/memory.py counts the base's bytes at every higher TP)."""
+    storage = old.untyped_storage()
+    if (old.dtype != shard.dtype or old.device != shard.device or old.storage_offset() != 0
+            or storage.nbytes() < _nbytes(shard)):
+        return shard
+    kept = torch.empty(0, dtype=shard.dtype, device=shard.device).set_(storage, 0, shard.shape)
+    return kept.copy_(shard)
+
+
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 
 
@@ -86,7 +104,7 @@ class SwitchExecutor:
         meter = MemoryMeter()
         t0 = time.perf_counter()
         dist.barrier(group=self.cpu_world)  # every rank has paused
-        executor.graphs.drop()  # they hold the old pool's layers, which the KV phase reuses or frees
+        graphs_left = executor.graphs.set_aside()  # kept for a return; none runs while the KV phase re-views the pool
         t = time.perf_counter()
         tp_group, hit = self.groups.get(plan.new)
         groups_s = time.perf_counter() - t
@@ -112,13 +130,15 @@ class SwitchExecutor:
                   for t in plan.tables if t.group == group}
         executor.install(plan.new, tp_group, pool, tables)
         rebuild_s = time.perf_counter() - t
+        restored = executor.graphs.stats.restored
         graphs, graphs_s = executor.capture_graphs(plan.requests_in(group))  # the sizes this group can still run
+        restored = executor.graphs.stats.restored - restored  # those the layout left here before, replayed again
         t = time.perf_counter()
         dist.barrier(group=self.cpu_world)  # nobody resumes before everyone is done
         rebuild_s += time.perf_counter() - t
         return SwitchReport.for_rank(
             self.rank, group_cache_hit=hit, groups_s=groups_s, weights_s=weights_s, kv_s=kv_s, rebuild_s=rebuild_s,
-            graphs_s=graphs_s, graphs_captured=graphs,
+            graphs_s=graphs_s, graphs_captured=graphs, graphs_restored=restored, graphs_left=graphs_left,
             total_s=time.perf_counter() - t0, weight_bytes_sent=weight_sent, weight_bytes_local=weight_local,
             weight_bytes_allgather=allgather, kv_bytes_sent=kv_sent, peak_extra_bytes=meter.peak,
             kv_pool_bytes_before=old_pool_bytes, kv_pool_bytes_after=pool.nbytes)
@@ -178,8 +198,8 @@ class SwitchExecutor:
         meter.sub(buffers)
         for name, p in params:
             if name in fresh:
-                p.data = fresh[name]  # the old shard is freed here
-                meter.sub(_nbytes(p.data))
+                p.data = into_own_storage(p.data, fresh[name])
+                meter.sub(_nbytes(p.data))  # the fresh shard is freed here (or the old one, when it did not fit)
         return sent, local, allgather
 
     # ---- KV ------------------------------------------------------------------------------------
