@@ -71,6 +71,25 @@ def test_graphs_across_a_live_switch_and_sleep(model_dir):
 
 
 @pytest.mark.slow
+def test_a_return_replays_its_graphs_over_weights_updated_while_away(model_dir, tmp_path):
+    """An RL step's order: the round ends merged (TP2), the trainer's weights land on the TP2 shards, the next
+    round returns to the base layout. The return writes the new weights into the TP1 storage they left and
+    replays TP1's graphs over them: the tokens of transformers on the new checkpoint."""
+    from rl_helpers import fresh_tensors, perturbed_checkpoint
+
+    step1 = perturbed_checkpoint(model_dir("llama"), tmp_path / "step1", seed=10)
+    with Engine(model_dir("llama"), tp=1, dp=2, dtype="float64", graph_backend="standin", max_num_seqs=16) as engine:
+        engine.generate(PROMPTS, GREEDY, switch_schedule=[(3, 2)], use_tqdm=False)
+        assert str(engine.layout) == "TP2xDP1"
+        engine.update_weights(fresh_tensors(step1))
+        engine.reconfigure(tp=1)
+        assert engine.switches[-1].costs["graphs_restored"] == len(LADDER)
+        outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == hf_greedy_batch(step1)
+        assert all(g["replays"] > 0 and g["captures"] == len(LADDER) + 4 for g in _graphs(engine))
+
+
+@pytest.mark.slow
 def test_enforce_eager_captures_nothing(model_dir):
     with Engine(model_dir("llama"), tp=1, dp=2, dtype="float64", graph_backend="standin", enforce_eager=True,
                 max_num_seqs=16) as engine:
