@@ -84,12 +84,14 @@ def tree_at(commit: str, paths: list[str]) -> Path:
 def alternating_rounds(script: str, trees: dict[str, Path], rounds: int, args: list[str],
                        env_for: Callable[[str, Path], dict[str, str]] | None = None) -> dict[str, list[dict]]:
     """Run ``script --measure *args`` once per tree and round, the trees alternating (base, new, base, new,
-    ...) on this noisy shared host; each run imports its tree (``PYTHONPATH``: the tree and bench/, or what
-    ``env_for(label, tree)`` gives) and prints one JSON line last. Returns each tree's runs by label."""
+    ...) on this noisy shared host; each run imports its tree (``PYTHONPATH``: the tree, its csrc/ where it has
+    one, and bench/, or what ``env_for(label, tree)`` gives) and prints one JSON line last. Returns each
+    tree's runs by label."""
     runs: dict[str, list[dict]] = {label: [] for label in trees}
     for _ in range(rounds):
         for label, tree in trees.items():
-            env = {"PYTHONPATH": os.pathsep.join([str(tree), str(Path(__file__).parent)])}
+            kernels = [str(tree / "csrc")] if (tree / "csrc").is_dir() else []  # the workers import pat_kernels too
+            env = {"PYTHONPATH": os.pathsep.join([str(tree), *kernels, str(Path(__file__).parent)])}
             env.update(env_for(label, tree) if env_for else {})
             done = subprocess.run([sys.executable, script, "--measure", *args], env={**os.environ, **env},
                                   check=True, capture_output=True, text=True)

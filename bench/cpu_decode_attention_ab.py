@@ -111,8 +111,7 @@ def main() -> None:
         print(json.dumps(measure(ns.steps)))
         return
     trees = {"base": tree_at(ns.base, ["csrc", "pat_engine"]), "new": REPO}
-    runs = alternating_rounds(__file__, trees, ns.rounds, ["--steps", str(ns.steps)],
-                              env_for=lambda label, tree: {"PYTHONPATH": f"{tree}:{tree / 'csrc'}:{Path(__file__).parent}"})
+    runs = alternating_rounds(__file__, trees, ns.rounds, ["--steps", str(ns.steps)])
     rows = []
     for key in runs["new"][0]:
         dname, hname, shape = key.split("|")

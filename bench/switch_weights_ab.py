@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -54,11 +53,7 @@ def main() -> None:
         print(json.dumps(measure(ns.steps)))
         return
     trees = {"base": tree_at(ns.base, ["pat_engine", "csrc"]), "new": REPO}
-
-    def paths(label: str, tree: Path) -> dict[str, str]:  # the workers import the kernels from csrc/ too
-        return {"PYTHONPATH": os.pathsep.join([str(tree), str(tree / "csrc"), str(Path(__file__).parent)])}
-
-    runs = alternating_rounds(__file__, trees, ns.rounds, ["--steps", str(ns.steps)], env_for=paths)
+    runs = alternating_rounds(__file__, trees, ns.rounds, ["--steps", str(ns.steps)])
     rows = []
     for row in SWITCHES:
         base, new, same = tree_medians(runs, row)
