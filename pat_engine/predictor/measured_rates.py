@@ -2,9 +2,10 @@
 
 Prefill throughput per TP degree (tokens per second of one group's prefill
 step), and from earlier switches the KV migration bandwidth, the weight
-reshard time of each layout change and which layouts' decode graphs wait set aside for a return. Before any measurement, migration is
-assumed cheap (1 GB/s) and prefill is taken from the nearest measured TP
-degree, scaled by the TP ratio.
+reshard time of each layout change and which layouts' decode graphs wait
+set aside for a return. Before any measurement, migration is assumed cheap
+(1 GB/s) and prefill is taken from the nearest measured TP degree, scaled by
+the TP ratio.
 """
 
 from __future__ import annotations

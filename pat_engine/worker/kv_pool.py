@@ -55,8 +55,8 @@ class PagedKVPool:
         geometry used. That skips a free, an allocation and page faults, and keeps each layer at one
         address for the worker's life, so the decode graphs captured over a layout stay valid when the rank
         returns to it (graph_capture.py). Stale values in reused slots are never read unmasked (every slot
-        is written before a query reaches it) and are finite. When it is too small (a TP below the base
-        layout's holds larger weight shards, so its layers are smaller: the way back), the old layer is
+        is written before a query reaches it) and are finite. When it is too small (a TP below the base's
+        holds larger weight shards and so smaller layers: the way back up needs more), the old layer is
         freed and handed back to the device before the new one is allocated: on a GPU whose ranks hold most
         of its memory, a second layer beside the first does not fit (a 2-layer model's layer is half the
         pool), and a freed layer kept in one rank's allocator cache starves the rank beside it (the fourth
