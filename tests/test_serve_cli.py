@@ -1,4 +1,5 @@
-"""``pat-serve serve`` as a process (free port, SIGTERM), ``pat-serve plot``, and ``pat-serve demo``."""
+"""``pat-serve serve`` as a process (free port, SIGTERM), ``pat-serve plot``, ``pat-serve demo``, and the engine flags
+the commands share."""
 
 from __future__ import annotations
 
@@ -8,10 +9,16 @@ import signal
 import subprocess
 import time
 
+import argparse
+
 import httpx
 import pytest
+import torch
 
+from pat_engine.config import EngineConfig
+from pat_engine.parallel.layout import Layout
 from pat_engine.serve.batch.report import layout_segments
+from pat_engine.serve.engine_args import EngineArgs, add_engine_args
 from serve_cli_util import cli_cmd, cli_env, run_cli
 
 TIMELINE = {
@@ -87,3 +94,27 @@ def test_demo_creates_its_model_and_switches_live(tmp_path):
     assert sorted(r["id"] for r in results) == sorted(p["id"] for p in prompts)
     assert all(len(r["token_ids"]) == p["max_tokens"] for r, p in
                zip(sorted(results, key=lambda r: r["id"]), sorted(prompts, key=lambda p: p["id"])))
+
+
+def test_engine_flags_take_vllms_names_and_leave_what_is_not_given_to_the_config():
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    ns = p.parse_args(["--model", "m", "--tensor-parallel-size", "2", "--data-parallel-size", "2", "--device", "cpu",
+                       "--gpu-memory-utilization", "0.5", "--enforce-eager", "--max-num-seqs", "32",
+                       "--max-num-batched-tokens", "2048", "--no-enable-prefix-caching", "--block-size", "32",
+                       "--attention-backend", "torch"])
+    args = EngineArgs.from_namespace(ns)
+    assert args.layout() == Layout(2, 2)
+    given = dict(device="cpu", gpu_memory_utilization=0.5, enforce_eager=True, max_num_seqs=32,
+                 max_num_batched_tokens=2048, enable_prefix_caching=False, block_size=32, attention_backend="torch")
+    kwargs = args.engine_kwargs()
+    assert {k: kwargs[k] for k in given} == given
+    cfg = EngineConfig.from_kwargs("m", tp=2, dp=2, **kwargs)  # every flag is a field the config checks
+    assert cfg.graphs() is None and not cfg.enable_prefix_caching
+
+    plain = EngineArgs.from_namespace(p.parse_args(["--model", "m"])).engine_kwargs()
+    assert plain["device"] == ("cuda" if torch.cuda.is_available() else "cpu") and plain["enforce_eager"] is False
+    assert not {"gpu_memory_utilization", "max_num_seqs", "block_size", "enable_prefix_caching"} & set(plain)
+    for bad in (["--device", "tpu"], ["--attention-backend", "fast"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--model", "m", *bad])

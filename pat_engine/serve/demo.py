@@ -117,7 +117,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     how = f"controller, table {profile}" if profile else "fixed schedule " + ", ".join(f"step {s}: TP{tp}" for s, tp in schedule)
     print(f"batch: {len(lengths)} requests, answers {min(lengths)}-{max(lengths)} tokens; world {cfg.world} "
           f"starting at TP1xDP{cfg.world}; switching: {how}")
-    args = EngineArgs(str(cfg.model_dir), tp=1, world=cfg.world, dtype="float32",
+    args = EngineArgs(str(cfg.model_dir), tp=1, world=cfg.world, dtype="float32", device="cpu",
                       profile=str(profile) if profile else None,
                       switch_schedule=tuple(schedule) if schedule else None)
     job = BatchJob(paths["prompts.jsonl"], paths["results.jsonl"], "tiny-llama", SamplingDefaults(), overwrite=True,

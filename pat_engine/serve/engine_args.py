@@ -4,6 +4,10 @@ Layout: ``--tp`` plus either ``--dp`` or ``--world`` (world = tp * dp).
 Switching: ``--profile TABLE`` (the predictor-driven controller) or
 ``--switch-schedule "32:4,64:2"`` (go to TP4 at decode step 32, to TP2 at 64),
 or neither (a static layout).
+Device and batching: vLLM's names (``--device``, ``--gpu-memory-utilization``, ``--enforce-eager``,
+``--max-num-seqs``, ``--max-num-batched-tokens``, ``--enable-prefix-caching``, ``--block-size``,
+``--attention-backend``, ``--tensor-parallel-size`` / ``--data-parallel-size`` beside ``--tp`` / ``--dp``);
+each left out keeps ``EngineConfig``'s default. ``--device auto`` runs on the GPU when torch sees one.
 """
 
 from __future__ import annotations
@@ -11,7 +15,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+import torch
+
 from pat_engine.config import DEFAULT_NUMERICS, NUMERICS
+from pat_engine.model.layers.attention import BACKEND_NAMES
 from pat_engine.core.engine import Engine
 from pat_engine.errors import InvalidRequestError, LayoutError
 from pat_engine.parallel.layout import Layout
@@ -60,6 +67,15 @@ class EngineArgs:
     speculative: bool = False  # n-gram speculative decoding of the tail (docs/speculative.md)
     speculative_history: bool = False  # also draft from earlier responses to the same prompt
     async_scheduling: bool | None = None  # send each decode step before the one in flight is answered (None: CUDA)
+    device: str = "auto"  # "cuda", "cpu", or "auto": the GPU when torch sees one
+    enforce_eager: bool = False  # no CUDA graphs
+    # None: EngineConfig's default
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool | None = None
+    block_size: int | None = None
+    attention_backend: str | None = None
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":
@@ -67,7 +83,13 @@ class EngineArgs:
         return cls(ns.model, ns.tp, ns.dp, ns.world, ns.dtype, ns.max_model_len, ns.kv_cache_bytes, ns.seed,
                    ns.profile, sched, ns.kv_transfer, ns.threads_per_worker, ns.step_timeout, ns.start_timeout,
                    ns.max_worker_restarts, ns.restart_window, ns.numerics, ns.speculative, ns.speculative_history,
-                   ns.async_scheduling)
+                   ns.async_scheduling, device=ns.device, enforce_eager=ns.enforce_eager,
+                   **{name: getattr(ns, name) for name in _OPTIONAL})
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
 
     def layout(self) -> Layout:
         """The base layout; ``--world`` and ``--dp`` must agree when both are given."""
@@ -84,7 +106,9 @@ class EngineArgs:
                       kv_cache_bytes=self.kv_cache_bytes, threads_per_worker=self.threads_per_worker,
                       step_timeout_s=self.step_timeout_s, worker_start_timeout_s=self.start_timeout_s,
                       max_worker_restarts=self.max_worker_restarts, restart_window_s=self.restart_window_s,
-                      numerics=self.numerics, async_scheduling=self.async_scheduling)
+                      numerics=self.numerics, async_scheduling=self.async_scheduling, device=self.resolved_device(),
+                      enforce_eager=self.enforce_eager)
+        kwargs.update({name: getattr(self, name) for name in _OPTIONAL if getattr(self, name) is not None})
         if self.speculative or self.speculative_history:
             kwargs["speculative"] = {"history": self.speculative_history}
         if self.profile:
@@ -113,12 +137,36 @@ class EngineArgs:
         return engine
 
 
+# EngineConfig fields whose flag may be left out (EngineConfig's default then stands)
+_OPTIONAL = ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "block_size",
+             "attention_backend")
+
+
 def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", required=model_required, help="Hugging Face checkpoint directory")
-    g.add_argument("--tp", type=int, default=1, help="base tensor-parallel degree (default 1)")
-    g.add_argument("--dp", type=int, default=None, help="base data-parallel degree (default: world / tp, or 1)")
-    g.add_argument("--world", type=int, default=None, help="devices (CPU worker processes) in all; dp = world / tp")
+    g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="base tensor-parallel degree (default 1)")
+    g.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, default=None,
+                   help="base data-parallel degree (default: world / tp, or 1)")
+    g.add_argument("--world", type=int, default=None,
+                   help="ranks in all (GPUs, or CPU worker processes); dp = world / tp")
+    g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="where the ranks run: cuda (one GPU each; more ranks than GPUs share them, a test mode), "
+                        "cpu (worker processes), auto: cuda when torch sees a GPU (default)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="share of each GPU the engine's ranks on it may use together (default 0.85)")
+    g.add_argument("--enforce-eager", action="store_true", help="capture no CUDA graphs (every step eager)")
+    g.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                   help="requests running at once per DP group (default 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="tokens per prefill step and DP group (default 8192)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV of full blocks of earlier prompts with the same prefix (default: on)")
+    g.add_argument("--block-size", type=int, default=None, metavar="N", help="tokens per KV block (default 16)")
+    g.add_argument("--attention-backend", choices=BACKEND_NAMES, default=None,
+                   help="attention kernels (default auto: Triton on CUDA, torch and the C++ decode kernel on the "
+                        "CPU; docs/attention.md)")
     g.add_argument("--dtype", default="auto", help="float64, float32, bfloat16, float16 or auto (the checkpoint's)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache bytes per rank (CPU default: a quarter of the available memory over the ranks, at most what max_num_seqs full-length requests use)")
