@@ -52,7 +52,7 @@ class SwitchCostEstimate:
     migrate_s: float
     recompute_s: float
     fixed_s: float
-    graphs_s: float = 0.0  # recapturing the decode graphs the new layout can use
+    graphs_s: float = 0.0  # capturing the decode graphs the new layout can use and did not leave set aside
 
     @property
     def kv_path(self) -> str:

@@ -70,7 +70,7 @@ class SwitchReport:
     kv_pool_bytes_after: int
     busiest_kv_bytes: int  # KV bytes of the rank that sent the most, and how long its KV phase took:
     busiest_kv_s: float  # the sample a bandwidth estimate learns from
-    graphs_s: float = 0.0  # recapturing the decode graphs the new layout can use (0 where graphs are off)
+    graphs_s: float = 0.0  # restoring and capturing the decode graphs the new layout can use (0 where graphs are off)
     graphs_captured: int = 0  # how many batch sizes were captured
     graphs_restored: int = 0  # how many graphs the new layout had left on a rank before, replayed again
     graphs_left: int = 0  # leading ladder sizes of the old layout's graphs set aside for a return to it
