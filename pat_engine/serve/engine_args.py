@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pat_engine.config import DEFAULT_NUMERICS, NUMERICS
-from pat_engine.model.layers.attention import BACKEND_NAMES
+from pat_engine.config import DEFAULT_NUMERICS, NUMERICS, EngineConfig
 from pat_engine.core.engine import Engine
 from pat_engine.errors import InvalidRequestError, LayoutError
+from pat_engine.model.layers.attention import BACKEND_NAMES
 from pat_engine.parallel.layout import Layout
 
 
@@ -142,6 +142,12 @@ _OPTIONAL = ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
              "attention_backend")
 
 
+def _default(field: str) -> str:
+    """EngineConfig's default for ``field``, for a flag's help (the config is its one home)."""
+    value = EngineConfig.__dataclass_fields__[field].default
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
 def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", required=model_required, help="Hugging Face checkpoint directory")
@@ -155,15 +161,18 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                    help="where the ranks run: cuda (one GPU each; more ranks than GPUs share them, a test mode), "
                         "cpu (worker processes), auto: cuda when torch sees a GPU (default)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
-                   help="share of each GPU the engine's ranks on it may use together (default 0.85)")
+                   help="share of each GPU the engine's ranks on it may use together "
+                        f"(default {_default('gpu_memory_utilization')})")
     g.add_argument("--enforce-eager", action="store_true", help="capture no CUDA graphs (every step eager)")
     g.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
-                   help="requests running at once per DP group (default 256)")
+                   help=f"requests running at once per DP group (default {_default('max_num_seqs')})")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
-                   help="tokens per prefill step and DP group (default 8192)")
+                   help=f"tokens per prefill step and DP group (default {_default('max_num_batched_tokens')})")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="reuse the KV of full blocks of earlier prompts with the same prefix (default: on)")
-    g.add_argument("--block-size", type=int, default=None, metavar="N", help="tokens per KV block (default 16)")
+                   help="reuse the KV of full blocks of earlier prompts with the same prefix "
+                        f"(default {_default('enable_prefix_caching')})")
+    g.add_argument("--block-size", type=int, default=None, metavar="N",
+                   help=f"tokens per KV block (default {_default('block_size')})")
     g.add_argument("--attention-backend", choices=BACKEND_NAMES, default=None,
                    help="attention kernels (default auto: Triton on CUDA, torch and the C++ decode kernel on the "
                         "CPU; docs/attention.md)")
