@@ -45,6 +45,12 @@ def graph_sizes_upto(ladder: tuple[int, ...], batch: int) -> tuple[int, ...]:
     return tuple(s for s in ladder if s <= top)
 
 
+def auto_device() -> str:
+    """The device an engine runs on when its caller names none (pat-serve's ``--device auto``, the RL
+    adapters): the GPUs when torch sees one, else CPU worker processes."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def check_kv_transfer(value: str | None, *, allow_auto: bool) -> None:
     """``kv_transfer`` is a KV path, or "auto" (the cost model decides) where the caller allows it; None
     always means "not forced"."""

@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-import torch
-
-from pat_engine.config import DEFAULT_NUMERICS, NUMERICS, EngineConfig
+from pat_engine.config import DEFAULT_NUMERICS, NUMERICS, EngineConfig, auto_device
 from pat_engine.core.engine import Engine
 from pat_engine.errors import InvalidRequestError, LayoutError
 from pat_engine.model.layers.attention import BACKEND_NAMES
@@ -87,9 +85,7 @@ class EngineArgs:
                    **{name: getattr(ns, name) for name in _OPTIONAL})
 
     def resolved_device(self) -> str:
-        if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        return self.device
+        return auto_device() if self.device == "auto" else self.device
 
     def layout(self) -> Layout:
         """The base layout; ``--world`` and ``--dp`` must agree when both are given."""

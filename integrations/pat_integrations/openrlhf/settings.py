@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pat_engine.config import auto_device
 from pat_engine.rollout.config import RolloutConfig
 from pat_integrations.rollout_options import KEYS as ROLLOUT_KEYS
 from pat_integrations.rollout_options import rollout_config
@@ -70,8 +71,6 @@ class PatActorSettings:
         engine_kwargs.update(kw.pop("pat_engine_kwargs", None) or {})
         if kw:
             raise TypeError(f"unsupported engine argument(s) for pat-engine: {sorted(kw)}")
-        import torch
-
-        engine_kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+        engine_kwargs.setdefault("device", auto_device())
         return cls(str(model), base_tp, devices // base_tp, engine_kwargs, plan, engine_kwargs.get("max_model_len"),
                    mode.removesuffix("_logprobs"), rollout_config(rollout, None, "pat_rollout"))

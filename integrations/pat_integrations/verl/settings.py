@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from pat_engine.config import EngineConfig
+from pat_engine.config import EngineConfig, auto_device
 from pat_engine.rollout.config import RolloutConfig
 from pat_integrations.rollout_options import KEYS as ROLLOUT_KEYS
 from pat_integrations.rollout_options import rollout_config
@@ -79,8 +79,6 @@ class PatRolloutSettings:
 
     @classmethod
     def from_verl(cls, config: Any, model_config: Any, devices_per_node: int) -> "PatRolloutSettings":
-        import torch
-
         tp, dp = config.tensor_model_parallel_size, config.data_parallel_size
         if config.pipeline_model_parallel_size != 1:
             raise ValueError("pat-engine has no pipeline parallelism: set rollout.pipeline_model_parallel_size=1")
@@ -101,7 +99,7 @@ class PatRolloutSettings:
         max_len = config.max_model_len or config.prompt_length + config.response_length
         engine_kwargs: dict[str, Any] = {
             "dtype": config.dtype,
-            "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "device": auto_device(),
             "gpu_memory_utilization": config.gpu_memory_utilization,
             "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,
