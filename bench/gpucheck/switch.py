@@ -16,8 +16,10 @@ batch is a warm-up (groups made, first TP2 kernels compiled, first captures) and
 (issue 32): the graphs phase <= 10% of the switch back to TP1.
 
 Also: point-to-point GB/s a rank along both paths, by handle and staged through the host (interleaved),
-decode steps per layout, CUDA memory per rank before and after the measured switches, and (full mode) a
-TP1xDP4 -> TP4xDP1 merge and the capture warm-ups (ms per size with 2 warm-ups each as the first H100 run
+decode steps per layout, CUDA memory per rank before and after the measured switches, and (full mode) the
+way back to TP1 with the graphs TP1 set aside against the same switch after a release of the KV (which drops
+every graph, so that return captures its sizes), interleaved, a TP1xDP4 -> TP4xDP1 merge and the capture
+warm-ups (ms per size with 2 warm-ups each as the first H100 run
 captured, with the engine's rule for new shapes, 2 for an epoch's first size and 1 for the rest, and for
 shapes captured before, none), each of the two on its own: one that fails says so in its place and the
 rest of the part stands. The switch back to TP1 restores the graphs start-up captured (the weights and the KV
@@ -241,6 +243,29 @@ def four_ranks_section(ctx: Ctx, ckpt: Path, w: Workload, vocab: int, data: dict
     return lines
 
 
+def restore_section(engine, w: Workload, vocab: int, headlines: list[str], rounds: int = 2) -> list[str]:
+    """The switch back to TP1 with the graphs TP1 set aside at the merge, against the same switch in a batch
+    after the KV's release (which drops every graph: that batch's TP1 steps capture the sizes they run
+    before the merge, and its way back captures the smaller ones it then needs), interleaved; the headline
+    is appended to ``headlines``."""
+    rows: dict[str, list[list]] = {"graphs kept": [], "after a KV release": []}
+    for _ in range(rounds):
+        for label in rows:
+            if label != "graphs kept":
+                engine.sleep(tags=["kv_cache"])
+                engine.wake_up(tags=["kv_cache"])
+            _, events, _ = run_batch(engine, w, 2, "migrate", vocab)
+            rows[label] += [phase_row(label, ev) for ev in events if ev.to_layout == "TP1xDP2"]
+    graphs_s = {label: statistics.median(r[PHASE_HEADERS.index("graphs s")] for r in rs) for label, rs in rows.items()}
+    counts = {label: (rs[-1][PHASE_HEADERS.index("graphs captured")], rs[-1][PHASE_HEADERS.index("graphs restored")])
+              for label, rs in rows.items()}
+    headlines.append("the switch back to TP1's graphs phase: " + "; ".join(
+        f"{label} {graphs_s[label]:.3f} s ({counts[label][0]} captured, {counts[label][1]} restored)" for label in rows))
+    return ["", f"**The way back to TP1, its graphs kept or dropped** ({rounds} rounds, interleaved: a batch as "
+            "above, then one after `sleep(tags=['kv_cache'])` / `wake_up`, which drops every graph):", "",
+            markdown_table(PHASE_HEADERS, [r for rs in rows.values() for r in rs])]
+
+
 def warmups_section(ctx: Ctx, ckpt: Path, headlines: list[str]) -> list[str]:
     """The capture warm-ups' rows; their headline appended to ``headlines`` (smoke: the stand-in's rows, to check
     the code; it runs no warm-up forwards)."""
@@ -312,6 +337,7 @@ def run(ctx: Ctx) -> PartResult:
     vocab = load_model_arch(str(ckpt)).vocab_size
     w = workload(ctx.smoke)
     kvs = ("migrate",) if ctx.quick else ("migrate", "recompute")
+    restore_headlines: list[str] = []
     with start(ckpt, 2, ctx.device, ctx.smoke) as engine:
         stats = engine.worker_stats()
         collectives = tp_collectives(stats[0]["host_staged"])
@@ -320,6 +346,8 @@ def run(ctx: Ctx) -> PartResult:
                  f"KV {P2P_WORDS[stats[0]['p2p']]}; "
                  f"{engine.memory.num_blocks(engine.layout)} KV blocks per rank at TP1xDP2")
         rows, events, steps, memory = switch_rows(engine, w, 2, kvs, vocab, "TP1xDP2")
+        restore: list[str] = [] if ctx.quick else apart(
+            "the way back with its graphs dropped", lambda: restore_section(engine, w, vocab, restore_headlines))
         probe_bytes = 8 * MiB if ctx.smoke else 64 * MiB
         rates = p2p_rates(engine, stats[0]["host_staged"], probe_bytes)
         small = p2p_rates(engine, stats[0]["host_staged"], MiB)  # what an exchange costs beside its bytes
@@ -372,6 +400,8 @@ def run(ctx: Ctx) -> PartResult:
         f"the measured batches less before (each read after the rank returned its unused cached blocks, "
         f"Engine.worker_stats(release_cached=True)): {memory['delta']}.",
     ]
+    headlines += restore_headlines
+    lines += restore
     data: dict[str, Any] = {"switches": [{"from": e.from_layout, "to": e.to_layout, "kv": e.kv_path,
                                           "seconds": e.seconds, **e.costs} for e in events],
                             "bandwidth": bandwidth, "p2p": stats[0]["p2p"], "p2p_rates": rates,
