@@ -50,7 +50,8 @@ PARTS: tuple[Part, ...] = (
     Part("controller", "The controller on ranks sharing the GPU: the predictor's step error, its choices",
          "switch_controller", None, 200, 360, 360, needs_checkpoint=False),
     Part("switch", "The live switch on one GPU, ranks sharing it: phases, collectives", "switch",
-         45, 120, 150, 560, needs_checkpoint=False),  # its own 2.5 GB checkpoint (1B shape); 114 s in full
+         45, 150, 150, 560, needs_checkpoint=False),  # its own 2.5 GB checkpoint (1B shape); 114 s in full, before
+    # the way back with its graphs dropped (4 more batches and a KV release)
     # collectives: two spawned ranks (CUDA start-up) and a few hundred calls; not a headline of --quick
     Part("collectives", "A co-located TP2 step's collectives: through the IPC slots and host-staged",
          "collectives", None, 30, 120, 120, needs_checkpoint=False),
