@@ -317,10 +317,11 @@ def test_predictor_prices_the_recapture(tmp_path) -> None:
     assert est.total_s == pytest.approx(est.weights_s + min(est.migrate_s, est.recompute_s) + est.fixed_s + 0.04)
     assert est.to_dict()["graphs_s"] == pytest.approx(0.04)
 
-    # TP2's layout left sizes 1 and 2 set aside (a merge, then a split back): a return captures 4 and 8 only
-    pred.record_graphs(1, 4, 2)  # TP1 -> TP2: TP1 left its four smallest sizes
-    pred.record_graphs(2, 2, 1)  # TP2 -> TP1: TP2 left two, TP1's are restored
-    assert pred.graph_seconds(1, 2, 6) == pytest.approx(0.02) and pred.graph_seconds(1, 2, 2) == 0.0
+    # TP2's layout left sizes 1, 2 and 8 set aside (a merge, then a split back): a return of 6 captures 4 only
+    pred.record_graphs(1, (1, 2, 4, 8), 2)  # TP1 -> TP2: TP1 left its four smallest sizes
+    pred.record_graphs(2, (1, 2, 8), 1)  # TP2 -> TP1: TP2 left three, TP1's are restored
+    assert pred.graph_seconds(1, 2, 6) == pytest.approx(0.01) and pred.graph_seconds(1, 2, 2) == 0.0
+    assert list(pred.graph_seconds(1, 2, np.array([0, 3, 9]))) == pytest.approx([0.0, 0.01, 0.02])  # 4; 4, 16
     assert pred.graph_seconds(2, 1, 6) == pytest.approx(0.04)  # TP1's own are in use again: none left aside
     pred.forget_graphs()  # a sleep dropped them all
     assert pred.graph_seconds(1, 2, 6) == pytest.approx(0.04)
@@ -333,7 +334,7 @@ def test_graphs_set_aside_run_again_only_where_everything_they_read_stayed(model
     ex = _executor(path, graphs=True)
     ex.capture_graphs()
     sizes, stats = ex.graphs.captured, ex.graphs.stats
-    assert ex.graphs.set_aside() == len(sizes)  # every ladder size, from the first
+    assert ex.graphs.set_aside() == sizes  # every ladder size
     assert ex.graphs.captured == ()
     ex.capture_graphs()  # the same group, weights and pool: back
     assert ex.graphs.captured == sizes and stats.restored == len(sizes) and stats.captures == len(sizes)
@@ -345,7 +346,7 @@ def test_graphs_set_aside_run_again_only_where_everything_they_read_stayed(model
     ex.capture_graphs(upto=2)
     assert stats.restored == len(sizes) and ex.graphs.captured == (1, 2) and not ex.graphs._left
 
-    assert ex.graphs.set_aside() == 2  # over the same pool now
+    assert ex.graphs.set_aside() == (1, 2)  # over the same pool now
     with ex.writing_weights():  # a weight moved (a reload into fresh tensors)
         ex.model.norm.weight.data = ex.model.norm.weight.data.clone()
     ex.capture_graphs(upto=1)

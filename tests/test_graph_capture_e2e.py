@@ -57,9 +57,9 @@ def test_graphs_across_a_live_switch_and_sleep(model_dir):
         assert split.costs["graphs_captured"] == 0 and split.costs["graphs_restored"] == len(LADDER)
         assert all(g["captures"] == len(LADDER) + 4 for g in _graphs(engine))
         # what each left aside, as the switch's price learns it (predictor.graph_seconds)
-        assert merge.costs["graphs_left"] == len(LADDER) and split.costs["graphs_left"] == 4
+        assert merge.costs["graphs_left"] == LADDER and split.costs["graphs_left"] == (1, 2, 4, 8)
         rates = engine.coordinator.switching.cost_source
-        assert rates.graphs_left == {2: 4}
+        assert rates.graphs_left == {2: {1, 2, 4, 8}}
 
         engine.sleep(level=1)  # drops every graph, those TP2 left too
         assert all(g["captured"] == [] for g in _graphs(engine)) and rates.graphs_left == {}
@@ -168,7 +168,7 @@ def test_cuda_graphs_set_aside_and_restored_give_the_same_bits(model_dir):
     ex = _executor(path, graphs=True, device="cuda", dtype=torch.float32)
     ex.capture_graphs(upto=4)
     stats, kvh, at = ex.graphs.stats, ex.kv.kv_heads, ex.kv.layers[0].data_ptr()
-    assert ex.graphs.set_aside() == 3
+    assert ex.graphs.set_aside() == (1, 2, 4)
     ex.kv = ex.kv.regeometry(max(kvh // 2, 1), 2 * NUM_BLOCKS)  # another geometry over the same memory
     for layer in ex.kv.layers:
         layer.fill_(7.0)  # written through while the graphs wait (stale slots stay finite, as a migration's)

@@ -41,9 +41,9 @@ class CostSource(Protocol):
         """A switch's weight phase (allocate and move the new shards) from_tp -> to_tp took ``seconds``."""
         ...
 
-    def record_graphs(self, from_tp: int, left: int, to_tp: int) -> None:
-        """A switch from_tp -> to_tp set aside the first ``left`` ladder sizes of from_tp's decode graphs on
-        every rank (a return restores them: worker/graph_capture.py) and restored what to_tp had left."""
+    def record_graphs(self, from_tp: int, left: tuple[int, ...], to_tp: int) -> None:
+        """A switch from_tp -> to_tp set aside from_tp's decode graphs of the batch sizes ``left`` on every
+        rank (a return restores them: worker/graph_capture.py) and restored what to_tp had left."""
         ...
 
     def forget_graphs(self) -> None:

@@ -21,7 +21,7 @@ class MeasuredRates(CostSource):
         self.prefill_tokens_per_s: dict[int, float] = {}
         self.kv_bandwidth: float | None = None
         self.weight_reshard_s: dict[tuple[int, int], float] = {}  # (from_tp, to_tp) -> seconds
-        self.graphs_left: dict[int, int] = {}  # TP -> leading ladder sizes its layout's graphs left set aside
+        self.graphs_left: dict[int, frozenset[int]] = {}  # TP -> batch sizes of its graphs set aside
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
@@ -41,10 +41,10 @@ class MeasuredRates(CostSource):
             key = (from_tp, to_tp)
             self.weight_reshard_s[key] = self._ema(self.weight_reshard_s.get(key), seconds)
 
-    def record_graphs(self, from_tp: int, left: int, to_tp: int) -> None:
+    def record_graphs(self, from_tp: int, left: tuple[int, ...], to_tp: int) -> None:
         self.graphs_left.pop(to_tp, None)  # restored: they are the layout's current graphs now
-        if left > 0:
-            self.graphs_left[from_tp] = left
+        if left:
+            self.graphs_left[from_tp] = frozenset(left)
         else:
             self.graphs_left.pop(from_tp, None)
 

@@ -114,7 +114,7 @@ class LatencyPredictor(CostSource):
     def record_weight_reshard(self, from_tp: int, to_tp: int, seconds: float) -> None:
         self._measured.record_weight_reshard(from_tp, to_tp, seconds)
 
-    def record_graphs(self, from_tp: int, left: int, to_tp: int) -> None:
+    def record_graphs(self, from_tp: int, left: tuple[int, ...], to_tp: int) -> None:
         self._measured.record_graphs(from_tp, left, to_tp)
 
     def forget_graphs(self) -> None:
@@ -216,8 +216,9 @@ class LatencyPredictor(CostSource):
         ladder = self.graph_ladder
         n = np.asarray(requests)
         sizes = np.where(n > 0, np.minimum(np.searchsorted(ladder, n, side="left") + 1, len(ladder)), 0)
-        sizes = np.maximum(sizes - self._measured.graphs_left.get(to_tp, 0), 0)
-        out = per_size * sizes
+        left = self._measured.graphs_left.get(to_tp, frozenset())
+        to_capture = np.concatenate([[0], np.cumsum([s not in left for s in ladder])])  # of the first k sizes
+        out = per_size * to_capture[sizes]
         return float(out) if out.ndim == 0 else out
 
     def switch_cost(self, old: Layout, new: Layout, reqs: Sequence[RequestSnapshot], old_placement: Placement,

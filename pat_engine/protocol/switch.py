@@ -73,7 +73,7 @@ class SwitchReport:
     graphs_s: float = 0.0  # restoring and capturing the decode graphs the new layout can use (0 where graphs are off)
     graphs_captured: int = 0  # how many batch sizes were captured
     graphs_restored: int = 0  # how many graphs the new layout had left on a rank before, replayed again
-    graphs_left: int = 0  # leading ladder sizes of the old layout's graphs set aside for a return to it
+    graphs_left: tuple[int, ...] = ()  # batch sizes of the old layout's graphs set aside for a return to it
 
     @classmethod
     def for_rank(cls, rank: int, **values) -> "SwitchReport":
@@ -96,7 +96,7 @@ class SwitchReport:
             graphs_s=max(r.graphs_s for r in reports),
             graphs_captured=max(r.graphs_captured for r in reports),  # groups capture in parallel: the most on one rank
             graphs_restored=max(r.graphs_restored for r in reports),
-            graphs_left=min(r.graphs_left for r in reports),  # what every rank can restore
+            graphs_left=tuple(sorted(set.intersection(*(set(r.graphs_left) for r in reports)))),  # every rank's
             total_s=max(r.total_s for r in reports),
             weight_bytes_sent=sum(r.weight_bytes_sent for r in reports),
             weight_bytes_local=sum(r.weight_bytes_local for r in reports),

@@ -234,16 +234,15 @@ class DecodeGraphs:
         self.drop()
         self._left.clear()
 
-    def set_aside(self) -> int:
+    def set_aside(self) -> tuple[int, ...]:
         """A switch begins: keep this layout's graphs for a return to it, which restores them when every
-        address they read is the same again (``_bind``); none of them runs meanwhile. Returns how many
-        leading ladder sizes were set aside (what a return need not capture: the predictor's price)."""
-        left = 0
+        address they read is the same again (``_bind``); none of them runs meanwhile. Returns the batch
+        sizes set aside (what a return need not capture: the predictor's price)."""
+        left: tuple[int, ...] = ()
         if self.graphs and self._weights is not None:
             self._left[id(self._tp)] = _LeftGraphs(self._tp, dict(self.graphs), self._addresses(),
                                                    self.backend.epoch())
-            while left < len(self.ladder) and self.ladder[left] in self.graphs:
-                left += 1
+            left = self.captured
         self.drop()
         return left
 
