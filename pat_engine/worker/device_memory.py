@@ -7,6 +7,7 @@ this module only reads the device for them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,17 @@ class RankMemory:
         torch.cuda.empty_cache()  # what loading left cached is not in use: measure without it
         free, total = torch.cuda.mem_get_info(self.device)
         return rank_kv_budget(total, free, self.fraction, self.sharing, reserve)
+
+
+def storage_view(old: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """A contiguous ``shape`` tensor over ``old``'s memory from its first byte, or None where ``old`` does not
+    start its storage, has another dtype, or the storage is too small. A switch puts each new weight shard
+    and KV layer there (switch_executor.into_own_storage, PagedKVPool.append_layer_from), so every address a
+    decode graph reads stays put across layouts (graph_capture.py)."""
+    storage = old.untyped_storage()
+    if old.dtype != dtype or old.storage_offset() != 0 or storage.nbytes() < math.prod(shape) * dtype.itemsize:
+        return None
+    return torch.empty(0, dtype=dtype, device=old.device).set_(storage, 0, shape)
 
 
 def release_cached(device: torch.device | str) -> None:

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from pat_engine.worker.device_memory import release_cached
+from pat_engine.worker.device_memory import release_cached, storage_view
 
 # A lazy CPU layer this large is mapped from the kernel's zero pages instead of being memset: its
 # pages are committed as blocks are first written, so the large default pool
@@ -64,11 +64,9 @@ class PagedKVPool:
         """
         old = donor.layers[index]
         donor.layers[index] = None
-        storage = old.untyped_storage()
-        if old.dtype == self.dtype and storage.nbytes() >= math.prod(self.layer_shape) * self.dtype.itemsize:
-            layer = torch.empty(0, dtype=self.dtype, device=old.device).set_(storage, 0, self.layer_shape)
-        else:
-            del old, storage  # the only references
+        layer = storage_view(old, self.layer_shape, self.dtype)
+        if layer is None:
+            del old  # the only reference
             release_cached(self.device)
             layer = self.new_layer()
         self.layers.append(layer)

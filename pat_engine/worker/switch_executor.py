@@ -31,6 +31,7 @@ from pat_engine.parallel.layout import Layout
 from pat_engine.parallel.p2p import exchange
 from pat_engine.parallel.reshard_plan import allgather_bytes, plan_moves
 from pat_engine.protocol import SwitchPlan, SwitchReport
+from pat_engine.worker.device_memory import storage_view
 from pat_engine.worker.infer_executor import InferExecutor
 from pat_engine.worker.step_inputs import SeqState
 from pat_engine.worker.kv_pool import PagedKVPool
@@ -69,12 +70,8 @@ def into_own_storage(old: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
     A parameter so keeps one address across layouts, which the decode graphs captured over a layout need to
     survive its leaving (worker/graph_capture.py), and a switch neither frees nor allocates weight memory
     (core/memory.py counts the base's bytes at every higher TP)."""
-    storage = old.untyped_storage()
-    if (old.dtype != shard.dtype or old.device != shard.device or old.storage_offset() != 0
-            or storage.nbytes() < _nbytes(shard)):
-        return shard
-    kept = torch.empty(0, dtype=shard.dtype, device=shard.device).set_(storage, 0, shard.shape)
-    return kept.copy_(shard)
+    kept = storage_view(old, tuple(shard.shape), shard.dtype)
+    return shard if kept is None else kept.copy_(shard)
 
 
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
