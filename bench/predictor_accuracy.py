@@ -10,7 +10,9 @@ drains, the predicted step latency (fit at the step's batch size and total
 context) with the measured one. Layouts alternate (A B A B ...) so slow
 drifts of a shared machine hit both. Reports the mean absolute percentage
 error per layout: per step, per window of 8 steps (the controller's check
-interval), and of the whole drain time; plus a PNG of the trajectories.
+interval), and of the whole drain time, for the table alone and for the
+engine's predictor, which corrects the table with the steps it has seen
+(replayed over the recorded steps in order); plus a PNG of the trajectories.
 """
 
 from __future__ import annotations
@@ -45,6 +47,28 @@ def run_layout(engine: Engine, tp: int, prompts, lengths) -> list:
             continue
         out.append(s)
     return out
+
+
+def replay_calibration(table: ProfileTable, runs: list[tuple[int, list]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The engine's calibrated predictor (``step_calibration.py``) over recorded runs, ``(tp, steps)`` in the
+    order they ran, learning from each step as the engine does. Returns per run: every step's estimate made
+    just before that step was recorded, and every step's estimate as the run began (what a controller
+    pricing the whole drain then would have used; the first run's are the table's)."""
+    pred = LatencyPredictor(table)
+    online, at_start = [], []
+    for tp, steps in runs:
+        at_start.append(np.array([float(pred.step_seconds(tp, s.batch_size, s.context_tokens)) for s in steps]))
+        est = []
+        for s in steps:
+            est.append(pred.step_scalar(tp, s.batch_size, s.context_tokens))
+            pred.record_decode_step(tp, s.batch_size, s.context_tokens, s.seconds)
+        online.append(np.array(est))
+    return online, at_start
+
+
+def drain_error(est: list[np.ndarray], meas: list[np.ndarray]) -> float:
+    """Mean over runs of |predicted - measured| / measured of the run's summed decode steps, in %."""
+    return statistics.fmean(abs(e.sum() - m.sum()) / m.sum() * 100 for e, m in zip(est, meas))
 
 
 def mape(pred: np.ndarray, meas: np.ndarray) -> float:
@@ -91,29 +115,33 @@ def main() -> None:
     p.add_argument("--profile", default=str(PROFILE))
     args = p.parse_args()
     table = ProfileTable.load(args.profile)
-    pred = LatencyPredictor(table)
+    pred = LatencyPredictor(table, calibration=None)  # the table alone
     load_before = os.getloadavg()
     started = time.perf_counter()
     records: dict[int, list] = {1: [], 2: []}
+    order: list[tuple[int, list]] = []  # every run as it ran, for the calibration's replay
     with Engine(model_path(), tp=1, dp=WORLD, dtype=DTYPE, profile_table=args.profile,
                 kv_cache_bytes=1 << 30) as engine:
         for rep in range(args.repeats):
             prompts, lengths = long_tail_batch(args.requests, args.cap, seed=rep)
             for tp in (1, 2) if rep % 2 == 0 else (2, 1):
                 records[tp].append(run_layout(engine, tp, prompts, lengths))
+                order.append((tp, records[tp][-1]))
     load_after = os.getloadavg()
     repeat = table_repeatability(table)
+    online, at_start = replay_calibration(table, order)
     rows, curves = [], {}
     for tp, runs in records.items():
-        steps = [s for run in runs for s in run]
-        meas = np.array([s.seconds for s in steps])
-        est = np.array([float(pred.step_seconds(tp, s.batch_size, s.context_tokens)) for s in steps])
+        mine = [i for i, (t, _) in enumerate(order) if t == tp]
+        meas_runs = [np.array([s.seconds for s in run]) for run in runs]
+        est_runs = [np.array([float(pred.step_seconds(tp, s.batch_size, s.context_tokens)) for s in run])
+                    for run in runs]
+        meas, est = np.concatenate(meas_runs), np.concatenate(est_runs)
+        cal = np.concatenate([online[i] for i in mine])
         wp, wm = windows(est, meas, 8)
-        ends = np.cumsum([len(run) for run in runs])[:-1]  # est and meas are the runs laid end to end
-        drain_err = statistics.fmean(abs(e.sum() - m.sum()) / m.sum() * 100
-                                     for e, m in zip(np.split(est, ends), np.split(meas, ends)))
-        rows.append([f"TP{tp}xDP{WORLD // tp}", len(steps), f"{mape(est, meas):.2f}%", f"{mape(wp, wm):.2f}%",
-                     f"{drain_err:.2f}%", f"{step_noise(runs):.2f}%",
+        rows.append([f"TP{tp}xDP{WORLD // tp}", len(meas), f"{mape(est, meas):.2f}%", f"{mape(cal, meas):.2f}%",
+                     f"{mape(wp, wm):.2f}%", f"{drain_error(est_runs, meas_runs):.2f}%",
+                     f"{drain_error([at_start[i] for i in mine], meas_runs):.2f}%", f"{step_noise(runs):.2f}%",
                      f"{repeat[tp]:.2f}%" if tp in repeat else "n/a", f"{np.mean(meas) * 1e3:.1f}"])
         curves[tp] = (runs[0], pred)
     png = RESULTS / "predictor_accuracy.png"
@@ -125,14 +153,20 @@ def main() -> None:
             f"alternating. Decode steps only; each group's first decode step left out (as in the profile).\n"
             f"Load average before/after: {load_before[0]:.2f}/{load_after[0]:.2f} (2 cores; other jobs share "
             f"this machine). Wall time {time.perf_counter() - started:.0f} s.\n\n"
-            + markdown_table(["layout", "decode steps", "MAPE per step", "MAPE per 8-step window",
-                              "drain time error", "step noise", "table repeatability", "mean step (ms)"], rows)
+            + markdown_table(["layout", "decode steps", "MAPE per step, table", "MAPE per step, calibrated",
+                              "MAPE per 8-step window, table", "drain time error, table",
+                              "drain time error, calibrated", "step noise", "table repeatability",
+                              "mean step (ms)"], rows)
             + "\n\n*Step noise*: a step's distance from the mean of its neighbours (same group and batch size, "
               "up to 4 steps either side), i.e. the per-step MAPE that even a predictor of the true local mean "
               "would have. *Table repeatability*: the same profile point measured in two passes of the grid "
               "(`pat-profile --passes 2`, minutes apart), mean |difference| relative to their mean: how "
               "well this machine reproduces its own latency. *Drain time error*: predicted vs measured sum of the decode steps of a whole batch "
-              "(the quantity the controller compares between layouts).\n\nBefore the engine padded CPU GEMM rows to a "
+              "(the quantity the controller compares between layouts). *Calibrated*: the engine's predictor, "
+              "which corrects the table with the steps it has seen (pat_engine/predictor/step_calibration.py), "
+              "replayed over the recorded steps in the order they ran: per step, its estimate just before that "
+              "step; per drain, the run's steps as estimated when the run began (the first run's: the table's)."
+              "\n\nBefore the engine padded CPU GEMM rows to a "
               "multiple of 4 (commit 2b57540), odd batch sizes ran up to 2x slower than the powers of two the "
               "table holds, and this benchmark gave 26.7% (TP1xDP2) and 23.0% (TP2xDP1) per step.\n\nPaper (Sec. 5.5, DeepScaleR, 8xA40): 4.04% (TP2xDP4) and 3.07% (TP8xDP1).\n\n"
             + f"![trajectories]({png.name})\n")

@@ -96,6 +96,9 @@ class EngineConfig:
     kv_transfer: str = "auto"  # "auto" (cost model), "migrate" or "recompute"
     switch_check_interval: int = 8  # decode steps between policy evaluations
     profile_table: str | None = None  # latency table for the automatic switch controller
+    # correct the table's decode-step fit with the engine's own steps (predictor/step_calibration.py);
+    # False: the table as profiled, the paper's predictor (its decisions depend on the table alone)
+    calibrate_profile: bool = True
 
     # numerics (docs/numerics.md): "invariant" gives the same bits at every layout, across live switches,
     # batches and deployment sizes (row-parallel products summed over fixed chunks by one tree, GEMMs whose

@@ -45,7 +45,9 @@ def engine(model_dir, tmp_path_factory):
                            (1, 2, 4, 8, 16), (4, 16, 64, 256), 1e9, costs, "synthetic (test)")
     path = tmp_path_factory.mktemp("table") / "table.json"
     table.save(path)
-    with Engine(model, tp=1, dp=4, dtype="float64", profile_table=str(path), switch_check_interval=4) as e:
+    # calibrate_profile off: the decisions follow the table alone (the host's own speed would move them)
+    with Engine(model, tp=1, dp=4, dtype="float64", profile_table=str(path), switch_check_interval=4,
+                calibrate_profile=False) as e:
         yield e
 
 

@@ -8,12 +8,13 @@ import logging
 
 import pytest
 
-from pat_engine import Engine
+from pat_engine import Engine, SamplingParams
 from pat_engine.config import EngineConfig
 from pat_engine.model.arch import load_model_arch
 from longtail.analytic import analytic_table
 from pat_engine.predictor.controller import SwitchController
 from pat_engine.predictor.deployment import make_deployment, model_shape
+from pat_engine.predictor.policy import StaticLayout
 from pat_engine.predictor.predictor import LatencyPredictor
 from pat_engine.predictor.table import ProfileTable, ProfileTableError, check_deployment
 from pat_engine.predictor.table import ProfilePoint
@@ -84,6 +85,13 @@ def test_engine_runs_static_without_its_table_and_attaches_the_controller_with_o
         assert isinstance(engine.policy, SwitchController)
         assert isinstance(engine.coordinator.switching.cost_source, LatencyPredictor)
         assert engine.policy.candidates == (1, 2)
+        # the engine's decode steps reach the predictor's calibration, each once; prefills do not
+        calibration = engine.policy.predictor.calibration
+        params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 5, 8, 4)]
+        with engine.record_steps() as steps:
+            engine.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], params, policy=StaticLayout(),
+                            use_tqdm=False)
+        assert calibration.steps == sum(not s.is_prefill for s in steps) > 0
 
 
 @pytest.mark.slow

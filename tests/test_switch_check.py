@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -91,8 +92,12 @@ def test_a_step_is_alone_on_the_device_when_no_other_group_ran_for_half_of_it():
             return 0.01 * batch
 
     steps = [_step(0, 0.01, 0.01), _step(1, 0.0105, 0.01), _step(0, 0.03, 0.008)]  # the last one alone, 25% off
-    e = switch_controller.step_errors(switch_controller.LayoutSteps.of(Table(), 1, [steps]))
+    calibrated = np.array([0.01, 0.01, 0.008])  # the calibrated predictor learned the last step's speed
+    layout = switch_controller.LayoutSteps.of(Table(), 1, [steps], [calibrated], [np.full(3, 0.012)])
+    e = switch_controller.step_errors(layout)
     assert e["shared"] == pytest.approx(0.0) and e["alone"] == pytest.approx(25.0) and e["alone_steps"] == 1
+    assert e["mape"] == pytest.approx(25 / 3) and e["calibrated_mape"] == pytest.approx(0.0)
+    assert e["drain"] == pytest.approx(0.2 / 2.8 * 100) and e["calibrated_drain"] == pytest.approx(0.8 / 2.8 * 100)
 
 
 def test_the_controller_table_is_measured_on_the_co_located_deployment(tmp_path):

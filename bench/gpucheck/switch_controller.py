@@ -31,7 +31,7 @@ import numpy as np
 from common import markdown_table
 from gpucheck.report import PartResult
 from gpucheck.shared import Ctx, log, verdict
-from predictor_accuracy import mape, run_layout, step_noise
+from predictor_accuracy import drain_error, mape, replay_calibration, run_layout, step_noise
 
 STEP_ERROR_GOAL = 0.05
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,20 +88,29 @@ def warm_tp1(engine, prompts: list[list[int]], params: list) -> None:
 
 @dataclass(frozen=True)
 class LayoutSteps:
-    """One layout's static runs, each step once: measured and predicted seconds, and the share of it another
-    DP group's steps ran (``overlapped``), in the runs' order."""
+    """One layout's static runs, each step once, in the runs' order: measured seconds, the table's fit
+    (``predicted``), the engine's calibrated predictor (``calibrated``: each step's estimate just before it,
+    replayed in the order every run ran; ``at_start``: per run, its steps as estimated when it began), and the
+    share of each step another DP group's steps ran (``overlapped``)."""
 
     runs: list[list]
     measured: np.ndarray
     predicted: np.ndarray
+    calibrated: np.ndarray
+    at_start: list[np.ndarray]
     overlap: np.ndarray
 
     @classmethod
-    def of(cls, pred, tp: int, runs: list[list]) -> "LayoutSteps":
+    def of(cls, pred, tp: int, runs: list[list], calibrated: list[np.ndarray],
+           at_start: list[np.ndarray]) -> "LayoutSteps":
         steps = [s for run in runs for s in run]
         return cls(runs, np.array([s.seconds for s in steps]),
                    np.array([float(pred.step_seconds(tp, s.batch_size, s.context_tokens)) for s in steps]),
-                   np.array([f for run in runs for f in overlapped(run)]))
+                   np.concatenate(calibrated), at_start, np.array([f for run in runs for f in overlapped(run)]))
+
+    def split(self, values: np.ndarray) -> list[np.ndarray]:
+        """``values`` (one per step) cut into the runs."""
+        return np.split(values, np.cumsum([len(run) for run in self.runs])[:-1])
 
 
 def step_errors(steps: LayoutSteps) -> dict[str, float]:
@@ -112,10 +121,16 @@ def step_errors(steps: LayoutSteps) -> dict[str, float]:
 
     With several DP groups on the device, also the MAPE of the steps that another group's steps overlapped for
     at least half their time (``shared``) and of the others (``alone``): the table's points ran every group at
-    once, so a step alone on the device may run faster than its point (None where there were none)."""
-    meas, est, shared = steps.measured, steps.predicted, steps.overlap >= 0.5
+    once, so a step alone on the device may run faster than its point (None where there were none).
+
+    The same three for the engine's calibrated predictor (``calibrated_*``; its drain-time error from each run's
+    steps as estimated when the run began): the predictor the controller decides with."""
+    meas, est, cal, shared = steps.measured, steps.predicted, steps.calibrated, steps.overlap >= 0.5
+    runs = steps.split(meas)
     return {"mape": mape(est, meas), "bias": float(np.median(est / meas - 1) * 100), "noise": step_noise(steps.runs),
-            "drain": float(abs(est.sum() - meas.sum()) / meas.sum() * 100),
+            "drain": drain_error(steps.split(est), runs),
+            "calibrated_mape": mape(cal, meas), "calibrated_bias": float(np.median(cal / meas - 1) * 100),
+            "calibrated_drain": drain_error(steps.at_start, runs),
             "shared": mape(est[shared], meas[shared]) if shared.any() else None,
             "alone": mape(est[~shared], meas[~shared]) if (~shared).any() else None,
             "alone_steps": int((~shared).sum())}
@@ -146,12 +161,12 @@ def overlapped(run: list) -> list[float]:
 
 
 def step_records(steps: LayoutSteps) -> list[list]:
-    """[batch, context tokens, measured ms, predicted ms, group, share of it another group ran, completion s] of
-    every step, for analysis after the device is gone."""
+    """[batch, context tokens, measured ms, the table's ms, the calibrated predictor's ms, group, share of it
+    another group ran, completion s] of every step, for analysis after the device is gone."""
     flat = [s for run in steps.runs for s in run]
-    return [[s.batch_size, s.context_tokens, round(s.seconds * 1e3, 4), round(float(est) * 1e3, 4), s.group,
-             round(float(f), 3), round(s.t, 6)]
-            for s, est, f in zip(flat, steps.predicted, steps.overlap)]
+    return [[s.batch_size, s.context_tokens, round(s.seconds * 1e3, 4), round(float(est) * 1e3, 4),
+             round(float(cal) * 1e3, 4), s.group, round(float(f), 3), round(s.t, 6)]
+            for s, est, cal, f in zip(flat, steps.predicted, steps.calibrated, steps.overlap)]
 
 
 def pct(value: float | None) -> str:
@@ -185,13 +200,14 @@ def measure(ctx: Ctx, ckpt: Path, engine_kwargs: dict) -> tuple[list[str], list[
     if proc.returncode != 0:
         raise RuntimeError(f"`{shown}` exited {proc.returncode} after {profile_s:.0f}s:\n{proc.stderr[-3000:]}")
     table = ProfileTable.load(table_path)
-    pred = LatencyPredictor(table)
+    pred = LatencyPredictor(table, calibration=None)  # the table alone
     log(f"co-located profile: {len(table.points)} points in {profile_s:.0f}s ({table.deployment.device})")
 
     prompts, lengths = long_tail(ctx, load_model_arch(str(ckpt)).vocab_size)
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in lengths]
     times: dict[str, list[float]] = {"static TP1xDP2": [], "static TP2xDP1": [], "controller": []}
     steps: dict[int, list[list]] = {1: [], 2: []}  # tp -> each static run's decode steps
+    order: list[tuple[int, list]] = []  # the static runs as they ran, for the calibration's replay
     events, history = [], []
     unpriced = 0  # checks that found the controller's last clear stay standing
     with Engine(str(ckpt), tp=1, dp=2, profile_table=str(table_path), **engine_kwargs) as engine:
@@ -212,13 +228,17 @@ def measure(ctx: Ctx, ckpt: Path, engine_kwargs: dict) -> tuple[list[str], list[
                 else:
                     tp = 1 if "TP1" in label else 2
                     steps[tp].append(run_layout(engine, tp, prompts, lengths))
+                    order.append((tp, steps[tp][-1]))
                 times[label].append(time.perf_counter() - t)
-    per_layout = {tp: LayoutSteps.of(pred, tp, runs) for tp, runs in steps.items()}
+    online, at_start = replay_calibration(table, order)
+    mine = {tp: [i for i, (t, _) in enumerate(order) if t == tp] for tp in steps}
+    per_layout = {tp: LayoutSteps.of(pred, tp, runs, [online[i] for i in mine[tp]], [at_start[i] for i in mine[tp]])
+                  for tp, runs in steps.items()}
     errors = {tp: step_errors(s) for tp, s in per_layout.items()}
     agree, eval_rows = table_agreement(history)
     mean = {label: statistics.fmean(ts) for label, ts in times.items()}
     best_static = min(("static TP1xDP2", "static TP2xDP1"), key=mean.get)
-    worst_step = max(e["mape"] for e in errors.values())
+    worst_step = max(e["calibrated_mape"] for e in errors.values())
     switches = "; ".join(f"{e.from_layout} -> {e.to_layout} at stage step {e.decision.get('stage_decode_step')}"
                          for e in events) or "none (stayed at TP1xDP2)"
     lines = [
@@ -239,17 +259,26 @@ def measure(ctx: Ctx, ckpt: Path, engine_kwargs: dict) -> tuple[list[str], list[
         "",
         f"Controller's switches: {switches}.",
         "",
-        markdown_table(["layout", "decode steps", "per-step error (MAPE)", "median signed error (bias)",
-                        "steps' own noise", "drain-time error", "MAPE, another group busy", "MAPE, alone (steps)"],
-                       [[f"TP{tp}xDP{2 // tp}", sum(map(len, steps[tp])), f"{e['mape']:.2f}%", f"{e['bias']:+.2f}%",
-                         f"{e['noise']:.2f}%", f"{e['drain']:.2f}%", pct(e["shared"]),
+        markdown_table(["layout", "decode steps", "per-step error (MAPE): table / calibrated",
+                        "median signed error (bias): table / calibrated", "steps' own noise",
+                        "drain-time error: table / calibrated", "MAPE (table), another group busy",
+                        "MAPE (table), alone (steps)"],
+                       [[f"TP{tp}xDP{2 // tp}", sum(map(len, steps[tp])),
+                         f"{e['mape']:.2f}% / {e['calibrated_mape']:.2f}%",
+                         f"{e['bias']:+.2f}% / {e['calibrated_bias']:+.2f}%", f"{e['noise']:.2f}%",
+                         f"{e['drain']:.2f}% / {e['calibrated_drain']:.2f}%", pct(e["shared"]),
                          f"{pct(e['alone'])} ({e['alone_steps']})"] for tp, e in errors.items()]),
+        "",
+        "*Table*: the fit of the table alone. *Calibrated*: the engine's predictor, which corrects that fit with "
+        "the decode steps it has seen (pat_engine/predictor/step_calibration.py), replayed over the static runs' "
+        "steps in the order they ran (the engine also learned from the untimed and the controller's runs): a "
+        "step's estimate just before it; a drain's, as its run began. The controller decides with it.",
         "",
         "The steps' own noise: the MAPE that a predictor knowing each step's local mean (its group's steps of the "
         "same batch size, up to 4 either side) would still have. *Another group busy* / *alone*: the steps the "
         "other DP group's steps overlapped for at least half their time, and the others (the table's points ran "
         "both groups at once). The raw steps are in the JSON beside this file (`data.steps`: batch, context "
-        "tokens, measured and predicted ms, group, the share of the step another group ran, completion time).",
+        "tokens, measured ms, the table's and the calibrated predictor's ms, group, the share of the step another group ran, completion time).",
         "",
         "Every evaluation of the controller (predicted totals in seconds: staying, or switching now with the "
         "switch cost; the table says switch when the best plan beats staying by the margin; \"deferred\": the "
@@ -262,9 +291,11 @@ def measure(ctx: Ctx, ckpt: Path, engine_kwargs: dict) -> tuple[list[str], list[
         f"controller on the co-located GPU: {switches}; {mean['controller']:.2f} s vs best static "
         f"({best_static}) {mean[best_static]:.2f} s; picks what its table says at {agree} of {len(history)} "
         f"evaluations ({unpriced} more checks left unpriced: clear stays)",
-        f"predictor step error on this GPU: worst {worst_step:.1f}% per step "
-        f"(goal <= {STEP_ERROR_GOAL:.0%}: {verdict(worst_step <= STEP_ERROR_GOAL * 100)}); drain-time "
-        + ", ".join(f"TP{tp} {e['drain']:.1f}%" for tp, e in errors.items()) + "; bias "
+        f"predictor step error on this GPU (calibrated, as the controller uses it): worst {worst_step:.1f}% per "
+        f"step (goal <= {STEP_ERROR_GOAL:.0%}: {verdict(worst_step <= STEP_ERROR_GOAL * 100)}); the table alone "
+        + ", ".join(f"TP{tp} {e['mape']:.1f}%" for tp, e in errors.items()) + "; drain-time calibrated "
+        + ", ".join(f"TP{tp} {e['calibrated_drain']:.1f}%" for tp, e in errors.items()) + ", table "
+        + ", ".join(f"TP{tp} {e['drain']:.1f}%" for tp, e in errors.items()) + "; bias (table) "
         + ", ".join(f"TP{tp} {e['bias']:+.1f}%" for tp, e in errors.items()) + ", steps' own noise "
         + ", ".join(f"TP{tp} {e['noise']:.1f}%" for tp, e in errors.items())
         + f"; TP1 steps another group overlapped {pct(errors[1]['shared'])}, alone {pct(errors[1]['alone'])} "

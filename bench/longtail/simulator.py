@@ -14,6 +14,9 @@ Per request, progress is kept implicitly: a request that joined its group at
 group step j with g tokens has g + (n - j) tokens at group step n, so a decode
 step is O(1) plus O(log n) per finish.
 
+The simulator's predictor is the truth (steps, prefills, switch costs); a policy may price with another
+(a table that is off, bench/simulate_calibration.py) and learn from the steps through ``observer``.
+
 Not modelled: KV capacity and preemption (groups admit up to ``max_num_seqs``),
 step-time noise, prefill chunking.
 """
@@ -24,6 +27,7 @@ import copy
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -44,7 +48,7 @@ class Group:
     steps: int = 0  # decode steps done
     base: int = 0  # sum over running of (prompt + tokens at join - join step)
     busy_until: float | None = None  # end of the step in flight
-    inflight: tuple | None = None  # ("prefill", reqs) or ("decode",)
+    inflight: tuple | None = None  # ("prefill", reqs) or ("decode", batch, total context, seconds)
 
 
 @dataclass
@@ -60,8 +64,10 @@ class SwitchRecord:
 
 class Simulation:
     def __init__(self, predictor: LatencyPredictor, batch: Batch, tp: int, world: int, max_num_seqs: int,
-                 check_interval: int, policy: SwitchPolicy | None = None):
+                 check_interval: int, policy: SwitchPolicy | None = None,
+                 observer: Callable[[int, int, float, float], None] | None = None):
         self.pred = predictor
+        self.observer = observer  # told every decode step: (tp, batch, total context, seconds)
         self.prompt = batch.prompt_lens.astype(np.int64)
         self.target = np.minimum(batch.lengths, batch.cap).astype(np.int64)
         self.cap = batch.cap
@@ -132,12 +138,16 @@ class Simulation:
             g.busy_until = self.now + self.pred.prefill_seconds(self.layout.tp, len(admit), rms_context(ctx))
         elif g.running:
             b = len(g.running)
-            g.inflight = ("decode",)
-            g.busy_until = self.now + self._step_s(b, g.base + b * g.steps)
+            total = g.base + b * g.steps
+            seconds = self._step_s(b, total)
+            g.inflight = ("decode", b, total, seconds)
+            g.busy_until = self.now + seconds
 
     def _complete(self, g: Group) -> bool:
         """Apply a finished step; True when the stage reached a policy check."""
         kind = g.inflight[0]
+        if kind == "decode" and self.observer is not None:
+            self.observer(self.layout.tp, *g.inflight[1:])
         if kind == "prefill":
             for i in g.inflight[1]:
                 self.generated[i] += 1  # the prefill samples one token

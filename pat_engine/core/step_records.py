@@ -16,6 +16,10 @@ class StepWatcher(Protocol):
     def prefill_done(self, tp: int, tokens: int, seconds: float) -> None:
         """A prefill of ``tokens`` prompt tokens took ``seconds`` of forward under TP ``tp``."""
 
+    def decode_step_done(self, tp: int, batch: int, context_tokens: int, seconds: float) -> None:
+        """A plain decode step (no speculation) of ``batch`` requests holding ``context_tokens`` under TP
+        ``tp`` took ``seconds``, dispatch to result."""
+
     def decode_steps_grew(self, steps: int) -> None:
         """The stage's decode-step count (the most any group has run) grew to ``steps``."""
 

@@ -315,17 +315,20 @@ class Stepping:
             else flight.sent_at
         elapsed, self._answered_at[msg.group] = now - started, now
         new_tokens = sum(len(s.token_ids) for s in flight.cmd.seqs)
+        context_tokens = sum(s.start_pos + len(s.token_ids) for s in flight.cmd.seqs)
         if is_prefill:  # a prefill's time never enters the decode average, watcher or not
             if self.watcher is not None:
                 self.watcher.prefill_done(self.layout.tp, new_tokens, msg.forward_seconds)
         else:
             prev = self._decode_ema.get(msg.group)
             self._decode_ema[msg.group] = elapsed if prev is None else 0.8 * prev + 0.2 * elapsed
+            if self.watcher is not None and not flight.speculative:
+                self.watcher.decode_step_done(self.layout.tp, len(flight.batch), context_tokens, elapsed)
         if self.step_log is not None:
             self.step_log.append(StepRecord(
                 self.timeline.now(), self.layout.tp, self.layout.dp, msg.group, is_prefill, len(flight.batch),
-                sum(s.start_pos + len(s.token_ids) for s in flight.cmd.seqs), new_tokens,
-                elapsed, msg.forward_seconds, flight.busy_groups, msg.head_seconds, msg.sample_seconds))
+                context_tokens, new_tokens, elapsed, msg.forward_seconds, flight.busy_groups, msg.head_seconds,
+                msg.sample_seconds))
         applied = [not s.finished for s in flight.batch]  # a row of a request that ended meanwhile is dropped
         finished = sched.on_result(flight.batch, is_prefill, msg)
         counts = msg.counts or [1] * len(flight.batch)  # tokens each request gained (more after a verify step)

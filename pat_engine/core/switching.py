@@ -85,6 +85,9 @@ class Switching:
     def prefill_done(self, tp: int, tokens: int, seconds: float) -> None:
         self.cost_source.record_prefill(tp, tokens, seconds)
 
+    def decode_step_done(self, tp: int, batch: int, context_tokens: int, seconds: float) -> None:
+        self.cost_source.record_decode_step(tp, batch, context_tokens, seconds)
+
     def decode_steps_grew(self, steps: int) -> None:
         """Every ``switch_check_interval`` decode steps (the policy's own interval when it has one): a
         status point on the timeline, and the policy's decision, to run at the next step boundary. A

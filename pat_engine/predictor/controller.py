@@ -172,6 +172,8 @@ class SwitchController:
             "predicted_gain_s": round(gain, 6),
             "margin_s": round(margin, 6),
         }
+        if self.predictor.calibration is not None:  # the table's correction by the steps seen, typical of cur
+            details["calibration"] = round(self.predictor.calibration.typical(cur.tp), 4)
         if later:
             key = min(later, key=later.get)
             details["best_deferred"] = {"plan": key, "total_s": round(later[key], 6)}
@@ -215,7 +217,7 @@ class SwitchController:
         layouts = {tp: Layout.for_world(cur.world, tp) for tp in costs}
         # later switches only go where a smaller batch runs faster (the batch only shrinks): higher TP
         # on GPUs, but not necessarily on CPUs, so ask the table
-        solo = {tp: self.predictor.decode.scalar(tp, 1, float(np.max(contexts))) for tp in [*costs, cur.tp]}
+        solo = {tp: self.predictor.step_scalar(tp, 1, float(np.max(contexts))) for tp in [*costs, cur.tp]}
         now = {}
         for x in costs:  # switch now, then possibly once more
             onward = [layouts[y] for y in costs if solo[y] < solo[x]]

@@ -49,3 +49,8 @@ class CostSource(Protocol):
     def forget_graphs(self) -> None:
         """Every decode graph was dropped (a memory release, a new worker world)."""
         ...
+
+    def record_decode_step(self, tp: int, batch: int, context_tokens: int, seconds: float) -> None:
+        """A plain decode step (no drafts to verify) of one group ran: ``batch`` requests holding
+        ``context_tokens`` in all under TP ``tp`` took ``seconds``, dispatch to result."""
+        ...

@@ -51,6 +51,9 @@ class MeasuredRates(CostSource):
     def forget_graphs(self) -> None:
         self.graphs_left.clear()
 
+    def record_decode_step(self, tp: int, batch: int, context_tokens: int, seconds: float) -> None:
+        pass  # no step fit to correct without a table (the predictor's step_calibration.py)
+
     def bandwidth(self) -> float:
         return self.kv_bandwidth or self.DEFAULT_BANDWIDTH
 

@@ -17,7 +17,8 @@ requests rounded up to a ladder size, and every smaller size; worker/graph_captu
 new layout did not leave set aside on an earlier visit (``MeasuredRates.graphs_left``).
 
 Also the engine's ``CostSource`` (``cost_source.py``). Measured KV transfers
-refine the bandwidth (EMA); the table's prefill fit stays authoritative.
+refine the bandwidth (EMA); the table's prefill fit stays authoritative. The engine's plain
+decode steps correct the decode fit per TP degree and batch size (``step_calibration.py``).
 
 Speculative decoding (docs/speculative.md): once the engine has measured verify steps,
 ``set_speculation`` turns them into a factor on the fitted step latency, applied to the
@@ -43,6 +44,7 @@ from pat_engine.predictor.fit import fit_decode, fit_prefill
 from pat_engine.predictor.kv_path_cost import rms_context
 from pat_engine.predictor.measured_rates import MeasuredRates
 from pat_engine.predictor.policy import RequestSnapshot, SpeculationStatus
+from pat_engine.predictor.step_calibration import CalibrationConfig, StepCalibration
 from pat_engine.predictor.table import ProfileTable
 
 
@@ -69,7 +71,8 @@ class SwitchCostEstimate:
 class LatencyPredictor(CostSource):
     def __init__(self, table: ProfileTable, max_num_seqs: int = 256,
                  weight_bytes: Callable[[int, int], int] | None = None, bandwidth_alpha: float = 0.3,
-                 graph_ladder_sizes: Sequence[int] | None = None):
+                 graph_ladder_sizes: Sequence[int] | None = None,
+                 calibration: CalibrationConfig | None = CalibrationConfig()):
         if not table.points:
             raise ValueError("the profile table has no points")
         self.table = table
@@ -86,6 +89,8 @@ class LatencyPredictor(CostSource):
             else graph_ladder_sizes
         self.graph_ladder = np.asarray(sorted(ladder), dtype=np.int64)
         self.speculation: tuple[int, float] | None = None  # (max active requests, step latency factor)
+        # the fit corrected by the engine's own decode steps (None: the table as profiled, the paper's)
+        self.calibration = StepCalibration(self.decode.scalar, calibration) if calibration is not None else None
 
     @property
     def tps(self) -> list[int]:
@@ -117,13 +122,24 @@ class LatencyPredictor(CostSource):
     def record_graphs(self, from_tp: int, left: tuple[int, ...], to_tp: int) -> None:
         self._measured.record_graphs(from_tp, left, to_tp)
 
+    def record_decode_step(self, tp: int, batch: int, context_tokens: int, seconds: float) -> None:
+        if self.calibration is not None and tp in self.decode.curves:
+            self.calibration.record(tp, batch, context_tokens, seconds)
+
     def forget_graphs(self) -> None:
         self._measured.forget_graphs()
 
     # ---- step latency -------------------------------------------------------------------------------
 
     def step_seconds(self, tp: int, batch, total_tokens) -> np.ndarray:
-        return self.decode(tp, batch, total_tokens)
+        """One group's plain decode step: the table's fit, times what the engine's steps say of it."""
+        fitted = self.decode(tp, batch, total_tokens)
+        return fitted if self.calibration is None else fitted * self.calibration.factor(tp, batch)
+
+    def step_scalar(self, tp: int, batch: float, total_tokens: float) -> float:
+        """``step_seconds`` for scalars, without numpy's per-call cost."""
+        fitted = self.decode.scalar(tp, batch, total_tokens)
+        return fitted if self.calibration is None else fitted * self.calibration.factor(tp, batch)
 
     def set_speculation(self, status: SpeculationStatus | None) -> None:
         """Price small batches' steps with speculative decoding's measured speed (None or unmeasured: plain).
@@ -134,7 +150,7 @@ class LatencyPredictor(CostSource):
         self.speculation = None
         if status is None or not status.measured or status.tp not in self.decode.tps:
             return
-        plain = self.decode.scalar(status.tp, max(status.batch or 1.0, 1.0), status.context_tokens or 0.0)
+        plain = self.step_scalar(status.tp, max(status.batch or 1.0, 1.0), status.context_tokens or 0.0)
         if plain > 0:
             factor = (status.step_s / status.tokens_per_step) / plain
             self.speculation = (status.max_active, float(np.clip(factor, 0.05, 4.0)))
@@ -144,9 +160,9 @@ class LatencyPredictor(CostSource):
         factor where the engine-wide batch (``batch * dp``) is small enough for it to run."""
         tp, dp = layout.tp, layout.dp
         if self.speculation is None:
-            return lambda b, c: self.decode(tp, b, c)
+            return lambda b, c: self.step_seconds(tp, b, c)
         limit, factor = self.speculation
-        return lambda b, c: self.decode(tp, b, c) * np.where(np.asarray(b) * dp <= limit, factor, 1.0)
+        return lambda b, c: self.step_seconds(tp, b, c) * np.where(np.asarray(b) * dp <= limit, factor, 1.0)
 
     # ---- remaining time -----------------------------------------------------------------------------
 

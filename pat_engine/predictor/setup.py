@@ -18,6 +18,7 @@ from pat_engine.predictor.deployment import reshard_bytes
 from pat_engine.predictor.lengths import LengthDistribution, MaxLengthBound, SnapshotLengthTracker
 from pat_engine.predictor.policy import ClusterStatus
 from pat_engine.predictor.predictor import LatencyPredictor
+from pat_engine.predictor.step_calibration import CalibrationConfig
 from pat_engine.predictor.table import ProfileTable
 
 ESTIMATORS = ("distribution", "max")
@@ -32,7 +33,7 @@ def build_controller(arch: ModelArch, config: EngineConfig, can_hold: CanHold, t
 
     Args:
         arch: the served model (reshard bytes of a layout pair the table lacks).
-        config: the engine's config (world, dtype, max_num_seqs, switch_check_interval).
+        config: the engine's config (world, dtype, max_num_seqs, switch_check_interval, calibrate_profile).
         can_hold: KV capacity check of a target layout; the switch refuses layouts that fail it, and
             asking first keeps those refusals out of the timeline.
         table: the profile table, already checked against the deployment.
@@ -49,7 +50,8 @@ def build_controller(arch: ModelArch, config: EngineConfig, can_hold: CanHold, t
         return reshard_bytes(arch, dtype, Layout.for_world(config.world, from_tp), Layout.for_world(config.world, to_tp))
 
     predictor = LatencyPredictor(table, config.max_num_seqs, weight_bytes,
-                                 graph_ladder_sizes=config.decode_graph_ladder())
+                                 graph_ladder_sizes=config.decode_graph_ladder(),
+                                 calibration=CalibrationConfig() if config.calibrate_profile else None)
     cfg = controller_config or ControllerConfig(check_interval=config.switch_check_interval)
     tracker = None
     if estimator == "max":
