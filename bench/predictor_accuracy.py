@@ -49,21 +49,37 @@ def run_layout(engine: Engine, tp: int, prompts, lengths) -> list:
     return out
 
 
-def replay_calibration(table: ProfileTable, runs: list[tuple[int, list]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def replay_calibration(table: ProfileTable, runs: list[tuple[int, list]]
+                       ) -> tuple[dict[int, list[np.ndarray]], dict[int, list[np.ndarray]]]:
     """The engine's calibrated predictor (``step_calibration.py``) over recorded runs, ``(tp, steps)`` in the
-    order they ran, learning from each step as the engine does. Returns per run: every step's estimate made
-    just before that step was recorded, and every step's estimate as the run began (what a controller
-    pricing the whole drain then would have used; the first run's are the table's)."""
+    order they ran, learning from each step as the engine does. Returns, per TP degree, per run of it in
+    order: every step's estimate made just before that step was recorded, and every step's estimate as the
+    run began (what a controller pricing the whole drain then would have used; the first run's: the table's)."""
     pred = LatencyPredictor(table)
-    online, at_start = [], []
+    online: dict[int, list[np.ndarray]] = {}
+    at_start: dict[int, list[np.ndarray]] = {}
     for tp, steps in runs:
-        at_start.append(np.array([float(pred.step_seconds(tp, s.batch_size, s.context_tokens)) for s in steps]))
+        at_start.setdefault(tp, []).append(
+            np.array([float(pred.step_seconds(tp, s.batch_size, s.context_tokens)) for s in steps]))
         est = []
         for s in steps:
             est.append(pred.step_scalar(tp, s.batch_size, s.context_tokens))
             pred.record_decode_step(tp, s.batch_size, s.context_tokens, s.seconds)
-        online.append(np.array(est))
+        online.setdefault(tp, []).append(np.array(est))
     return online, at_start
+
+
+def ratio_by_batch(pred: LatencyPredictor, records: dict[int, list]) -> list[list]:
+    """Rows [batch size, then per TP degree the median measured / table fit and its steps]: how the table's
+    error depends on the batch (why the calibration keeps a factor per batch size)."""
+    ratios: dict[tuple[int, int], list[float]] = {}
+    for tp, runs in records.items():
+        for s in (s for run in runs for s in run):
+            fit = float(pred.step_seconds(tp, s.batch_size, s.context_tokens))
+            ratios.setdefault((tp, s.batch_size), []).append(s.seconds / fit)
+    sizes = sorted({b for _, b in ratios})
+    return [[b] + [f"{statistics.median(ratios[tp, b]):.2f} ({len(ratios[tp, b])})" if (tp, b) in ratios else "-"
+                   for tp in records] for b in sizes]
 
 
 def drain_error(est: list[np.ndarray], meas: list[np.ndarray]) -> float:
@@ -132,16 +148,15 @@ def main() -> None:
     online, at_start = replay_calibration(table, order)
     rows, curves = [], {}
     for tp, runs in records.items():
-        mine = [i for i, (t, _) in enumerate(order) if t == tp]
         meas_runs = [np.array([s.seconds for s in run]) for run in runs]
         est_runs = [np.array([float(pred.step_seconds(tp, s.batch_size, s.context_tokens)) for s in run])
                     for run in runs]
         meas, est = np.concatenate(meas_runs), np.concatenate(est_runs)
-        cal = np.concatenate([online[i] for i in mine])
+        cal = np.concatenate(online[tp])
         wp, wm = windows(est, meas, 8)
         rows.append([f"TP{tp}xDP{WORLD // tp}", len(meas), f"{mape(est, meas):.2f}%", f"{mape(cal, meas):.2f}%",
                      f"{mape(wp, wm):.2f}%", f"{drain_error(est_runs, meas_runs):.2f}%",
-                     f"{drain_error([at_start[i] for i in mine], meas_runs):.2f}%", f"{step_noise(runs):.2f}%",
+                     f"{drain_error(at_start[tp], meas_runs):.2f}%", f"{step_noise(runs):.2f}%",
                      f"{repeat[tp]:.2f}%" if tp in repeat else "n/a", f"{np.mean(meas) * 1e3:.1f}"])
         curves[tp] = (runs[0], pred)
     png = RESULTS / "predictor_accuracy.png"
@@ -157,6 +172,9 @@ def main() -> None:
                               "MAPE per 8-step window, table", "drain time error, table",
                               "drain time error, calibrated", "step noise", "table repeatability",
                               "mean step (ms)"], rows)
+            + "\n\nThe table's error by batch size (median measured / fitted, steps in brackets):\n\n"
+            + markdown_table(["batch per group"] + [f"TP{tp}xDP{WORLD // tp}" for tp in records],
+                             ratio_by_batch(pred, records))
             + "\n\n*Step noise*: a step's distance from the mean of its neighbours (same group and batch size, "
               "up to 4 steps either side), i.e. the per-step MAPE that even a predictor of the true local mean "
               "would have. *Table repeatability*: the same profile point measured in two passes of the grid "

@@ -231,9 +231,7 @@ def measure(ctx: Ctx, ckpt: Path, engine_kwargs: dict) -> tuple[list[str], list[
                     order.append((tp, steps[tp][-1]))
                 times[label].append(time.perf_counter() - t)
     online, at_start = replay_calibration(table, order)
-    mine = {tp: [i for i, (t, _) in enumerate(order) if t == tp] for tp in steps}
-    per_layout = {tp: LayoutSteps.of(pred, tp, runs, [online[i] for i in mine[tp]], [at_start[i] for i in mine[tp]])
-                  for tp, runs in steps.items()}
+    per_layout = {tp: LayoutSteps.of(pred, tp, runs, online[tp], at_start[tp]) for tp, runs in steps.items()}
     errors = {tp: step_errors(s) for tp, s in per_layout.items()}
     agree, eval_rows = table_agreement(history)
     mean = {label: statistics.fmean(ts) for label, ts in times.items()}

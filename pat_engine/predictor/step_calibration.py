@@ -3,8 +3,8 @@
 A table is measured once, with dummy batches, every DP group at the same batch, on the machine as it was
 that day. The engine's steps then differ from it: the machine is busier or slower now, ranks sharing a GPU
 slow each other where the table's groups ran in step, a batch size the table only interpolates. How much
-depends on the batch size (on the CPU here, steps of 1-2 rows were 1.1x their fit while 3-17 rows were
-1.6x: bench/results/predictor_accuracy.md's host), so the correction is kept per TP degree and batch size:
+depends on the batch size (on the CPU here, TP1 steps of 1-2 rows ran 1.1x their fit where 3-17 rows ran
+1.5-1.75x: bench/results/predictor_accuracy.md, by batch size), so the correction is kept per TP degree and batch size:
 the median of ``measured / fitted`` over that key's last ``window`` steps. A key with fewer than
 ``min_steps`` steps takes its TP degree's nearest batch size that has them; a TP degree that has not run
 takes, batch size by batch size, the one that ran last (the same machine, the same batch: the best guess
