@@ -8,7 +8,8 @@ TP1xDP2. The same batch also runs static at TP1xDP2 and at TP2xDP1, and under
 a second controller that prices with the table alone (``calibrate_profile=False``;
 the engine's own corrects the table with the steps it has seen,
 pat_engine/predictor/step_calibration.py). Runs alternate (static TP1,
-controller, table alone, static TP2, ...) so drifts of a shared machine hit all. Reports generation times side by side, their ratios, every
+controller, table alone, static TP2, ...) so drifts of a shared machine hit all; the prefix cache is
+flushed before each, so every run prefills its prompts. Reports generation times side by side, their ratios, every
 switch the controller made with the predicted remaining times behind it, and
 checks the tokens equal the static runs'.
 """
@@ -35,6 +36,9 @@ from pat_engine.predictor.table import ProfileTable
 
 def timed(engine: Engine, prompts, params, policy, cost_source, start_tp: int = 1):
     engine.reconfigure(start_tp)
+    # Every run prefills its prompts: a run that starts where the last one ended would otherwise find them in
+    # the prefix cache, one after a real reconfigure would not (a switch keeps only its requests' blocks).
+    engine.flush_cache()
     engine.set_policy(policy, cost_source)
     before = len(engine.switches)
     t = time.perf_counter()
