@@ -206,8 +206,11 @@ def _start_server(path: str, *extra: str) -> tuple[subprocess.Popen, str]:
 
 
 def test_sigterm_with_a_stream_in_flight_exits_cleanly(model_dir):
-    """Defect 7, the real command: error event + [DONE] for the open stream, exit 0 within drain + a few s."""
-    proc, url = _start_server(model_dir("llama"), "--drain-timeout", "1")
+    """Defect 7, the real command: error event + [DONE] for the open stream, exit 0 within drain + a few s.
+
+    No drain time: the stream must still be open when the drain ends, and the tiny model's 1000 tokens take
+    about a second on a fast host (a drain of 1 s let the request finish there, now and then)."""
+    proc, url = _start_server(model_dir("llama"), "--drain-timeout", "0")
     try:
         events: list[str] = []
 
@@ -229,7 +232,7 @@ def test_sigterm_with_a_stream_in_flight_exits_cleanly(model_dir):
         proc.kill()
     err = proc.stderr.read()
     assert rc == 0, err
-    assert took < 1 + 5, took
+    assert took < 5, took
     assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-3:]
     assert "CancelledError" not in err and "graceful shutdown exceeded" not in err, err
 
