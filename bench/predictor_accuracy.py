@@ -29,6 +29,7 @@ from cpu_model import DTYPE, PROFILE, WORLD, long_tail_batch, model_path
 from pat_engine import Engine, SamplingParams
 from pat_engine.predictor.policy import StaticLayout
 from pat_engine.predictor.predictor import LatencyPredictor
+from pat_engine.predictor.step_calibration import CalibrationConfig
 from pat_engine.predictor.table import ProfileTable
 
 
@@ -49,13 +50,13 @@ def run_layout(engine: Engine, tp: int, prompts, lengths) -> list:
     return out
 
 
-def replay_calibration(table: ProfileTable, runs: list[tuple[int, list]]
+def replay_calibration(table: ProfileTable, runs: list[tuple[int, list]], config: CalibrationConfig = CalibrationConfig()
                        ) -> tuple[dict[int, list[np.ndarray]], dict[int, list[np.ndarray]]]:
     """The engine's calibrated predictor (``step_calibration.py``) over recorded runs, ``(tp, steps)`` in the
     order they ran, learning from each step as the engine does. Returns, per TP degree, per run of it in
     order: every step's estimate made just before that step was recorded, and every step's estimate as the
     run began (what a controller pricing the whole drain then would have used; the first run's: the table's)."""
-    pred = LatencyPredictor(table)
+    pred = LatencyPredictor(table, calibration=config)
     online: dict[int, list[np.ndarray]] = {}
     at_start: dict[int, list[np.ndarray]] = {}
     for tp, steps in runs:

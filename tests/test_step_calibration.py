@@ -72,11 +72,14 @@ def test_each_batch_size_keeps_its_own_factor_and_an_unseen_one_takes_its_neares
 
 
 def test_a_key_follows_a_change_of_speed_within_its_window():
-    cal = StepCalibration(FIT, CalibrationConfig(window=16))
+    cal = StepCalibration(FIT)
+    window = cal.config.window
     for _ in range(40):
         cal.record(1, 1, 0.01, 0.01)
-    for _ in range(9):  # the host slows by 1.25x: a majority of the last 16 steps
+    for _ in range(window // 2):  # the host slows by 1.25x: half the key's window is not yet enough
         cal.record(1, 1, 0.01, 0.0125)
+    assert cal.factor(1, 1) < 1.25
+    cal.record(1, 1, 0.01, 0.0125)  # a majority of the window
     assert cal.factor(1, 1) == pytest.approx(1.25)
 
 

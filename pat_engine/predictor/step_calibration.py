@@ -3,9 +3,10 @@
 A table is measured once, with dummy batches, every DP group at the same batch, on the machine as it was
 that day. The engine's steps then differ from it: the machine is busier or slower now, ranks sharing a GPU
 slow each other where the table's groups ran in step, a batch size the table only interpolates. How much
-depends on the batch size (on the CPU here, TP1 steps of 1-2 rows ran 1.1x their fit where 3-17 rows ran
-1.5-1.75x: bench/results/predictor_accuracy.md, by batch size), so the correction is kept per TP degree and batch size:
-the median of ``measured / fitted`` over that key's last ``window`` steps. A key with fewer than
+depends on the TP degree and the batch size (bench/results/predictor_accuracy.md, its table by batch size),
+so the correction is kept per TP degree and batch size: the median of ``measured / fitted`` over that key's
+last ``window`` steps, a short window, since a key's ratio drifts as its requests' contexts grow and the
+host's load changes (bench/results/calibration_window.md). A key with fewer than
 ``min_steps`` steps takes its TP degree's nearest batch size that has them; a TP degree that has not run
 takes, batch size by batch size, the one that ran last (the same machine, the same batch: the best guess
 there is, and one that prices a switch as the table does until the target has run).
@@ -31,8 +32,8 @@ import numpy as np
 
 @dataclass(frozen=True)
 class CalibrationConfig:
-    window: int = 64  # steps kept per (TP degree, batch size): how fast a change in speed is followed
-    min_steps: int = 4  # of a key, before its own ratio replaces its nearest neighbour's
+    window: int = 8  # steps kept per (TP degree, batch size): how fast a change is followed
+    min_steps: int = 3  # of a key, before its own ratio replaces its nearest neighbour's (3: a median outvotes a stall)
     max_ratio: float = 4.0  # one step's measured / fitted is clipped to [1/r, r] (a stall, a page-in)
     # steps are taken in when a price is asked (every controller check), or once this many wait
     backlog: int = 256
