@@ -7,7 +7,7 @@ switched ("settled"); the other makes a round trip TP2 -> TP1xDP2 -> TP2 before 
 batches ("round trip"). Each round times the same greedy batch on both, the order rotated round by round
 (A, B, B, A, ...) so drifts of this shared host hit both. Reported: each batch's median decode step
 (driver side, dispatch to result) and worker forward, and their ratio. The weights and KV keep their
-storage across switches (pat_engine/parallel/reshard_plan.py); a round trip that left a layout's tensors
+storage across switches (``into_own_storage`` in pat_engine/worker/switch_executor.py); a round trip that left a layout's tensors
 slower to read would show here, and the tokens must not change.
 """
 
@@ -81,7 +81,8 @@ def main() -> None:
                               "median worker forward, ms"], rows)
             + f"\n\nRound trip / settled, per round: step {' / '.join(f'{x:.3f}' for x in pair)} "
               f"(median **{statistics.median(pair):.3f}**); forward {' / '.join(f'{x:.3f}' for x in pair_fwd)} "
-              f"(median **{statistics.median(pair_fwd):.3f}**).\n\nTokens identical in every batch: **True**\n")
+              f"(median **{statistics.median(pair_fwd):.3f}**).\n\nTokens identical in every batch: **True** (asserted after each "
+              f"batch: the run stops otherwise)\n")
     write_result("round_trip_steps", "TP2 decode steps after a round trip against an engine never switched", body)
 
 
