@@ -112,6 +112,27 @@ def test_a_switch_moves_shared_blocks_once_per_target_group(kv):
         assert s.output_ids == expected_tokens(s)
 
 
+@pytest.mark.parametrize("kv", ["migrate", "recompute"])
+def test_a_switch_counts_the_cached_prefixes_it_leaves_behind(kv):
+    d = make_driver(tp=1, dp=2)
+    done = d.add(PROMPT, 3)
+    run_checked(d)  # its 5 full prompt blocks stay cached, used by no request
+    cached = d.coord.stepping.prefix_cache_stats()["cached_blocks"]
+    assert cached >= 5
+    running = d.add(list(range(300, 330)), 12)
+    d.ticks(3)
+    event = d.coord.switching.switch(SwitchDecision(2, "test", kv_path=kv))
+    assert event.costs["cached_blocks_dropped"] == cached
+    assert d.coord.stepping.prefix_cache_stats()["cached_blocks"] == 0  # the running request's blocks are in use
+    again = d.add(PROMPT, 3)  # the same prompt after the switch: prefilled from its first token
+    run_checked(d)
+    prefills = [p for cmd in d.pool.steps if cmd.is_prefill for p in cmd.seqs if p.seq_id == again.seq_id]
+    assert prefills[0].start_pos == 0
+    assert [s.output_ids for s in (done, running, again)] == [expected_tokens(s) for s in (done, running, again)]
+    fresh = make_driver(tp=1, dp=2)
+    assert fresh.coord.switching.switch(SwitchDecision(2, "test", kv_path=kv)).costs["cached_blocks_dropped"] == 0
+
+
 def test_samples_split_across_groups_by_a_switch_carry_the_prefix_to_each():
     d = make_driver(tp=2, dp=1)
     fam = d.add_samples(PROMPT, 20, n=4)

@@ -178,16 +178,19 @@ class Switching:
         old = stepping.layout
         if new == old:
             return SwitchEvent(self.timeline.now(), str(old), str(new), decision.reason, "none", 0.0)
+        # cached prefixes no request uses stay behind (core/layout_switch.py): counted, as what a switch costs
+        # a later request with the same prefix
+        cached_dropped = sum(sched.blocks.num_cached for sched in stepping.schedulers)
         seqs = stepping.take_unfinished()
         planned = plan_switch(decision, seqs, old, new, stepping.schedulers, stepping.new_schedulers,
                               self.memory_plan, self.config.kv_transfer, stepping.placement, self.cost_source)
         report = stepping.pool.ask(Switch(planned.plan))
         planned.seat(seqs)
         stepping.install_layout(new, planned.schedulers)
-        return self._record_switch(decision, planned, report, len(seqs), started, drain_s)
+        return self._record_switch(decision, planned, report, len(seqs), started, drain_s, cached_dropped)
 
     def _record_switch(self, decision: SwitchDecision, planned: PlannedSwitch, report: SwitchReport, requests: int,
-                       started: float, drain_s: float) -> SwitchEvent:
+                       started: float, drain_s: float, cached_dropped: int) -> SwitchEvent:
         """Feed the measured costs back to the cost source and add the switch to the timeline."""
         old, new = planned.plan.old, planned.plan.new
         if planned.path == "migrate":
@@ -195,7 +198,7 @@ class Switching:
         self.cost_source.record_weight_reshard(old.tp, new.tp, report.weights_s)
         self.cost_source.record_graphs(old.tp, report.graphs_left, new.tp)
         costs = {**report.to_dict(), "drain_s": drain_s, "migrated_requests": len(planned.tables),
-                 "requests": requests}
+                 "requests": requests, "cached_blocks_dropped": cached_dropped}
         del costs["rank"]
         if planned.estimate is not None:
             costs.update(predicted_migrate_s=planned.estimate.migrate_s,
