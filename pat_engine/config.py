@@ -94,6 +94,9 @@ class EngineConfig:
 
     # switching
     kv_transfer: str = "auto"  # "auto" (cost model), "migrate" or "recompute"
+    # a migrating switch also moves the cached prefixes no request holds (multi-turn rollouts reuse them;
+    # single-turn RL never does, so they would only add bytes to its switches): core/layout_switch.py
+    switch_keeps_prefix_cache: bool = False
     switch_check_interval: int = 8  # decode steps between policy evaluations
     profile_table: str | None = None  # latency table for the automatic switch controller
     # correct the table's decode-step fit with the engine's own steps (predictor/step_calibration.py);

@@ -133,6 +133,31 @@ def test_a_switch_counts_the_cached_prefixes_it_leaves_behind(kv):
     assert fresh.coord.switching.switch(SwitchDecision(2, "test", kv_path=kv)).costs["cached_blocks_dropped"] == 0
 
 
+@pytest.mark.parametrize("target_tp", [2, 1])
+def test_a_switch_asked_to_keep_the_cache_moves_the_cached_prefixes_into_unused_blocks(target_tp):
+    d = make_driver(tp=3 - target_tp, dp=target_tp, switch_keeps_prefix_cache=True)
+    done = [d.add(PROMPT, 3), d.add(PROMPT[:8] + list(range(500, 514)), 3)]  # two prompts sharing 2 blocks
+    run_checked(d)
+    cached = d.coord.stepping.prefix_cache_stats()["cached_blocks"]
+    running = d.add(list(range(300, 330)), 12)
+    d.ticks(3)
+    event = d.coord.switching.switch(SwitchDecision(target_tp, "test", kv_path="migrate"))
+    d.coord.stepping.check_block_invariants()
+    plan = d.pool.plans[-1]
+    moved = sum(len(r.dst_table) for r in plan.runs) - len(running.block_table)
+    assert moved == cached - event.costs["cached_blocks_dropped"] > 0
+    assert d.coord.stepping.prefix_cache_stats()["cached_blocks"] == moved  # cached again in their new group
+    # a split sends them to one of the new groups: a later turn goes where its prefix is cached, as
+    # pat_integrations.turns.PrefixAffinity routes a conversation's turns
+    d.coord.stepping.placement = lambda seq, groups: max(range(len(groups)), key=lambda g: groups[g].cached_tokens(seq))
+    again = d.add(PROMPT, 3)
+    run_checked(d)
+    prefills = [p for cmd in d.pool.steps if cmd.is_prefill for p in cmd.seqs if p.seq_id == again.seq_id]
+    assert prefills[0].start_pos == 20  # its five full blocks came with the switch
+    for s in (*done, running, again):
+        assert s.output_ids == expected_tokens(s)
+
+
 def test_samples_split_across_groups_by_a_switch_carry_the_prefix_to_each():
     d = make_driver(tp=2, dp=1)
     fam = d.add_samples(PROMPT, 20, n=4)

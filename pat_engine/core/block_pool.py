@@ -73,8 +73,17 @@ class BlockPool:
         """Unreferenced blocks kept for later prefix hits."""
         return len(self._evictable)
 
+    @property
+    def num_unused(self) -> int:
+        """Blocks holding nothing (neither in use nor cached)."""
+        return len(self._free)
+
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free
+
+    def cached_blocks(self) -> list[int]:
+        """The unreferenced cached blocks, most recently used first."""
+        return list(reversed(self._evictable))
 
     # ---- allocation and release -----------------------------------------------------------------
 
@@ -190,6 +199,10 @@ class BlockPool:
 
     def entry(self, block: int) -> CacheEntry | None:
         return self._entries.get(block)
+
+    def indexes(self, entry: CacheEntry) -> bool:
+        """Whether a block of this pool is found for ``entry``'s prefix."""
+        return (entry.namespace, entry.key) in self._index
 
     def adopt(self, block: int, entry: CacheEntry) -> None:
         """Index ``block`` (in use, after a KV migration) as holding ``entry``'s tokens."""

@@ -11,7 +11,12 @@ take the requests, call the workers, seat the requests, install the layout.
 
 Blocks that requests share (the n samples of a prompt, a cached prefix) move
 once per target group and stay shared there, with their prefix-cache entries.
-Cached blocks no request uses are not moved: the new groups start without them.
+Cached blocks no request uses are not moved by default: the new groups start without them. With
+``keep_cache`` (``EngineConfig.switch_keeps_prefix_cache``) a migrating switch also moves them, most
+recently used first, into blocks their target group has unused after the requests' (each old group's
+into the new group that holds its first rank), where they are cached again: what multi-turn rollouts
+want, whose next turns extend prefixes no request holds during the switch. Not free: their bytes join
+the switch's KV phase, and the cost model's choice of KV path does not count them.
 A recompute switch drops every block and the whole cache.
 
 If any rank fails, ``WorkerFailure`` (marked ``world_broken``) reaches the engine loop, also
@@ -64,6 +69,7 @@ class PlannedSwitch:
     group_of: dict[int, int]  # seq_id -> new DP group
     tables: dict[int, list[int]]  # seq_id -> block table in its new group (requests whose KV migrates)
     registered: dict[int, int]  # seq_id -> leading blocks indexed in the new group's prefix cache
+    cached: dict[int, list[int]] = field(default_factory=dict)  # new group -> moved cached blocks no request holds
 
     @property
     def path(self) -> str:
@@ -82,17 +88,20 @@ class PlannedSwitch:
                 sched.add(seq)
         for sched in self.schedulers:  # keep admission order: running first by arrival, waiting by arrival
             sched.running.sort(key=lambda s: s.seq_id)
+        for group, blocks in self.cached.items():  # unreferenced again: cached in their new group
+            self.schedulers[group].blocks.free(blocks)
 
 
 def plan_switch(decision: SwitchDecision, seqs: list[Sequence], old: Layout, new: Layout,
                 old_schedulers: list[GroupScheduler], new_schedulers: Callable[[Layout], list[GroupScheduler]],
                 memory: MemoryPlan, default_kv_transfer: str, placement: PlacementRule | None,
-                costs: CostSource) -> PlannedSwitch:
+                costs: CostSource, keep_cache: bool = False) -> PlannedSwitch:
     """Plan the switch of ``seqs`` (every unfinished request, by arrival, taken out of
     ``old_schedulers``) from ``old`` to ``new``; nothing outside the returned plan is changed.
 
     ``new_schedulers(layout)`` makes empty schedulers; ``default_kv_transfer`` is the engine's
-    "auto" / "migrate" / "recompute" (``decision.kv_path`` overrides it).
+    "auto" / "migrate" / "recompute" (``decision.kv_path`` overrides it); ``keep_cache``: a migrating
+    switch moves the cached blocks no request holds too.
     """
     group_of = _target_groups(seqs, new, placement)
     block_size = old_schedulers[0].block_size
@@ -109,12 +118,15 @@ def plan_switch(decision: SwitchDecision, seqs: list[Sequence], old: Layout, new
     if path == "recompute":  # nothing moves: fresh groups, every request is prefilled again
         schedulers = new_schedulers(new)
         placed = _KVPlacement(old_schedulers, schedulers, block_size)
+    elif keep_cache:
+        for group in range(old.dp):
+            placed.place_cached(group, new.group_of(old.group_ranks(group)[0]))
     tables = tuple(SeqTable(s.seq_id, group_of[s.seq_id], tuple(placed.tables[s.seq_id]), s.sampling,
                             tuple(s.tokens[: s.num_cached]) if s.sampling.has_penalties else None)
                    for s in seqs if s.seq_id in placed.tables)
     per_group = tuple(sum(1 for g in group_of.values() if g == group) for group in range(new.dp))
     plan = SwitchPlan(old, new, memory.num_blocks(new), path, tuple(placed.runs), tables, per_group)
-    return PlannedSwitch(plan, schedulers, estimate, group_of, placed.tables, placed.registered)
+    return PlannedSwitch(plan, schedulers, estimate, group_of, placed.tables, placed.registered, placed.cached)
 
 
 def _target_groups(seqs: list[Sequence], new: Layout, placement: PlacementRule | None) -> dict[int, int]:
@@ -151,6 +163,7 @@ class _KVPlacement:
     tables: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> its table in its new group
     registered: dict[int, int] = field(default_factory=dict)  # seq_id -> leading blocks indexed in the new cache
     contexts: list[tuple[int, int]] = field(default_factory=list)  # (new group, cached tokens) per migrating request
+    cached: dict[int, list[int]] = field(default_factory=dict)  # new group -> moved cached blocks no request holds
     _moved: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (old group, old block, new group) -> new
 
     def place(self, seq: Sequence, dst: int) -> None:
@@ -178,3 +191,21 @@ class _KVPlacement:
         self.tables[seq.seq_id] = reused + fresh
         self.contexts.append((dst, seq.num_cached))
         self.registered[seq.seq_id] = min(seq.blocks_registered, len(table))
+
+    def place_cached(self, src: int, dst: int) -> None:
+        """Old group ``src``'s cached blocks that no request holds, most recently used first, into blocks
+        ``dst`` has unused (a prefix ``dst`` already indexes is not brought twice)."""
+        old, pool = self.old[src].blocks, self.new[dst].blocks
+        moving = []
+        for block in old.cached_blocks():
+            if pool.num_unused == 0:
+                break
+            entry = old.entry(block)
+            if entry is not None and not pool.indexes(entry):
+                fresh = pool.allocate(1)[0]
+                pool.adopt(fresh, entry)
+                moving.append((block, fresh))
+        if moving:
+            self.runs.append(KVRun(len(moving) * self.block_size, src, tuple(b for b, _ in moving), dst,
+                                   tuple(f for _, f in moving)))
+            self.cached.setdefault(dst, []).extend(f for _, f in moving)

@@ -178,15 +178,17 @@ class Switching:
         old = stepping.layout
         if new == old:
             return SwitchEvent(self.timeline.now(), str(old), str(new), decision.reason, "none", 0.0)
-        # cached prefixes no request uses stay behind (core/layout_switch.py): counted, as what a switch costs
-        # a later request with the same prefix
-        cached_dropped = sum(sched.blocks.num_cached for sched in stepping.schedulers)
+        # cached prefixes no request uses stay behind unless the switch keeps them (core/layout_switch.py):
+        # counted, as what a switch costs a later request with the same prefix
+        cached_before = sum(sched.blocks.num_cached for sched in stepping.schedulers)
         seqs = stepping.take_unfinished()
         planned = plan_switch(decision, seqs, old, new, stepping.schedulers, stepping.new_schedulers,
-                              self.memory_plan, self.config.kv_transfer, stepping.placement, self.cost_source)
+                              self.memory_plan, self.config.kv_transfer, stepping.placement, self.cost_source,
+                              self.config.switch_keeps_prefix_cache)
         report = stepping.pool.ask(Switch(planned.plan))
         planned.seat(seqs)
         stepping.install_layout(new, planned.schedulers)
+        cached_dropped = cached_before - sum(len(blocks) for blocks in planned.cached.values())
         return self._record_switch(decision, planned, report, len(seqs), started, drain_s, cached_dropped)
 
     def _record_switch(self, decision: SwitchDecision, planned: PlannedSwitch, report: SwitchReport, requests: int,

@@ -74,6 +74,7 @@ class EngineArgs:
     enable_prefix_caching: bool | None = None
     block_size: int | None = None
     attention_backend: str | None = None
+    switch_keeps_prefix_cache: bool | None = None
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":
@@ -135,7 +136,7 @@ class EngineArgs:
 
 # EngineConfig fields whose flag may be left out (EngineConfig's default then stands)
 _OPTIONAL = ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "block_size",
-             "attention_backend")
+             "attention_backend", "switch_keeps_prefix_cache")
 
 
 def _default(field: str) -> str:
@@ -183,6 +184,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
                     help='fixed switches, e.g. "32:4,64:2": TP4 at decode step 32, TP2 at step 64')
     g.add_argument("--kv-transfer", choices=("auto", "migrate", "recompute"), default="auto",
                    help="how switches move the KV cache (auto: the cost model picks)")
+    g.add_argument("--switch-keeps-prefix-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="a migrating switch also moves the cached prefixes no request holds, for later turns "
+                        f"(default {_default('switch_keeps_prefix_cache')})")
     g.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
                    help="invariant: the same bits at every layout and across live switches; fast: the layout "
                         "decides the rounding (docs/numerics.md)")
