@@ -17,7 +17,9 @@ medians reported):
   the stage instead of switching back to the base layout and losing unreferenced cached blocks);
 - cache only: prefix cache on, but the engine's own placement (fewest outstanding tokens) and every
   request at an idle engine starting a stage (what the frontend did before);
-- no cache: ``enable_prefix_caching=False``.
+- no cache: ``enable_prefix_caching=False``;
+- reuse, switches keep the cache: reuse, and ``switch_keeps_prefix_cache=True`` (a migrating switch moves
+  the cached turns of conversations between turns too, instead of leaving them behind).
 
 Per turn index: prompt tokens, prefill tokens computed (prompt - cached at admission) and turn latency
 (submit to last token, queueing included), summed/averaged over conversations; per run: wall time and
@@ -44,7 +46,7 @@ from pat_integrations.stage import StagePlan
 
 SPEC = TinyModelSpec(arch="llama", vocab_size=2048, hidden_size=512, intermediate_size=1536, num_layers=4,
                      num_heads=8, num_kv_heads=4, max_position=4096, seed=11)
-CONFIGS = ("reuse", "cache only", "no cache")
+CONFIGS = ("reuse", "reuse, switches keep the cache", "cache only", "no cache")
 
 
 @dataclass
@@ -150,7 +152,8 @@ def main() -> None:
 
     async def rounds() -> None:
         engines = {c: Engine(path, tp=1, dp=2, dtype="float32", block_size=args.block_size, numerics="invariant",
-                             enable_prefix_caching=c != "no cache") for c in CONFIGS}
+                             enable_prefix_caching=c != "no cache", switch_keeps_prefix_cache="keep" in c)
+                   for c in CONFIGS}
         try:
             frontends = {c: frontend_for(c, engines[c]) for c in CONFIGS}
             for _ in range(args.repeats):
