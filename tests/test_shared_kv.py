@@ -9,13 +9,12 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from conftest import hf_greedy
 from pat_engine import Engine, SamplingParams
 from pat_engine.sampling.seeds import sample_seed
+from waiting import wait_for
 
 pytestmark = pytest.mark.slow  # starts worker processes
 
@@ -84,8 +83,7 @@ def test_cached_prefixes_a_switch_keeps_hold_the_kv_a_prefill_would(model_dir, t
     with Engine(path, tp=tp, dp=dp, dtype="float64", switch_keeps_prefix_cache=True) as engine:
         engine.generate(prompts[:2], SamplingParams(max_new_tokens=4), use_tqdm=False)  # cached, then unused
         running = engine.submit([3] * 20, SamplingParams(max_new_tokens=400, ignore_eos=True))
-        while running.num_generated < 2:  # it holds KV, so the switch migrates
-            time.sleep(0.005)
+        wait_for(lambda: running.num_generated >= 2)  # it holds KV, so the switch migrates
         cached = engine.prefix_cache_stats()["cached_blocks"]
         event = engine.reconfigure(target, kv_transfer="migrate")
         # later turns go where their prefix is cached (as pat_integrations.turns.PrefixAffinity routes them)
