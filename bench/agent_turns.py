@@ -19,7 +19,10 @@ medians reported):
   request at an idle engine starting a stage (what the frontend did before);
 - no cache: ``enable_prefix_caching=False``;
 - reuse, switches keep the cache: reuse, and ``switch_keeps_prefix_cache=True`` (a migrating switch moves
-  the cached turns of conversations between turns too, instead of leaving them behind).
+  the cached turns of conversations between turns too, instead of leaving them behind);
+- cache only, switches keep the cache: cache only, and ``switch_keeps_prefix_cache=True`` (an idle
+  engine's switch back to the base layout keeps the cache when the cost model finds moving it cheaper
+  than prefilling it again).
 
 Per turn index: prompt tokens, prefill tokens computed (prompt - cached at admission) and turn latency
 (submit to last token, queueing included), summed/averaged over conversations; per run: wall time and
@@ -46,7 +49,7 @@ from pat_integrations.stage import StagePlan
 
 SPEC = TinyModelSpec(arch="llama", vocab_size=2048, hidden_size=512, intermediate_size=1536, num_layers=4,
                      num_heads=8, num_kv_heads=4, max_position=4096, seed=11)
-CONFIGS = ("reuse", "reuse, switches keep the cache", "cache only", "no cache")
+CONFIGS = ("reuse", "reuse, switches keep the cache", "cache only", "cache only, switches keep the cache", "no cache")
 
 
 @dataclass
@@ -61,7 +64,7 @@ class Run:
 
 def frontend_for(config: str, engine: Engine) -> AsyncEngineFrontend:
     frontend = AsyncEngineFrontend(engine)
-    if config == "cache only":  # the frontend without its turn awareness (benchmark-only override)
+    if config.startswith("cache only"):  # the frontend without its turn awareness (benchmark-only override)
         engine.set_placement(None)
         frontend.turns.continues = lambda prompt, version: False
     return frontend

@@ -158,6 +158,29 @@ def test_a_switch_asked_to_keep_the_cache_moves_the_cached_prefixes_into_unused_
         assert s.output_ids == expected_tokens(s)
 
 
+@pytest.mark.parametrize("bandwidth, kv, kept", [(1e12, None, True), (1.0, None, False), (1e12, "recompute", False)])
+def test_a_switch_no_request_holds_kv_for_prices_the_cached_prefixes_alone(monkeypatch, bandwidth, kv, kept):
+    """Between rounds or turns nothing runs: the cached prefixes move if the cost model finds moving them
+    cheaper than prefilling them again, and a forced recompute drops them."""
+    d = make_driver(tp=1, dp=2, switch_keeps_prefix_cache=True)
+    done = [d.add(PROMPT, 3), d.add(list(range(300, 330)), 3)]
+    run_checked(d)
+    cached = d.coord.stepping.prefix_cache_stats()["cached_blocks"]
+    monkeypatch.setattr(d.coord.switching.cost_source, "bandwidth", lambda: bandwidth)
+    event = d.coord.switching.switch(SwitchDecision(2, "test", kv_path=kv))
+    d.coord.stepping.check_block_invariants()
+    moved = sum(len(r.dst_table) for r in d.pool.plans[-1].runs)
+    assert event.kv_path == ("migrate" if kept else "recompute")
+    assert moved == (cached if kept else 0) and event.costs["cached_blocks_dropped"] == cached - moved
+    assert ("predicted_migrate_s" in event.costs) == (kv is None)  # priced unless forced
+    again = d.add(PROMPT, 3)
+    run_checked(d)
+    prefills = [p for cmd in d.pool.steps if cmd.is_prefill for p in cmd.seqs if p.seq_id == again.seq_id]
+    assert prefills[0].start_pos == (20 if kept else 0)
+    for s in (*done, again):
+        assert s.output_ids == expected_tokens(s)
+
+
 def test_samples_split_across_groups_by_a_switch_carry_the_prefix_to_each():
     d = make_driver(tp=2, dp=1)
     fam = d.add_samples(PROMPT, 20, n=4)

@@ -74,16 +74,18 @@ def test_n_samples_survive_switch_schedules(model_dir, reference, kv):
         assert sample.token_ids == reference[i][0]
 
 
-@pytest.mark.parametrize("tp,dp,target", [(1, 2, 2), (2, 1, 1)])
-def test_cached_prefixes_a_switch_keeps_hold_the_kv_a_prefill_would(model_dir, tp, dp, target):
+@pytest.mark.parametrize("tp,dp,target,idle", [(1, 2, 2, False), (2, 1, 1, False), (1, 2, 2, True)])
+def test_cached_prefixes_a_switch_keeps_hold_the_kv_a_prefill_would(model_dir, tp, dp, target, idle):
     """``switch_keeps_prefix_cache``: a migrating switch moves the cached prefixes no request holds (a merge,
-    and a split sending them to one group); the same prompts after it hit them and continue as transformers."""
+    and a split sending them to one group; ``idle``: a switch no request holds KV for, between turns); the
+    same prompts after it hit them and continue as transformers."""
     path = model_dir("llama")
     prompts = [SYSTEM + q for q in QUESTIONS]
     with Engine(path, tp=tp, dp=dp, dtype="float64", switch_keeps_prefix_cache=True) as engine:
         engine.generate(prompts[:2], SamplingParams(max_new_tokens=4), use_tqdm=False)  # cached, then unused
-        running = engine.submit([3] * 20, SamplingParams(max_new_tokens=400, ignore_eos=True))
-        wait_for(lambda: running.num_generated >= 2)  # it holds KV, so the switch migrates
+        if not idle:
+            running = engine.submit([3] * 20, SamplingParams(max_new_tokens=400, ignore_eos=True))
+            wait_for(lambda: running.num_generated >= 2)  # it holds KV, so the switch migrates
         cached = engine.prefix_cache_stats()["cached_blocks"]
         event = engine.reconfigure(target, kv_transfer="migrate")
         # later turns go where their prefix is cached (as pat_integrations.turns.PrefixAffinity routes them)
@@ -91,7 +93,8 @@ def test_cached_prefixes_a_switch_keeps_hold_the_kv_a_prefill_would(model_dir, t
         hits = engine.prefix_cache_stats()["hit_tokens"]
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=24), use_tqdm=False)
         found = engine.prefix_cache_stats()["hit_tokens"] - hits
-        engine.abort([running.request_id])
+        if not idle:
+            engine.abort([running.request_id])
     # two prompts prefilled in one step cached a copy each of the system prompt's blocks: one copy moves
     assert event.kv_path == "migrate" and event.costs["cached_blocks_dropped"] <= cached // 2
     assert found >= len(prompts) * 32  # every prompt found the system prompt's two full blocks

@@ -16,7 +16,9 @@ Cached blocks no request uses are not moved by default: the new groups start wit
 recently used first, into blocks their target group has unused after the requests' (each old group's
 into the new group that holds its first rank), where they are cached again: what multi-turn rollouts
 want, whose next turns extend prefixes no request holds during the switch. Not free: their bytes join
-the switch's KV phase, and the cost model's choice of KV path does not count them.
+the switch's KV phase, and when requests hold KV the cost model chooses the KV path by the requests alone
+(the cached blocks follow it). When none does (a switch between turns or rounds), the cached blocks are
+priced by themselves: moved if the cost model finds moving them cheaper than prefilling them again.
 A recompute switch drops every block and the whole cache.
 
 If any rank fails, ``WorkerFailure`` (marked ``world_broken``) reaches the engine loop, also
@@ -101,7 +103,8 @@ def plan_switch(decision: SwitchDecision, seqs: list[Sequence], old: Layout, new
 
     ``new_schedulers(layout)`` makes empty schedulers; ``default_kv_transfer`` is the engine's
     "auto" / "migrate" / "recompute" (``decision.kv_path`` overrides it); ``keep_cache``: a migrating
-    switch moves the cached blocks no request holds too.
+    switch moves the cached blocks no request holds too, and a switch with no request holding KV prices
+    moving them (a forced recompute drops them).
     """
     group_of = _target_groups(seqs, new, placement)
     block_size = old_schedulers[0].block_size
@@ -109,18 +112,21 @@ def plan_switch(decision: SwitchDecision, seqs: list[Sequence], old: Layout, new
     placed = _KVPlacement(old_schedulers, schedulers, block_size)
     for seq in seqs:
         placed.place(seq, group_of[seq.seq_id])
+    forced = decision.kv_path or (default_kv_transfer if default_kv_transfer != "auto" else None)
+    keep_cache = keep_cache and forced != "recompute"
+    cache_only = keep_cache and not placed.runs
+    if cache_only:  # no request holds KV: the cached prefixes alone are priced, moved against prefilled again
+        placed.place_all_cached(old, new)
     if placed.runs:
         estimate = _estimate(old, new, memory, placed, costs)
-        forced = decision.kv_path or (default_kv_transfer if default_kv_transfer != "auto" else None)
         path = forced or estimate.path
-    else:  # no request holds KV: nothing to migrate
+    else:  # nothing to migrate
         path, estimate = "recompute", None
     if path == "recompute":  # nothing moves: fresh groups, every request is prefilled again
         schedulers = new_schedulers(new)
         placed = _KVPlacement(old_schedulers, schedulers, block_size)
-    elif keep_cache:
-        for group in range(old.dp):
-            placed.place_cached(group, new.group_of(old.group_ranks(group)[0]))
+    elif keep_cache and not cache_only:  # after the requests' blocks, into what their groups leave unused
+        placed.place_all_cached(old, new)
     tables = tuple(SeqTable(s.seq_id, group_of[s.seq_id], tuple(placed.tables[s.seq_id]), s.sampling,
                             tuple(s.tokens[: s.num_cached]) if s.sampling.has_penalties else None)
                    for s in seqs if s.seq_id in placed.tables)
@@ -162,7 +168,7 @@ class _KVPlacement:
     runs: list[KVRun] = field(default_factory=list)
     tables: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> its table in its new group
     registered: dict[int, int] = field(default_factory=dict)  # seq_id -> leading blocks indexed in the new cache
-    contexts: list[tuple[int, int]] = field(default_factory=list)  # (new group, cached tokens) per migrating request
+    contexts: list[tuple[int, int]] = field(default_factory=list)  # (new group, tokens) per migrating request or group's moved cache
     cached: dict[int, list[int]] = field(default_factory=dict)  # new group -> moved cached blocks no request holds
     _moved: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (old group, old block, new group) -> new
 
@@ -192,6 +198,11 @@ class _KVPlacement:
         self.contexts.append((dst, seq.num_cached))
         self.registered[seq.seq_id] = min(seq.blocks_registered, len(table))
 
+    def place_all_cached(self, old: Layout, new: Layout) -> None:
+        """Every old group's cached blocks into the new group that holds its first rank."""
+        for group in range(old.dp):
+            self.place_cached(group, new.group_of(old.group_ranks(group)[0]))
+
     def place_cached(self, src: int, dst: int) -> None:
         """Old group ``src``'s cached blocks that no request holds, most recently used first, into blocks
         ``dst`` has unused (a prefix ``dst`` already indexes is not brought twice)."""
@@ -209,3 +220,4 @@ class _KVPlacement:
             self.runs.append(KVRun(len(moving) * self.block_size, src, tuple(b for b, _ in moving), dst,
                                    tuple(f for _, f in moving)))
             self.cached.setdefault(dst, []).extend(f for _, f in moving)
+            self.contexts.append((dst, len(moving) * self.block_size))  # what prefilling them again would cost
