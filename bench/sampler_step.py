@@ -11,8 +11,7 @@ on LM-like (Zipf-shaped) logits and on flat ones (the worst case for top_p).
 ``base`` is the sampler of commit ``--base``, its Python and its C++ kernel (the tree is taken with
 ``git archive`` and the kernel built into its own extensions folder); ``new`` is this tree's. Each
 round runs one process per tree, alternating (base, new, base, new, ...) on this noisy shared host;
-the table gives the median of ``--rounds`` and checks that both trees drew the same tokens and
-log-probs. The LM head's GEMM at hidden 768 is timed beside them, as the scale of a step's own work.
+the table gives the median of ``--rounds`` and whether both trees drew the same tokens and log-probs. The LM head's GEMM at hidden 768 is timed beside them, as the scale of a step's own work.
 
     python bench/sampler_step.py            # writes bench/results/sampler_step.md
 """
@@ -85,12 +84,12 @@ def measure(batch: int, repeats: int) -> dict:
         logits = make_logits(shape, batch, vocab, g)
         hidden = torch.randn(batch, HIDDEN, generator=g)
         head = torch.randn(vocab, HIDDEN, generator=g) / HIDDEN**0.5
-        out[f"{vocab}|{shape}|LM head"] = [seconds(lambda: hidden @ head.T, repeats), ""]
+        out[f"{vocab}|{shape}|LM head"] = [seconds(lambda: hidden @ head.T, repeats), "", ""]
         for name, case in CASES.items():
             b = batch_for(sampler, case, batch, vocab)
             drawn = sampler.sample_batch(logits, b)
-            digest = hashlib.sha1(json.dumps([drawn.tokens, drawn.logprobs]).encode()).hexdigest()
-            out[f"{vocab}|{shape}|{name}"] = [seconds(lambda: sampler.sample_batch(logits, b), repeats), digest]
+            digests = [hashlib.sha1(json.dumps(v).encode()).hexdigest() for v in (drawn.tokens, drawn.logprobs)]
+            out[f"{vocab}|{shape}|{name}"] = [seconds(lambda: sampler.sample_batch(logits, b), repeats), *digests]
     return out
 
 
@@ -125,17 +124,17 @@ def main() -> None:
         for name in CASES:
             key = f"{vocab}|{shape}|{name}"
             b, n = ms("base", key), ms("new", key)
-            same = len({r[key][1] for label in runs for r in runs[label]}) == 1
+            same = ["yes" if len({r[key][i] for label in runs for r in runs[label]}) == 1 else "NO" for i in (1, 2)]
             rows.append([vocab, shape, name, f"{b:.1f}", f"{n:.1f}", f"{b / n:.2f}x", f"{n - greedy:+.1f}",
-                         f"{gemm:.1f}", "yes" if same else "NO"])
+                         f"{gemm:.1f}", *same])
     body = (f"Batch {ns.batch}, float32 logits, every row asking for its log-prob; median of {ns.rounds} "
             f"interleaved rounds (one process per tree and round), each the best of {ns.repeats} calls. `base`: "
             f"the sampler (Python and C++ kernel) at commit {ns.base}; `new`: this tree's. `new - greedy`: what "
             "sampling adds to a greedy step's sampling. `LM head`: the (batch x "
-            f"{HIDDEN}) @ ({HIDDEN} x vocab) GEMM, the scale of a step's own work. `same draws`: every round "
-            "of both trees drew the same tokens and log-probs.\n\n"
+            f"{HIDDEN}) @ ({HIDDEN} x vocab) GEMM, the scale of a step's own work. `same tokens`, `same log-probs`: "
+            "every round of both trees gave the same (a change of the rule between the trees shows here).\n\n"
             + markdown_table(["vocab", "logits", "case", "base ms", "new ms", "speed-up", "new - greedy ms",
-                              "LM head ms", "same draws"], rows))
+                              "LM head ms", "same tokens", "same log-probs"], rows))
     write_result("sampler_step", "Sampling an RL decode step: this tree's sampler against a base commit's", body)
 
 

@@ -1,7 +1,7 @@
 """The draw rule written out one row at a time, the reference the batched sampler must equal bit for bit.
 
 It follows the rule's definition (pat_engine/sampling/sampler.py) the plain way: a full stable
-sort for top_k / top_p, Python loops for the eight-lane sum and the running mass. Only the weight
+sort for top_k / top_p, Python loops for the blocked eight-lane sum and the running mass. Only the weight
 function (``pexp``, the kernel's polynomial exp) is shared with the engine; the C++ kernel is
 checked against it separately.
 """
@@ -12,16 +12,20 @@ import math
 
 import torch
 
-from pat_engine.sampling.inverse_cdf import pexp
+from pat_engine.sampling.inverse_cdf import Z_BLOCK, pexp
 from pat_engine.sampling.seeds import uniform_for
 from pat_engine.sampling.spec import SamplingSpec
 
 
 def _lanes(e: list[float]) -> float:
-    acc = [0.0] * 8
-    for i, v in enumerate(e):
-        acc[i % 8] += v
-    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
+    """Z: each block of Z_BLOCK weights in eight lanes, lanes combined, the block totals added in order."""
+    total = 0.0
+    for start in range(0, len(e), Z_BLOCK):
+        acc = [0.0] * 8
+        for i, v in enumerate(e[start:start + Z_BLOCK]):
+            acc[i % 8] += v
+        total += ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
+    return total
 
 
 def _weights(row: torch.Tensor, temperature: float) -> tuple[torch.Tensor, list[float]]:

@@ -26,6 +26,8 @@ from triton_markers import DEV, gpu, needs_triton
 
 from pat_engine.sampling import inverse_cdf
 
+Z = inverse_cdf.Z_BLOCK  # Z's blocks, as the sampler passes them to the kernel
+
 SLOW = pytest.mark.slow  # the interpreter walks a row's blocks in Python: the fast tier keeps one case of each
 
 
@@ -113,27 +115,58 @@ def test_greedy_rows_take_the_triton_first_max_where_the_sampler_kernels_serve(m
 
 
 @needs_triton
-@pytest.mark.parametrize("vocab", [1, 8, 517, 1000, 2048])
+@pytest.mark.parametrize("vocab", [1, 8, 517, 1000, 2048, 5003])
 def test_z_has_the_torch_twins_bits(vocab, monkeypatch):
     monkeypatch.setenv("PAT_TRITON_SAMPLER", "off")
     e = _weights(3, vocab, seed=vocab)
     want = inverse_cdf.lane_sum(e)  # the torch twin
-    got = _kernel().lane_sum(e)
+    got = _kernel().lane_sum(e, Z)
     assert got.dtype == torch.float64 and torch.equal(got, want)
-    assert torch.equal(_kernel().lane_sum(e[1:2]), want[1:2])  # a row alone
+    assert torch.equal(_kernel().lane_sum(e[1:2], Z), want[1:2])  # a row alone
     if vocab >= 517:  # the order is visible in these bits: a plain float64 sum differs
         assert not torch.equal(e.double().sum(dim=1), want)
+
+
+@needs_triton
+def test_z_is_taken_in_blocks_by_the_kernel_the_twin_and_the_cpu_kernel(monkeypatch):
+    """Z's rule (blocks of Z_BLOCK tokens, eight lanes each, the totals in order), written out in plain floats
+    by tests/sampler_reference.py, is what the Triton kernel, the torch twin and the C++ kernel compute; on
+    these rows a single walk of eight lanes down the whole row gives other bits."""
+    from pat_kernels import cpu_sample
+    from sampler_reference import _lanes
+
+    monkeypatch.setenv("PAT_TRITON_SAMPLER", "off")
+    vocab = 3 * Z + 517
+    e = _weights(4, vocab, seed=3)
+    want = torch.tensor([_lanes(row) for row in e.double().tolist()], dtype=torch.float64)
+    assert torch.equal(_kernel().lane_sum(e, Z).cpu(), want)
+    assert torch.equal(inverse_cdf.lane_sum(e).cpu(), want)
+    whole_row = [_lanes_unblocked(row) for row in e.double().tolist()]
+    assert whole_row != want.tolist()
+    if cpu_sample.usable(e.cpu()):  # its weights from logits whose e are these: log e, temperature 1
+        x = e.cpu().log()
+        ones, floor = torch.ones(4), torch.full((4,), float("-inf"))
+        e_cpu = cpu_sample.weights(x, ones, floor)
+        z_cpu = cpu_sample.inverse_cdf(x, ones, floor, torch.zeros(4, dtype=torch.float64), False)[2]
+        assert torch.equal(z_cpu, torch.tensor([_lanes(row) for row in e_cpu.double().tolist()], dtype=torch.float64))
+
+
+def _lanes_unblocked(e: list[float]) -> float:
+    acc = [0.0] * 8
+    for i, v in enumerate(e):
+        acc[i % 8] += v
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
 
 
 @needs_triton
 def test_rows_of_a_wider_tensor_and_bad_input():
     wide = _weights(4, 600, seed=1)
     view = wide[:, :517]  # rows 600 apart
-    assert torch.equal(_kernel().lane_sum(view), inverse_cdf.lane_sum(view.contiguous()))
-    assert _kernel().lane_sum(wide[:0]).shape == (0,)
+    assert torch.equal(_kernel().lane_sum(view, Z), inverse_cdf.lane_sum(view.contiguous()))
+    assert _kernel().lane_sum(wide[:0], Z).shape == (0,)
     for bad in (wide.double(), wide[0], wide.t()):
         with pytest.raises(ValueError, match="float32"):
-            _kernel().lane_sum(bad)
+            _kernel().lane_sum(bad, Z)
 
 
 @needs_triton
@@ -146,7 +179,7 @@ def test_the_draw_follows_its_blocked_rule(vocab):
     g = torch.Generator().manual_seed(vocab)
     e = _weights(4, vocab, seed=vocab)
     e[3] = 0.0  # a row with no weight: token 0, as the twin gives
-    z = sk.lane_sum(e)
+    z = sk.lane_sum(e, Z)
     u = torch.rand(4, generator=g, dtype=torch.float64).to(DEV)
     got = sk.draw(e, u, z)
     rows = e.double().cpu().tolist()
@@ -180,7 +213,7 @@ def test_the_nucleus_follows_its_blocked_rule(vocab):
     gives V (the twin's count, V + 1 for the nucleus, then clamped by the caller)."""
     sk = _kernel()
     e = _weights(4, vocab, seed=vocab).sort(dim=-1, descending=True).values
-    z = sk.lane_sum(e)
+    z = sk.lane_sum(e, Z)
     top_p = torch.tensor([0.9, 0.5, 0.99, 1e-9], dtype=torch.float64, device=DEV)
     got = sk.first_reaching(e, top_p, z)
     rows = e.double().cpu().tolist()
@@ -282,12 +315,12 @@ def test_gpu_weights_z_and_draw_at_a_real_vocabulary(monkeypatch):
     monkeypatch.setenv("PAT_TRITON_SAMPLER", "off")
     for rows in (1, 64):
         e = _weights(rows, 128256, seed=rows)
-        assert torch.equal(_kernel().lane_sum(e), inverse_cdf.lane_sum(e))
+        assert torch.equal(_kernel().lane_sum(e, Z), inverse_cdf.lane_sum(e))
         x = (torch.randn(rows, 128256, device=DEV) * 4).to(torch.bfloat16)
         it, floor = torch.full((rows,), 1 / 0.8, device=DEV), torch.full((rows,), -9.0, device=DEV)
         got, want = _kernel().weights(x, it, floor), inverse_cdf._torch_weights(x, it, floor)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        z, u = _kernel().lane_sum(e), torch.rand(rows, dtype=torch.float64, device=DEV)
+        z, u = _kernel().lane_sum(e, Z), torch.rand(rows, dtype=torch.float64, device=DEV)
         drawn = _kernel().draw(e, u, z)
         chain = (e.double().cumsum(dim=-1) <= (u * z).unsqueeze(1)).sum(dim=-1)
         assert torch.equal(drawn, chain)  # no boundary rounding on these rows

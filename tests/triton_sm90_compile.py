@@ -30,6 +30,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+from pat_engine.sampling.inverse_cdf import Z_BLOCK  # noqa: E402
+
 TARGET = GPUTarget("cuda", 90, 32)  # H100
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"  # ships with Triton
 
@@ -112,7 +114,8 @@ def kernel_calls() -> list:
 
     def sampler():  # weights, Z, the draw, a top_p nucleus, greedy's first maximum
         e, _ = triton_sampler.weights(randn(4, 128256), torch.ones(4), torch.full((4,), float("-inf")))
-        z = triton_sampler.lane_sum(e.float())
+        z = triton_sampler.lane_sum(e.float(), Z_BLOCK)
+        triton_sampler.lane_sum(randn(2, 151936).float(), Z_BLOCK)  # Qwen's vocabulary: 149 blocks, a wider tile
         triton_sampler.draw(e.float(), torch.rand(4, dtype=torch.float64), z)
         triton_sampler.first_reaching(e.float(), torch.full((4,), 0.9, dtype=torch.float64), z)
         triton_sampler.first_max(randn(4, 128256))

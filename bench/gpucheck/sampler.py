@@ -2,9 +2,10 @@
 
 Every earlier GPU figure was greedy, but an RL rollout draws at temperature 1 and asks for each token's
 log-prob. On CUDA that runs the sampler's torch path (``pat_engine/sampling/inverse_cdf.py``): some thirty
-elementwise kernels over the (rows, vocab) logits, a float64 scan for the draw, and Z, the row sum in the
-eight-lane float64 order, whose lanes are chains of vocab/8 dependent adds that ATen's outer-dimension scan
-runs one load, add and store at a time. ``PAT_TRITON_SAMPLER=on`` computes the weights, Z and the draw with
+elementwise kernels over the (rows, vocab) logits, a float64 scan for the draw, and Z, the row sum in
+blocks of 1,024 tokens of eight float64 lanes each, whose lanes ATen's outer-dimension scan runs one load,
+add and store at a time (the Triton kernel walks every block's lanes side by side: a chain of 128 adds, where
+the fourth H100 run's whole-row lanes were 16,032 long). ``PAT_TRITON_SAMPLER=on`` computes the weights, Z and the draw with
 ``pat_kernels/triton_sampler.py`` instead (the same weights and Z; the draw's running sum in blocks, whose
 token differs only where u·Z lands between two roundings of a boundary). At 1 and 64 rows (and 256 without
 --quick) of random bf16 logits over the Llama-3 vocabulary (128,256), this part times ``sample_on_device``

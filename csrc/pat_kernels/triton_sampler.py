@@ -10,16 +10,14 @@ For a row of logits x, an inverse temperature ``it`` and a floor:
   row keeps many SMs busy: each chunk's max, then each chunk's weights from the row's max (a max is exact
   in any order; NaN wins, as in torch's). The torch twin runs some thirty elementwise kernels over
   (rows, vocab) for the same values.
-- ``lane_sum``: Z, lane j (0-7) adding e_j, e_{j+8}, e_{j+16}, ... in order, in float64, from 0.0, then
-  ((0+1)+(2+3))+((4+5)+(6+7)). Sequential by definition (the CPU kernel's SIMD order, shared by every
-  device so a log-prob has the same bits everywhere): each lane is a chain of vocab/8 dependent float64
-  adds (16,032 for a 128,256-token vocabulary). The torch twin runs the chain in ATen's
-  outer-dimension scan, one thread per lane that loads, adds and stores each element in turn (each add
-  may wait for its own load: the store may alias the next load). Here one program per row holds the
-  eight lanes and reads ``UNROLL`` groups of eight a step, the next step's copied in asynchronously
-  while this step's are added in order (a software pipeline: ``tl.range(..., num_stages=3)``), so the
-  chain waits for its adds, not for memory. Rows run side by side.
-
+- ``lane_sum``: Z, in the rule's blocks (``inverse_cdf.Z_BLOCK`` tokens: 126 for a 128,256-token
+  vocabulary): in block k, lane j (0-7) adds e_j, e_{j+8}, ... of the block in order, in float64, from
+  0.0; the lanes combine ((0+1)+(2+3))+((4+5)+(6+7)) into the block's total; Z is the totals added in
+  order. One program a row walks every block's eight lanes side by side (a (blocks, 8) tile of float64
+  sums, ``UNROLL`` steps a pipeline stage, the next stages copied in asynchronously), so the chain of
+  dependent adds is block / 8 = 128 long (the rule before blocks: 16,032 for that vocabulary, 0.58 ms a
+  row on the fourth H100 run); the totals go through memory and come back after a barrier, every load
+  issued before their chain of adds. Rows run side by side.
 - ``draw``: the token where the row's running float64 sum of e first passes u·Z. The CPU's rule is one
   chain of V dependent adds (a GPU's torch twin scans in ATen's order, which follows the batch's row
   count); here the sum is taken in 128 blocks (``blocked_draw_reference`` has the rule in plain floats):
@@ -34,11 +32,11 @@ For a row of logits x, an inverse temperature ``it`` and a floor:
   picks the first chunk holding the winner. torch's own argmax reduces a row in one block: 37 us of a
   batch-1 greedy step's 6.2 GPU ms for Llama-3's 128,256 logits on the fourth H100 run.
 
-Bits (weights, Z): the twin's operations in the twin's order (0.0 pads a row whose length is not a multiple of eight,
+Bits (weights, Z): the twin's operations in the twin's order (0.0 pads a row to a whole number of blocks,
 as its ``F.pad`` does; adding 0.0 to a non-negative sum changes nothing). Tested under
 ``TRITON_INTERPRET=1`` (tests/test_triton_sampler.py). Used on CUDA by default (``PAT_TRITON_SAMPLER=auto``; the
-fourth H100 run: the RL draw 0.73 / 0.77 ms at 1 / 64 rows against the twin's 2.99 / 7.52, the same draws,
-``bench/results/gpu_check.md``), and by the invariant numerics mode there (``inverse_cdf.batch_invariant_draws``).
+fourth H100 run, before Z's blocks: the RL draw 0.73 / 0.77 ms at 1 / 64 rows against the twin's 2.99 / 7.52,
+the same draws, ``bench/results/gpu_check.md``), and by the invariant numerics mode there (``inverse_cdf.batch_invariant_draws``).
 """
 
 from __future__ import annotations
@@ -49,7 +47,8 @@ import triton.language as tl
 
 from pat_kernels.dependent_launch import pdl_options, pdl_wait
 
-UNROLL = 64  # groups of eight read per step of the lane walk: 64 loads in flight before the first add waits
+UNROLL = 8  # groups of eight each block reads per step of Z's walk (fewer past 128 blocks: see lane_sum)
+STAGES = 3  # Z's walk: its next steps' loads in flight (a stage of NB x 8 x UNROLL floats, at most 32 KB)
 CHUNK = 4096  # logits per program of the weight passes: a row is cut among many programs (batch 1 too)
 BLOCK = 1024  # logits per step of the draw's fallback scan
 
@@ -114,23 +113,32 @@ def _weights_kernel(x_ptr, top_ptr, it_ptr, floor_ptr, e_ptr, m_ptr, V, stride_x
 
 @triton.jit
 def _lane(acc, lanes, j: tl.constexpr):
-    """Lane ``j`` of ``acc`` exactly: a sum of it and seven zeros."""
-    return tl.sum(tl.where(lanes == j, acc, 0.0), axis=0)
+    """Lane ``j`` of each block's lanes ``acc`` (NB, 8) exactly: a sum of it and seven zeros."""
+    return tl.sum(tl.where(lanes == j, acc, 0.0), axis=1)
 
 
 @triton.jit
-def _lane_sum_kernel(e_ptr, out_ptr, V, stride_row, UNROLL: tl.constexpr):
+def _lane_sum_kernel(e_ptr, totals_ptr, out_ptr, V, stride_row, NBLOCKS, ZB: tl.constexpr, NB: tl.constexpr,
+                     UNROLL: tl.constexpr, STAGES: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    lanes = tl.arange(0, 8)
     base = e_ptr + row * stride_row
-    acc = tl.zeros((8,), dtype=tl.float64)
-    for start in tl.range(0, V, 8 * UNROLL, num_stages=3):  # the next step's loads in flight
+    blocks = tl.arange(0, NB)[:, None]
+    lanes = tl.arange(0, 8)[None, :]
+    acc = tl.zeros((NB, 8), dtype=tl.float64)  # every block's eight lanes, walked side by side
+    for start in tl.range(0, ZB, 8 * UNROLL, num_stages=STAGES):  # the next step's loads in flight
         for u in tl.static_range(UNROLL):
-            idx = start + u * 8 + lanes
+            idx = blocks * ZB + start + u * 8 + lanes
             acc += tl.load(base + idx, mask=idx < V, other=0.0).to(tl.float64)
     left = (_lane(acc, lanes, 0) + _lane(acc, lanes, 1)) + (_lane(acc, lanes, 2) + _lane(acc, lanes, 3))
     right = (_lane(acc, lanes, 4) + _lane(acc, lanes, 5)) + (_lane(acc, lanes, 6) + _lane(acc, lanes, 7))
-    tl.store(out_ptr + row, left + right)
+    # the block totals in order: through memory, so every load is issued before the chain of adds runs
+    totals = totals_ptr + row * NB
+    tl.store(totals + tl.arange(0, NB), left + right)
+    tl.debug_barrier()  # the CTA's stores are visible to all its threads
+    z = tl.load(totals)  # 0.0 + T_0 is T_0
+    for k in tl.static_range(1, NB):
+        z += tl.load(totals + k, mask=k < NBLOCKS, other=0.0)  # past the last block: 0.0, no change
+    tl.store(out_ptr + row, z)
 
 
 @triton.jit
@@ -262,13 +270,21 @@ def first_max(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def lane_sum(e: torch.Tensor) -> torch.Tensor:
-    """Z per row (float64 (rows,)) of float32 weights ``e`` (rows, V) with unit stride along V."""
+def lane_sum(e: torch.Tensor, block: int) -> torch.Tensor:
+    """Z per row (float64 (rows,)) of float32 weights ``e`` (rows, V) with unit stride along V, in blocks of
+    ``block`` tokens (a multiple of 8 x UNROLL; the rule's ``inverse_cdf.Z_BLOCK``)."""
     _check_rows(e, "lane_sum", (torch.float32,))
+    if block % (8 * UNROLL):
+        raise ValueError(f"lane_sum walks blocks in steps of {8 * UNROLL} tokens, not blocks of {block}")
     rows, vocab = e.shape
     out = torch.empty(rows, dtype=torch.float64, device=e.device)
     if rows:
-        _lane_sum_kernel[(rows,)](e, out, vocab, e.stride(0), UNROLL=UNROLL, num_warps=1)
+        nblocks = max(1, triton.cdiv(vocab, block))
+        nb = max(2, triton.next_power_of_2(nblocks))
+        totals = torch.empty(rows, nb, dtype=torch.float64, device=e.device)
+        unroll = max(1, min(UNROLL, 1024 // nb))  # a pipeline stage stays within 32 KB of shared memory
+        _lane_sum_kernel[(rows,)](e, totals, out, vocab, e.stride(0), nblocks, ZB=block, NB=nb, UNROLL=unroll,
+                                  STAGES=STAGES, num_warps=max(1, min(8, nb // 32)))
     return out
 
 

@@ -5,8 +5,9 @@ For a row of logits ``x``, an inverse temperature ``it`` and a floor (``log(min_
     m   = max_i float32(x_i)
     z_i = (float32(x_i) - m) * it                       float32, each operation rounded on its own
     e_i = pexp(z_i) if z_i >= floor else 0              a fixed polynomial exp (Cephes' expf)
-    Z   = the e_i summed in float64 in eight lanes (lane j takes i = j mod 8, in order),
-          the lanes combined ((0+1)+(2+3))+((4+5)+(6+7))
+    T_k = block k's e_i (i in [k * Z_BLOCK, (k + 1) * Z_BLOCK)) summed in float64 in eight lanes
+          (lane j takes i = j mod 8, in order, from 0.0), the lanes combined ((0+1)+(2+3))+((4+5)+(6+7))
+    Z   = the T_k added in order, from 0.0
     token = the first i whose running float64 sum of e exceeds u * Z
 
 The C++ kernel (csrc/pat_kernels/cpu/sample.cpp) does this with one thread per row and no sort;
@@ -21,7 +22,9 @@ order follows the batch's row count: a draw whose target lands between two round
 differ (rare; docs/numerics.md, "Not covered"); the invariant numerics mode samples inside
 ``batch_invariant_draws``, which takes the kernels whatever the switch says. The log of Z
 is left to the caller (Python's ``math.log``): a library log differs between its vector and scalar
-paths.
+paths. Z's blocks make its chains of dependent adds Z_BLOCK / 8 long instead of V / 8 (16,032 for
+Llama-3's vocabulary), so a GPU walks a row's blocks side by side; on the CPU they change nothing but the
+order.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ except ImportError:  # pragma: no cover - a partial install: the torch path serv
     cpu_sample = None
 
 LANES = 8
+Z_BLOCK = 1024  # tokens per block of Z (csrc/pat_kernels/cpu/sample_rule.h: kZBlock)
 EXP_MIN = -87.33654  # below this expf underflows: the weight is 0
 
 
@@ -67,16 +71,19 @@ def weights(x: torch.Tensor, inv_temp: torch.Tensor, floor: torch.Tensor) -> tup
 
 
 def lane_sum(e: torch.Tensor) -> torch.Tensor:
-    """Z per row (float64), in the kernel's eight-lane order (a sequential cumsum down each lane); by the
-    Triton kernel where ``PAT_TRITON_SAMPLER`` asks for it (CUDA by default) and it serves (the same bits)."""
+    """Z per row (float64), in the rule's blocks of eight lanes (sequential cumsums down each block's lanes,
+    then down the blocks' totals); by the Triton kernel where ``PAT_TRITON_SAMPLER`` asks for it (CUDA by
+    default) and it serves (the same bits)."""
     if _triton_takes_weights(e):
         from pat_kernels.triton_sampler import lane_sum as kernel
 
-        return kernel(e.contiguous())
+        return kernel(e.contiguous(), Z_BLOCK)
     rows, vocab = e.shape
-    padded = torch.nn.functional.pad(e, (0, -vocab % LANES)).view(rows, -1, LANES).double()
-    a = padded.cumsum(dim=1)[:, -1, :]
-    return ((a[:, 0] + a[:, 1]) + (a[:, 2] + a[:, 3])) + ((a[:, 4] + a[:, 5]) + (a[:, 6] + a[:, 7]))
+    blocks = max(1, -(-vocab // Z_BLOCK))
+    padded = torch.nn.functional.pad(e, (0, blocks * Z_BLOCK - vocab)).double()  # 0.0 adds nothing to a lane
+    a = padded.view(rows, blocks, Z_BLOCK // LANES, LANES).cumsum(dim=2)[:, :, -1, :]
+    totals = ((a[..., 0] + a[..., 1]) + (a[..., 2] + a[..., 3])) + ((a[..., 4] + a[..., 5]) + (a[..., 6] + a[..., 7]))
+    return totals.unsqueeze(-1).cumsum(dim=1)[:, -1, 0]  # T_0 + T_1 + ... in order (0.0 + T_0 is T_0)
 
 
 _BATCH_INVARIANT = contextvars.ContextVar("pat_batch_invariant_draws", default=False)

@@ -239,19 +239,19 @@ void kept_ids(const Cut& cut, PrefixScratch& s) {
 // The draw over the kept tokens, in id order, with the floor: as the masked row in rows() would.
 // ``w_ready``: ``s.e`` holds every weight with this floor (a nucleus without min_p), else the weights
 // are computed here. Up to n / 8 kept tokens are visited by id; more through a row of weights with the
-// others zeroed (adding 0.0 leaves every lane sum and the running sum as they were).
+// others zeroed (adding 0.0 leaves every block's lanes and the running sum as they were).
 template <typename T>
 void draw_kept(const T* row, int64_t n, float m, float it, float fl, double u, const Cut& cut, bool w_ready,
                PrefixScratch& s, int64_t* token, float* z_token, double* z_kept) {
   float* w = s.e.data();
   auto weight_at = [&](int64_t i) { return w_ready ? w[i] : weight(row, i, m, it, fl); };
-  double acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t t = -1;
   double goal = 0.0;
   if (cut.keep * 8 <= n) {
     kept_ids(cut, s);
-    for (const uint64_t i : s.ids) acc[i % kLanes] += static_cast<double>(weight_at(static_cast<int64_t>(i)));
-    *z_kept = combine_lanes(acc);
+    BlockedSum z;
+    for (const uint64_t i : s.ids) z.add(static_cast<int64_t>(i), weight_at(static_cast<int64_t>(i)));
+    *z_kept = z.total();
     goal = u * *z_kept;
     double sum = 0.0;
     int64_t last = 0;
@@ -273,8 +273,7 @@ void draw_kept(const T* row, int64_t n, float m, float it, float fl, double u, c
       const bool kept = (bucket[i] > last_bucket) | ((bucket[i] == last_bucket) & (order_key(row, i) <= cut.last_key));
       w[i] = kept ? weight_at(i) : 0.0f;
     }
-    add_to_lanes(acc, w, n);
-    *z_kept = combine_lanes(acc);
+    *z_kept = blocked_sum(w, n);
     goal = u * *z_kept;
     const float* rows_w[1] = {w};
     scan_group(rows_w, 1, n, &goal, &t);  // the first passing token, else the last with mass

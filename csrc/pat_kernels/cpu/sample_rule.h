@@ -5,7 +5,10 @@
 //   m   = max_i float(x_i)
 //   z_i = (float(x_i) - m) * inv_temp                     (<= 0)
 //   e_i = z_i >= floor ? pexp(z_i) : 0                    (floor: log(min_p), or -inf)
-//   Z   = eight lanes, lane j summing e_{8b+j} in double in order, combined ((0+1)+(2+3))+((4+5)+(6+7))
+//   Z   = blocks of kZBlock tokens, block k's total T_k summed in eight lanes (lane j adding e_{8b+j} of
+//         the block in double, in order, from 0.0) combined ((0+1)+(2+3))+((4+5)+(6+7)); Z = the T_k
+//         added in order from 0.0 (blocks let a GPU walk a row's lanes in parallel: its chain of dependent
+//         adds is kZBlock / 8 long, not V / 8)
 //   draw: token = the first i whose running double sum of e exceeds u * Z (else the last i with e_i > 0)
 // pexp is a fixed polynomial (Cephes' expf: 1-2 ulp) rather than a library exp, so torch can reproduce
 // it exactly. The max runs in sixteen lanes (exact: the same value, ties to the lowest id) and a thread
@@ -112,26 +115,63 @@ inline void add_to_lanes(double* acc, const float* w, int64_t len) {
   for (int k = 0; j + k < len; ++k) acc[k] += static_cast<double>(w[j + k]);
 }
 
-// Z from the lanes, in the rule's one order.
+// A block's total from its lanes, in the rule's one order.
 inline double combine_lanes(const double* acc) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+constexpr int64_t kZBlock = 1024;  // tokens per block of Z (pat_engine/sampling/inverse_cdf.py: Z_BLOCK)
+static_assert(kZBlock % kBlock == 0 && kZBlock % kLanes == 0, "a weight chunk lies in one block of Z");
+
+// Z taken in the rule's blocks from weights given in increasing token order (each at most once); a block
+// none is given for has total 0.0, and adding it would change nothing.
+class BlockedSum {
+ public:
+  // The weights of tokens i0 .. i0 + len - 1, all in one block, i0 a multiple of kLanes.
+  void add_run(int64_t i0, const float* w, int64_t len) {
+    enter(i0 / kZBlock);
+    add_to_lanes(acc_, w, len);
+  }
+  void add(int64_t i, float w) {
+    enter(i / kZBlock);
+    acc_[i % kLanes] += static_cast<double>(w);
+  }
+  double total() const { return z_ + combine_lanes(acc_); }
+
+ private:
+  void enter(int64_t block) {
+    if (block == block_) return;
+    z_ += combine_lanes(acc_);
+    for (double& a : acc_) a = 0.0;
+    block_ = block;
+  }
+  double z_ = 0.0;
+  double acc_[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t block_ = 0;
+};
+
+// Z of a row of weights.
+inline double blocked_sum(const float* w, int64_t n) {
+  BlockedSum z;
+  for (int64_t i0 = 0; i0 < n; i0 += kZBlock) z.add_run(i0, w + i0, std::min<int64_t>(kZBlock, n - i0));
+  return z.total();
 }
 
 template <typename T>
 inline double lane_sum(const T* x, int64_t n, float m, float it, float floor, float* e = nullptr) {
   // ``e``, when given, keeps every weight for the scan that follows (computed once). Each weight is
   // computed on its own (vector lanes round exactly as the scalar code: no contraction, no
-  // reassociation); lane j of ``acc`` sums the weights of i = j (mod kLanes) in increasing i.
-  double acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  // reassociation), then added to its block's lanes.
+  BlockedSum z;
   float block[kBlock];
   for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
     const int64_t len = std::min<int64_t>(kBlock, n - i0);
     float* w = e != nullptr ? e + i0 : block;
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) w[j] = weight(x, i0 + j, m, it, floor);
-    add_to_lanes(acc, w, len);
+    z.add_run(i0, w, len);
   }
-  return combine_lanes(acc);
+  return z.total();
 }
 
 // The scan of up to kGroup rows at once: token r = the first i whose running double sum of e_r
