@@ -32,11 +32,12 @@ def device_name(device: str, ranks_per_device: int = 1) -> str:
 
 
 def library_versions() -> dict:
+    """The versions of what computes a step (``table.LATENCY_LIBRARIES``): torch, Triton, pat-engine."""
     out = {"torch": torch.__version__, "pat-engine": __version__}
     try:
-        out["transformers"] = importlib.metadata.version("transformers")
+        out["triton"] = importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
-        out["transformers"] = None
+        out["triton"] = None
     return out
 
 

@@ -34,6 +34,7 @@ SCHEMA_VERSION = 1
 
 # Fields that change step latency: a table measured under other values is refused.
 CHECKED_FIELDS = ("model_fingerprint", "dtype", "device", "world", "block_size", "threads_per_worker")
+LATENCY_LIBRARIES = ("torch", "triton", "pat-engine")  # a new version may move step times: a warning
 
 
 class ProfileTableError(PatEngineError, ValueError):
@@ -50,7 +51,7 @@ class Deployment:
     candidate_tps: tuple[int, ...]
     block_size: int
     threads_per_worker: int | None = None  # CPU: torch threads per worker; None on GPU
-    libraries: dict = field(default_factory=dict)  # torch, transformers, pat-engine versions
+    libraries: dict = field(default_factory=dict)  # versions of LATENCY_LIBRARIES (older tables: transformers too)
     emulated: bool = False  # per-rank shard timed on one device + the collective model below
     collective_model: dict | None = None
 
@@ -64,9 +65,11 @@ class Deployment:
         return out
 
     def library_differences(self, other: "Deployment") -> list[str]:
-        keys = sorted(set(self.libraries) | set(other.libraries))
-        return [f"{k}: table={self.libraries.get(k)} engine={other.libraries.get(k)}"
-                for k in keys if self.libraries.get(k) != other.libraries.get(k)]
+        """The libraries that compute a step whose versions differ (an older table's transformers, which only
+        loads the config, is not one of them; nor is a library one side did not record)."""
+        keys = [k for k in LATENCY_LIBRARIES if k in self.libraries and k in other.libraries]
+        return [f"{k}: table={self.libraries[k]} engine={other.libraries[k]}"
+                for k in keys if self.libraries[k] != other.libraries[k]]
 
 
 @dataclass(frozen=True)
