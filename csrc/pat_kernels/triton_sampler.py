@@ -36,7 +36,8 @@ Bits (weights, Z): the twin's operations in the twin's order (0.0 pads a row to 
 as its ``F.pad`` does; adding 0.0 to a non-negative sum changes nothing). Tested under
 ``TRITON_INTERPRET=1`` (tests/test_triton_sampler.py). Used on CUDA by default (``PAT_TRITON_SAMPLER=auto``; the
 fourth H100 run, before Z's blocks: the RL draw 0.73 / 0.77 ms at 1 / 64 rows against the twin's 2.99 / 7.52,
-the same draws, ``bench/results/gpu_check.md``), and by the invariant numerics mode there (``inverse_cdf.batch_invariant_draws``).
+the same draws, ``bench/results/gpu_check.md``), and by the invariant numerics mode there
+(``inverse_cdf.batch_invariant_draws``).
 """
 
 from __future__ import annotations

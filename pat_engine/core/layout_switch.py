@@ -168,7 +168,8 @@ class _KVPlacement:
     runs: list[KVRun] = field(default_factory=list)
     tables: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> its table in its new group
     registered: dict[int, int] = field(default_factory=dict)  # seq_id -> leading blocks indexed in the new cache
-    contexts: list[tuple[int, int]] = field(default_factory=list)  # (new group, tokens) per migrating request or group's moved cache
+    # (new group, tokens) per migrating request, and per group's moved cache
+    contexts: list[tuple[int, int]] = field(default_factory=list)
     cached: dict[int, list[int]] = field(default_factory=dict)  # new group -> moved cached blocks no request holds
     _moved: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (old group, old block, new group) -> new
 
