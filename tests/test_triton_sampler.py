@@ -196,12 +196,13 @@ def test_the_draw_sums_in_blocks_not_in_one_chain():
     """Where the two orders round differently at the target, the kernel takes its blocks' token: 1.0 then
     two 2^-53 weights stay 1.0 in one chain (each add rounds back), but make 1 + 2^-52 as a block's total."""
     sk = _kernel()
-    e = torch.zeros(1, 256)  # 128 blocks of two tokens
-    e[0, 0], e[0, 2], e[0, 3], e[0, 255] = 1.0, 2.0**-53, 2.0**-53, 1.0
+    vocab = 2 * sk.DRAW_BLOCKS  # blocks of two tokens
+    e = torch.zeros(1, vocab)
+    e[0, 0], e[0, 2], e[0, 3], e[0, vocab - 1] = 1.0, 2.0**-53, 2.0**-53, 1.0
     e = e.to(DEV)
     u, z = torch.tensor([0.5], dtype=torch.float64, device=DEV), torch.tensor([2.0], dtype=torch.float64, device=DEV)
     assert sk.draw(e, u, z).tolist() == [3] == [sk.blocked_draw_reference(e[0].double().cpu().tolist(), 1.0)]
-    assert int((e.double().cumsum(dim=-1) <= 1.0).sum()) == 255  # the single chain reaches past 1.0 at 255
+    assert int((e.double().cumsum(dim=-1) <= 1.0).sum()) == vocab - 1  # the single chain passes 1.0 at the end
 
 
 @SLOW  # the fast tier keeps the hand-built case below
@@ -228,7 +229,7 @@ def test_the_nucleus_stops_where_the_sum_reaches_top_p_and_the_draw_where_it_pas
     """At a target the running sum meets exactly, the nucleus ends on that token (>=) and the draw takes the
     next (>): 0.5 + 0.25 = 0.75 exactly."""
     sk = _kernel()
-    e = torch.tensor([[0.5, 0.25, 0.125, 0.125] + [0.0] * 252], device=DEV)  # 128 blocks of two tokens
+    e = torch.tensor([[0.5, 0.25, 0.125, 0.125] + [0.0] * (2 * sk.DRAW_BLOCKS - 4)], device=DEV)  # blocks of two
     one = torch.ones(1, dtype=torch.float64, device=DEV)
     frac = torch.tensor([0.75], dtype=torch.float64, device=DEV)
     assert sk.first_reaching(e, frac, one).tolist() == [1] and sk.draw(e, frac, one).tolist() == [2]

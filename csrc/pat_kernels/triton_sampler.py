@@ -20,9 +20,11 @@ For a row of logits x, an inverse temperature ``it`` and a floor:
   issued before their chain of adds. Rows run side by side.
 - ``draw``: the token where the row's running float64 sum of e first passes u·Z. The CPU's rule is one
   chain of V dependent adds (a GPU's torch twin scans in ATen's order, which follows the batch's row
-  count); here the sum is taken in 128 blocks (``blocked_draw_reference`` has the rule in plain floats):
-  each block's total by one lane of a 128-lane walk, the totals' running sum in order, then the crossing
-  block walked from its start. Fixed by the row alone (batch-invariant); the CPU chain's token except
+  count); here the sum is taken in ``DRAW_BLOCKS`` (512) blocks (``blocked_draw_reference`` has the rule in
+  plain floats): each block's total by one lane of a 512-lane walk, the totals' running sum in order (read
+  back from memory after a barrier, as Z's are), then the crossing block walked from its start: chains of
+  251 + 512 + 251 adds for a 128,256-token vocabulary (with 128 blocks, as on the fourth H100 run: 1,002 +
+  128 + 1,002, the totals taken out of the walk's registers one cross-warp sum at a time). Fixed by the row alone (batch-invariant); the CPU chain's token except
   where u·Z falls between two roundings of a boundary.
 - ``first_reaching``: the same walk asking where the running sum reaches (>=) a target instead of passing
   it: over a row sorted by descending weight with top_p·Z as the target, one less than the top_p nucleus
@@ -151,8 +153,8 @@ def _crosses(running, target, REACH: tl.constexpr):
 
 
 @triton.jit
-def _draw_kernel(e_ptr, u_ptr, z_ptr, out_ptr, V, W, stride_e, NB: tl.constexpr, UNROLL: tl.constexpr,
-                 BLOCK: tl.constexpr, REACH: tl.constexpr):
+def _draw_kernel(e_ptr, u_ptr, z_ptr, totals_ptr, out_ptr, V, W, stride_e, NB: tl.constexpr, UNROLL: tl.constexpr,
+                 WALK_UNROLL: tl.constexpr, FOLD: tl.constexpr, BLOCK: tl.constexpr, REACH: tl.constexpr):
     """The first token where the blocked running sum passes u * Z (``REACH``: reaches it, >=)."""
     row = tl.program_id(0).to(tl.int64)
     base = e_ptr + row * stride_e
@@ -165,23 +167,28 @@ def _draw_kernel(e_ptr, u_ptr, z_ptr, out_ptr, V, W, stride_e, NB: tl.constexpr,
             within = lanes * 0 + w0 + j  # (NB,) each lane's place in its block
             idx = lanes * W + within
             totals += tl.load(base + idx, mask=(within < W) & (idx < V), other=0.0).to(tl.float64)
-    # the blocks' running sum, in order: the first block whose end passes the target
-    done = tl.sum(totals * 0.0, axis=0)  # 0.0 (loop-carried values are tensors from the start: one type)
+    # the blocks' running sum, in order: the first block whose end passes the target. The totals go
+    # through memory and come back FOLD at a time, their loads issued before the adds that wait for them.
+    scratch = totals_ptr + row * NB
+    tl.store(scratch + lanes, totals)
+    tl.debug_barrier()  # the CTA's stores are visible to all its threads
+    done = tl.load(scratch) * 0.0  # 0.0 (loop-carried values are tensors from the start: one type)
     start = done
-    block = tl.sum(lanes * 0, axis=0) - 1  # -1, an int32 tensor
-    for k in range(0, NB):
-        after = done + tl.sum(tl.where(lanes == k, totals, 0.0), axis=0)  # block k's total, exactly
-        hit = _crosses(after, target, REACH) & (block < 0)
-        start = tl.where(hit, done, start)
-        block = tl.where(hit, k, block)
-        done = after
+    block = (done * 0).to(tl.int32) - 1  # -1
+    for k0 in range(0, NB, FOLD):
+        for j in tl.static_range(FOLD):
+            after = done + tl.load(scratch + k0 + j)  # block k0 + j's total
+            hit = _crosses(after, target, REACH) & (block < 0)
+            start = tl.where(hit, done, start)
+            block = tl.where(hit, k0 + j, block)
+            done = after
     # inside it: start + the block's own running sum (its end is the block's end above, so it passes)
     token = (block * 0 - 1).to(tl.int64)
     if block >= 0:
         first = block * W
         walked = done * 0.0
-        for w0 in tl.range(0, W, UNROLL, num_stages=3):  # the next step's loads in flight
-            for j in tl.static_range(UNROLL):
+        for w0 in tl.range(0, W, WALK_UNROLL, num_stages=3):  # the next step's loads in flight
+            for j in tl.static_range(WALK_UNROLL):
                 ok = (w0 + j < W) & (first + w0 + j < V)
                 walked += tl.load(base + first + w0 + j, mask=ok, other=0.0).to(tl.float64)
                 token = tl.where(ok & _crosses(start + walked, target, REACH) & (token < 0),
@@ -289,7 +296,8 @@ def lane_sum(e: torch.Tensor, block: int) -> torch.Tensor:
     return out
 
 
-DRAW_BLOCKS = 128  # the blocks a row's running sum is cut into (``draw``)
+DRAW_BLOCKS = 512  # the blocks a row's running sum is cut into (``draw``): 251 tokens each for 128,256
+DRAW_FOLD = 64  # block totals whose loads are issued together while the draw adds them up in order
 
 
 def draw(e: torch.Tensor, u: torch.Tensor, z_sum: torch.Tensor) -> torch.Tensor:
@@ -311,9 +319,10 @@ def _blocked_scan(e: torch.Tensor, fraction: torch.Tensor, z_sum: torch.Tensor, 
     out = torch.empty(rows, dtype=torch.int64, device=e.device)
     if rows:
         width = -(-vocab // DRAW_BLOCKS)
-        _draw_kernel[(rows,)](e, fraction.to(torch.float64).contiguous(), z_sum.to(torch.float64).contiguous(), out,
-                              vocab, width, e.stride(0), NB=DRAW_BLOCKS, UNROLL=16, BLOCK=BLOCK, num_warps=4,
-                              REACH=reach)
+        totals = torch.empty(rows, DRAW_BLOCKS, dtype=torch.float64, device=e.device)
+        _draw_kernel[(rows,)](e, fraction.to(torch.float64).contiguous(), z_sum.to(torch.float64).contiguous(), totals,
+                              out, vocab, width, e.stride(0), NB=DRAW_BLOCKS, UNROLL=16, WALK_UNROLL=16,
+                              FOLD=DRAW_FOLD, BLOCK=BLOCK, REACH=reach, num_warps=4)
     return out
 
 
