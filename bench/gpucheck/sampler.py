@@ -29,6 +29,11 @@ from gpucheck.shared import Ctx, env_switches, log, median, time_interleaved, ve
 from pat_engine.env import TRITON_SAMPLER
 
 
+# The fourth H100 run's Triton rows (bench/results/gpu_check.md, part 3), before Z's blocks of 1,024 tokens
+# and the draw's 512 blocks: what the headlines set this run's rows beside (rows -> ms).
+BEFORE_BLOCKS_MS = {"Z alone": {1: 0.5772, 64: 0.5791}, "RL draw": {1: 0.726, 64: 0.7749}}
+
+
 def with_switch(on: bool, fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` run with ``PAT_TRITON_SAMPLER`` on or off (read on every call), the variable restored after."""
     def run():
@@ -75,6 +80,14 @@ def draw_case(rows: int, vocab: int, device: str, repeats: int, warmup: int) -> 
     return {"rows": rows, "vocab": vocab, "ms": times, "same": same}
 
 
+def _before_blocks(rows: int, draw_ms: float, z_ms: float) -> str:
+    """The fourth H100 run's figures at these rows, where it measured them (another device: only a scale)."""
+    if rows not in BEFORE_BLOCKS_MS["Z alone"]:
+        return ""
+    return (f"; the fourth H100 run, before the blocks: RL draw {BEFORE_BLOCKS_MS['RL draw'][rows]:.3f} ms, Z alone "
+            f"{BEFORE_BLOCKS_MS['Z alone'][rows]:.3f} ms (now {draw_ms:.3f} and {z_ms:.3f})")
+
+
 def run(ctx: Ctx) -> PartResult:
     if ctx.smoke:
         rows_list, vocab, repeats, warmup = (1, 4), ctx.spec.vocab_size, 2, 1
@@ -99,7 +112,7 @@ def run(ctx: Ctx) -> PartResult:
             f"{ms['Z alone, torch']:.3f} vs {ms['Z alone, Triton']:.3f}; top_p 0.9 "
             f"{ms['top_p 0.9 + log-probs, torch']:.3f} vs {ms['top_p 0.9 + log-probs, Triton']:.3f}); "
             f"greedy {ms['greedy, torch']:.3f} vs {ms['greedy, Triton']:.3f} ms; "
-            f"same bits: {verdict(c['same'])}")
+            f"same bits: {verdict(c['same'])}" + _before_blocks(c['rows'], triton_ms, ms['Z alone, Triton']))
     if ctx.smoke:
         headlines = ["smoke: not judged"] + [f"same bits at {c['rows']} rows: {verdict(c['same'])}" for c in cases]
     setup = (f"bf16 logits (standard normal x 3), {'the toy' if ctx.smoke else 'the Llama-3'} vocabulary, every row "
