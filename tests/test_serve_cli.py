@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from pat_engine.config import EngineConfig
+from pat_engine.errors import InvalidRequestError
 from pat_engine.parallel.layout import Layout
 from pat_engine.serve.batch.report import layout_segments
 from pat_engine.serve.engine_args import EngineArgs, add_engine_args
@@ -102,21 +103,24 @@ def test_engine_flags_take_vllms_names_and_leave_what_is_not_given_to_the_config
     ns = p.parse_args(["--model", "m", "--tensor-parallel-size", "2", "--data-parallel-size", "2", "--device", "cpu",
                        "--gpu-memory-utilization", "0.5", "--enforce-eager", "--max-num-seqs", "32",
                        "--max-num-batched-tokens", "2048", "--no-enable-prefix-caching", "--block-size", "32",
-                       "--attention-backend", "torch", "--switch-keeps-prefix-cache"])
+                       "--attention-backend", "torch", "--switch-keeps-prefix-cache", "--max-tp", "16"])
     args = EngineArgs.from_namespace(ns)
     assert args.layout() == Layout(2, 2)
     given = dict(device="cpu", gpu_memory_utilization=0.5, enforce_eager=True, max_num_seqs=32,
                  max_num_batched_tokens=2048, enable_prefix_caching=False, block_size=32, attention_backend="torch",
-                 switch_keeps_prefix_cache=True)
+                 switch_keeps_prefix_cache=True, max_tp=16)
     kwargs = args.engine_kwargs()
     assert {k: kwargs[k] for k in given} == given
     cfg = EngineConfig.from_kwargs("m", tp=2, dp=2, **kwargs)  # every flag is a field the config checks
     assert cfg.graphs() is None and not cfg.enable_prefix_caching and cfg.switch_keeps_prefix_cache
+    assert cfg.max_tp == 16
+    with pytest.raises(InvalidRequestError, match="max_tp must be a power of two"):
+        EngineConfig.from_kwargs("m", tp=2, dp=2, **{**kwargs, "max_tp": 6})
 
     plain = EngineArgs.from_namespace(p.parse_args(["--model", "m"])).engine_kwargs()
     assert plain["device"] == ("cuda" if torch.cuda.is_available() else "cpu") and plain["enforce_eager"] is False
     assert not {"gpu_memory_utilization", "max_num_seqs", "block_size", "enable_prefix_caching",
-                "switch_keeps_prefix_cache"} & set(plain)
+                "switch_keeps_prefix_cache", "max_tp"} & set(plain)
     for bad in (["--device", "tpu"], ["--attention-backend", "fast"]):
         with pytest.raises(SystemExit):
             p.parse_args(["--model", "m", *bad])

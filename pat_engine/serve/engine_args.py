@@ -75,6 +75,7 @@ class EngineArgs:
     block_size: int | None = None
     attention_backend: str | None = None
     switch_keeps_prefix_cache: bool | None = None
+    max_tp: int | None = None
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":
@@ -136,7 +137,7 @@ class EngineArgs:
 
 # EngineConfig fields whose flag may be left out (EngineConfig's default then stands)
 _OPTIONAL = ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "block_size",
-             "attention_backend", "switch_keeps_prefix_cache")
+             "attention_backend", "switch_keeps_prefix_cache", "max_tp")
 
 
 def _default(field: str) -> str:
@@ -190,6 +191,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     g.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
                    help="invariant: the same bits at every layout and across live switches; fast: the layout "
                         "decides the rounding (docs/numerics.md)")
+    g.add_argument("--max-tp", type=int, default=None, metavar="N",
+                   help="with --numerics invariant: the largest TP any deployment of this model may use, a power "
+                        "of two; engines and reference_logprobs agree bit for bit when they declare the same "
+                        f"(default {_default('max_tp')})")
     g.add_argument("--speculative", action="store_true",
                    help="speculative decoding of small batches without a draft model; exact with --numerics "
                         "invariant or float64 (docs/speculative.md)")
