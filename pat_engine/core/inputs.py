@@ -36,12 +36,16 @@ def max_prompt_chars(max_model_len: int) -> int:
     return max_model_len * MAX_CHARS_PER_TOKEN
 
 
-def load_tokenizer(path: str | None):
-    """A Hugging Face tokenizer if the directory has one, else None (token-id prompts only)."""
+def load_tokenizer(path: str | None, required: bool = False):
+    """A Hugging Face tokenizer if the directory has one, else None (token-id prompts only); ``required``
+    (a tokenizer directory the user named): ``InvalidRequestError`` naming it instead of None."""
     if path is None:
         return None
     p = Path(path)
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        if required:
+            raise InvalidRequestError(f"tokenizer {path!r}: no tokenizer.json, tokenizer_config.json or "
+                                      "tokenizer.model there")
         return None
     from transformers import AutoTokenizer
 
