@@ -172,9 +172,9 @@ def _draw_kernel(e_ptr, u_ptr, z_ptr, totals_ptr, out_ptr, V, W, stride_e, NB: t
     scratch = totals_ptr + row * NB
     tl.store(scratch + lanes, totals)
     tl.debug_barrier()  # the CTA's stores are visible to all its threads
-    done = tl.load(scratch) * 0.0  # 0.0 (loop-carried values are tensors from the start: one type)
+    done = tl.full([], 0.0, tl.float64)  # loop-carried values are tensors from the start: one type
     start = done
-    block = (done * 0).to(tl.int32) - 1  # -1
+    block = tl.full([], -1, tl.int32)
     for k0 in range(0, NB, FOLD):
         for j in tl.static_range(FOLD):
             after = done + tl.load(scratch + k0 + j)  # block k0 + j's total
