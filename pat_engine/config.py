@@ -78,6 +78,9 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     tokenizer: str | None = None  # defaults to the model directory
+    # a Jinja chat template, or a file holding one, in place of the tokenizer's (vLLM's --chat-template;
+    # core/chat.py): base models have none, and RL recipes often render chats their own way
+    chat_template: str | None = None
     seed: int = 0  # seeds per-request seeds when a request gives none
 
     # KV cache and batching

@@ -104,12 +104,12 @@ def test_engine_flags_take_vllms_names_and_leave_what_is_not_given_to_the_config
                        "--gpu-memory-utilization", "0.5", "--enforce-eager", "--max-num-seqs", "32",
                        "--max-num-batched-tokens", "2048", "--no-enable-prefix-caching", "--block-size", "32",
                        "--attention-backend", "torch", "--switch-keeps-prefix-cache", "--max-tp", "16",
-                       "--tokenizer", "tok"])
+                       "--tokenizer", "tok", "--chat-template", "chat.jinja"])
     args = EngineArgs.from_namespace(ns)
     assert args.layout() == Layout(2, 2)
     given = dict(device="cpu", gpu_memory_utilization=0.5, enforce_eager=True, max_num_seqs=32,
                  max_num_batched_tokens=2048, enable_prefix_caching=False, block_size=32, attention_backend="torch",
-                 switch_keeps_prefix_cache=True, max_tp=16, tokenizer="tok")
+                 switch_keeps_prefix_cache=True, max_tp=16, tokenizer="tok", chat_template="chat.jinja")
     kwargs = args.engine_kwargs()
     assert {k: kwargs[k] for k in given} == given
     cfg = EngineConfig.from_kwargs("m", tp=2, dp=2, **kwargs)  # every flag is a field the config checks
@@ -121,7 +121,7 @@ def test_engine_flags_take_vllms_names_and_leave_what_is_not_given_to_the_config
     plain = EngineArgs.from_namespace(p.parse_args(["--model", "m"])).engine_kwargs()
     assert plain["device"] == ("cuda" if torch.cuda.is_available() else "cpu") and plain["enforce_eager"] is False
     assert not {"gpu_memory_utilization", "max_num_seqs", "block_size", "enable_prefix_caching",
-                "switch_keeps_prefix_cache", "max_tp", "tokenizer"} & set(plain)
+                "switch_keeps_prefix_cache", "max_tp", "tokenizer", "chat_template"} & set(plain)
     for bad in (["--device", "tpu"], ["--attention-backend", "fast"]):
         with pytest.raises(SystemExit):
             p.parse_args(["--model", "m", *bad])

@@ -18,7 +18,7 @@ from pat_engine import SamplingParams
 from pat_engine.predictor.policy import ScheduledSwitches
 from pat_engine.serve.launcher import BackgroundServer
 from pat_engine.serve.server import ServerConfig, build_app
-from pat_engine.serve.openai.translate import apply_chat_template
+from pat_engine.core.chat import apply_chat_template
 
 from http_fixtures import MAX_LEN, MODEL, client, engine, server  # noqa: F401 (fixtures, used by name)
 

@@ -72,7 +72,8 @@ class Engine:
         self.arch = load_model_arch(cfg.model)  # unknown architecture / missing files fail here, before spawning
         check_safetensors_headers(safetensors_files(cfg.model))  # a damaged file is named before spawning
         self.base_layout = self.arch.layout(cfg.world, cfg.tp)
-        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, required=cfg.tokenizer is not None)
+        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, required=cfg.tokenizer is not None,
+                                        chat_template=cfg.chat_template)
         max_len = min(cfg.max_model_len or self.arch.max_position, self.arch.max_position)
         self.request_factory = RequestFactory(self.arch, self.tokenizer, max_len, cfg.seed)
         self.weights = ServedWeights(cfg.model)

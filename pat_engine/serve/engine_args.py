@@ -77,6 +77,7 @@ class EngineArgs:
     switch_keeps_prefix_cache: bool | None = None
     max_tp: int | None = None
     tokenizer: str | None = None
+    chat_template: str | None = None
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":
@@ -138,7 +139,7 @@ class EngineArgs:
 
 # EngineConfig fields whose flag may be left out (EngineConfig's default then stands)
 _OPTIONAL = ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "block_size",
-             "attention_backend", "switch_keeps_prefix_cache", "max_tp", "tokenizer")
+             "attention_backend", "switch_keeps_prefix_cache", "max_tp", "tokenizer", "chat_template")
 
 
 def _default(field: str) -> str:
@@ -152,6 +153,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     g.add_argument("--model", required=model_required, help="Hugging Face checkpoint directory")
     g.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="Hugging Face tokenizer directory (default: the model's)")
+    g.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                   help="a Jinja chat template, or the path of a file holding one, used in place of the "
+                        "tokenizer's (checked at start-up)")
     g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                    help="base tensor-parallel degree (default 1)")
     g.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, default=None,

@@ -4,7 +4,8 @@ Two input styles, told apart per line:
 - pat style: ``{"id": .., "prompt": "..."}`` or ``"messages": [..]`` or ``"input_ids": [..]``, with optional
   sampling fields (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
   ``stop_token_ids``, ``ignore_eos``, ``logprobs``, ``min_tokens``, ``n``) that override the command-line
-  defaults; with ``n`` > 1 the record carries every sample under ``samples``;
+  defaults, and with ``messages`` the chat endpoint's ``add_generation_prompt``, ``continue_final_message``
+  and ``chat_template_kwargs``; with ``n`` > 1 the record carries every sample under ``samples``;
 - OpenAI Batch API: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
   "body": {...}}``, answered with OpenAI Batch output lines.
 
@@ -25,6 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pat_engine.core.chat import ChatOptions
 from pat_engine.errors import InvalidRequestError
 from pat_engine.outputs import RequestOutput
 from pat_engine.rollout.rewards import RewardResult
@@ -44,10 +46,9 @@ from pat_engine.serve.openai.protocol import (
 from pat_engine.serve.openai.translate import (
     chat_choice,
     chat_input,
-    chat_tokens,
+    chat_prompt,
     completion_choice,
     completion_inputs,
-    render_chat,
     usage,
 )
 
@@ -86,13 +87,27 @@ class PatLine(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     n: int = Field(default=1, ge=1)
     metadata: dict[str, Any] | None = None  # for --reward
+    # with messages: how the chat is rendered (the chat endpoint's fields)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self):
         given = [k for k in ("prompt", "messages", "input_ids") if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of prompt, messages, input_ids (got {', '.join(given) or 'none'})")
+        chat_fields = [k for k in _CHAT_FIELDS if k in self.model_fields_set]
+        if chat_fields and self.messages is None:
+            raise ValueError(f"{', '.join(chat_fields)}: only with messages")
+        self.chat_options()  # the rules' one home (core/chat.py)
         return self
+
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {})
+
+
+_CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 
 
 @dataclass(frozen=True)
@@ -145,12 +160,12 @@ def parse_line(line: int, obj: Any, tokenizer: Any, max_model_len: int, defaults
     except ValidationError as exc:
         raise LineError(line, _pydantic_message(exc), key=key) from None
     try:
-        options = pat.model_dump(exclude={"id", "prompt", "messages", "input_ids", "metadata"})
+        options = pat.model_dump(exclude={"id", "prompt", "messages", "input_ids", "metadata", *_CHAT_FIELDS})
         params = to_sampling_params(options, defaults=asdict(defaults))
-        rendered = None
+        rendered: str | None = None
+        prompt: Any
         if pat.messages is not None:
-            rendered = render_chat(tokenizer, [{"role": m.role, "content": m.text()} for m in pat.messages])
-            prompt: Any = chat_tokens(tokenizer, rendered)
+            prompt, rendered = chat_prompt(tokenizer, pat.messages, pat.chat_options(), max_model_len)
         else:
             prompt = pat.prompt if pat.prompt is not None else pat.input_ids
     except InvalidRequestError as exc:

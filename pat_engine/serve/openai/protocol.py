@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pat_engine.core.chat import ChatOptions
 from pat_engine.sampling.options import best_of_refusal
 from pat_engine.sampling.params import MAX_SAMPLES, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN
 
@@ -146,6 +147,16 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True  # vLLM extra
+    continue_final_message: bool = False  # vLLM extra: the last (assistant) message is continued, not closed
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extra: template variables (e.g. enable_thinking)
+
+    @model_validator(mode="after")
+    def _chat_options(self):
+        self.chat_options()  # the rules' one home (core/chat.py); a conflict is a 400 naming the fields
+        return self
+
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {})
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

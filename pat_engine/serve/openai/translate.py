@@ -6,8 +6,10 @@ answer whichever way it arrives.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from pat_engine.core.chat import ChatOptions, chat_tokens, render_chat
 from pat_engine.core.inputs import max_prompt_chars
 from pat_engine.errors import InvalidRequestError
 from pat_engine.outputs import RequestOutput
@@ -19,6 +21,7 @@ from pat_engine.serve.openai.protocol import (
     ChatCompletionRequest,
     ChatLogprobs,
     ChatLogprobToken,
+    ChatMessage,
     ChatResponseMessage,
     CompletionChoice,
     CompletionLogprobs,
@@ -26,29 +29,6 @@ from pat_engine.serve.openai.protocol import (
     TopLogprob,
     UsageInfo,
 )
-
-
-def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a chat, rendered with the tokenizer's own template (no extra BOS: the template has it)."""
-    return chat_tokens(tokenizer, render_chat(tokenizer, messages, add_generation_prompt))
-
-
-def chat_tokens(tokenizer: Any, text: str) -> list[int]:
-    """A rendered chat's token ids (no extra BOS: the template has it)."""
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """A chat as the tokenizer's own template renders it; clear errors for a missing tokenizer or template."""
-    if tokenizer is None:
-        raise InvalidRequestError("chat needs a tokenizer but the model has none; send token ids to /v1/completions")
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError("the model's tokenizer has no chat template; use /v1/completions")
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as exc:  # a template may raise on roles it does not know
-        raise InvalidRequestError(f"the chat template rejected the messages: {exc}") from None
-    return text
 
 
 def sampling_params(req: Any, max_new_tokens: int, logprobs: bool, top_logprobs: int = 0,
@@ -71,14 +51,23 @@ def completion_inputs(req: CompletionRequest) -> list[EngineInput]:
     return [EngineInput(p, params) for p in prompts]
 
 
-def chat_input(req: ChatCompletionRequest, tokenizer: Any, max_model_len: int) -> EngineInput:
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
-    chars, limit = sum(len(m["content"]) for m in messages), max_prompt_chars(max_model_len)
-    if chars > limit:  # refuse before rendering and tokenizing, as for text prompts
-        raise InvalidRequestError(f"messages hold {chars} characters, more than the {limit} that can fit a context "
+def chat_prompt(tokenizer: Any, messages: list[ChatMessage], options: ChatOptions,
+                max_model_len: int) -> tuple[list[int], str]:
+    """A chat's token ids and its rendered text. A chat whose messages and template variables hold more
+    characters than the context could take is refused before it is rendered and tokenized, as a text prompt is."""
+    chat = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+    variables = len(json.dumps(options.template_kwargs)) if options.template_kwargs else 0
+    chars, limit = sum(len(m["content"]) for m in chat) + variables, max_prompt_chars(max_model_len)
+    if chars > limit:
+        held = "messages and chat_template_kwargs hold" if variables else "messages hold"
+        raise InvalidRequestError(f"{held} {chars} characters, more than the {limit} that can fit a context "
                                   f"of {max_model_len} tokens; shorten the chat")
-    text = render_chat(tokenizer, messages, req.add_generation_prompt)
-    ids = chat_tokens(tokenizer, text)
+    text = render_chat(tokenizer, chat, options)
+    return chat_tokens(tokenizer, text), text
+
+
+def chat_input(req: ChatCompletionRequest, tokenizer: Any, max_model_len: int) -> EngineInput:
+    ids, text = chat_prompt(tokenizer, req.messages, req.chat_options(), max_model_len)
     max_new = req.max_new_tokens()
     if max_new is None:  # OpenAI's default for chat: whatever room the context leaves
         max_new = max(1, max_model_len - len(ids))

@@ -1,0 +1,109 @@
+"""Chats to prompt text: the tokenizer's chat template, or the one the deployment names (vLLM's
+``--chat-template``), rendered with a request's options (``add_generation_prompt``,
+``continue_final_message``, ``chat_template_kwargs``).
+
+One home for the rules every route that takes a chat shares (the OpenAI chat endpoint, both kinds of batch
+line). Errors are ``InvalidRequestError`` naming the option at fault; a template the deployment names is
+checked when the engine starts, so a typo fails there rather than on every chat request.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pat_engine.errors import InvalidRequestError
+
+# A text with one of these is a template; anything else is taken for a file's path (vLLM's rule, in that order
+# reversed: a template text is never looked up on disk).
+_JINJA_MARKERS = ("{{", "{%")
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a chat is rendered (the fields of vLLM's chat request that shape the prompt)."""
+
+    add_generation_prompt: bool = True  # open the assistant's turn after the last message
+    continue_final_message: bool = False  # leave the last (assistant) message open, to be continued
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables (enable_thinking)
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true: "
+                                      "send add_generation_prompt=false to continue the last message")
+        check_template_kwargs(self.template_kwargs)
+
+
+@functools.cache
+def reserved_template_kwargs() -> frozenset[str]:
+    """Names a request's ``chat_template_kwargs`` may not use: ``apply_chat_template``'s own parameters (they
+    would change how the chat is rendered or returned, not what the template sees) and ``messages``, which
+    the template receives from the chat itself. Read from transformers' signature so it follows the version."""
+    from transformers import PreTrainedTokenizerBase
+
+    params = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    named = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n != "self"}
+    return frozenset(named | {"messages"})
+
+
+def check_template_kwargs(kwargs: dict[str, Any]) -> None:
+    if not kwargs:  # the common case needs no transformers import
+        return
+    clash = sorted(set(kwargs) & reserved_template_kwargs())
+    if clash:
+        raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(map(repr, clash))}: "
+                                  "the request's own fields (or the chat) give those")
+
+
+def resolve_chat_template(value: str) -> str:
+    """The template a deployment names: the text itself when it holds Jinja markup, else the file at that
+    path; its syntax is checked here (transformers' own compiler, so its extensions parse)."""
+    if any(marker in value for marker in _JINJA_MARKERS):
+        text = value
+    else:
+        path = Path(value)
+        if not path.is_file():
+            raise InvalidRequestError(f"chat template {value!r}: no such file, and no Jinja markup ({{{{ or {{%) "
+                                      "to take it for a template")
+        text = path.read_text()
+    try:
+        # private, but the one compiler whose extensions (the generation tag) match how the template runs
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a transformers without it: the first chat reports a broken template instead
+        return text
+    try:
+        _compile_jinja_template(text)
+    except Exception as exc:  # jinja2.TemplateSyntaxError, named with its line
+        raise InvalidRequestError(f"chat template {value[:80]!r}: {type(exc).__name__}: {exc}") from None
+    return text
+
+
+def render_chat(tokenizer: Any, messages: list[dict], options: ChatOptions = ChatOptions()) -> str:
+    """A chat as the tokenizer's template renders it; clear errors for a missing tokenizer or template and for
+    a template that rejects the messages."""
+    if tokenizer is None:
+        raise InvalidRequestError("chat needs a tokenizer but the model has none; send token ids to /v1/completions")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("the model's tokenizer has no chat template; start the engine with "
+                                  "--chat-template, or use /v1/completions")
+    try:
+        # continue_final_message only when asked: tokenizers older than it (and stand-ins) take the call as before
+        more = {"continue_final_message": True} if options.continue_final_message else {}
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=options.add_generation_prompt, **more,
+                                             **options.template_kwargs)
+    except Exception as exc:  # a template may raise on roles it does not know, or on a variable's value
+        raise InvalidRequestError(f"the chat template rejected the messages: {exc}") from None
+
+
+def chat_tokens(tokenizer: Any, text: str) -> list[int]:
+    """A rendered chat's token ids (no extra BOS: the template has it)."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict], options: ChatOptions = ChatOptions()) -> list[int]:
+    """Token ids of a chat, rendered with the tokenizer's own template."""
+    return chat_tokens(tokenizer, render_chat(tokenizer, messages, options))
