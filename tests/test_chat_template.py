@@ -8,7 +8,14 @@ import httpx
 import pytest
 
 from pat_engine import Engine, InvalidRequestError, SamplingParams
-from pat_engine.core.chat import ChatOptions, apply_chat_template, render_chat, resolve_chat_template
+from pat_engine.core.chat import (
+    ChatOptions,
+    apply_chat_template,
+    chat_prompt,
+    install_chat_template,
+    render_chat,
+    resolve_chat_template,
+)
 from pat_engine.core.inputs import load_tokenizer
 from pat_engine.serve.batch.lines import LineError, SamplingDefaults, parse_line
 from pat_engine.serve.launcher import BackgroundServer
@@ -34,7 +41,8 @@ def test_a_named_template_is_its_text_or_a_file_and_its_syntax_is_checked(tmp_pa
 
 def test_the_deployments_template_replaces_the_tokenizers(model_dir, tmp_path):
     own = load_tokenizer(model_dir("llama"))
-    named = load_tokenizer(model_dir("llama"), chat_template=THINKING)
+    named = load_tokenizer(model_dir("llama"))
+    install_chat_template(named, THINKING, "tiny")
     assert own.chat_template != THINKING and named.chat_template == THINKING
     # the variable reaches the template: absent, the template's default; set, what the request asked
     plain = render_chat(named, CHAT)
@@ -42,8 +50,8 @@ def test_the_deployments_template_replaces_the_tokenizers(model_dir, tmp_path):
     off = render_chat(named, CHAT, ChatOptions(template_kwargs={"enable_thinking": False}))
     assert off == plain + "the end"
     assert render_chat(named, CHAT, ChatOptions(template_kwargs={"enable_thinking": True})) == plain
-    with pytest.raises(InvalidRequestError, match="needs a tokenizer"):
-        load_tokenizer(None, chat_template=THINKING)
+    with pytest.raises(InvalidRequestError, match="needs a tokenizer, and 'bare' has none"):
+        install_chat_template(None, THINKING, "bare")
 
 
 def test_continue_final_message_leaves_the_last_message_open(model_dir):
@@ -65,7 +73,8 @@ def test_options_that_would_change_how_the_chat_is_rendered_are_refused(options,
 
 
 def test_batch_lines_take_the_chat_fields_with_messages_only(model_dir):
-    tokenizer = load_tokenizer(model_dir("llama"), chat_template=THINKING)
+    tokenizer = load_tokenizer(model_dir("llama"))
+    install_chat_template(tokenizer, THINKING, "tiny")
     line = {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}, "max_tokens": 4}
     item = parse_line(1, line, tokenizer, 512, SamplingDefaults())
     assert item.input.prompt == apply_chat_template(tokenizer, CHAT, ChatOptions(template_kwargs={
@@ -117,3 +126,17 @@ def test_an_engine_started_with_a_template_serves_chats_through_it(model_dir, tm
             r = chat(**fields)
             assert r.status_code == 400 and match in r.text, r.text
         assert chat().status_code == 200  # the engine is still up
+
+        # offline, as vLLM's LLM.chat: one conversation or several, the same options, the same tokens
+        greedy = SamplingParams(max_new_tokens=3)
+        ids = apply_chat_template(engine.tokenizer, CHAT, ChatOptions(template_kwargs={"enable_thinking": False}))
+        want = engine.generate([ids], greedy, use_tqdm=False)[0]
+        one = engine.chat(CHAT, greedy, chat_template_kwargs={"enable_thinking": False}, use_tqdm=False)
+        assert one[0].prompt_token_ids == ids and one[0].token_ids == want.token_ids
+        two = engine.chat([CHAT, CHAT], greedy, use_tqdm=False)
+        assert [o.prompt_token_ids for o in two] == [apply_chat_template(engine.tokenizer, CHAT)] * 2
+        with pytest.raises(InvalidRequestError, match="conversation 1: message 0: role: Input should be"):
+            engine.chat([CHAT, [{"role": "robot", "content": "hi"}]], greedy)
+        with pytest.raises(InvalidRequestError, match="a chat is a list of messages, got str"):
+            engine.chat(["hi"], greedy)
+        assert engine.chat(CHAT, greedy, use_tqdm=False)[0].token_ids == two[0].token_ids

@@ -11,15 +11,46 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Sequence
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from pat_engine.core.inputs import max_prompt_chars
 from pat_engine.errors import InvalidRequestError
 
 # A text with one of these is a template; anything else is taken for a file's path (vLLM's rule, in that order
 # reversed: a template text is never looked up on disk).
 _JINJA_MARKERS = ("{{", "{%")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message of a chat (OpenAI's shape; text content only)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.text(), **({"name": self.name} if self.name else {})}
 
 
 @dataclass(frozen=True)
@@ -58,6 +89,15 @@ def check_template_kwargs(kwargs: dict[str, Any]) -> None:
                                   "the request's own fields (or the chat) give those")
 
 
+def install_chat_template(tokenizer: Any, value: str, tokenizer_dir: str) -> None:
+    """Put the template a deployment names (``EngineConfig.chat_template``) in place of the tokenizer's."""
+    template = resolve_chat_template(value)
+    if tokenizer is None:
+        raise InvalidRequestError(f"a chat template needs a tokenizer, and {tokenizer_dir!r} has none; name one "
+                                  "with --tokenizer")
+    tokenizer.chat_template = template
+
+
 def resolve_chat_template(value: str) -> str:
     """The template a deployment names: the text itself when it holds Jinja markup, else the file at that
     path; its syntax is checked here (transformers' own compiler, so its extensions parse)."""
@@ -85,10 +125,10 @@ def render_chat(tokenizer: Any, messages: list[dict], options: ChatOptions = Cha
     """A chat as the tokenizer's template renders it; clear errors for a missing tokenizer or template and for
     a template that rejects the messages."""
     if tokenizer is None:
-        raise InvalidRequestError("chat needs a tokenizer but the model has none; send token ids to /v1/completions")
+        raise InvalidRequestError("chat needs a tokenizer but the model has none; send token ids as a completion")
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("the model's tokenizer has no chat template; start the engine with "
-                                  "--chat-template, or use /v1/completions")
+                                  "--chat-template, or send a completion")
     try:
         # continue_final_message only when asked: tokenizers older than it (and stand-ins) take the call as before
         more = {"continue_final_message": True} if options.continue_final_message else {}
@@ -97,6 +137,34 @@ def render_chat(tokenizer: Any, messages: list[dict], options: ChatOptions = Cha
                                              **options.template_kwargs)
     except Exception as exc:  # a template may raise on roles it does not know, or on a variable's value
         raise InvalidRequestError(f"the chat template rejected the messages: {exc}") from None
+
+
+def chat_prompt(tokenizer: Any, messages: Sequence[ChatMessage | dict], options: ChatOptions,
+                max_model_len: int) -> tuple[list[int], str]:
+    """A chat's token ids and its rendered text. A chat whose messages and template variables hold more
+    characters than the context could take is refused before it is rendered and tokenized, as a text
+    prompt is (``core/inputs.py``). Plain dicts are checked against ``ChatMessage``."""
+    if not isinstance(messages, (list, tuple)):
+        raise InvalidRequestError(f"a chat is a list of messages, got {type(messages).__name__}")
+    parsed = []
+    for i, message in enumerate(messages):
+        try:
+            parsed.append(message if isinstance(message, ChatMessage) else ChatMessage.model_validate(message))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field_at = ".".join(map(str, first["loc"]))
+            raise InvalidRequestError(f"message {i}{': ' + field_at if field_at else ''}: {first['msg']}") from None
+    if not parsed:
+        raise InvalidRequestError("a chat needs at least one message")
+    chat = [m.for_template() for m in parsed]
+    variables = len(json.dumps(options.template_kwargs)) if options.template_kwargs else 0
+    chars, limit = sum(len(m["content"]) for m in chat) + variables, max_prompt_chars(max_model_len)
+    if chars > limit:
+        held = "messages and chat_template_kwargs hold" if variables else "messages hold"
+        raise InvalidRequestError(f"{held} {chars} characters, more than the {limit} that can fit a context "
+                                  f"of {max_model_len} tokens; shorten the chat")
+    text = render_chat(tokenizer, chat, options)
+    return chat_tokens(tokenizer, text), text
 
 
 def chat_tokens(tokenizer: Any, text: str) -> list[int]:

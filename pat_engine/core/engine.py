@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pat_engine.config import EngineConfig
+from pat_engine.core.chat import ChatOptions, chat_prompt, install_chat_template
 from pat_engine.core.controller_setup import attach_controller
 from pat_engine.core.coordinator import GlobalCoordinator
 from pat_engine.core.inputs import RequestFactory, load_tokenizer
@@ -72,8 +73,10 @@ class Engine:
         self.arch = load_model_arch(cfg.model)  # unknown architecture / missing files fail here, before spawning
         check_safetensors_headers(safetensors_files(cfg.model))  # a damaged file is named before spawning
         self.base_layout = self.arch.layout(cfg.world, cfg.tp)
-        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, required=cfg.tokenizer is not None,
-                                        chat_template=cfg.chat_template)
+        tokenizer_dir = cfg.tokenizer or cfg.model
+        self.tokenizer = load_tokenizer(tokenizer_dir, required=cfg.tokenizer is not None)
+        if cfg.chat_template is not None:
+            install_chat_template(self.tokenizer, cfg.chat_template, tokenizer_dir)
         max_len = min(cfg.max_model_len or self.arch.max_position, self.arch.max_position)
         self.request_factory = RequestFactory(self.arch, self.tokenizer, max_len, cfg.seed)
         self.weights = ServedWeights(cfg.model)
@@ -327,6 +330,23 @@ class Engine:
             raise WorkerFailure(f"{len(errors)} of {len(handles)} requests failed: {errors[0].error}",
                                 partial_outputs=outputs)
         return outputs
+
+    def chat(self, messages: Seq[dict] | Seq[Seq[dict]], params: SamplingParams | Seq[SamplingParams] | None = None,
+             *, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None, **generate_kwargs: Any) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of OpenAI-style messages) or a list of them, each
+        rendered with the chat template (``core/chat.py``) and generated as ``generate`` does (its keywords
+        pass through); every conversation is checked before any is queued."""
+        self._ensure_open()
+        options = ChatOptions(add_generation_prompt, continue_final_message, dict(chat_template_kwargs or {}))
+        single = not messages or isinstance(messages[0], dict)
+        prompts = []
+        for i, conversation in enumerate([messages] if single else messages):
+            try:
+                prompts.append(chat_prompt(self.tokenizer, conversation, options, self.max_model_len)[0])
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(str(exc) if single else f"conversation {i}: {exc}") from None
+        return self.generate(prompts, params, **generate_kwargs)
 
     def begin_stage(self, switch_schedule: list[tuple[int, int]] | None = None, kv_transfer: str | None = None,
                     policy: SwitchPolicy | None = None, from_base_layout: bool = True) -> None:

@@ -16,7 +16,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pat_engine.core.chat import resolve_chat_template
 from pat_engine.core.memory import MemoryPlan
 from pat_engine.core.request import Sequence
 from pat_engine.core.stop_strings import StopStringMatcher
@@ -37,27 +36,20 @@ def max_prompt_chars(max_model_len: int) -> int:
     return max_model_len * MAX_CHARS_PER_TOKEN
 
 
-def load_tokenizer(path: str | None, required: bool = False, chat_template: str | None = None):
+def load_tokenizer(path: str | None, required: bool = False):
     """A Hugging Face tokenizer if the directory has one, else None (token-id prompts only); ``required``
-    (a tokenizer directory the user named): ``InvalidRequestError`` naming it instead of None.
-    ``chat_template`` (a template or a file's path, ``core/chat.py``) replaces the tokenizer's own."""
-    template = resolve_chat_template(chat_template) if chat_template is not None else None
-    tokenizer = None
-    if path is not None:
-        p = Path(path)
-        if any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(str(p))
-        elif required:
+    (a tokenizer directory the user named): ``InvalidRequestError`` naming it instead of None."""
+    if path is None:
+        return None
+    p = Path(path)
+    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        if required:
             raise InvalidRequestError(f"tokenizer {path!r}: no tokenizer.json, tokenizer_config.json or "
                                       "tokenizer.model there")
-    if template is not None:
-        if tokenizer is None:
-            raise InvalidRequestError(f"a chat template needs a tokenizer, and {path!r} has none; name one with "
-                                      "--tokenizer")
-        tokenizer.chat_template = template
-    return tokenizer
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(p))
 
 
 def _place(where: str) -> str:

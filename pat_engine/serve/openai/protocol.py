@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pat_engine.core.chat import ChatOptions
+from pat_engine.core.chat import ChatMessage, ChatOptions, TextPart  # noqa: F401  (TextPart: part of the schema)
 from pat_engine.sampling.options import best_of_refusal
 from pat_engine.sampling.params import MAX_SAMPLES, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN
 
@@ -121,24 +121,6 @@ class CompletionRequest(_SamplingFields):
         if isinstance(v, list) and not isinstance(v[0], int) and len(v) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(v)}")
         return v
-
-
-class TextPart(_Request):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Request):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):

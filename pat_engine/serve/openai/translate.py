@@ -6,11 +6,9 @@ answer whichever way it arrives.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from pat_engine.core.chat import ChatOptions, chat_tokens, render_chat
-from pat_engine.core.inputs import max_prompt_chars
+from pat_engine.core.chat import chat_prompt
 from pat_engine.errors import InvalidRequestError
 from pat_engine.outputs import RequestOutput
 from pat_engine.sampling.options import OPTION_NAMES, to_sampling_params
@@ -21,7 +19,6 @@ from pat_engine.serve.openai.protocol import (
     ChatCompletionRequest,
     ChatLogprobs,
     ChatLogprobToken,
-    ChatMessage,
     ChatResponseMessage,
     CompletionChoice,
     CompletionLogprobs,
@@ -49,21 +46,6 @@ def completion_inputs(req: CompletionRequest) -> list[EngineInput]:
     params = sampling_params(req, req.max_tokens, req.logprobs is not None, top,
                              top if req.echo and req.logprobs is not None else None)
     return [EngineInput(p, params) for p in prompts]
-
-
-def chat_prompt(tokenizer: Any, messages: list[ChatMessage], options: ChatOptions,
-                max_model_len: int) -> tuple[list[int], str]:
-    """A chat's token ids and its rendered text. A chat whose messages and template variables hold more
-    characters than the context could take is refused before it is rendered and tokenized, as a text prompt is."""
-    chat = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
-    variables = len(json.dumps(options.template_kwargs)) if options.template_kwargs else 0
-    chars, limit = sum(len(m["content"]) for m in chat) + variables, max_prompt_chars(max_model_len)
-    if chars > limit:
-        held = "messages and chat_template_kwargs hold" if variables else "messages hold"
-        raise InvalidRequestError(f"{held} {chars} characters, more than the {limit} that can fit a context "
-                                  f"of {max_model_len} tokens; shorten the chat")
-    text = render_chat(tokenizer, chat, options)
-    return chat_tokens(tokenizer, text), text
 
 
 def chat_input(req: ChatCompletionRequest, tokenizer: Any, max_model_len: int) -> EngineInput:
