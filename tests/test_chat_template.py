@@ -11,7 +11,6 @@ from pat_engine import Engine, InvalidRequestError, SamplingParams
 from pat_engine.core.chat import (
     ChatOptions,
     apply_chat_template,
-    chat_prompt,
     install_chat_template,
     render_chat,
     resolve_chat_template,

@@ -108,6 +108,16 @@ def test_long_text_is_refused_before_tokenizing(factory):
     assert max_prompt_chars(VOCAB_TEST_LEN) == 32 * VOCAB_TEST_LEN
 
 
+def test_a_text_prompt_takes_the_special_tokens_asked(factory):
+    """/tokenize's add_special_tokens reaches the tokenizer; generation always adds them (the default)."""
+    class WithBos:
+        def __call__(self, text, add_special_tokens):
+            return {"input_ids": [1] * add_special_tokens + [ord(c) % 50 + 2 for c in text]}
+
+    f = RequestFactory(factory.arch, WithBos(), VOCAB_TEST_LEN, 0)
+    assert f.tokenize("ab", "")[0] == [1, 49, 50] and f.tokenize("ab", "", add_special_tokens=False)[0] == [49, 50]
+
+
 def test_long_token_list_is_refused_before_scanning(factory):
     class Poisoned(list):  # iterating it would mean the ids were scanned
         def __iter__(self):

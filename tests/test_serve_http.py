@@ -15,10 +15,11 @@ import httpx
 import pytest
 
 from pat_engine import SamplingParams
+from pat_engine.core.chat import ChatOptions, apply_chat_template
 from pat_engine.predictor.policy import ScheduledSwitches
 from pat_engine.serve.launcher import BackgroundServer
 from pat_engine.serve.server import ServerConfig, build_app
-from pat_engine.core.chat import apply_chat_template
+from pat_engine.version import __version__
 
 from http_fixtures import MAX_LEN, MODEL, client, engine, server  # noqa: F401 (fixtures, used by name)
 
@@ -160,6 +161,48 @@ def _metric(text: str, name: str, default: float | None = None, **labels: str) -
     if default is not None:
         return default
     raise AssertionError(f"{name} {labels} not in /metrics")
+
+
+def test_tokenize_gives_the_ids_the_generation_routes_run_and_detokenize_inverts_it(client, engine):
+    """vLLM's /tokenize and /detokenize: the count is the prompt_tokens the generation routes report."""
+    text = "the answer is"
+    r = client.post("/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ran = client.post("/v1/completions", json={"prompt": text, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+    assert body["tokens"] == engine.tokenizer(text)["input_ids"] and body["count"] == ran == len(body["tokens"])
+    assert body["max_model_len"] == MAX_LEN and body["token_strs"] == engine.tokenizer.convert_ids_to_tokens(
+        body["tokens"])
+    bare = client.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert bare == engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # the tiny tokenizer adds no BOS:
+    # that the flag reaches the tokenizer is test_request_limits' test_a_text_prompt_takes_the_special_tokens_asked
+    assert client.post("/detokenize", json={"tokens": bare}).json() == {"prompt": text}
+    assert client.post("/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+
+    chat = CHAT + [{"role": "assistant", "content": "it is"}]
+    for fields in ({}, {"add_generation_prompt": False, "continue_final_message": True}):
+        r = client.post("/tokenize", json={"messages": chat, **fields})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == apply_chat_template(engine.tokenizer, chat, ChatOptions(**{
+            k: v for k, v in fields.items()}))
+    ran = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1}).json()["usage"]
+    assert client.post("/tokenize", json={"messages": CHAT}).json()["count"] == ran["prompt_tokens"]
+    assert client.get("/version").json() == {"version": __version__}
+
+
+@pytest.mark.parametrize("route, body, match", [
+    ("/tokenize", {"prompt": "a", "messages": CHAT}, "give exactly one of prompt and messages"),
+    ("/tokenize", {"prompt": "a", "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs: only with messages"),
+    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"tokenize": True}}, "may not set 'tokenize'"),
+    ("/tokenize", {"prompt": "x" * (32 * MAX_LEN + 1)}, "more than the"),
+    ("/tokenize", {"prompt": "a", "model": "other"}, "does not exist"),
+    ("/detokenize", {"tokens": [10 ** 9]}, "outside the vocabulary"),
+    ("/detokenize", {"tokens": [1] * MAX_LEN}, "the context holds"),
+    ("/detokenize", {"tokens": [-1]}, "greater than or equal to 0"),
+])
+def test_bad_tokenizer_requests_are_refused_by_name(client, route, body, match):
+    r = client.post(route, json=body)
+    assert r.status_code in (400, 404) and match in r.text, r.text
 
 
 def test_metrics(client):

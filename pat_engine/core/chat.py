@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from pat_engine.core.inputs import max_prompt_chars
 from pat_engine.errors import InvalidRequestError
@@ -66,6 +66,29 @@ class ChatOptions:
             raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true: "
                                       "send add_generation_prompt=false to continue the last message")
         check_template_kwargs(self.template_kwargs)
+
+
+class ChatFields(BaseModel):
+    """The request fields that shape how a chat is rendered (vLLM's names), for every request schema that
+    takes a chat: the chat endpoint, batch lines, ``/tokenize``."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is continued, not closed
+    chat_template_kwargs: dict[str, Any] | None = None  # template variables (e.g. Qwen3's enable_thinking)
+
+    @model_validator(mode="after")
+    def _options_hold(self):
+        self.chat_options()  # a conflict is a validation error naming the fields
+        return self
+
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {})
+
+    def check_chat_fields_need(self, messages: Any) -> None:
+        """For schemas where a chat is one choice among prompts: the chat fields only come with messages."""
+        given = [name for name in ChatFields.model_fields if name in self.model_fields_set]
+        if given and messages is None:
+            raise ValueError(f"{', '.join(given)}: only with messages")
 
 
 @functools.cache

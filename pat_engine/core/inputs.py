@@ -65,7 +65,8 @@ class RequestFactory:
         self.engine_seed = engine_seed
         self._ids = itertools.count()
 
-    def tokenize(self, prompt: Any, where: str) -> tuple[list[int], str | None]:
+    def tokenize(self, prompt: Any, where: str, add_special_tokens: bool = True) -> tuple[list[int], str | None]:
+        """A prompt's token ids (and its text, if it was one), checked against the context and vocabulary."""
         at = _place(where)
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -77,7 +78,7 @@ class RequestFactory:
                 raise InvalidRequestError(
                     f"{at}prompt has {len(prompt)} characters, more than the {limit} that can fit a context "
                     f"of {self.max_model_len} tokens; shorten the prompt")
-            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"]), prompt
+            return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]), prompt
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             prompt = prompt["prompt_token_ids"]
         if not isinstance(prompt, (list, tuple)):

@@ -2,7 +2,7 @@
 
 ``build_app(engine, config)`` (the caller owns the engine and shuts it down) makes one
 ``ServerState`` (``state.py``) and includes the routers: OpenAI's (``openai/routes.py``),
-SGLang's native API and its weight and memory routes (``sglang/``), and pat-serve's own
+vLLM's tokenizer routes (``openai/tokenize_routes.py``), SGLang's native API and its weight and memory routes (``sglang/``), and pat-serve's own
 (``pat_routes.py``: health, metrics, KV, timeline, reconfigure). Every error comes back in
 the OpenAI error shape.
 
@@ -28,6 +28,7 @@ from pat_engine.serve.async_engine import ClientDisconnected
 from pat_engine.serve.errors import APIError
 from pat_engine.serve.guard import RequestGuard
 from pat_engine.serve.openai import routes as openai_routes
+from pat_engine.serve.openai import tokenize_routes
 from pat_engine.serve.sglang import routes as sglang_routes
 from pat_engine.serve.sglang import weight_routes as sglang_weight_routes
 from pat_engine.serve.state import DEFAULT_MAX_BODY_BYTES, ServerConfig, ServerState
@@ -35,7 +36,8 @@ from pat_engine.serve.state import DEFAULT_MAX_BODY_BYTES, ServerConfig, ServerS
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "ServerConfig", "ServerState", "build_app"]  # the state's names stay importable here
 
 log = logging.getLogger(__name__)
-ROUTERS = (openai_routes.router, pat_routes.router, sglang_routes.router, sglang_weight_routes.router)
+ROUTERS = (openai_routes.router, tokenize_routes.router, pat_routes.router, sglang_routes.router,
+           sglang_weight_routes.router)
 
 
 def build_app(engine: Engine, config: ServerConfig) -> FastAPI:

@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
-from pat_engine.core.chat import ChatOptions
+from pat_engine.core.chat import ChatFields
 from pat_engine.errors import InvalidRequestError
 from pat_engine.outputs import RequestOutput
 from pat_engine.rollout.rewards import RewardResult
@@ -68,7 +68,7 @@ class SamplingDefaults:
     logprobs: bool = False
 
 
-class PatLine(BaseModel):
+class PatLine(ChatFields):  # with messages: the chat endpoint's fields shape the chat
     model_config = ConfigDict(extra="forbid")
 
     id: str | int | None = None
@@ -87,27 +87,14 @@ class PatLine(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     n: int = Field(default=1, ge=1)
     metadata: dict[str, Any] | None = None  # for --reward
-    # with messages: how the chat is rendered (the chat endpoint's fields)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self):
         given = [k for k in ("prompt", "messages", "input_ids") if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of prompt, messages, input_ids (got {', '.join(given) or 'none'})")
-        chat_fields = [k for k in _CHAT_FIELDS if k in self.model_fields_set]
-        if chat_fields and self.messages is None:
-            raise ValueError(f"{', '.join(chat_fields)}: only with messages")
-        self.chat_options()  # the rules' one home (core/chat.py)
+        self.check_chat_fields_need(self.messages)
         return self
-
-    def chat_options(self) -> ChatOptions:
-        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {})
-
-
-_CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 
 
 @dataclass(frozen=True)
@@ -160,7 +147,7 @@ def parse_line(line: int, obj: Any, tokenizer: Any, max_model_len: int, defaults
     except ValidationError as exc:
         raise LineError(line, _pydantic_message(exc), key=key) from None
     try:
-        options = pat.model_dump(exclude={"id", "prompt", "messages", "input_ids", "metadata", *_CHAT_FIELDS})
+        options = pat.model_dump(exclude={"id", "prompt", "messages", "input_ids", "metadata", *ChatFields.model_fields})
         params = to_sampling_params(options, defaults=asdict(defaults))
         rendered: str | None = None
         prompt: Any

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pat_engine.core.chat import ChatMessage, ChatOptions, TextPart  # noqa: F401  (TextPart: part of the schema)
+from pat_engine.core.chat import ChatFields, ChatMessage
 from pat_engine.sampling.options import best_of_refusal
 from pat_engine.sampling.params import MAX_SAMPLES, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN
 
@@ -123,25 +123,37 @@ class CompletionRequest(_SamplingFields):
         return v
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ChatFields):  # vLLM extras: ChatFields
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # newer OpenAI name of max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    add_generation_prompt: bool = True  # vLLM extra
-    continue_final_message: bool = False  # vLLM extra: the last (assistant) message is continued, not closed
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extra: template variables (e.g. enable_thinking)
-
-    @model_validator(mode="after")
-    def _chat_options(self):
-        self.chat_options()  # the rules' one home (core/chat.py); a conflict is a 400 naming the fields
-        return self
-
-    def chat_options(self) -> ChatOptions:
-        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {})
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(_Request, ChatFields):
+    """vLLM's ``/tokenize``: a text prompt, tokenized as ``/v1/completions`` does, or a chat, rendered as
+    ``/v1/chat/completions`` does."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for a chat (its template has them)
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        self.check_chat_fields_need(self.messages)
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -230,6 +242,17 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

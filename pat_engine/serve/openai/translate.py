@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 from pat_engine.core.chat import chat_prompt
-from pat_engine.errors import InvalidRequestError
 from pat_engine.outputs import RequestOutput
 from pat_engine.sampling.options import OPTION_NAMES, to_sampling_params
 from pat_engine.sampling.params import SamplingParams
