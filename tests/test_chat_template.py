@@ -21,10 +21,11 @@ from pat_engine.serve.launcher import BackgroundServer
 from pat_engine.serve.server import ServerConfig, build_app
 
 # Qwen3's switch, in the tiny tokenizer's words: the template reads a variable only a request can set
-THINKING = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+THINKING = ("{% if tools %}<|tools|>{{ tools | tojson }}\n{% endif %}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
             "the end{% endif %}{% endif %}")
 CHAT = [{"role": "user", "content": "the water is good"}]
+TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
 
 
 def test_a_named_template_is_its_text_or_a_file_and_its_syntax_is_checked(tmp_path):
@@ -79,11 +80,21 @@ def test_batch_lines_take_the_chat_fields_with_messages_only(model_dir):
     assert item.input.prompt == apply_chat_template(tokenizer, CHAT, ChatOptions(template_kwargs={
         "enable_thinking": False}))
     openai = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": line}
-    assert parse_line(2, openai, tokenizer, 512, SamplingDefaults()).input.prompt == item.input.prompt
+    item_plain = parse_line(2, openai, tokenizer, 512, SamplingDefaults())
+    assert item_plain.input.prompt == item.input.prompt
     with pytest.raises(LineError, match="chat_template_kwargs: only with messages"):
         parse_line(3, {"prompt": "hi", "chat_template_kwargs": {}}, tokenizer, 512, SamplingDefaults())
     with pytest.raises(LineError, match="may not set 'tokenize'"):
         parse_line(4, {**line, "chat_template_kwargs": {"tokenize": True}}, tokenizer, 512, SamplingDefaults())
+    # an OpenAI chat line offering tools: its calls parsed out by the job's parser, refused without one
+    tools = {**openai, "body": {**line, "tools": [TOOL]}}
+    with pytest.raises(LineError, match='tool_choice "auto" needs a server started with'):
+        parse_line(5, tools, tokenizer, 512, SamplingDefaults())
+    item = parse_line(6, tools, tokenizer, 512, SamplingDefaults(), tool_call_parser="hermes")
+    as_text = parse_line(7, {**tools, "body": {**line, "tools": [TOOL], "tool_choice": "none"}}, tokenizer, 512,
+                         SamplingDefaults())
+    assert item.tool_parser is not None and as_text.tool_parser is None
+    assert item.input.prompt == as_text.input.prompt and len(as_text.input.prompt) > len(item_plain.input.prompt)
 
 
 def test_a_template_the_engine_cannot_read_fails_before_any_worker_starts(model_dir):
@@ -96,7 +107,7 @@ def test_an_engine_started_with_a_template_serves_chats_through_it(model_dir, tm
     path.write_text(THINKING)
     with Engine(model_dir("llama"), tp=1, dp=1, dtype="float32", max_model_len=256,
                 chat_template=str(path)) as engine, \
-            BackgroundServer(build_app(engine, ServerConfig("tiny"))) as server, \
+            BackgroundServer(build_app(engine, ServerConfig("tiny", tool_call_parser="hermes"))) as server, \
             httpx.Client(base_url=server.url, timeout=120) as client:
         def chat(**fields) -> httpx.Response:
             return client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 3, "temperature": 0,
@@ -121,10 +132,20 @@ def test_an_engine_started_with_a_template_serves_chats_through_it(model_dir, tm
                               (dict(chat_template_kwargs={"add_generation_prompt": False}),
                                "may not set 'add_generation_prompt'"),
                               (dict(chat_template_kwargs={"enable_thinking": "x" * 9000}),
-                               "messages and chat_template_kwargs hold 90")):
+                               "messages, tools and chat_template_kwargs hold 90")):
             r = chat(**fields)
             assert r.status_code == 400 and match in r.text, r.text
         assert chat().status_code == 200  # the engine is still up
+
+        # tools go through the template; the answer (the tiny model's words: no call) comes back as text
+        r = chat(tools=[TOOL])
+        assert r.status_code == 200, r.text
+        want = apply_chat_template(engine.tokenizer, CHAT, ChatOptions(tools=[TOOL]))
+        choice = r.json()["choices"][0]
+        assert r.json()["usage"]["prompt_tokens"] == len(want) > len(apply_chat_template(engine.tokenizer, CHAT))
+        assert choice["message"]["tool_calls"] == [] and choice["finish_reason"] == "length"
+        assert choice["message"]["content"] == engine.generate([want], SamplingParams(max_new_tokens=3),
+                                                               use_tqdm=False)[0].text
 
         # offline, as vLLM's LLM.chat: one conversation or several, the same options, the same tokens
         greedy = SamplingParams(max_new_tokens=3)

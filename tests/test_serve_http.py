@@ -149,7 +149,8 @@ def test_bad_chat_requests(client):
     assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}), 400, "role")
     assert_error(client.post("/v1/chat/completions", json={"messages": CHAT, "max_completion_tokens": 0}), 400,
                  "max_completion_tokens")
-    assert_error(client.post("/v1/chat/completions", json={"messages": CHAT, "tools": []}), 400, "'tools'")
+    assert_error(client.post("/v1/chat/completions", json={"messages": CHAT, "tools": []}), 400, "tools")
+    assert_error(client.post("/v1/chat/completions", json={"messages": CHAT, "functions": []}), 400, "'functions'")
     assert_error(client.get("/v1/chat/completions"), 405, "Method Not Allowed")
     assert_error(client.get("/v1/nothing-here"), 404, "Not Found")
 

@@ -14,43 +14,17 @@ import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from pat_engine.core.chat_messages import MAX_TOOLS, ChatMessage, ToolDefinition
 from pat_engine.core.inputs import max_prompt_chars
 from pat_engine.errors import InvalidRequestError
 
 # A text with one of these is a template; anything else is taken for a file's path (vLLM's rule, in that order
 # reversed: a template text is never looked up on disk).
 _JINJA_MARKERS = ("{{", "{%")
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    """One message of a chat (OpenAI's shape; text content only)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
-
-    def for_template(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.text(), **({"name": self.name} if self.name else {})}
 
 
 @dataclass(frozen=True)
@@ -60,6 +34,7 @@ class ChatOptions:
     add_generation_prompt: bool = True  # open the assistant's turn after the last message
     continue_final_message: bool = False  # leave the last (assistant) message open, to be continued
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables (enable_thinking)
+    tools: list[dict[str, Any]] | None = None  # the tools offered, as the template reads them
 
     def __post_init__(self) -> None:
         if self.add_generation_prompt and self.continue_final_message:
@@ -75,6 +50,7 @@ class ChatFields(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last (assistant) message is continued, not closed
     chat_template_kwargs: dict[str, Any] | None = None  # template variables (e.g. Qwen3's enable_thinking)
+    tools: list[ToolDefinition] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)  # for the model
 
     @model_validator(mode="after")
     def _options_hold(self):
@@ -82,7 +58,9 @@ class ChatFields(BaseModel):
         return self
 
     def chat_options(self) -> ChatOptions:
-        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {})
+        tools = [t.for_template() for t in self.tools] if self.tools else None
+        return ChatOptions(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs or {},
+                           tools)
 
     def check_chat_fields_need(self, messages: Any) -> None:
         """For schemas where a chat is one choice among prompts: the chat fields only come with messages."""
@@ -154,7 +132,9 @@ def render_chat(tokenizer: Any, messages: list[dict], options: ChatOptions = Cha
                                   "--chat-template, or send a completion")
     try:
         # continue_final_message only when asked: tokenizers older than it (and stand-ins) take the call as before
-        more = {"continue_final_message": True} if options.continue_final_message else {}
+        more: dict[str, Any] = {"continue_final_message": True} if options.continue_final_message else {}
+        if options.tools:
+            more["tools"] = options.tools
         return tokenizer.apply_chat_template(messages, tokenize=False,
                                              add_generation_prompt=options.add_generation_prompt, **more,
                                              **options.template_kwargs)
@@ -181,9 +161,11 @@ def chat_prompt(tokenizer: Any, messages: Sequence[ChatMessage | dict], options:
         raise InvalidRequestError("a chat needs at least one message")
     chat = [m.for_template() for m in parsed]
     variables = len(json.dumps(options.template_kwargs)) if options.template_kwargs else 0
+    variables += len(json.dumps(options.tools)) if options.tools else 0
+    variables += sum(len(json.dumps(m["tool_calls"])) for m in chat if "tool_calls" in m)
     chars, limit = sum(len(m["content"]) for m in chat) + variables, max_prompt_chars(max_model_len)
     if chars > limit:
-        held = "messages and chat_template_kwargs hold" if variables else "messages hold"
+        held = "messages, tools and chat_template_kwargs hold" if variables else "messages hold"
         raise InvalidRequestError(f"{held} {chars} characters, more than the {limit} that can fit a context "
                                   f"of {max_model_len} tokens; shorten the chat")
     text = render_chat(tokenizer, chat, options)

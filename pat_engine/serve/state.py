@@ -44,6 +44,7 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     api_key: str | None = None  # when set: "Authorization: Bearer <key>" on every route but /health, /metrics
     drain_timeout_s: float = 20.0  # on SIGTERM, how long running requests may go on before they are cut off
+    tool_call_parser: str | None = None  # tool calls parsed out of chat answers (openai/tool_calls.py)
 
 
 class ServerState:

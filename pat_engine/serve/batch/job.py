@@ -52,6 +52,7 @@ class BatchJob:
     report: Path | None = None  # draw the timeline plot (PNG) here
     tail_batching: TailBatchPolicy | None = None  # run the lines as tail-batched rounds (rounds.py)
     reward: BatchReward | None = None  # score every answer as it finishes (scoring.py)
+    tool_call_parser: str | None = None  # OpenAI chat lines with tools: calls parsed out (openai/tool_calls.py)
 
 
 def load_items(job: BatchJob, engine: Engine, done: set[str]) -> tuple[list[BatchItem], list[LineError], int]:
@@ -77,7 +78,8 @@ def load_items(job: BatchJob, engine: Engine, done: set[str]) -> tuple[list[Batc
             if openai_file is None:
                 openai_file = is_openai_line(obj)
             try:
-                item = parse_line(n, obj, engine.tokenizer, engine.max_model_len, job.defaults)
+                item = parse_line(n, obj, engine.tokenizer, engine.max_model_len, job.defaults,
+                                  job.tool_call_parser)
                 key = item.key
             except LineError as exc:
                 item, key = None, exc.key

@@ -1,10 +1,9 @@
 """Request and response schemas of the OpenAI-compatible API (the shapes vLLM's server uses).
 
-Requests forbid unknown fields: a misspelt or unsupported option (``tools``,
-``functions``, ...) is a 400 naming the field rather than silently ignored.
-OpenAI fields whose default value is all the engine does (``best_of=1``,
-``response_format={"type": "text"}``, ``tool_choice="none"``) are accepted
-with that value, so clients that send explicit defaults work; any other
+Requests forbid unknown fields: a misspelt or unsupported option (``functions``,
+...) is a 400 naming the field rather than silently ignored. OpenAI fields
+whose default value is all the engine does (``best_of=1``,
+``response_format={"type": "text"}``) are accepted with that value, so clients that send explicit defaults work; any other
 value is a 400 naming the field. Value ranges of sampling fields are checked
 once, by ``SamplingParams``.
 """
@@ -17,7 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pat_engine.core.chat import ChatFields, ChatMessage
+from pat_engine.core.chat import ChatFields
+from pat_engine.core.chat_messages import ChatMessage, ToolCall
 from pat_engine.sampling.options import best_of_refusal
 from pat_engine.sampling.params import MAX_SAMPLES, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN
 
@@ -63,7 +63,10 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     user: str | None = None
     response_format: dict | None = None
-    tool_choice: str | None = None
+    # "auto" (the default when a chat offers tools): calls are parsed from the answer by the server's
+    # --tool-call-parser; "none": the answer is text. "required" and a named function would need
+    # structured output, which the engine does not do
+    tool_choice: str | dict | None = None
     return_token_ids: bool = False  # vLLM extra: add token_ids / prompt_token_ids to each choice
 
     @field_validator("stop")
@@ -82,10 +85,17 @@ class _SamplingFields(_Request):
 
     @field_validator("tool_choice")
     @classmethod
-    def _no_tools(cls, v):
-        if v not in (None, "none"):
-            raise ValueError("tool calling is not supported; tool_choice may only be \"none\"")
+    def _auto_or_none(cls, v):
+        if v not in (None, "none", "auto"):
+            raise ValueError("tool_choice may be \"auto\" or \"none\": \"required\" and a named function need "
+                             "structured output, which pat-engine does not do")
         return v
+
+    @model_validator(mode="after")
+    def _auto_needs_tools(self):
+        if self.tool_choice == "auto" and not getattr(self, "tools", None):
+            raise ValueError("tool_choice \"auto\" needs tools (a chat's tools field)")
+        return self
 
     @model_validator(mode="after")
     def _best_of_is_n(self):
@@ -128,6 +138,11 @@ class ChatCompletionRequest(_SamplingFields, ChatFields):  # vLLM extras: ChatFi
     max_completion_tokens: int | None = Field(default=None, ge=1)  # newer OpenAI name of max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    parallel_tool_calls: bool = True  # false: at most the first call is returned
+
+    def parses_tool_calls(self) -> bool:
+        """Whether the answer's tool calls are parsed out (OpenAI's default: "auto" when tools are given)."""
+        return bool(self.tools) and (self.tool_choice or "auto") == "auto"
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -211,6 +226,7 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)  # always a list, as vLLM sends it
 
 
 class ChatChoice(BaseModel):

@@ -1,0 +1,184 @@
+"""Tool calls as vLLM's server handles them: tools and earlier calls rendered through the chat template, and
+calls parsed out of the answer (``--tool-call-parser hermes``), whole and streamed alike
+(``serve/openai/tool_calls.py``). No engine: the stream is fed scripted updates."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+from pydantic import ValidationError
+
+from pat_engine.core.chat import ChatOptions, render_chat
+from pat_engine.core.chat_messages import ChatMessage
+from pat_engine.errors import InvalidRequestError, PatEngineError
+from pat_engine.outputs import RequestOutput
+from pat_engine.serve.async_engine import Update
+from pat_engine.serve.cli import _add_tool_call_args, _tool_call_parser
+from pat_engine.serve.openai.protocol import ChatCompletionRequest
+from pat_engine.serve.openai.streams import chat_stream
+from pat_engine.serve.openai.tool_calls import HermesToolParser, StreamedToolCalls, request_tool_parser
+from pat_engine.serve.openai.translate import chat_choice
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "the weather in a city",
+                                            "parameters": CITY}}
+ANSWERS = [
+    'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Zürich"}}\n</tool_call>',
+    '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
+    '<tool_call>{"name": "time", "arguments": {}}</tool_call>',
+    'two calls, the last cut off <tool_call>{"name": "a"}</tool_call><tool_call>{"name": "b", "arguments": {"x": 1}}',
+    "no call at all, though < and <tool may appear",
+    'a broken call <tool_call>{"name": "weather", "arguments": </tool_call>',
+    '<tool_call>{"arguments": {}}</tool_call>',  # no name: not a call
+    "ends on a partial tag <tool_",
+]
+
+
+def _calls(calls) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+
+
+def test_hermes_calls_are_parsed_and_anything_else_stays_text():
+    parser = HermesToolParser()
+    first = parser.parse(ANSWERS[0])
+    assert first.content == "Let me look.\n" and _calls(first.calls) == [("weather", {"city": "Zürich"})]
+    assert "Zürich" in first.calls[0].function.arguments  # kept as written, not \\u-escaped
+    assert parser.parse(ANSWERS[1]).content is None
+    assert _calls(parser.parse(ANSWERS[1]).calls) == [("weather", {"city": "Oslo"}), ("time", {})]
+    assert _calls(parser.parse(ANSWERS[2]).calls) == [("a", {}), ("b", {"x": 1})]
+    for text in ANSWERS[3:]:
+        assert parser.parse(text).content == text and parser.parse(text).calls == []
+    ids = [c.id for c in parser.parse(ANSWERS[1]).calls]
+    assert len(set(ids)) == 2 and all(i.startswith("chatcmpl-tool-") for i in ids)
+
+
+@pytest.mark.parametrize("text", ANSWERS)
+def test_a_stream_gives_the_content_and_calls_of_the_whole_answer_wherever_it_is_cut(text):
+    whole = HermesToolParser().parse(text)
+    for a in range(len(text) + 1):
+        for b in range(a, len(text) + 1, 7):
+            stream = StreamedToolCalls(HermesToolParser())
+            sent = "".join(stream.content(piece) for piece in (text[:a], text[a:b], text[b:]))
+            rest, calls = stream.finish()
+            assert sent + rest == (whole.content or "") and _calls(calls) == _calls(whole.calls), (a, b)
+
+
+class _ScriptedGroup:
+    """What chat_stream reads of a RequestGroup: one choice whose engine text grows by the given pieces."""
+
+    def __init__(self, pieces: list[str]):
+        self.pieces = pieces
+        self.handles = [SimpleNamespace(prompt_token_ids=[1, 2], sample_index=0)]
+        self.owner = SimpleNamespace(closing=False)
+
+    async def updates(self):
+        text, ids = "", []
+        for k, piece in enumerate(self.pieces):
+            text, ids = text + piece, ids + [k]
+            last = k == len(self.pieces) - 1
+            yield Update(0, [k], [], list(ids), last, "stop" if last else None, text=text)
+
+    def abort_unfinished(self) -> None:
+        pass
+
+
+def _stream(pieces: list[str], req: ChatCompletionRequest) -> list[dict]:
+    async def run():
+        return [e async for e in chat_stream(_ScriptedGroup(pieces), req, None, "m", "id", HermesToolParser())]
+    events = asyncio.run(run())
+    assert events[-1] == "data: [DONE]\n\n"
+    return [json.loads(e[len("data: "):]) for e in events[:-1]]
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_streamed_and_whole_chat_answers_agree(parallel):
+    text = ANSWERS[1]
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER],
+                                parallel_tool_calls=parallel)
+    chunks = _stream([text[i:i + 5] for i in range(0, len(text), 5)], req)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    streamed_calls = [call for d in deltas for call in d.get("tool_calls", [])]
+    assert "".join(d.get("content", "") for d in deltas) == ""
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert [c["index"] for c in streamed_calls] == list(range(len(streamed_calls)))
+
+    out = RequestOutput(request_id="r", prompt_token_ids=[1, 2], token_ids=[0], text=text, finish_reason="stop")
+    whole = chat_choice(0, out, req, None, HermesToolParser())
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    want = [("weather", {"city": "Oslo"}), ("time", {})][:2 if parallel else 1]
+    assert _calls(whole.message.tool_calls) == want
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in streamed_calls] == want
+
+
+def test_a_plain_answer_streams_as_text_and_keeps_its_finish_reason():
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[WEATHER])
+    chunks = _stream(["no call ", "<to", "day"], req)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "no call <today"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert not any("tool_calls" in c["choices"][0]["delta"] for c in chunks)
+
+
+def test_which_requests_parse_calls_and_what_is_refused():
+    chat = [{"role": "user", "content": "weather?"}]
+    assert ChatCompletionRequest(messages=chat, tools=[WEATHER]).parses_tool_calls()  # "auto" by default
+    assert not ChatCompletionRequest(messages=chat, tools=[WEATHER], tool_choice="none").parses_tool_calls()
+    with pytest.raises(ValidationError, match="needs tools"):
+        ChatCompletionRequest(messages=chat, tool_choice="auto")
+    assert request_tool_parser(False, None) is None
+    assert isinstance(request_tool_parser(True, "hermes"), HermesToolParser)
+    with pytest.raises(InvalidRequestError, match='tool_choice "auto" needs a server started with'):
+        request_tool_parser(True, None)
+    for choice in ("required", {"type": "function", "function": {"name": "weather"}}):
+        with pytest.raises(ValidationError, match="need structured output"):
+            ChatCompletionRequest(messages=chat, tools=[WEATHER], tool_choice=choice)
+    with pytest.raises(ValidationError, match="tools.0.type"):
+        ChatCompletionRequest(messages=chat, tools=[{"type": "retrieval"}])
+
+
+def test_earlier_calls_and_their_answers_reach_the_template():
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    history = [ChatMessage.model_validate(m) for m in (
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"})]
+    assert history[1].for_template()["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert history[2].for_template()["tool_call_id"] == "c1"
+    with pytest.raises(ValidationError, match="not a JSON object"):
+        ChatMessage.model_validate({"role": "assistant", "tool_calls": [
+            {**call, "function": {"name": "weather", "arguments": "[1]"}}]})
+    with pytest.raises(ValidationError, match="only an assistant's message makes tool calls"):
+        ChatMessage.model_validate({"role": "user", "content": "x", "tool_calls": [call]})
+
+    class Tokenizer:  # renders what a Qwen-style template reads: the tools, the calls, the answers
+        chat_template = "stand-in"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt, tools=None):
+            return json.dumps({"tools": tools, "messages": messages}, sort_keys=True)
+
+    tools = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=[WEATHER]).chat_options().tools
+    seen = json.loads(render_chat(Tokenizer(), [m.for_template() for m in history], ChatOptions(tools=tools)))
+    assert seen["tools"] == [WEATHER]
+    assert seen["messages"][1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+
+
+@pytest.mark.parametrize("argv, want", [
+    ([], None),
+    (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], "hermes"),
+    (["--enable-auto-tool-choice"], "--tool-call-parser is missing"),
+    (["--tool-call-parser", "hermes"], "--enable-auto-tool-choice is missing"),
+])
+def test_the_tool_call_flags_come_as_vllms_pair(argv, want):
+    p = argparse.ArgumentParser()
+    _add_tool_call_args(p)
+    ns = p.parse_args(argv)
+    if want is None or want == "hermes":
+        assert _tool_call_parser(ns) == want
+    else:
+        with pytest.raises(PatEngineError, match=want):
+            _tool_call_parser(ns)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--tool-call-parser", "mistral"])
