@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output", required=True, type=Path, help="JSONL results, appended as requests finish")
     add_engine_args(b)
     _add_sampling_args(b)
-    _add_tool_call_args(b)
+    _add_answer_parsing_args(b)
     mode = b.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="skip ids already in --output and append the rest")
     mode.add_argument("--overwrite", action="store_true", help="replace an existing --output")
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(s)
-    _add_tool_call_args(s)
+    _add_answer_parsing_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
     s.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the path)")
@@ -121,7 +121,8 @@ def _batch(ns: argparse.Namespace) -> int:
     defaults = SamplingDefaults(ns.max_tokens, ns.temperature, ns.top_p, ns.top_k, ns.sampling_seed, ns.ignore_eos,
                                 ns.logprobs)
     job = BatchJob(ns.input, ns.output, ns.served_model_name or ns.model, defaults, ns.resume, ns.overwrite,
-                   not ns.no_progress, ns.timeline, ns.report, _tail_policy(ns), _reward(ns), _tool_call_parser(ns))
+                   not ns.no_progress, ns.timeline, ns.report, _tail_policy(ns), _reward(ns), _tool_call_parser(ns),
+                   ns.reasoning_parser)
     check_paths(job)
     engine = EngineArgs.from_namespace(ns).build()
     try:
@@ -205,13 +206,17 @@ def _server_config(ns: argparse.Namespace):
         raise PatEngineError("--drain-timeout must be >= 0")
     api_key = ns.api_key if ns.api_key is not None else env.api_key()
     return ServerConfig(ns.served_model_name or ns.model, ns.max_queued_requests, body, api_key, drain,
-                        _tool_call_parser(ns))
+                        _tool_call_parser(ns), ns.reasoning_parser)
 
 
-def _add_tool_call_args(p: argparse.ArgumentParser) -> None:
+def _add_answer_parsing_args(p: argparse.ArgumentParser) -> None:
+    from pat_engine.serve.openai.reasoning import REASONING_PARSERS
     from pat_engine.serve.openai.tool_calls import TOOL_CALL_PARSERS
 
-    g = p.add_argument_group("tool calls (vLLM's flags; docs/pat-serve.md)")
+    g = p.add_argument_group("chat answers: reasoning and tool calls (vLLM's flags; docs/pat-serve.md)")
+    g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="split what a thinking model writes before </think> into the message's reasoning: "
+                        "deepseek_r1 (DeepSeek-R1, QwQ), qwen3")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='parse tool calls out of the answers of chats that offer tools (tool_choice "auto")')
     g.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,

@@ -45,6 +45,7 @@ class ServerConfig:
     api_key: str | None = None  # when set: "Authorization: Bearer <key>" on every route but /health, /metrics
     drain_timeout_s: float = 20.0  # on SIGTERM, how long running requests may go on before they are cut off
     tool_call_parser: str | None = None  # tool calls parsed out of chat answers (openai/tool_calls.py)
+    reasoning_parser: str | None = None  # reasoning split off chat answers (openai/reasoning.py)
 
 
 class ServerState:

@@ -53,6 +53,7 @@ class BatchJob:
     tail_batching: TailBatchPolicy | None = None  # run the lines as tail-batched rounds (rounds.py)
     reward: BatchReward | None = None  # score every answer as it finishes (scoring.py)
     tool_call_parser: str | None = None  # OpenAI chat lines with tools: calls parsed out (openai/tool_calls.py)
+    reasoning_parser: str | None = None  # OpenAI chat lines: reasoning split off (openai/reasoning.py)
 
 
 def load_items(job: BatchJob, engine: Engine, done: set[str]) -> tuple[list[BatchItem], list[LineError], int]:
@@ -79,7 +80,7 @@ def load_items(job: BatchJob, engine: Engine, done: set[str]) -> tuple[list[Batc
                 openai_file = is_openai_line(obj)
             try:
                 item = parse_line(n, obj, engine.tokenizer, engine.max_model_len, job.defaults,
-                                  job.tool_call_parser)
+                                  job.tool_call_parser, job.reasoning_parser)
                 key = item.key
             except LineError as exc:
                 item, key = None, exc.key

@@ -43,7 +43,7 @@ from pat_engine.serve.openai.protocol import (
     CompletionResponse,
     random_id,
 )
-from pat_engine.serve.openai.tool_calls import HermesToolParser, request_tool_parser
+from pat_engine.serve.openai.answer_parsing import AnswerParsers, answer_parsers
 from pat_engine.serve.openai.translate import (
     chat_choice,
     chat_input,
@@ -107,7 +107,7 @@ class BatchItem:
     openai: BatchRequestInput | None = None
     request: CompletionRequest | ChatCompletionRequest | None = None
     metadata: dict[str, Any] = field(default_factory=dict)  # the line's "metadata", for --reward
-    tool_parser: HermesToolParser | None = None  # a chat line whose answer's tool calls are parsed out
+    parsers: AnswerParsers | None = None  # a chat line whose answer's reasoning or tool calls are parsed out
 
     def error(self, message: str, status: int = 400) -> "LineError":
         """This line's error record, in its own style."""
@@ -138,11 +138,11 @@ def is_openai_line(obj: Any) -> bool:
 
 
 def parse_line(line: int, obj: Any, tokenizer: Any, max_model_len: int, defaults: SamplingDefaults,
-               tool_call_parser: str | None = None) -> BatchItem:
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> BatchItem:
     """Validate one decoded JSON line into something the engine can run; raises ``LineError``.
-    ``tool_call_parser``: the job's (``--tool-call-parser``), for OpenAI chat lines with tools."""
+    ``tool_call_parser``, ``reasoning_parser``: the job's, for the answers of OpenAI chat lines."""
     if is_openai_line(obj):
-        return _parse_openai(line, obj, tokenizer, max_model_len, tool_call_parser)
+        return _parse_openai(line, obj, tokenizer, max_model_len, tool_call_parser, reasoning_parser)
     if not isinstance(obj, dict):
         raise LineError(line, f"expected a JSON object, got {type(obj).__name__}")
     key = f"line-{line}" if obj.get("id") is None else str(obj["id"])
@@ -164,8 +164,8 @@ def parse_line(line: int, obj: Any, tokenizer: Any, max_model_len: int, defaults
     return BatchItem(line, key, EngineInput(prompt, params, rendered), pat=pat, metadata=pat.metadata or {})
 
 
-def _parse_openai(line: int, obj: dict, tokenizer: Any, max_model_len: int,
-                  tool_call_parser: str | None) -> BatchItem:
+def _parse_openai(line: int, obj: dict, tokenizer: Any, max_model_len: int, tool_call_parser: str | None,
+                  reasoning_parser: str | None) -> BatchItem:
     cid = obj.get("custom_id") if isinstance(obj.get("custom_id"), str) else None
     err = dict(openai=True, custom_id=cid, key=cid)
     obj = dict(obj)
@@ -180,10 +180,10 @@ def _parse_openai(line: int, obj: dict, tokenizer: Any, max_model_len: int,
         raise LineError(line, _pydantic_message(exc), **err) from None
     if req.stream:
         raise LineError(line, "body.stream: a batch request must not be sent in stream mode", **err)
-    parser = None
+    parsers = None
     try:
         if isinstance(req, ChatCompletionRequest):
-            parser = request_tool_parser(req.parses_tool_calls(), tool_call_parser)
+            parsers = answer_parsers(req, tool_call_parser, reasoning_parser)
             inp = chat_input(req, tokenizer, max_model_len)
         else:
             inputs = completion_inputs(req)
@@ -193,7 +193,7 @@ def _parse_openai(line: int, obj: dict, tokenizer: Any, max_model_len: int,
     except InvalidRequestError as exc:
         raise LineError(line, str(exc), **err) from None
     return BatchItem(line, req_line.custom_id, inp, openai=req_line, request=req, metadata=metadata or {},
-                     tool_parser=parser)
+                     parsers=parsers)
 
 
 # ---- output records ------------------------------------------------------------------------------
@@ -217,7 +217,7 @@ def result_record(item: BatchItem, outs: list[RequestOutput], tokenizer: Any, mo
         return rec
     req = item.request
     if isinstance(req, ChatCompletionRequest):
-        choices = [chat_choice(i, o, req, tokenizer, item.tool_parser) for i, o in enumerate(outs)]
+        choices = [chat_choice(i, o, req, tokenizer, item.parsers) for i, o in enumerate(outs)]
         body = ChatCompletionResponse(model=model, choices=choices, usage=usage(outs))
     else:
         choices = [completion_choice(i, o, req, tokenizer) for i, o in enumerate(outs)]

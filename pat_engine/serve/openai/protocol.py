@@ -227,6 +227,8 @@ class ChatResponseMessage(BaseModel):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)  # always a list, as vLLM sends it
+    reasoning: str | None = None  # with --reasoning-parser: what the model thought before answering
+    reasoning_content: str | None = None  # the same, under its older name (vLLM keeps both)
 
 
 class ChatChoice(BaseModel):

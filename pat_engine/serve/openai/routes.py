@@ -9,6 +9,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from pat_engine.serve.openai.answer_parsing import answer_parsers
 from pat_engine.serve.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -19,7 +20,6 @@ from pat_engine.serve.openai.protocol import (
     random_id,
 )
 from pat_engine.serve.openai.streams import chat_stream, completion_stream
-from pat_engine.serve.openai.tool_calls import request_tool_parser
 from pat_engine.serve.openai.translate import chat_choice, chat_input, completion_choice, completion_inputs, usage
 from pat_engine.serve.sse import event_stream
 from pat_engine.serve.state import State
@@ -48,13 +48,13 @@ async def chat_completions(request: Request, pat: State) -> Response:
     pat.check_model(req.model)
     rid = random_id("chatcmpl")
     engine = pat.engine
-    parser = request_tool_parser(req.parses_tool_calls(), pat.config.tool_call_parser)
+    parsers = answer_parsers(req, pat.config.tool_call_parser, pat.config.reasoning_parser)
     inp = chat_input(req, engine.tokenizer, engine.max_model_len)  # refuses over-long chats first
     group = await pat.submit([inp], rid)
     if req.stream:
-        return event_stream(chat_stream(group, req, engine.tokenizer, pat.model, rid, parser))
+        return event_stream(chat_stream(group, req, engine.tokenizer, pat.model, rid, parsers))
     outs = await pat.collect(group, request)
-    choices = [chat_choice(i, o, req, engine.tokenizer, parser) for i, o in enumerate(outs)]
+    choices = [chat_choice(i, o, req, engine.tokenizer, parsers) for i, o in enumerate(outs)]
     resp = ChatCompletionResponse(id=rid, model=pat.model, usage=usage(outs), choices=choices,
                                   prompt_token_ids=list(outs[0].prompt_token_ids) if req.return_token_ids else None)
     return JSONResponse(resp.model_dump())

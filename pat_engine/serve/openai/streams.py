@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator
 from pat_engine.serve.async_engine import RequestGroup, Update
 from pat_engine.serve.errors import APIError
 from pat_engine.serve.openai.protocol import ChatCompletionRequest, CompletionRequest, UsageInfo
-from pat_engine.serve.openai.tool_calls import HermesToolParser, StreamedToolCalls
+from pat_engine.serve.openai.answer_parsing import AnswerParsers
 from pat_engine.serve.openai.translate import TextDelta, chat_logprobs, completion_logprobs
 
 DONE = "data: [DONE]\n\n"
@@ -99,9 +99,9 @@ async def completion_stream(group: RequestGroup, req: CompletionRequest, tokeniz
 
 
 async def chat_stream(group: RequestGroup, req: ChatCompletionRequest, tokenizer: Any, model: str,
-                      response_id: str, tool_parser: HermesToolParser | None = None) -> AsyncIterator[str]:
+                      response_id: str, parsers: AnswerParsers | None = None) -> AsyncIterator[str]:
     st = _StreamState(group, tokenizer, response_id, model, "chat.completion.chunk", req.stream_options)
-    calls = [StreamedToolCalls(tool_parser, req.parallel_tool_calls) for _ in group.handles] if tool_parser else None
+    answers = [parsers.stream() for _ in group.handles] if parsers is not None else None
     try:
         first = {"prompt_token_ids": group.handles[0].prompt_token_ids} if req.return_token_ids else {}
         yield st.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -110,17 +110,19 @@ async def chat_stream(group: RequestGroup, req: ChatCompletionRequest, tokenizer
             if (err := st.failure(up)) is not None:
                 yield err.sse()
                 break
-            text, finish_reason, found = st.text(up), up.finish_reason, []
-            if calls is not None:  # content until a call could begin; the calls once the choice has ended
-                text = calls[up.index].content(text)
+            text, reasoning, finish_reason, found = st.text(up), "", up.finish_reason, []
+            if answers is not None:  # reasoning and content as each becomes certain; calls at the end
+                reasoning, text = answers[up.index].feed(text)
                 if up.finished:
-                    rest, found = calls[up.index].finish()
-                    text += rest
+                    more_reasoning, more_text, found = answers[up.index].finish()
+                    reasoning, text = reasoning + more_reasoning, text + more_text
                     finish_reason = "tool_calls" if found else finish_reason
-            choice: dict = {"index": up.index, "delta": {"content": text} if text else {}, "logprobs": None,
-                            "finish_reason": finish_reason}
+            delta: dict = {"content": text} if text else {}
+            if reasoning:
+                delta.update(reasoning=reasoning, reasoning_content=reasoning)
             if found:
-                choice["delta"]["tool_calls"] = [{"index": k, **c.model_dump()} for k, c in enumerate(found)]
+                delta["tool_calls"] = [{"index": k, **c.model_dump()} for k, c in enumerate(found)]
+            choice: dict = {"index": up.index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             if req.logprobs and up.new_token_ids:
                 choice["logprobs"] = chat_logprobs(tokenizer, up.new_token_ids, up.new_logprobs,
                                                    req.top_logprobs or 0, up.new_top_logprobs).model_dump()
@@ -128,7 +130,7 @@ async def chat_stream(group: RequestGroup, req: ChatCompletionRequest, tokenizer
                 choice["token_ids"] = up.new_token_ids
             if up.finished:
                 choice["stop_reason"] = up.stop_reason
-            if text or up.finished or req.return_token_ids or choice["logprobs"]:
+            if delta or up.finished or req.return_token_ids or choice["logprobs"]:
                 yield st.chunk([choice])
         else:
             if (usage := st.usage_chunk()) is not None:

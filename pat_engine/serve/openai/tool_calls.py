@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pat_engine.core.chat_messages import FunctionCall, ToolCall
 from pat_engine.errors import InvalidRequestError
 from pat_engine.serve.openai.protocol import random_id
+from pat_engine.serve.openai.tags import held_suffix
 
 
 @dataclass(frozen=True)
@@ -77,14 +78,6 @@ def request_tool_parser(parses_calls: bool, configured: str | None) -> HermesToo
     return tool_call_parser(configured)
 
 
-def _held_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that could be the start of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
 class StreamedToolCalls:
     """One streamed choice: content passes until the first call's tag could begin; the rest is parsed at the end."""
 
@@ -101,7 +94,7 @@ class StreamedToolCalls:
             self.holding = True
             out, self.sent = self.text[self.sent:at], at
             return out
-        end = max(self.sent, len(self.text) - _held_suffix(self.text, self.parser.start))
+        end = max(self.sent, len(self.text) - held_suffix(self.text, self.parser.start))
         out, self.sent = self.text[self.sent:end], end
         return out
 

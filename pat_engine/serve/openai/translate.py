@@ -13,7 +13,7 @@ from pat_engine.outputs import RequestOutput
 from pat_engine.sampling.options import OPTION_NAMES, to_sampling_params
 from pat_engine.sampling.params import SamplingParams
 from pat_engine.serve.async_engine import EngineInput
-from pat_engine.serve.openai.tool_calls import HermesToolParser
+from pat_engine.serve.openai.answer_parsing import AnswerParsers
 from pat_engine.serve.openai.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -141,17 +141,17 @@ def completion_choice(index: int, out: RequestOutput, req: CompletionRequest, to
 
 
 def chat_choice(index: int, out: RequestOutput, req: ChatCompletionRequest, tokenizer: Any,
-                tool_parser: HermesToolParser | None = None) -> ChatChoice:
-    """One choice; with ``tool_parser`` (the request parses tool calls) its calls taken out of the text."""
+                parsers: AnswerParsers | None = None) -> ChatChoice:
+    """One choice; with ``parsers`` its reasoning and tool calls taken out of the text."""
     lp = None
     if req.logprobs and out.logprobs is not None:
         lp = chat_logprobs(tokenizer, out.token_ids, out.logprobs, req.top_logprobs or 0, out.top_logprobs)
     message, finish_reason = ChatResponseMessage(content=out.text or ""), out.finish_reason
-    if tool_parser is not None:
-        answer = tool_parser.parse(out.text or "")
-        if answer.calls:
-            calls = answer.calls if req.parallel_tool_calls else answer.calls[:1]
-            message, finish_reason = ChatResponseMessage(content=answer.content, tool_calls=calls), "tool_calls"
+    if parsers is not None:
+        parsed = parsers.parse(out.text or "")
+        message = ChatResponseMessage(content=parsed.content, tool_calls=parsed.calls, reasoning=parsed.reasoning,
+                                      reasoning_content=parsed.reasoning)
+        finish_reason = "tool_calls" if parsed.calls else finish_reason
     return ChatChoice(
         index=index,
         message=message,

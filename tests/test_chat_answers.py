@@ -1,6 +1,6 @@
-"""Tool calls as vLLM's server handles them: tools and earlier calls rendered through the chat template, and
-calls parsed out of the answer (``--tool-call-parser hermes``), whole and streamed alike
-(``serve/openai/tool_calls.py``). No engine: the stream is fed scripted updates."""
+"""Chat answers as vLLM's server parses them: reasoning split off (``--reasoning-parser``), tools and earlier
+calls rendered through the chat template and calls parsed out of the answer (``--tool-call-parser hermes``),
+whole and streamed alike (``serve/openai/answer_parsing.py``). No engine: streams are fed scripted updates."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ from pat_engine.core.chat_messages import ChatMessage
 from pat_engine.errors import InvalidRequestError, PatEngineError
 from pat_engine.outputs import RequestOutput
 from pat_engine.serve.async_engine import Update
-from pat_engine.serve.cli import _add_tool_call_args, _tool_call_parser
+from pat_engine.serve.cli import _add_answer_parsing_args, _tool_call_parser
+from pat_engine.serve.openai.answer_parsing import AnswerParsers, answer_parsers
 from pat_engine.serve.openai.protocol import ChatCompletionRequest
+from pat_engine.serve.openai.reasoning import REASONING_PARSERS
 from pat_engine.serve.openai.streams import chat_stream
 from pat_engine.serve.openai.tool_calls import HermesToolParser, StreamedToolCalls, request_tool_parser
 from pat_engine.serve.openai.translate import chat_choice
@@ -86,9 +88,11 @@ class _ScriptedGroup:
         pass
 
 
-def _stream(pieces: list[str], req: ChatCompletionRequest) -> list[dict]:
+def _stream(pieces: list[str], req: ChatCompletionRequest, reasoning: str | None = None) -> list[dict]:
+    parsers = answer_parsers(req, "hermes", reasoning)
+
     async def run():
-        return [e async for e in chat_stream(_ScriptedGroup(pieces), req, None, "m", "id", HermesToolParser())]
+        return [e async for e in chat_stream(_ScriptedGroup(pieces), req, None, "m", "id", parsers)]
     events = asyncio.run(run())
     assert events[-1] == "data: [DONE]\n\n"
     return [json.loads(e[len("data: "):]) for e in events[:-1]]
@@ -107,7 +111,7 @@ def test_streamed_and_whole_chat_answers_agree(parallel):
     assert [c["index"] for c in streamed_calls] == list(range(len(streamed_calls)))
 
     out = RequestOutput(request_id="r", prompt_token_ids=[1, 2], token_ids=[0], text=text, finish_reason="stop")
-    whole = chat_choice(0, out, req, None, HermesToolParser())
+    whole = chat_choice(0, out, req, None, answer_parsers(req, "hermes", None))
     assert whole.finish_reason == "tool_calls" and whole.message.content is None
     want = [("weather", {"city": "Oslo"}), ("time", {})][:2 if parallel else 1]
     assert _calls(whole.message.tool_calls) == want
@@ -173,7 +177,7 @@ def test_earlier_calls_and_their_answers_reach_the_template():
 ])
 def test_the_tool_call_flags_come_as_vllms_pair(argv, want):
     p = argparse.ArgumentParser()
-    _add_tool_call_args(p)
+    _add_answer_parsing_args(p)
     ns = p.parse_args(argv)
     if want is None or want == "hermes":
         assert _tool_call_parser(ns) == want
@@ -182,3 +186,63 @@ def test_the_tool_call_flags_come_as_vllms_pair(argv, want):
             _tool_call_parser(ns)
     with pytest.raises(SystemExit):
         p.parse_args(["--tool-call-parser", "mistral"])
+    assert p.parse_args(["--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"
+    assert p.parse_args([]).reasoning_parser is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["--reasoning-parser", "granite"])
+
+
+THOUGHTS = [  # (answer, deepseek_r1's (reasoning, content), qwen3's)
+    ("<think>\nadd them</think>\n\n4", ("\nadd them", "\n\n4"), ("\nadd them", "\n\n4")),
+    ("add them</think>4", ("add them", "4"), ("add them", "4")),  # the template opened the block
+    ("<think>cut off while thinking", ("cut off while thinking", None), ("cut off while thinking", None)),
+    ("just 4", ("just 4", None), (None, "just 4")),  # qwen3 with thinking off
+    ("all thought</think>", ("all thought", None), ("all thought", None)),
+    ("<thin", ("<thin", None), (None, "<thin")),
+    ("a </thin k", ("a </thin k", None), (None, "a </thin k")),
+]
+
+
+@pytest.mark.parametrize("answer, r1, qwen3", THOUGHTS)
+def test_reasoning_is_split_off_whole_and_streamed_alike_wherever_the_answer_is_cut(answer, r1, qwen3):
+    for name, want in (("deepseek_r1", r1), ("qwen3", qwen3)):
+        parsers = AnswerParsers(REASONING_PARSERS[name])
+        parsed = parsers.parse(answer)
+        assert (parsed.reasoning, parsed.content) == want, name
+        for a in range(len(answer) + 1):
+            for b in range(a, len(answer) + 1, 3):
+                stream, reasoning, content = parsers.stream(), "", ""
+                for piece in (answer[:a], answer[a:b], answer[b:]):
+                    more_reasoning, more_content = stream.feed(piece)
+                    reasoning, content = reasoning + more_reasoning, content + more_content
+                more_reasoning, more_content, calls = stream.finish()
+                assert (reasoning + more_reasoning, content + more_content) == (want[0] or "", want[1] or ""), (a, b)
+
+
+def test_deepseek_reasoning_streams_before_the_answer_ends():
+    stream = AnswerParsers(REASONING_PARSERS["deepseek_r1"]).stream()
+    assert stream.feed("<think>let me") == ("let me", "")
+    assert stream.feed(" see</th") == (" see", "")  # "</th" may be the closing tag: held
+    assert stream.feed("ink>it is 4") == ("", "it is 4")
+    qwen3 = AnswerParsers(REASONING_PARSERS["qwen3"]).stream()
+    assert qwen3.feed("no tag yet") == ("", "")  # thinking or not is undecided until </think> or the end
+    assert qwen3.feed("</think>4") == ("no tag yet", "4")
+
+
+def test_a_thinking_answer_that_calls_a_tool_gives_reasoning_content_and_calls_streamed_and_whole():
+    answer = '<think>I need the weather</think>\nchecking <tool_call>{"name": "weather", "arguments": {}}</tool_call>'
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER])
+    out = RequestOutput(request_id="r", prompt_token_ids=[1], token_ids=[0], text=answer, finish_reason="stop")
+    whole = chat_choice(0, out, req, None, answer_parsers(req, "hermes", "qwen3")).message
+    assert (whole.reasoning, whole.reasoning_content, whole.content) == ("I need the weather",) * 2 + ("\nchecking ",)
+    assert _calls(whole.tool_calls) == [("weather", {})]
+    chunks = _stream([answer[i:i + 4] for i in range(0, len(answer), 4)], req, "qwen3")
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("reasoning", "") for d in deltas) == "".join(d.get("reasoning_content", "") for d in deltas)
+    assert "".join(d.get("reasoning", "") for d in deltas) == whole.reasoning
+    assert "".join(d.get("content", "") for d in deltas) == whole.content
+    assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", [])] == ["weather"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    plain = chat_choice(0, out, req.model_copy(update={"tools": None}), None, answer_parsers(
+        req.model_copy(update={"tools": None}), None, "deepseek_r1")).message
+    assert plain.content == answer.split("</think>")[1] and plain.tool_calls == []

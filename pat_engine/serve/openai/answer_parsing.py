@@ -1,0 +1,69 @@
+"""A chat answer's text as a message: the reasoning split off first (``--reasoning-parser``,
+``reasoning.py``), then tool calls parsed out of the content (``--tool-call-parser``, ``tool_calls.py``),
+the whole answer and a stream giving the same message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pat_engine.core.chat_messages import ToolCall
+from pat_engine.serve.openai.protocol import ChatCompletionRequest
+from pat_engine.serve.openai.reasoning import REASONING_PARSERS, ReasoningParser, StreamedReasoning
+from pat_engine.serve.openai.tool_calls import HermesToolParser, StreamedToolCalls, request_tool_parser
+
+
+@dataclass(frozen=True)
+class ParsedMessage:
+    reasoning: str | None
+    content: str | None
+    calls: list[ToolCall]
+
+
+@dataclass(frozen=True)
+class AnswerParsers:
+    reasoning: ReasoningParser | None = None
+    tools: HermesToolParser | None = None
+    parallel_tool_calls: bool = True  # false: the first call only
+
+    def parse(self, text: str) -> ParsedMessage:
+        reasoning, content = self.reasoning.split(text) if self.reasoning else (None, text)
+        calls: list[ToolCall] = []
+        if self.tools is not None and content:
+            answer = self.tools.parse(content)
+            content, calls = answer.content, answer.calls if self.parallel_tool_calls else answer.calls[:1]
+        return ParsedMessage(reasoning, content, calls)
+
+    def stream(self) -> "StreamedAnswer":
+        return StreamedAnswer(self)
+
+
+class StreamedAnswer:
+    """One streamed choice: (reasoning, content) deltas as text comes, the calls once the choice has ended."""
+
+    def __init__(self, parsers: AnswerParsers):
+        self.reasoning = StreamedReasoning(parsers.reasoning) if parsers.reasoning else None
+        self.tools = StreamedToolCalls(parsers.tools, parsers.parallel_tool_calls) if parsers.tools else None
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        reasoning, content = self.reasoning.feed(delta) if self.reasoning else ("", delta)
+        return reasoning, self.tools.content(content) if self.tools else content
+
+    def finish(self) -> tuple[str, str, list[ToolCall]]:
+        reasoning, content = self.reasoning.finish() if self.reasoning else ("", "")
+        calls: list[ToolCall] = []
+        if self.tools is not None:
+            content = self.tools.content(content)
+            rest, calls = self.tools.finish()
+            content += rest
+        return reasoning, content, calls
+
+
+def answer_parsers(req: ChatCompletionRequest, tool_call_parser: str | None,
+                   reasoning_parser: str | None) -> AnswerParsers | None:
+    """What a chat request's answer goes through on a server with these parsers (None: plain text); a
+    request whose calls need a parser the server lacks is refused before anything is queued."""
+    tools = request_tool_parser(req.parses_tool_calls(), tool_call_parser)
+    reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser is not None else None
+    if tools is None and reasoning is None:
+        return None
+    return AnswerParsers(reasoning, tools, req.parallel_tool_calls)
