@@ -154,6 +154,15 @@ def test_earlier_calls_and_their_answers_reach_the_template():
     with pytest.raises(ValidationError, match="not a JSON object"):
         ChatMessage.model_validate({"role": "assistant", "tool_calls": [
             {**call, "function": {"name": "weather", "arguments": "[1]"}}]})
+    # a response's message sent back whole, as agent loops do: its extra fields accepted, its thinking rendered
+    back = {"role": "assistant", "content": "4", "reasoning": "add", "reasoning_content": "add", "tool_calls": [],
+            "refusal": None, "annotations": None, "audio": None, "function_call": None}
+    assert ChatMessage.model_validate(back).for_template() == {"role": "assistant", "content": "4",
+                                                                "tool_calls": [], "reasoning_content": "add"}
+    with pytest.raises(ValidationError, match="two names of one field"):
+        ChatMessage.model_validate({**back, "reasoning_content": "other"})
+    with pytest.raises(ValidationError, match="function_call"):
+        ChatMessage.model_validate({**back, "function_call": {"name": "f", "arguments": "{}"}})
     with pytest.raises(ValidationError, match="only an assistant's message makes tool calls"):
         ChatMessage.model_validate({"role": "user", "content": "x", "tool_calls": [call]})
 
@@ -246,3 +255,26 @@ def test_a_thinking_answer_that_calls_a_tool_gives_reasoning_content_and_calls_s
     plain = chat_choice(0, out, req.model_copy(update={"tools": None}), None, answer_parsers(
         req.model_copy(update={"tools": None}), None, "deepseek_r1")).message
     assert plain.content == answer.split("</think>")[1] and plain.tool_calls == []
+
+
+def test_the_openai_sdk_reads_the_streamed_and_whole_answers_as_the_same_message():
+    """The protocol as the OpenAI SDK reads it: its stream accumulator turns our chunks into the message the
+    whole response carries (content, the calls with their arguments, the reasoning vLLM adds)."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    answer = '<think>hm</think>ok <tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER])
+    state = ChatCompletionStreamState(input_tools=[WEATHER])
+    for chunk in _stream([answer[i:i + 3] for i in range(0, len(answer), 3)], req, "qwen3"):
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    streamed = state.get_final_completion().choices[0]
+    out = RequestOutput(request_id="r", prompt_token_ids=[1], token_ids=[0], text=answer, finish_reason="stop")
+    choice = chat_choice(0, out, req, None, answer_parsers(req, "hermes", "qwen3"))
+    whole = ChatCompletion.model_validate({"id": "id", "object": "chat.completion", "created": 0, "model": "m",
+                                           "choices": [choice.model_dump()]}).choices[0]
+    for got in (streamed, whole):
+        assert got.finish_reason == "tool_calls" and got.message.content == "ok "
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in got.message.tool_calls] == [
+            ("weather", {"city": "Oslo"})]
+        assert got.message.model_extra["reasoning"] == "hm"

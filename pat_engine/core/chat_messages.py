@@ -40,11 +40,23 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # an earlier answer sent back as it came (agent loops append the response's message): its thinking
+    # reaches the template (Qwen3's reads reasoning_content); the rest of what a response message carries is
+    # accepted and not rendered
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None  # the legacy single call: accepted only empty, as responses send it
 
     @model_validator(mode="after")
     def _calls_are_an_assistants(self):
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError(f"tool_calls: only an assistant's message makes tool calls, not a {self.role}'s")
+        if self.reasoning is not None and self.reasoning_content is not None and \
+                self.reasoning != self.reasoning_content:
+            raise ValueError("reasoning and reasoning_content are two names of one field; they differ here")
         for i, call in enumerate(self.tool_calls or []):
             try:
                 arguments = json.loads(call.function.arguments)
@@ -72,6 +84,9 @@ class ChatMessage(_Strict):
                 "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        thinking = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if thinking is not None:
+            out["reasoning_content"] = thinking
         return out
 
 
