@@ -22,7 +22,12 @@ from pat_engine.serve.openai.answer_parsing import AnswerParsers, answer_parsers
 from pat_engine.serve.openai.protocol import ChatCompletionRequest
 from pat_engine.serve.openai.reasoning import REASONING_PARSERS
 from pat_engine.serve.openai.streams import chat_stream
-from pat_engine.serve.openai.tool_calls import HermesToolParser, StreamedToolCalls, request_tool_parser
+from pat_engine.serve.openai.tool_calls import (
+    HermesToolParser,
+    StreamedToolCalls,
+    request_tool_parser,
+    tool_call_parser,
+)
 from pat_engine.serve.openai.translate import chat_choice
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
@@ -58,12 +63,40 @@ def test_hermes_calls_are_parsed_and_anything_else_stays_text():
     assert len(set(ids)) == 2 and all(i.startswith("chatcmpl-tool-") for i in ids)
 
 
-@pytest.mark.parametrize("text", ANSWERS)
-def test_a_stream_gives_the_content_and_calls_of_the_whole_answer_wherever_it_is_cut(text):
-    whole = HermesToolParser().parse(text)
+LLAMA_ANSWERS = [
+    '{"name": "weather", "parameters": {"city": "Oslo"}}',
+    '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}',
+    ' \n{"name": "weather", "parameters": {"city": "Zürich"}}',
+    'The answer is {"name": "weather", "parameters": {}}',
+    '{"name": "weather", "parameters": ',
+    '<|python_tag|>print(1)',
+    '{"name": "a", "parameters": {}} and words after it',
+    "<|pyt",
+]
+
+
+def test_llama3_json_calls_open_the_answer_or_are_not_calls():
+    parser = tool_call_parser("llama3_json")
+    assert _calls(parser.parse(LLAMA_ANSWERS[0]).calls) == [("weather", {"city": "Oslo"})]
+    assert parser.parse(LLAMA_ANSWERS[0]).content is None
+    assert _calls(parser.parse(LLAMA_ANSWERS[1]).calls) == [("a", {}), ("b", {"x": 1})]
+    assert _calls(parser.parse(LLAMA_ANSWERS[2]).calls) == [("weather", {"city": "Zürich"})]
+    for text in LLAMA_ANSWERS[3:]:
+        assert parser.parse(text).content == text and parser.parse(text).calls == []
+    assert isinstance(tool_call_parser("llama3"), type(parser)) and isinstance(tool_call_parser("qwen25"),
+                                                                                HermesToolParser)
+    stream = StreamedToolCalls(parser)  # an answer that does not open with a call streams at once
+    assert stream.content(" ") == "" and stream.content("The ans") == " The ans"
+    held = StreamedToolCalls(parser)
+    assert held.content("<|python") == "" and held.content('_tag|>{"name"') == ""
+
+
+@pytest.mark.parametrize("name, text", [("hermes", t) for t in ANSWERS] + [("llama3_json", t) for t in LLAMA_ANSWERS])
+def test_a_stream_gives_the_content_and_calls_of_the_whole_answer_wherever_it_is_cut(name, text):
+    whole = tool_call_parser(name).parse(text)
     for a in range(len(text) + 1):
         for b in range(a, len(text) + 1, 7):
-            stream = StreamedToolCalls(HermesToolParser())
+            stream = StreamedToolCalls(tool_call_parser(name))
             sent = "".join(stream.content(piece) for piece in (text[:a], text[a:b], text[b:]))
             rest, calls = stream.finish()
             assert sent + rest == (whole.content or "") and _calls(calls) == _calls(whole.calls), (a, b)

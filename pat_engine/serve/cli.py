@@ -220,7 +220,8 @@ def _add_answer_parsing_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='parse tool calls out of the answers of chats that offer tools (tool_choice "auto")')
     g.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
-                   help="the calls' format: hermes (Qwen2.5, Qwen3, Hermes: <tool_call>{json}</tool_call>)")
+                   help="the calls' format: hermes (Qwen2.5, Qwen3, Hermes: <tool_call>{json}</tool_call>), "
+                        "llama3_json (Llama 3.1-3.3); SGLang's names qwen25, qwen, llama3 are aliases")
 
 
 def _tool_call_parser(ns: argparse.Namespace) -> str | None:

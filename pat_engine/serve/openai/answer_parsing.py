@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pat_engine.core.chat_messages import ToolCall
 from pat_engine.serve.openai.protocol import ChatCompletionRequest
 from pat_engine.serve.openai.reasoning import REASONING_PARSERS, ReasoningParser, StreamedReasoning
-from pat_engine.serve.openai.tool_calls import HermesToolParser, StreamedToolCalls, request_tool_parser
+from pat_engine.serve.openai.tool_calls import StreamedToolCalls, ToolParser, request_tool_parser
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class ParsedMessage:
 @dataclass(frozen=True)
 class AnswerParsers:
     reasoning: ReasoningParser | None = None
-    tools: HermesToolParser | None = None
+    tools: ToolParser | None = None
     parallel_tool_calls: bool = True  # false: the first call only
 
     def parse(self, text: str) -> ParsedMessage:

@@ -3,9 +3,9 @@
 Requests forbid unknown fields: a misspelt or unsupported option (``functions``,
 ...) is a 400 naming the field rather than silently ignored. OpenAI fields
 whose default value is all the engine does (``best_of=1``,
-``response_format={"type": "text"}``) are accepted with that value, so clients that send explicit defaults work; any other
-value is a 400 naming the field. Value ranges of sampling fields are checked
-once, by ``SamplingParams``.
+``response_format={"type": "text"}``) are accepted with that value, so clients
+that send explicit defaults work; any other value is a 400 naming the field.
+Value ranges of sampling fields are checked once, by ``SamplingParams``.
 """
 
 from __future__ import annotations

@@ -52,7 +52,8 @@ class ReasoningParser:
         return None
 
 
-REASONING_PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", True), "qwen3": ReasoningParser("qwen3", False)}
+_DEEPSEEK_R1, _QWEN3 = ReasoningParser("deepseek_r1", True), ReasoningParser("qwen3", False)
+REASONING_PARSERS = {"deepseek_r1": _DEEPSEEK_R1, "deepseek-r1": _DEEPSEEK_R1, "qwen3": _QWEN3}  # "deepseek-r1": SGLang
 
 
 class StreamedReasoning:

@@ -1,12 +1,15 @@
-"""Tool calls parsed out of an answer's text (vLLM's ``--tool-call-parser``), whole and streamed.
+"""Tool calls parsed out of an answer's text (vLLM's ``--tool-call-parser``; SGLang's names are aliases),
+whole and streamed.
 
-``hermes``, the format of Qwen2.5, Qwen3 and the Hermes models: each call a JSON object
-``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>`` (the last one may be
-left open by the end of the answer). The answer's content is its text before the first call. A call that is
-not such an object leaves the whole text as content, with no calls, as vLLM's parser does.
+- ``hermes`` (SGLang: ``qwen25``, ``qwen``), the format of Qwen2.5, Qwen3 and the Hermes models: each call a
+  JSON object ``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>`` (the last may
+  be left open by the end of the answer); the content is the text before the first call.
+- ``llama3_json`` (SGLang: ``llama3``), Llama 3.1-3.3's JSON calls: an answer that opens (after white space
+  or ``<|python_tag|>``) with ``{"name": ..., "parameters": {...}}``, several separated by ``;``; no content.
 
-A stream sends content until a call could begin and holds the rest until the choice ends, so the content
-and the calls a stream gives are those of the whole answer.
+An answer whose calls do not parse comes back whole as content, with no calls, as vLLM's parsers do. A stream
+sends content while no call can have begun and holds the rest until the choice ends, so the content and
+calls a stream gives are those of the whole answer.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from pat_engine.core.chat_messages import FunctionCall, ToolCall
 from pat_engine.errors import InvalidRequestError
@@ -27,8 +31,27 @@ class ParsedAnswer:
     calls: list[ToolCall]
 
 
+class ToolParser(Protocol):
+    def parse(self, text: str) -> ParsedAnswer: ...
+
+    def sendable(self, text: str) -> int:
+        """How much of an unfinished answer is content whatever follows (a prefix that only grows)."""
+        ...
+
+
+def _call(obj: Any, arguments_key: str) -> ToolCall | None:
+    """A call from a decoded JSON object, or None if it is not one (no name, arguments not an object)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get(arguments_key, {})
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(id=random_id("chatcmpl-tool"),
+                    function=FunctionCall(name=obj["name"], arguments=json.dumps(arguments, ensure_ascii=False)))
+
+
 class HermesToolParser:
-    start, end = "<tool_call>", "</tool_call>"
+    start = "<tool_call>"
     _CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
     def parse(self, text: str) -> ParsedAnswer:
@@ -37,37 +60,61 @@ class HermesToolParser:
             return ParsedAnswer(text, [])
         calls = []
         for closed, left_open in self._CALL.findall(text):
-            call = self._call((closed or left_open).strip())
+            try:
+                call = _call(json.loads((closed or left_open).strip()), "arguments")
+            except ValueError:
+                call = None
             if call is None:
                 return ParsedAnswer(text, [])
             calls.append(call)
         return ParsedAnswer(text[:at] or None, calls)
 
-    @staticmethod
-    def _call(body: str) -> ToolCall | None:
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return None
-        arguments = obj.get("arguments", {})
-        if not isinstance(arguments, dict):
-            return None
-        return ToolCall(id=random_id("chatcmpl-tool"),
-                        function=FunctionCall(name=obj["name"], arguments=json.dumps(arguments, ensure_ascii=False)))
+    def sendable(self, text: str) -> int:
+        at = text.find(self.start)
+        return at if at >= 0 else len(text) - held_suffix(text, self.start)
 
 
-TOOL_CALL_PARSERS = {"hermes": HermesToolParser}
+class Llama3JsonToolParser:
+    python_tag = "<|python_tag|>"
+
+    def parse(self, text: str) -> ParsedAnswer:
+        body = text.lstrip()
+        body = body[len(self.python_tag):] if body.startswith(self.python_tag) else body
+        if not body.lstrip().startswith("{"):
+            return ParsedAnswer(text, [])
+        calls, decoder, rest = [], json.JSONDecoder(), body.strip()
+        while rest:  # objects separated by ";"
+            try:
+                obj, end = decoder.raw_decode(rest)
+            except ValueError:
+                return ParsedAnswer(text, [])
+            call = _call(obj, "parameters" if "parameters" in obj else "arguments") if isinstance(obj, dict) else None
+            rest = rest[end:].lstrip()
+            if call is None or (rest and not rest.startswith(";")):
+                return ParsedAnswer(text, [])
+            calls.append(call)
+            rest = rest[1:].lstrip()
+        return ParsedAnswer(None, calls)
+
+    def sendable(self, text: str) -> int:
+        head = text.lstrip()
+        could_call = not head or head.startswith("{") or self.python_tag.startswith(head[:len(self.python_tag)])
+        return 0 if could_call else len(text)
 
 
-def tool_call_parser(name: str) -> HermesToolParser:
+TOOL_CALL_PARSERS: dict[str, type] = {
+    "hermes": HermesToolParser, "qwen25": HermesToolParser, "qwen": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser, "llama3": Llama3JsonToolParser,
+}
+
+
+def tool_call_parser(name: str) -> ToolParser:
     if name not in TOOL_CALL_PARSERS:
         raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(TOOL_CALL_PARSERS)}")
     return TOOL_CALL_PARSERS[name]()
 
 
-def request_tool_parser(parses_calls: bool, configured: str | None) -> HermesToolParser | None:
+def request_tool_parser(parses_calls: bool, configured: str | None) -> ToolParser | None:
     """The parser a chat request's answer goes through: none unless it parses calls (tools with
     ``tool_choice`` "auto"), which needs the server's parser; refused before anything is queued otherwise."""
     if not parses_calls:
@@ -79,22 +126,15 @@ def request_tool_parser(parses_calls: bool, configured: str | None) -> HermesToo
 
 
 class StreamedToolCalls:
-    """One streamed choice: content passes until the first call's tag could begin; the rest is parsed at the end."""
+    """One streamed choice: content passes while no call can have begun; the rest is parsed at the end."""
 
-    def __init__(self, parser: HermesToolParser, parallel: bool = True):
+    def __init__(self, parser: ToolParser, parallel: bool = True):
         self.parser, self.parallel = parser, parallel
-        self.text, self.sent, self.holding = "", 0, False
+        self.text, self.sent = "", 0
 
     def content(self, delta: str) -> str:
         self.text += delta
-        if self.holding:
-            return ""
-        at = self.text.find(self.parser.start, self.sent)
-        if at >= 0:
-            self.holding = True
-            out, self.sent = self.text[self.sent:at], at
-            return out
-        end = max(self.sent, len(self.text) - held_suffix(self.text, self.parser.start))
+        end = max(self.sent, self.parser.sendable(self.text))
         out, self.sent = self.text[self.sent:end], end
         return out
 
