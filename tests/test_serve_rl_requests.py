@@ -109,7 +109,7 @@ def test_explicit_openai_defaults_are_accepted(client):
     ({"stop": ["s"] * 100}, "stop"),
     ({"stop": ["x" * 5000]}, "stop"),
     ({"best_of": 3}, "best_of"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"logit_bias": {"99999999": 1.0}}, "logit_bias"),
     ({"logit_bias": {"abc": 1.0}}, "logit_bias"),

@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from pat_engine.core.grammar import GrammarCompiler
 from pat_engine.core.memory import MemoryPlan
 from pat_engine.core.request import Sequence
 from pat_engine.core.stop_strings import StopStringMatcher
@@ -64,6 +65,7 @@ class RequestFactory:
         self.max_model_len = max_model_len
         self.engine_seed = engine_seed
         self._ids = itertools.count()
+        self._grammars: GrammarCompiler | None = None  # structured output (core/grammar.py), made when first needed
 
     def tokenize(self, prompt: Any, where: str, add_special_tokens: bool = True) -> tuple[list[int], str | None]:
         """A prompt's token ids (and its text, if it was one), checked against the context and vocabulary."""
@@ -129,6 +131,8 @@ class RequestFactory:
         """The ``params.n`` samples of one prompt: one request id, sample 0 first; the later samples
         wait for sample 0's prefill and share its prompt blocks."""
         first = self.make(prompt, params, request_id, where)
+        compiled = self._grammar(params, where)
+        first.grammar = self.grammars.follow(compiled) if compiled is not None else None
         samples = [first]
         for i in range(1, params.n):
             seq_id = next(self._ids)
@@ -136,8 +140,26 @@ class RequestFactory:
                                    sampling=replace(first.sampling, seed=sample_seed(first.sampling.seed, i)),
                                    sample_index=i, first_sample=first, prompt_ids=list(first.prompt_ids),
                                    output_ids=[], logprobs=[], top_logprobs=[], weight_versions=[], block_table=[],
-                                   arrival_time=first.arrival_time, stop_strings=self._stop_matcher(params)))
+                                   arrival_time=first.arrival_time, stop_strings=self._stop_matcher(params),
+                                   grammar=self.grammars.follow(compiled) if compiled is not None else None))
         return samples
+
+    def _grammar(self, params: SamplingParams, where: str) -> Any:
+        """The request's compiled grammar (None without structured output); the compiler is made on the
+        first request that needs one, so engines that never constrain never import xgrammar."""
+        if params.structured_output is None:
+            return None
+        try:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, self.arch.eos_token_ids)
+            return self._grammars.compile(params.structured_output)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{_place(where)}{exc}") from None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        assert self._grammars is not None, "compiled before any sample follows a grammar"
+        return self._grammars
 
     def make(self, prompt: Any, params: SamplingParams, request_id: str | None = None, where: str = "") -> Sequence:
         at = _place(where)

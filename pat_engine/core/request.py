@@ -5,13 +5,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from pat_engine.core.stop_strings import StopStringMatcher
 from pat_engine.outputs import RequestOutput
 from pat_engine.protocol import PromptLogprobs
 from pat_engine.sampling.spec import SamplingSpec
 from pat_engine.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from pat_engine.core.grammar import GrammarState
 
 
 class SeqStatus(enum.Enum):
@@ -54,6 +57,7 @@ class Sequence:
     prompt_logprobs: PromptLogprobs | None = None  # when asked, from the first prefill of the whole prompt
     # (first output index, weight version): the weights that produced each token from there on
     weight_versions: list[tuple[int, str]] = field(default_factory=list)
+    grammar: "GrammarState | None" = None  # structured output: where the answer is in its grammar
 
     @property
     def tokens(self) -> list[int]:
@@ -101,6 +105,9 @@ class Sequence:
         if self.first_token_time is None:
             self.first_token_time = time.time()
         self.output_ids.append(token)
+        if self.grammar is not None and not self.grammar.accept(token):  # masked out: cannot happen
+            self.finish("error", error=f"token {token} was drawn where the structured output does not allow it")
+            return
         if logprob is not None and self.params.logprobs:
             self.logprobs.append(logprob)
             if self.params.top_logprobs:
@@ -175,6 +182,17 @@ class Sequence:
         if len(self.output_ids) + pending >= self.params.min_new_tokens:
             return ()
         return tuple(self.eos_ids) + self.params.stop_token_ids if not self.params.ignore_eos else self.params.stop_token_ids
+
+    def allowed_now(self) -> bytes | None:
+        """Structured output: the tokens the next draw may take (a bitmask), None without a grammar. Needs
+        every drawn token appended, so such a sequence never runs ahead of its answers."""
+        return self.grammar.allowed() if self.grammar is not None else None
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether its next step may be built before this one's token is known (async scheduling): not
+        with a history kept on the host (penalties) nor a grammar that must follow each token first."""
+        return not self.sampling.has_penalties and self.grammar is None
 
     def to_output(self, decode: Callable[[list[int]], str] | None, token_ids: list[int], finish_reason: str | None,
                   error: str | None, text: str | None = None) -> RequestOutput:

@@ -252,12 +252,13 @@ class GroupScheduler:
                 tokens = seq.tokens
                 steps.append(SeqStep(seq.seq_id, tokens[seq.num_cached:], seq.num_cached,
                                      block_table=list(seq.block_table), sampling=seq.sampling,
-                                     suppressed=seq.suppressed_now(),
+                                     suppressed=seq.suppressed_now(), allowed=seq.allowed_now(),
                                      context=tokens[:seq.num_cached] if seq.sampling.has_penalties else None,
                                      prompt_logprobs=seq.params.prompt_logprobs if seq.wants_prompt_logprobs() else None))
             else:
                 steps.append(SeqStep(seq.seq_id, [seq.last_token] + drafts.get(seq.seq_id, []), seq.length - 1,
-                                     new_blocks=seq.block_table[seq.blocks_sent:], suppressed=seq.suppressed_now()))
+                                     new_blocks=seq.block_table[seq.blocks_sent:], suppressed=seq.suppressed_now(),
+                                     allowed=seq.allowed_now()))
             seq.blocks_sent = len(seq.block_table)
         return self._new_command(is_prefill, steps, verify=bool(drafts))
 

@@ -278,10 +278,10 @@ class Stepping:
 
     def _following(self, g: int, flight: InFlight) -> tuple[StepCommand, list[Sequence]] | None:
         """The step to send behind ``flight`` (async scheduling), or None where it may not go: a prefill,
-        a verify step, speculation on, or a row with logit processors (its history lives on the host)."""
+        a verify step, speculation on, or a row that may not run ahead (``Sequence.runs_ahead``)."""
         cmd = flight.cmd
         if (not self.async_scheduling or cmd.is_prefill or cmd.verify or self.speculation is not None
-                or any(s.sampling.has_penalties for s in flight.batch)):
+                or not all(s.runs_ahead for s in flight.batch)):
             return None
         return self.schedulers[g].schedule_following(cmd, flight.batch, hold=self.hold_answers)
 

@@ -10,6 +10,9 @@ plain mapping of option names to values. Each name sits in one table:
   names for one field must agree when both are given;
 - ``TEXT_ONLY``: options that change only how a face renders text; accepted
   here, applied (or not) by the face;
+- ``STRUCTURED``: structured output (``sampling/structured.py``) by any of its names: vLLM's
+  ``structured_outputs`` / ``guided_decoding`` dicts and ``guided_*`` fields, SGLang's ``json_schema``,
+  ``regex`` and ``ebnf``; at most one constraint in all;
 - ``REFUSED``: what pat-engine does not implement, with the values that mean
   "off"; any other value is refused by name. ``best_of`` is accepted only when
   it equals ``n`` (no extra candidates are drawn);
@@ -28,6 +31,8 @@ from typing import Any
 
 from pat_engine.errors import InvalidRequestError
 from pat_engine.sampling.params import SamplingParams
+from pat_engine.sampling.structured import KINDS as STRUCTURED_KINDS
+from pat_engine.sampling.structured import StructuredOutput
 
 ALIASES: dict[str, str] = {
     "max_tokens": "max_new_tokens",  # vLLM, OpenAI
@@ -48,22 +53,25 @@ ALIASES: dict[str, str] = {
 TEXT_ONLY = frozenset({"skip_special_tokens", "spaces_between_special_tokens", "detokenize", "output_kind",
                        "extra_args"})
 
+# client name -> the StructuredOutput constraint it gives; None: a dict of constraints (vLLM's params object)
+STRUCTURED: dict[str, str | None] = {
+    "structured_outputs": None, "guided_decoding": None,  # vLLM's StructuredOutputsParams (and its old name)
+    "response_format": None,  # OpenAI's, as the OpenAI face turns it into constraints
+    "guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
+    "json_schema": "json", "regex": "regex", "ebnf": "grammar",  # SGLang
+}
+
 REFUSED: dict[str, tuple] = {
     "bad_words": (None, []),  # vLLM
     "allowed_token_ids": (None, []),
     "logits_processors": (None, []),
-    "guided_decoding": (None,),
-    "structured_outputs": (None,),
     "truncate_prompt_tokens": (None,),  # cuts the prompt: changes the tokens, not only the text
     "stop_regex": (None, "", []),  # SGLang
-    "json_schema": (None,),
-    "regex": (None,),
-    "ebnf": (None,),
     "structural_tag": (None,),
     "custom_params": (None, {}),
 }
 
-OPTION_NAMES = frozenset(ALIASES) | TEXT_ONLY | frozenset(REFUSED) | {"best_of"}
+OPTION_NAMES = frozenset(ALIASES) | TEXT_ONLY | frozenset(STRUCTURED) | frozenset(REFUSED) | {"best_of"}
 
 CLIENT_DEFAULTS: dict[str, Any] = {"temperature": 1.0}  # vLLM, OpenAI and SGLang sample at 1 unless told
 
@@ -128,11 +136,39 @@ def _reshape(field: str, value: Any, where: str) -> Any:
     return _plain(value)
 
 
+def _constraints(name: str, value: Any, where: str) -> dict[str, Any]:
+    """The structured-output constraints one client option gives (``STRUCTURED``)."""
+    kind = STRUCTURED[name]
+    if kind is not None:
+        return {kind: value}
+    if hasattr(value, "__dict__") and not isinstance(value, Mapping):  # vLLM's params object
+        value = {k: v for k, v in vars(value).items() if not k.startswith("_")}
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError(f"{where}{name} must be an object of constraints (json, regex, choice, grammar, "
+                                  "json_object)")
+    # vLLM's switches that only tune a backend (disable_any_whitespace, ...) are accepted when off
+    tuning = {k: v for k, v in value.items() if k not in STRUCTURED_KINDS and v not in (None, False, "")}
+    if tuning:
+        raise InvalidRequestError(f"{where}{name}.{sorted(tuning)[0]} is not supported by pat-engine (leave it unset)")
+    return {k: v for k, v in value.items() if k in STRUCTURED_KINDS}
+
+
 def _fields(options: Mapping[str, Any], where: str) -> dict[str, Any]:
     """SamplingParams fields from client names; refuses what is refused, unknown or given twice."""
     fields: dict[str, Any] = {}
     given_by: dict[str, str] = {}
+    constraints: dict[str, Any] = {}
     for name, value in options.items():
+        if name in STRUCTURED:
+            if value is None:
+                continue
+            for kind, spec in _constraints(name, value, where).items():
+                if spec is None or spec is False:
+                    continue
+                if kind in constraints and constraints[kind] != spec:
+                    raise InvalidRequestError(f"{where}two different {kind} constraints are given; give one")
+                constraints[kind] = spec
+            continue
         if name in ALIASES:
             if value is None:
                 continue
@@ -147,6 +183,12 @@ def _fields(options: Mapping[str, Any], where: str) -> dict[str, Any]:
                 raise InvalidRequestError(f"{where}{name}={value!r} is not supported by pat-engine (leave it unset)")
         elif name not in TEXT_ONLY and name != "best_of":
             raise InvalidRequestError(f"unknown sampling option '{where}{name}'")
+    try:
+        structured = StructuredOutput.of(**constraints)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{where}{exc}") from None
+    if structured is not None:
+        fields["structured_output"] = structured
     return fields
 
 

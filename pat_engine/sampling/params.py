@@ -25,6 +25,7 @@ import numbers
 from dataclasses import dataclass, field
 
 from pat_engine.errors import InvalidRequestError
+from pat_engine.sampling.structured import StructuredOutput
 
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -73,6 +74,8 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens whose probability is below min_p times the most likely one's
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     n: int = 1  # samples of this prompt; they share the prompt's KV blocks
+    # the answer held to a JSON schema, a regex, a choice or a grammar (sampling/structured.py)
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         stops = self.stop_token_ids or ()
@@ -101,6 +104,13 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise InvalidRequestError("structured_output must be a StructuredOutput (StructuredOutput.of(...))")
+            # the grammar's end is an EOS the sampler must be free to draw, and the answer must stop there
+            if self.min_new_tokens or self.ignore_eos:
+                raise InvalidRequestError("structured output cannot be combined with min_tokens or ignore_eos: the "
+                                          "answer ends with the EOS the grammar allows when it is complete")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:

@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from pat_engine.host_tensors import to_device
 from pat_engine.sampling.inverse_cdf import first_max, inverse_cdf, inverse_cdf_in_prefix, prefix_kernel_serves, weights
@@ -57,12 +58,16 @@ class SamplingBatch:
     raw_rows: torch.Tensor | None = None  # int64: sampled rows whose processed distribution is the raw one
     not_raw: torch.Tensor | None = None  # int64: the batch rows outside ``sampled[raw_rows]`` (when any)
     floor: torch.Tensor | None = None  # float32 (S,): log(min_p) of the sampled rows, -inf without
+    # structured output: (rows, int32 words (R, ceil(vocab / 32))): only the tokens whose bit is set may be drawn
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, specs: list[SamplingSpec], positions: list[int],
               suppressed: list[tuple[int, ...]] | None = None, device: torch.device | str = "cpu",
-              histories: list[list[int] | None] | None = None, vocab: int = 0) -> "SamplingBatch":
-        """``histories[i]``: row ``i``'s tokens so far, needed (and given) only for rows with processors."""
+              histories: list[list[int] | None] | None = None, vocab: int = 0,
+              allowed: list[torch.Tensor | None] | None = None) -> "SamplingBatch":
+        """``histories[i]``: row ``i``'s tokens so far, needed (and given) only for rows with processors;
+        ``allowed[i]``: row ``i``'s structured-output mask (``core/grammar.py``), or None."""
         rows = [i for i, s in enumerate(specs) if s.temperature != 0.0]
         chosen = [specs[i] for i in rows]
         top_ks = [s.top_k for s in chosen]
@@ -99,17 +104,39 @@ class SamplingBatch:
             not_raw=_rows_or_none(sorted(set(range(len(specs))) - {rows[j] for j in raw}), device),
             floor=tensor([math.log(s.min_p) if s.min_p > 0 else float("-inf") for s in chosen], torch.float32)
             if rows else None,  # log on the host in float64, rounded once to float32 as before
+            allowed=_allowed_rows(allowed, device),
         )
 
     def suppress(self, logits: torch.Tensor) -> torch.Tensor:
-        """Tokens not allowed yet (EOS and stop ids before min_new_tokens) get -inf: the raw logits."""
-        if self.suppressed is None:
-            return logits
-        return logits.index_put(self.suppressed, logits.new_full((), float("-inf")))
+        """Tokens not allowed (EOS and stop ids before min_new_tokens, what a grammar does not allow) get
+        -inf: the raw logits."""
+        if self.suppressed is not None:
+            logits = logits.index_put(self.suppressed, logits.new_full((), float("-inf")))
+        if self.allowed is not None:
+            rows, words = self.allowed
+            bits = (words.unsqueeze(-1) >> _BIT_SHIFTS.to(words.device)) & 1  # (R, W, 32): token 32 w + b
+            keep = bits.view(words.shape[0], -1)[:, : logits.shape[-1]].bool()
+            if keep.shape[-1] < logits.shape[-1]:  # padded vocabulary columns are never allowed
+                keep = F.pad(keep, (0, logits.shape[-1] - keep.shape[-1]))
+            masked = logits.index_select(0, rows).masked_fill(~keep, float("-inf"))
+            logits = logits.index_copy(0, rows, masked)
+        return logits
 
     def penalize(self, logits: torch.Tensor) -> torch.Tensor:
         """Logit bias and penalties of the rows that have them (float64 when any): the processed logits."""
         return logits if self.processors is None else self.processors.apply(logits.to(torch.float64))
+
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def _allowed_rows(allowed: list[torch.Tensor | None] | None,
+                  device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows = [i for i, words in enumerate(allowed or ()) if words is not None]
+    if not rows:
+        return None
+    words = torch.stack([allowed[i] for i in rows]).to(device, non_blocking=True)
+    return to_device(rows, torch.long, device), words
 
 
 def _rows_or_none(rows: list[int], device: torch.device | str) -> torch.Tensor | None:

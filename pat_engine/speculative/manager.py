@@ -104,7 +104,8 @@ class Speculation:
         for seq in batch:
             room = min(seq.params.max_new_tokens - len(seq.output_ids), seq.max_len - seq.length) - 1
             k = min(self.config.max_draft, room)
-            proposals.append(self.proposer.propose(seq, k) if k >= 1 and not seq.suppressed_now() else [])
+            drafts_allowed = k >= 1 and not seq.suppressed_now() and seq.grammar is None  # a grammar follows each token
+            proposals.append(self.proposer.propose(seq, k) if drafts_allowed else [])
         cost = self.cost.params() if self.config.adaptive else None
         lengths = allocate([len(d) for d in proposals], [self.acceptance.p(s.seq_id) for s in batch], cost, len(batch))
         return {s.seq_id: d[:n] for s, d, n in zip(batch, proposals, lengths) if n > 0}

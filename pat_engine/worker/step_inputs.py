@@ -37,7 +37,7 @@ from pat_engine.config import graph_ladder
 from pat_engine.host_tensors import host_table, host_tensor
 from pat_engine.model import cpu_gemm
 from pat_engine.model.layers.attention import AttentionMetadata
-from pat_engine.protocol import StepCommand
+from pat_engine.protocol import SeqStep, StepCommand
 from pat_engine.sampling.sampler import SamplingBatch
 from pat_engine.sampling.spec import SamplingSpec
 
@@ -157,12 +157,12 @@ class StepInputBuilder:
         positions = [s.start_pos + len(s.token_ids) for s in cmd.seqs]
         suppressed = [s.suppressed for s in cmd.seqs] if any(s.suppressed for s in cmd.seqs) else None
         return SamplingBatch.build([st.sampling for st in states], positions, suppressed, self.device,
-                                   [st.history for st in states], self.vocab_size)
+                                   [st.history for st in states], self.vocab_size, _allowed(cmd.seqs))
 
     def _verify_sampling(self, cmd: StepCommand) -> SamplingBatch:
         """One sampling row per token run: row j of a sequence draws position ``start_pos + 1 + j`` from
         the same spec and the history up to there, exactly what a decode step there would draw with."""
-        specs, positions, suppressed, histories = [], [], [], []
+        specs, positions, suppressed, histories, rows = [], [], [], [], []
         for s in cmd.seqs:
             state = self.seqs[s.seq_id]
             for j in range(len(s.token_ids)):
@@ -171,8 +171,9 @@ class StepInputBuilder:
                 positions.append(end)
                 suppressed.append(s.suppressed)  # a row with a draft suppresses nothing (Speculation.drafts)
                 histories.append(state.history[:end] if state.history is not None else None)
+                rows.append(s)  # a row with a grammar has no draft: its one row takes its mask
         return SamplingBatch.build(specs, positions, suppressed if any(suppressed) else None, self.device,
-                                   histories, self.vocab_size)
+                                   histories, self.vocab_size, _allowed(rows))
 
     def _decode(self, cmd: StepCommand, tables: list[list[int]], samples: bool,
                 drawn: torch.Tensor | None = None) -> StepInputs:
@@ -264,3 +265,11 @@ class StepInputBuilder:
                                                                                           starts + lens),
             cached_lens=self._bufs.fill(name + "cached_lens", starts), cu_seqlens=cu_seqlens,
         )
+
+
+def _allowed(rows: list[SeqStep]) -> list[torch.Tensor | None] | None:
+    """Each sampling row's structured-output mask (int32 words), None when no row has one."""
+    if all(s.allowed is None for s in rows):
+        return None
+    return [torch.frombuffer(bytearray(s.allowed), dtype=torch.int32) if s.allowed is not None else None
+            for s in rows]

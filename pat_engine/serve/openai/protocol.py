@@ -2,9 +2,9 @@
 
 Requests forbid unknown fields: a misspelt or unsupported option (``functions``,
 ...) is a 400 naming the field rather than silently ignored. OpenAI fields
-whose default value is all the engine does (``best_of=1``,
-``response_format={"type": "text"}``) are accepted with that value, so clients
-that send explicit defaults work; any other value is a 400 naming the field.
+whose default value is all the engine does (``best_of=1``) are accepted with
+that value, so clients that send explicit defaults work; any other value is a
+400 naming the field.
 Value ranges of sampling fields are checked once, by ``SamplingParams``.
 """
 
@@ -23,6 +23,22 @@ from pat_engine.sampling.params import MAX_SAMPLES, MAX_STOP_TOKEN_IDS, SEED_MAX
 
 MAX_MESSAGES = 2048  # per chat request; a chat of 200k messages peaked the driver at 2.8 GB
 MAX_PROMPTS = 256  # prompts per completion request (one choice each)
+
+
+def response_format_constraint(fmt: dict | None) -> dict | None:
+    """OpenAI's ``response_format`` as structured-output constraints (``sampling/structured.py``): None for
+    text, ``json_object`` for any JSON object, ``json`` for ``json_schema``'s schema."""
+    kind = fmt.get("type") if fmt is not None else "text"
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise ValueError("response_format json_schema needs {\"json_schema\": {\"name\", \"schema\": {...}}}")
+        return {"json": spec.get("schema", {})}
+    raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
 
 
 def random_id(prefix: str) -> str:
@@ -62,7 +78,13 @@ class _SamplingFields(_Request):
     min_p: float = 0.0  # vLLM extra
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     user: str | None = None
-    response_format: dict | None = None
+    response_format: dict | None = None  # text, json_object or json_schema (structured output)
+    # vLLM's structured-output extras (sampling/options.py reads them)
+    structured_outputs: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # "auto" (the default when a chat offers tools): calls are parsed from the answer by the server's
     # --tool-call-parser; "none": the answer is text. "required" and a named function would need
     # structured output, which the engine does not do
@@ -78,9 +100,9 @@ class _SamplingFields(_Request):
 
     @field_validator("response_format")
     @classmethod
-    def _text_only(cls, v):
-        if v is not None and v.get("type") != "text":
-            raise ValueError("only response_format {\"type\": \"text\"} is supported (no structured output)")
+    def _known_format(cls, v):
+        if v is not None:
+            response_format_constraint(v)  # names what is wrong with it
         return v
 
     @field_validator("tool_choice")

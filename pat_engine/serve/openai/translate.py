@@ -25,6 +25,7 @@ from pat_engine.serve.openai.protocol import (
     CompletionRequest,
     TopLogprob,
     UsageInfo,
+    response_format_constraint,
 )
 
 
@@ -35,6 +36,8 @@ def sampling_params(req: Any, max_new_tokens: int, logprobs: bool, top_logprobs:
     options = {name: getattr(req, name) for name in type(req).model_fields if name in OPTION_NAMES}
     options.update(max_tokens=max_new_tokens, logprobs=logprobs, top_logprobs=top_logprobs,
                    prompt_logprobs=prompt_logprobs)
+    # as constraints (None for text): one more source of structured output; two different ones are refused
+    options["response_format"] = response_format_constraint(req.response_format)
     return to_sampling_params(options)
 
 
