@@ -11,6 +11,7 @@ from pat_engine.errors import InvalidRequestError
 from pat_engine.rollout import (GroupSizeController, GroupSizingConfig, PromptEntry, RolloutConfig, RolloutScheduler,
                                 RoundTracker, TailBatcher, TailBatchingConfig, straggler_ratio)
 from pat_engine.rollout.resume import exactly_resumable, resume_request
+from pat_engine.sampling.structured import StructuredOutput
 from pat_engine.rollout.tail_batching import overprovision
 from pat_engine.sampling.params import SamplingParams
 
@@ -247,7 +248,8 @@ def test_what_reads_the_response_itself_is_not_resumed_from_a_partial():
     base = SamplingParams(max_new_tokens=8, temperature=1.0, seed=1, logprobs=True, repetition_penalty=1.2)
     assert exactly_resumable(base)  # repetition counts prompt and response alike: the continuation sees both
     for change in (dict(stop=("x",)), dict(frequency_penalty=0.5), dict(presence_penalty=0.5),
-                   dict(top_logprobs=2), dict(prompt_logprobs=1)):
+                   dict(top_logprobs=2), dict(prompt_logprobs=1),
+                   dict(structured_output=StructuredOutput.of(regex="[a-z]+"))):
         assert not exactly_resumable(replace(base, **change)), change
 
 

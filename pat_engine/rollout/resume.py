@@ -8,9 +8,10 @@ generated with; a stale partial is regenerated from the prompt instead.
 
 Some parameters look at the response as such, which the continuation sees as prompt:
 stop strings (matched in the response text), frequency and presence penalties (counted
-over the response), top and prompt log-probabilities (not carried by the partial). A
-request using them is not resumed but run again from its prompt with the same seed,
-which is exact too, only slower (``exactly_resumable``).
+over the response), structured output (its grammar starts where the response starts), top
+and prompt log-probabilities (not carried by the partial). A request using them is not
+resumed but run again from its prompt with the same seed, which is exact too, only slower
+(``exactly_resumable``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from pat_engine.sampling.params import SamplingParams
 def exactly_resumable(params: SamplingParams) -> bool:
     """Whether continuing from a partial gives what the uninterrupted request gives (module docstring)."""
     return (not params.stop and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0
-            and not (params.logprobs and params.top_logprobs) and params.prompt_logprobs is None)
+            and not (params.logprobs and params.top_logprobs) and params.prompt_logprobs is None
+            and params.structured_output is None)
 
 
 def resume_request(prompt_ids: list[int], generated: list[int],
