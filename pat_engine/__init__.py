@@ -14,6 +14,7 @@ from pat_engine.outputs import RequestOutput
 from pat_engine.parallel.layout import Layout
 from pat_engine.reference import reference_logprobs
 from pat_engine.sampling.params import SamplingParams
+from pat_engine.sampling.structured import StructuredOutput
 from pat_engine.version import __version__
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "RequestHandle",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutput",
     "Layout",
     "reference_logprobs",
     "PatEngineError",

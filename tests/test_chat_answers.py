@@ -23,8 +23,10 @@ from pat_engine.serve.openai.protocol import ChatCompletionRequest
 from pat_engine.serve.openai.reasoning import REASONING_PARSERS
 from pat_engine.serve.openai.streams import chat_stream
 from pat_engine.serve.openai.tool_calls import (
+    ForcedToolCalls,
     HermesToolParser,
     StreamedToolCalls,
+    forced_calls_schema,
     request_tool_parser,
     tool_call_parser,
 )
@@ -169,9 +171,16 @@ def test_which_requests_parse_calls_and_what_is_refused():
     assert isinstance(request_tool_parser(True, "hermes"), HermesToolParser)
     with pytest.raises(InvalidRequestError, match='tool_choice "auto" needs a server started with'):
         request_tool_parser(True, None)
-    for choice in ("required", {"type": "function", "function": {"name": "weather"}}):
-        with pytest.raises(ValidationError, match="need structured output"):
-            ChatCompletionRequest(messages=chat, tools=[WEATHER], tool_choice=choice)
+    named = {"type": "function", "function": {"name": "weather"}}
+    assert ChatCompletionRequest(messages=chat, tools=[WEATHER], tool_choice="required").forced_tool_calls() == \
+        (True, None)
+    assert ChatCompletionRequest(messages=chat, tools=[WEATHER], tool_choice=named).forced_tool_calls() == \
+        (False, "weather")
+    for choice, match in (("required", "needs tools"), ("sometimes", "tool_choice must be"),
+                          ({"type": "function", "function": {"name": "time"}}, "which tools does not offer")):
+        with pytest.raises(ValidationError, match=match):
+            ChatCompletionRequest(messages=chat, tools=[WEATHER] if match != "needs tools" else None,
+                                  tool_choice=choice)
     with pytest.raises(ValidationError, match="tools.0.type"):
         ChatCompletionRequest(messages=chat, tools=[{"type": "retrieval"}])
 
@@ -311,3 +320,21 @@ def test_the_openai_sdk_reads_the_streamed_and_whole_answers_as_the_same_message
         assert [(c.function.name, json.loads(c.function.arguments)) for c in got.message.tool_calls] == [
             ("weather", {"city": "Oslo"})]
         assert got.message.model_extra["reasoning"] == "hm"
+
+
+def test_forced_calls_are_read_from_the_json_their_schema_holds_the_answer_to():
+    named, required = ForcedToolCalls("weather"), ForcedToolCalls(None)
+    assert _calls(named.parse(' {"city": "Oslo"}').calls) == [("weather", {"city": "Oslo"})]
+    assert _calls(required.parse('[{"name": "a", "parameters": {}}, {"name": "b", "parameters": {"x": 1}}]').calls) \
+        == [("a", {}), ("b", {"x": 1})]
+    for parser, cut in ((named, '{"city": "Os'), (required, '[{"name": "a", "param')):
+        assert parser.parse(cut).content == cut and parser.parse(cut).calls == []
+        stream = StreamedToolCalls(parser)
+        assert stream.content(cut) == ""  # nothing streams as content: the calls come at the end
+    tools = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                  tools=[WEATHER, {"type": "function", "function": {"name": "time"}}]).tools
+    assert forced_calls_schema(tools, False, "weather", True) == CITY
+    schema = forced_calls_schema(tools, True, None, False)
+    assert schema["maxItems"] == 1 and [o["properties"]["name"]["enum"] for o in schema["items"]["anyOf"]] == [
+        ["weather"], ["time"]]
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}

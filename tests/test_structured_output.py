@@ -155,3 +155,38 @@ def test_structured_output_over_http_and_its_refusals(engine):
             r = client.post("/v1/completions", json={"prompt": "the water", "max_tokens": 4, **body})
             assert r.status_code == 400 and match in r.text, r.text
         assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.slow
+def test_tool_choice_required_or_named_holds_the_answer_to_calls(engine):
+    city = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Bergen"]}},
+            "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": city}},
+             {"type": "function", "function": {"name": "time"}}]
+    chat = [{"role": "user", "content": "the water"}]
+    with BackgroundServer(build_app(engine, ServerConfig("tiny"))) as server, \
+            httpx.Client(base_url=server.url, timeout=120) as client:
+        # the tiny random model would fill JSON's optional white space to the token limit: bias it away
+        blank = {str(t): -100 for t in range(engine.arch.vocab_size - 6)
+                 if engine.tokenizer.decode([t]) and not engine.tokenizer.decode([t]).strip()}
+
+        def ask(choice, **more) -> list[dict]:
+            r = client.post("/v1/chat/completions", json={"messages": chat, "tools": tools, "tool_choice": choice,
+                                                          "max_tokens": 64, "seed": 3, "n": 4, "logit_bias": blank,
+                                                          **more})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"]
+
+        named = ask({"type": "function", "function": {"name": "weather"}})
+        called = [c for c in named if c["finish_reason"] == "tool_calls"]
+        assert called and all(c["message"]["content"] is None for c in called)
+        for c in called:
+            (call,) = c["message"]["tool_calls"]
+            assert call["function"]["name"] == "weather"
+            assert json.loads(call["function"]["arguments"])["city"] in ("Oslo", "Bergen")
+        required = ask("required", parallel_tool_calls=False)  # one call: the list closes after it
+        assert all(c["finish_reason"] == "tool_calls" and len(c["message"]["tool_calls"]) == 1 for c in required)
+        assert {c["message"]["tool_calls"][0]["function"]["name"] for c in required} <= {"weather", "time"}
+        r = client.post("/v1/chat/completions", json={"messages": chat, "tools": tools, "tool_choice": "required",
+                                                      "guided_regex": "a+", "max_tokens": 4})
+        assert r.status_code == 400 and "cannot take another structured output constraint" in r.text

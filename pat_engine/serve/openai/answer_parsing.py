@@ -62,7 +62,7 @@ def answer_parsers(req: ChatCompletionRequest, tool_call_parser: str | None,
                    reasoning_parser: str | None) -> AnswerParsers | None:
     """What a chat request's answer goes through on a server with these parsers (None: plain text); a
     request whose calls need a parser the server lacks is refused before anything is queued."""
-    tools = request_tool_parser(req.parses_tool_calls(), tool_call_parser)
+    tools = request_tool_parser(req.parses_tool_calls(), tool_call_parser, req.forced_tool_calls())
     reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser is not None else None
     if tools is None and reasoning is None:
         return None

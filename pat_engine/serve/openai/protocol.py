@@ -107,16 +107,23 @@ class _SamplingFields(_Request):
 
     @field_validator("tool_choice")
     @classmethod
-    def _auto_or_none(cls, v):
-        if v not in (None, "none", "auto"):
-            raise ValueError("tool_choice may be \"auto\" or \"none\": \"required\" and a named function need "
-                             "structured output, which pat-engine does not do")
+    def _known_choice(cls, v):
+        named = isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict) \
+            and isinstance(v["function"].get("name"), str)
+        if v not in (None, "none", "auto", "required") and not named:
+            raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                             '{"name": ...}}')
         return v
 
     @model_validator(mode="after")
-    def _auto_needs_tools(self):
-        if self.tool_choice == "auto" and not getattr(self, "tools", None):
-            raise ValueError("tool_choice \"auto\" needs tools (a chat's tools field)")
+    def _choice_needs_tools(self):
+        tools = getattr(self, "tools", None) or []
+        if self.tool_choice not in (None, "none") and not tools:
+            raise ValueError("tool_choice other than \"none\" needs tools (a chat's tools field)")
+        if isinstance(self.tool_choice, dict):
+            name = self.tool_choice["function"]["name"]
+            if name not in [t.function.name for t in tools]:
+                raise ValueError(f"tool_choice names the function {name!r}, which tools does not offer")
         return self
 
     @model_validator(mode="after")
@@ -165,6 +172,15 @@ class ChatCompletionRequest(_SamplingFields, ChatFields):  # vLLM extras: ChatFi
     def parses_tool_calls(self) -> bool:
         """Whether the answer's tool calls are parsed out (OpenAI's default: "auto" when tools are given)."""
         return bool(self.tools) and (self.tool_choice or "auto") == "auto"
+
+    def forced_tool_calls(self) -> tuple[bool, str | None] | None:
+        """``tool_choice`` "required" (True, None) or a named function (False, its name): the answer is held
+        to calls (``tool_calls.forced_calls_schema``); None otherwise."""
+        if self.tool_choice == "required":
+            return True, None
+        if isinstance(self.tool_choice, dict):
+            return False, self.tool_choice["function"]["name"]
+        return None
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

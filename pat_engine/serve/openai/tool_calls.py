@@ -102,6 +102,43 @@ class Llama3JsonToolParser:
         return 0 if could_call else len(text)
 
 
+class ForcedToolCalls:
+    """The answer of a request whose ``tool_choice`` forces calls, held by structured output to
+    ``forced_calls_schema``: the named function's arguments (one call), or for "required" a JSON list of
+    ``{"name", "parameters"}`` (vLLM's convention). Nothing streams as content; an answer cut off before its
+    JSON closes comes back as content."""
+
+    def __init__(self, named: str | None):
+        self.named = named
+
+    def parse(self, text: str) -> ParsedAnswer:
+        try:
+            value = json.loads(text, strict=False)
+        except ValueError:
+            return ParsedAnswer(text, [])
+        if self.named is not None:
+            call = _call({"name": self.named, "arguments": value}, "arguments")
+            return ParsedAnswer(None, [call]) if call is not None else ParsedAnswer(text, [])
+        calls = [_call(item, "parameters") for item in value] if isinstance(value, list) else [None]
+        return ParsedAnswer(None, calls) if calls and None not in calls else ParsedAnswer(text, [])  # type: ignore
+
+    def sendable(self, text: str) -> int:
+        return 0
+
+
+def forced_calls_schema(tools: list[Any], required: bool, named: str | None, parallel: bool) -> dict:
+    """The JSON schema structured output holds a forced answer to (``ForcedToolCalls``)."""
+    def parameters(tool: Any) -> dict:
+        return tool.function.parameters or {"type": "object"}
+
+    if named is not None:
+        return parameters(next(t for t in tools if t.function.name == named))
+    one_call = {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                                            "parameters": parameters(t)},
+                           "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}
+    return {"type": "array", "items": one_call, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+
+
 TOOL_CALL_PARSERS: dict[str, type] = {
     "hermes": HermesToolParser, "qwen25": HermesToolParser, "qwen": HermesToolParser,
     "llama3_json": Llama3JsonToolParser, "llama3": Llama3JsonToolParser,
@@ -114,9 +151,13 @@ def tool_call_parser(name: str) -> ToolParser:
     return TOOL_CALL_PARSERS[name]()
 
 
-def request_tool_parser(parses_calls: bool, configured: str | None) -> ToolParser | None:
-    """The parser a chat request's answer goes through: none unless it parses calls (tools with
-    ``tool_choice`` "auto"), which needs the server's parser; refused before anything is queued otherwise."""
+def request_tool_parser(parses_calls: bool, configured: str | None,
+                        forced: tuple[bool, str | None] | None = None) -> ToolParser | None:
+    """The parser a chat request's answer goes through: ``ForcedToolCalls`` when its ``tool_choice`` forces
+    calls (``forced``), else none unless it parses calls (tools with ``tool_choice`` "auto"), which needs
+    the server's parser; refused before anything is queued otherwise."""
+    if forced is not None:
+        return ForcedToolCalls(forced[1])
     if not parses_calls:
         return None
     if configured is None:

@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from pat_engine.core.chat import chat_prompt
+from pat_engine.errors import InvalidRequestError
 from pat_engine.outputs import RequestOutput
-from pat_engine.sampling.options import OPTION_NAMES, to_sampling_params
+from pat_engine.sampling.options import OPTION_NAMES, STRUCTURED, to_sampling_params
 from pat_engine.sampling.params import SamplingParams
 from pat_engine.serve.async_engine import EngineInput
 from pat_engine.serve.openai.answer_parsing import AnswerParsers
@@ -27,6 +28,7 @@ from pat_engine.serve.openai.protocol import (
     UsageInfo,
     response_format_constraint,
 )
+from pat_engine.serve.openai.tool_calls import forced_calls_schema
 
 
 def sampling_params(req: Any, max_new_tokens: int, logprobs: bool, top_logprobs: int = 0,
@@ -38,6 +40,12 @@ def sampling_params(req: Any, max_new_tokens: int, logprobs: bool, top_logprobs:
                    prompt_logprobs=prompt_logprobs)
     # as constraints (None for text): one more source of structured output; two different ones are refused
     options["response_format"] = response_format_constraint(req.response_format)
+    forced = req.forced_tool_calls() if isinstance(req, ChatCompletionRequest) else None
+    if forced is not None:  # "required" or a named function: the answer is held to calls
+        if any(options.get(name) is not None for name in STRUCTURED):
+            raise InvalidRequestError("tool_choice \"required\" or a named function holds the answer to tool calls; "
+                                      "it cannot take another structured output constraint")
+        options["guided_json"] = forced_calls_schema(req.tools, *forced, req.parallel_tool_calls)
     return to_sampling_params(options)
 
 
