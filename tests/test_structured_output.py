@@ -43,13 +43,17 @@ def test_every_client_name_gives_one_constraint():
     assert to_sampling_params({**base, "structured_outputs": {"json_object": True}}).structured_output.kind == \
         "json_object"
     assert to_sampling_params({**base, "structured_outputs": None}).structured_output is None
+    compact = to_sampling_params({**base, "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}})
+    assert not compact.structured_output.any_whitespace and want.any_whitespace
     for options, match in (({"guided_regex": "a", "guided_json": SCHEMA}, "give one constraint"),
                            ({"regex": "a", "guided_regex": "b"}, "two different regex constraints"),
                            ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
                             "structured_outputs.whitespace_pattern is not supported"),
                            ({"guided_choice": []}, "choice must be a non-empty list"),
                            ({"structured_outputs": "json"}, "must be an object of constraints"),
-                           ({"guided_json": SCHEMA, "min_tokens": 2}, "cannot be combined with min_tokens")):
+                           ({"guided_json": SCHEMA, "min_tokens": 2}, "cannot be combined with min_tokens"),
+                           ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
+                            "disable_any_whitespace applies to json")):
         with pytest.raises(InvalidRequestError, match=match):
             to_sampling_params({**base, **options})
 
@@ -111,6 +115,11 @@ def test_answers_follow_their_constraint(engine):
     choice = StructuredOutput.of(choice=["the water", "good", "a long time"])
     greedy = engine.generate(prompts, _params(choice, n=1, temperature=0.0), use_tqdm=False)
     assert all(o.text in choice.choices() and o.finish_reason == "stop" for o in greedy)
+    compact = StructuredOutput.of(json=SCHEMA, disable_any_whitespace=True)
+    tight = [s for o in engine.generate(prompts, _params(compact), use_tqdm=False) for s in o.samples]
+    ended = [s for s in tight if _complete_or_prefix(engine, compact, s)]
+    assert ended and all(s.text.startswith('{"a":') for s in tight)  # no white space where JSON allows it
+    assert all(json.loads(s.text, strict=False)["b"] in s.text for s in ended)
     an_object = StructuredOutput.of(json_object=True)
     objects = [s for o in engine.generate(prompts, _params(an_object, n=8), use_tqdm=False) for s in o.samples]
     finished = [s for s in objects if _complete_or_prefix(engine, an_object, s)]

@@ -44,10 +44,9 @@ class GrammarCompiler:
         """The compiled grammar; a constraint xgrammar cannot read is refused with its reason."""
         c = self._compiler
         try:
-            if constraint.kind == "json":
-                return c.compile_json_schema(constraint.spec)
-            if constraint.kind == "json_object":  # an object, as OpenAI's json_object means (not any JSON value)
-                return c.compile_json_schema('{"type": "object"}')
+            if constraint.kind in ("json", "json_object"):  # json_object: an object, as OpenAI means it
+                schema = constraint.spec if constraint.kind == "json" else '{"type": "object"}'
+                return c.compile_json_schema(schema, any_whitespace=constraint.any_whitespace)
             if constraint.kind == "regex":
                 return c.compile_regex(constraint.spec)
             if constraint.kind == "choice":

@@ -146,11 +146,12 @@ def _constraints(name: str, value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise InvalidRequestError(f"{where}{name} must be an object of constraints (json, regex, choice, grammar, "
                                   "json_object)")
-    # vLLM's switches that only tune a backend (disable_any_whitespace, ...) are accepted when off
-    tuning = {k: v for k, v in value.items() if k not in STRUCTURED_KINDS and v not in (None, False, "")}
+    # vLLM's switches that only tune a backend (disable_fallback, ...) are accepted when off
+    taken = (*STRUCTURED_KINDS, "disable_any_whitespace")
+    tuning = {k: v for k, v in value.items() if k not in taken and v not in (None, False, "")}
     if tuning:
         raise InvalidRequestError(f"{where}{name}.{sorted(tuning)[0]} is not supported by pat-engine (leave it unset)")
-    return {k: v for k, v in value.items() if k in STRUCTURED_KINDS}
+    return {k: v for k, v in value.items() if k in taken}
 
 
 def _fields(options: Mapping[str, Any], where: str) -> dict[str, Any]:

@@ -27,6 +27,7 @@ class StructuredOutput:
 
     kind: str
     spec: str = ""  # the schema (JSON text), regex or grammar; the choices as a JSON list; "" for json_object
+    any_whitespace: bool = True  # JSON: white space allowed between tokens (vLLM's disable_any_whitespace: off)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -36,9 +37,19 @@ class StructuredOutput:
                                       "characters")
 
     @classmethod
-    def of(cls, **given: Any) -> "StructuredOutput | None":
+    def of(cls, disable_any_whitespace: bool = False, **given: Any) -> "StructuredOutput | None":
         """From vLLM's fields (``json``, ``json_object``, ``regex``, ``choice``, ``grammar``); None when none is
-        set. ``json`` may be a schema (dict) or its text; ``choice`` a list of strings."""
+        set. ``json`` may be a schema (dict) or its text; ``choice`` a list of strings;
+        ``disable_any_whitespace``: JSON without optional white space."""
+        made = cls._of(**given)
+        if made is not None and disable_any_whitespace:
+            if made.kind not in ("json", "json_object"):
+                raise InvalidRequestError("structured output: disable_any_whitespace applies to json constraints")
+            return cls(made.kind, made.spec, any_whitespace=False)
+        return made
+
+    @classmethod
+    def _of(cls, **given: Any) -> "StructuredOutput | None":
         unknown = sorted(set(given) - set(KINDS))
         if unknown:
             raise InvalidRequestError(f"structured output: unknown constraint {unknown[0]!r}; known: {', '.join(KINDS)}")
