@@ -27,7 +27,8 @@ FORBIDDEN = {
     "sampling": {"core", "worker", "predictor", "serve", "model", "protocol", "parallel", "speculative", "rollout"},
     "speculative": {"worker", "serve", "rollout"},
 }
-PLAIN_SAMPLING = {"pat_engine.sampling.spec", "pat_engine.sampling.params"}  # what the protocol may carry
+PLAIN_SAMPLING = {"pat_engine.sampling.spec", "pat_engine.sampling.params",  # what the protocol may carry
+                  "pat_engine.sampling.structured"}
 LEAVES = ("version.py", "env.py")
 
 

@@ -9,10 +9,13 @@ import json
 import re
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
 from pat_engine import Engine, InvalidRequestError, SamplingParams
+from pat_engine.core.grammar import token_mask
+from pat_engine.protocol import TokenMask
 from pat_engine.sampling.options import to_sampling_params
 from pat_engine.sampling.sampler import SamplingBatch, sample_batch
 from pat_engine.sampling.spec import SamplingSpec
@@ -62,20 +65,42 @@ def _spec(temperature: float, seed: int) -> SamplingSpec:
     return SamplingSpec.of(SamplingParams(temperature=temperature), seed, 4)
 
 
-def test_the_sampler_draws_only_what_the_mask_allows():
+def test_the_sampler_draws_only_what_the_mask_allows_in_each_of_its_forms():
     vocab, allowed = 70, [3, 40, 64, 69]
-    words = torch.zeros(3, dtype=torch.int32)
+    words = np.zeros(3, dtype=np.int32)
     for t in allowed:
-        words[t // 32] |= torch.tensor(1 << (t % 32)).to(torch.int32)
-    specs = [_spec(1.0, s) for s in range(2)] + [_spec(0.0, 0)]
-    batch = SamplingBatch.build(specs, [5, 5, 5], allowed=[words, None, words])
+        words[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
     logits = torch.randn(3, vocab, dtype=torch.float64)
-    raw = batch.suppress(logits)
-    assert torch.isfinite(raw[0]).nonzero().flatten().tolist() == allowed and torch.equal(raw[1], logits[1])
-    assert raw[2].argmax().item() == max(allowed, key=lambda t: logits[2, t].item())
-    for seed in range(20):
-        batch = SamplingBatch.build([_spec(1.0, seed)], [7], allowed=[words])
-        assert sample_batch(logits[:1], batch).tokens[0] in allowed
+    forms = {"only": TokenMask(only=tuple(allowed)), "words": TokenMask(words=words.tobytes()),
+             "banned": TokenMask(banned=tuple(t for t in range(vocab) if t not in allowed))}
+    for name, mask in forms.items():
+        specs = [_spec(1.0, s) for s in range(2)] + [_spec(0.0, 0)]
+        raw = SamplingBatch.build(specs, [5, 5, 5], allowed=[mask, None, mask]).suppress(logits)
+        assert torch.isfinite(raw[0]).nonzero().flatten().tolist() == allowed and torch.equal(raw[1], logits[1])
+        assert torch.equal(raw[0, allowed], logits[0, allowed]), name
+        assert raw[2].argmax().item() == max(allowed, key=lambda t: logits[2, t].item())
+        for seed in range(10):
+            batch = SamplingBatch.build([_spec(1.0, seed)], [7], allowed=[mask])
+            assert sample_batch(logits[:1], batch).tokens[0] in allowed
+
+
+@pytest.mark.parametrize("allowed, form", [(list(range(5)), "only"), (list(range(3, 151936)), "banned"),
+                                           (list(range(0, 151936, 3)), "words")])
+def test_the_driver_sends_a_mask_in_its_smallest_form(allowed, form):
+    vocab = 151936
+    words = np.zeros((vocab + 31) // 32, dtype=np.uint32)
+    for t in allowed:
+        words[t // 32] |= np.uint32(1 << (t % 32))
+    mask = token_mask(words.view(np.int32), vocab)
+    assert [name for name in ("only", "banned", "words") if getattr(mask, name) is not None] == [form]
+    if form == "only":
+        assert list(mask.only) == allowed
+    elif form == "banned":
+        assert set(mask.banned) == set(range(vocab)) - set(allowed)
+    else:
+        assert mask.words == words.tobytes()
+    padded = np.full(5, -1, dtype=np.int32)  # every bit set, the vocabulary ending inside the last word
+    assert token_mask(padded, 150).only == tuple(range(150)) and token_mask(padded, 40).only == tuple(range(40))
 
 
 def _compiled(engine: Engine, constraint: StructuredOutput):

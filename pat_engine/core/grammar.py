@@ -2,8 +2,9 @@
 xgrammar, and one matcher per sample that follows its tokens and says which tokens may come next.
 
 The driver owns the matchers, so a constrained request survives live switches, preemption and worker
-restarts unchanged: the workers only receive, with each step, the allowed tokens as a bitmask (32 tokens a
-word, xgrammar's layout) and give the others -inf before the draw (``SamplingBatch.suppress``). A step for
+restarts unchanged: the workers only receive, with each step, the allowed tokens (``TokenMask``: their ids,
+the ids of the others, or xgrammar's bitmask, whichever is smallest) and give the others -inf before the
+draw (``SamplingBatch.suppress``). A step for
 such a request needs its previous token appended first, so it never runs ahead (async scheduling) nor with
 drafted tokens (speculation).
 """
@@ -13,7 +14,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import numpy as np
+
 from pat_engine.errors import InvalidRequestError
+from pat_engine.protocol import TokenMask
 from pat_engine.sampling.structured import StructuredOutput
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+: ")  # xgrammar's "[time] file.cc:line: " before its message
@@ -26,6 +30,34 @@ def _xgrammar() -> Any:
         raise InvalidRequestError("structured output needs xgrammar: pip install xgrammar "
                                   "(or pip install -e '.[structured]')") from None
     return xgrammar
+
+
+SPARSE_TOKENS = 2048  # a mask allowing, or banning, at most this many tokens is sent as their ids
+_POPCOUNT8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
+
+
+def _bit_ids(words: np.ndarray, at: np.ndarray, set_bits: bool) -> np.ndarray:
+    """Token ids of the set (or clear) bits of the words at indices ``at``."""
+    bits = np.unpackbits(words[at].view(np.uint8), bitorder="little").reshape(len(at), 32)
+    rows, cols = np.nonzero(bits if set_bits else 1 - bits)
+    return at[rows] * 32 + cols
+
+
+def token_mask(words: np.ndarray, vocab_size: int) -> TokenMask:
+    """A bitmask (int32 words, bit ``t % 32`` of word ``t // 32`` for token ``t``) as the smallest
+    ``TokenMask``: the ids when few tokens are allowed (a JSON key's next character) or few are not (inside
+    a string), else the words. Masks of tens of thousands of tokens are what most steps would otherwise carry
+    and unpack (``bench/results/structured_output_cost.md``)."""
+    words = words[: (vocab_size + 31) // 32].copy()
+    if vocab_size % 32:  # the last word's bits past the vocabulary are no tokens: cleared
+        words.view(np.uint32)[-1] &= np.uint32((1 << (vocab_size % 32)) - 1)
+    allowed = int(_POPCOUNT8[words.view(np.uint8)].sum())
+    if allowed <= SPARSE_TOKENS:
+        return TokenMask(only=tuple(_bit_ids(words, np.flatnonzero(words), True).tolist()))
+    if vocab_size - allowed <= SPARSE_TOKENS:
+        banned = _bit_ids(words, np.flatnonzero(words != -1), False)
+        return TokenMask(banned=tuple(banned[banned < vocab_size].tolist()))
+    return TokenMask(words=words.tobytes())
 
 
 class GrammarCompiler:
@@ -66,6 +98,7 @@ class GrammarState:
     """One sample's place in its grammar."""
 
     def __init__(self, xgr: Any, compiled: Any, vocab_size: int):
+        self._vocab_size = vocab_size
         self._matcher = xgr.GrammarMatcher(compiled)
         self._mask = xgr.allocate_token_bitmask(1, vocab_size)
         self._fill = xgr.GrammarMatcher.fill_next_token_bitmask
@@ -74,11 +107,10 @@ class GrammarState:
         """Follow a drawn token; False if the grammar does not allow it (it cannot have been drawn)."""
         return bool(self._matcher.accept_token(token))
 
-    def allowed(self) -> bytes:
-        """The tokens that may come next: int32 words (native order), bit ``t % 32`` of word ``t // 32`` set
-        for token ``t``; as bytes, the step messages being plain data."""
+    def allowed(self) -> TokenMask:
+        """The tokens that may come next, in the smallest form (``token_mask``)."""
         self._fill(self._matcher, self._mask)
-        return self._mask[0].numpy().tobytes()
+        return token_mask(self._mask[0].numpy(), self._vocab_size)
 
     @property
     def terminated(self) -> bool:

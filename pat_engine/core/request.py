@@ -15,6 +15,7 @@ from pat_engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from pat_engine.core.grammar import GrammarState
+    from pat_engine.protocol import TokenMask
 
 
 class SeqStatus(enum.Enum):
@@ -183,8 +184,8 @@ class Sequence:
             return ()
         return tuple(self.eos_ids) + self.params.stop_token_ids if not self.params.ignore_eos else self.params.stop_token_ids
 
-    def allowed_now(self) -> bytes | None:
-        """Structured output: the tokens the next draw may take (a bitmask), None without a grammar. Needs
+    def allowed_now(self) -> "TokenMask | None":
+        """Structured output: the tokens the next draw may take, None without a grammar. Needs
         every drawn token appended, so such a sequence never runs ahead of its answers."""
         return self.grammar.allowed() if self.grammar is not None else None
 

@@ -14,7 +14,15 @@ imports: core -> protocol <- worker.
 """
 
 from pat_engine.protocol.startup import WorkerArgs
-from pat_engine.protocol.steps import PENDING_TOKEN, AnswerHeld, PromptLogprobs, SeqStep, StepCommand, StepResult
+from pat_engine.protocol.steps import (
+    PENDING_TOKEN,
+    AnswerHeld,
+    PromptLogprobs,
+    SeqStep,
+    StepCommand,
+    StepResult,
+    TokenMask,
+)
 from pat_engine.protocol.switch import SeqTable, SwitchPlan, SwitchReport
 
-__all__ = ["PENDING_TOKEN", "AnswerHeld", "PromptLogprobs", "SeqStep", "StepCommand", "SeqTable", "StepResult", "SwitchPlan", "SwitchReport", "WorkerArgs"]
+__all__ = ["PENDING_TOKEN", "AnswerHeld", "PromptLogprobs", "SeqStep", "StepCommand", "SeqTable", "StepResult", "TokenMask", "SwitchPlan", "SwitchReport", "WorkerArgs"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pat_engine.sampling.spec import SamplingSpec
+from pat_engine.sampling.structured import TokenMask
 
 
 @dataclass
@@ -33,7 +34,7 @@ class SeqStep:
     new_blocks: list[int] = field(default_factory=list)  # decode: blocks appended since last step
     sampling: SamplingSpec | None = None  # prefill: how to sample this sequence
     suppressed: tuple[int, ...] = ()  # token ids not allowed this step (EOS before min_new_tokens)
-    allowed: bytes | None = None  # structured output: the only tokens allowed, int32 words (core/grammar.py)
+    allowed: TokenMask | None = None  # structured output: the tokens this draw may take (core/grammar.py)
     context: list[int] | None = None  # prefill of a sequence with penalties: its tokens before start_pos
     prompt_logprobs: int | None = None  # prefill from position 0: also return prompt log-probs (top k)
     drawn_row: int | None = None  # a step that follows another: the row of that step whose draw is this

@@ -32,6 +32,7 @@ from pat_engine.sampling.prefix import masked, prefixes
 from pat_engine.sampling.processors import ProcessorRows
 from pat_engine.sampling.seeds import uniforms
 from pat_engine.sampling.spec import SamplingSpec
+from pat_engine.sampling.structured import TokenMask
 
 
 @dataclass
@@ -58,16 +59,21 @@ class SamplingBatch:
     raw_rows: torch.Tensor | None = None  # int64: sampled rows whose processed distribution is the raw one
     not_raw: torch.Tensor | None = None  # int64: the batch rows outside ``sampled[raw_rows]`` (when any)
     floor: torch.Tensor | None = None  # float32 (S,): log(min_p) of the sampled rows, -inf without
-    # structured output: (rows, int32 words (R, ceil(vocab / 32))): only the tokens whose bit is set may be drawn
-    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    # structured output (core/grammar.py; its "banned" form joins ``suppressed``): rows allowed only a few
+    # tokens, (rows, (row, token id) pairs); rows given a bitmask, (rows, int32 words (R, ceil(vocab / 32)))
+    only: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+    allowed_words: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, specs: list[SamplingSpec], positions: list[int],
               suppressed: list[tuple[int, ...]] | None = None, device: torch.device | str = "cpu",
               histories: list[list[int] | None] | None = None, vocab: int = 0,
-              allowed: list[torch.Tensor | None] | None = None) -> "SamplingBatch":
+              allowed: list[TokenMask | None] | None = None) -> "SamplingBatch":
         """``histories[i]``: row ``i``'s tokens so far, needed (and given) only for rows with processors;
         ``allowed[i]``: row ``i``'s structured-output mask (``core/grammar.py``), or None."""
+        if allowed is not None and any(m is not None and m.banned for m in allowed):
+            suppressed = [tuple(ids) + (m.banned if m is not None and m.banned else ())
+                          for ids, m in zip(suppressed or [()] * len(specs), allowed)]
         rows = [i for i, s in enumerate(specs) if s.temperature != 0.0]
         chosen = [specs[i] for i in rows]
         top_ks = [s.top_k for s in chosen]
@@ -104,39 +110,61 @@ class SamplingBatch:
             not_raw=_rows_or_none(sorted(set(range(len(specs))) - {rows[j] for j in raw}), device),
             floor=tensor([math.log(s.min_p) if s.min_p > 0 else float("-inf") for s in chosen], torch.float32)
             if rows else None,  # log on the host in float64, rounded once to float32 as before
-            allowed=_allowed_rows(allowed, device),
+            only=_only_rows(allowed, device),
+            allowed_words=_word_rows(allowed, device),
         )
 
-    def suppress(self, logits: torch.Tensor) -> torch.Tensor:
+    def suppress(self, logits: torch.Tensor, in_place: bool = False) -> torch.Tensor:
         """Tokens not allowed (EOS and stop ids before min_new_tokens, what a grammar does not allow) get
-        -inf: the raw logits."""
+        -inf: the raw logits. ``in_place``: ``logits`` is the caller's to change (a step's own logits), else
+        one copy is made when anything is masked (a batch of Qwen-vocabulary rows is tens of MB: a copy per
+        kind of mask cost more than the draw, bench/results/structured_output_cost.md)."""
+        if self.suppressed is None and self.only is None and self.allowed_words is None:
+            return logits
+        out = logits if in_place else logits.clone()
         if self.suppressed is not None:
-            logits = logits.index_put(self.suppressed, logits.new_full((), float("-inf")))
-        if self.allowed is not None:
-            rows, words = self.allowed
-            bits = (words.unsqueeze(-1) >> _BIT_SHIFTS.to(words.device)) & 1  # (R, W, 32): token 32 w + b
-            keep = bits.view(words.shape[0], -1)[:, : logits.shape[-1]].bool()
-            if keep.shape[-1] < logits.shape[-1]:  # padded vocabulary columns are never allowed
-                keep = F.pad(keep, (0, logits.shape[-1] - keep.shape[-1]))
-            masked = logits.index_select(0, rows).masked_fill(~keep, float("-inf"))
-            logits = logits.index_copy(0, rows, masked)
-        return logits
+            out.index_put_(self.suppressed, out.new_full((), float("-inf")))
+        if self.only is not None:  # every token -inf but the few allowed, whose logits are put back
+            rows, (row_of, ids) = self.only
+            kept = out[row_of, ids]
+            out.index_fill_(0, rows, float("-inf")).index_put_((row_of, ids), kept)
+        if self.allowed_words is not None:
+            rows, words = self.allowed_words
+            # little-endian words: token t is bit t % 8 of byte t // 8, unpacked a byte at a time
+            keep = _BYTE_BITS.to(words.device)[words.view(torch.uint8).long()].view(words.shape[0], -1)
+            keep = keep[:, : out.shape[-1]]
+            if keep.shape[-1] < out.shape[-1]:  # padded vocabulary columns are never allowed
+                keep = F.pad(keep, (0, out.shape[-1] - keep.shape[-1]))
+            out.index_copy_(0, rows, out.index_select(0, rows).masked_fill_(~keep, float("-inf")))
+        return out
 
     def penalize(self, logits: torch.Tensor) -> torch.Tensor:
         """Logit bias and penalties of the rows that have them (float64 when any): the processed logits."""
         return logits if self.processors is None else self.processors.apply(logits.to(torch.float64))
 
 
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+_BYTE_BITS = ((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1).bool()  # byte -> its 8 bits, low first
 
 
-def _allowed_rows(allowed: list[torch.Tensor | None] | None,
-                  device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
-    rows = [i for i, words in enumerate(allowed or ()) if words is not None]
+def _only_rows(allowed: list[TokenMask | None] | None,
+               device: torch.device | str) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None:
+    rows = [i for i, m in enumerate(allowed or ()) if m is not None and m.only is not None]
     if not rows:
         return None
-    words = torch.stack([allowed[i] for i in rows]).to(device, non_blocking=True)
-    return to_device(rows, torch.long, device), words
+    row_of = [i for i in rows for _ in allowed[i].only]  # type: ignore[index, union-attr]
+    ids = [t for i in rows for t in allowed[i].only]  # type: ignore[index, union-attr]
+    pairs = (to_device(row_of, torch.long, device), to_device(ids, torch.long, device))
+    return to_device(rows, torch.long, device), pairs
+
+
+def _word_rows(allowed: list[TokenMask | None] | None,
+               device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows = [i for i, m in enumerate(allowed or ()) if m is not None and m.words is not None]
+    if not rows:
+        return None
+    words = torch.stack([torch.frombuffer(bytearray(allowed[i].words), dtype=torch.int32)  # type: ignore
+                         for i in rows])
+    return to_device(rows, torch.long, device), words.to(device, non_blocking=True)
 
 
 def _rows_or_none(rows: list[int], device: torch.device | str) -> torch.Tensor | None:
@@ -289,9 +317,10 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
     return sample_on_device(logits, batch).to_host()
 
 
-def sample_on_device(logits: torch.Tensor, batch: SamplingBatch) -> DeviceSample:
-    """``sample_batch`` without the final transfer; on a GPU it reads no value back (sampling/host.py)."""
-    raw_logits = batch.suppress(logits)
+def sample_on_device(logits: torch.Tensor, batch: SamplingBatch, logits_owned: bool = False) -> DeviceSample:
+    """``sample_batch`` without the final transfer; on a GPU it reads no value back (sampling/host.py).
+    ``logits_owned``: the logits are the caller's to overwrite (a step's own), so masks need no copy."""
+    raw_logits = batch.suppress(logits, in_place=logits_owned)
     logits = batch.penalize(raw_logits)
     top = top_logprobs(raw_logits, batch.top_logprobs) if batch.top_logprobs else None
     if not batch.sampled.numel() and batch.logprobs and logits is raw_logits:  # a greedy batch: one pass

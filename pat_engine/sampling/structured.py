@@ -20,6 +20,17 @@ MAX_SPEC_CHARS = 256 * 1024  # a schema, regex or grammar: compiled once per req
 MAX_CHOICES = 1024
 
 
+@dataclass
+class TokenMask:
+    """The tokens one draw may take, in the smallest of three forms (``core/grammar.token_mask``): ``only``
+    these, every token but ``banned``, or ``words``: int32 words in native order, bit ``t % 32`` of word
+    ``t // 32`` set for token ``t``. Plain data: it travels in the step messages."""
+
+    only: tuple[int, ...] | None = None
+    banned: tuple[int, ...] | None = None
+    words: bytes | None = None
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """Exactly one constraint: ``json`` (a JSON schema, as text), ``json_object`` (any JSON object),

@@ -225,7 +225,7 @@ class InferExecutor:
             return None
         sample_start = time.perf_counter()
         with record_function("sample"), batch_invariant_draws(self.batch_invariant_draws):
-            draw = sample_on_device(logits, step.sampling)
+            draw = sample_on_device(logits, step.sampling, logits_owned=True)  # this step's own logits
         self._last_draw = (cmd.step_id, draw.tokens)  # what a step that follows this one runs
         # the copy back is queued now: a step launched before this one is answered must not delay it
         return LaunchedStep(cmd, self.layout.group_of(self.tp.ranks[0]), draw.start_transfer(), prompts, start,

@@ -37,7 +37,7 @@ from pat_engine.config import graph_ladder
 from pat_engine.host_tensors import host_table, host_tensor
 from pat_engine.model import cpu_gemm
 from pat_engine.model.layers.attention import AttentionMetadata
-from pat_engine.protocol import SeqStep, StepCommand
+from pat_engine.protocol import SeqStep, StepCommand, TokenMask
 from pat_engine.sampling.sampler import SamplingBatch
 from pat_engine.sampling.spec import SamplingSpec
 
@@ -267,9 +267,6 @@ class StepInputBuilder:
         )
 
 
-def _allowed(rows: list[SeqStep]) -> list[torch.Tensor | None] | None:
-    """Each sampling row's structured-output mask (int32 words), None when no row has one."""
-    if all(s.allowed is None for s in rows):
-        return None
-    return [torch.frombuffer(bytearray(s.allowed), dtype=torch.int32) if s.allowed is not None else None
-            for s in rows]
+def _allowed(rows: list[SeqStep]) -> list[TokenMask | None] | None:
+    """Each sampling row's structured-output mask, None when no row has one."""
+    return [s.allowed for s in rows] if any(s.allowed is not None for s in rows) else None
