@@ -19,6 +19,7 @@ per-row tensors applied in ``SamplingBatch.process`` before the temperature.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -131,7 +132,7 @@ class SamplingBatch:
         if self.allowed_words is not None:
             rows, words = self.allowed_words
             # little-endian words: token t is bit t % 8 of byte t // 8, unpacked a byte at a time
-            keep = _BYTE_BITS.to(words.device)[words.view(torch.uint8).long()].view(words.shape[0], -1)
+            keep = _byte_bits(words.device)[words.view(torch.uint8).long()].view(words.shape[0], -1)
             keep = keep[:, : out.shape[-1]]
             if keep.shape[-1] < out.shape[-1]:  # padded vocabulary columns are never allowed
                 keep = F.pad(keep, (0, out.shape[-1] - keep.shape[-1]))
@@ -143,7 +144,10 @@ class SamplingBatch:
         return logits if self.processors is None else self.processors.apply(logits.to(torch.float64))
 
 
-_BYTE_BITS = ((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1).bool()  # byte -> its 8 bits, low first
+@functools.cache
+def _byte_bits(device: torch.device) -> torch.Tensor:
+    """(256, 8) bool: each byte's bits, lowest first; made once per device, not copied every step."""
+    return ((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1).bool().to(device)
 
 
 def _only_rows(allowed: list[TokenMask | None] | None,
