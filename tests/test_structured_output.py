@@ -84,6 +84,29 @@ def test_the_sampler_draws_only_what_the_mask_allows_in_each_of_its_forms():
             assert sample_batch(logits[:1], batch).tokens[0] in allowed
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_masks_on_the_gpu_give_the_cpu_s_logits_and_draws():
+    """Each mask form on CUDA (no value read back) against the CPU, at Qwen's vocabulary."""
+    vocab, g = 151936, torch.Generator().manual_seed(0)
+    logits = torch.randn(4, vocab, generator=g) * 3
+    words = np.zeros((vocab + 31) // 32, dtype=np.uint32)
+    words[::3] = 0xF0F0F0F0
+    masks = [TokenMask(only=(5, 77, 151935)), TokenMask(banned=tuple(range(0, vocab, 7))),
+             TokenMask(words=words.view(np.int32).tobytes()), None]
+    specs, positions = [_spec(1.0, s) for s in range(4)], [9] * 4
+    cpu = SamplingBatch.build(specs, positions, allowed=masks)
+    gpu = SamplingBatch.build(specs, positions, device="cuda", allowed=masks)
+    raw = cpu.suppress(logits)
+    assert torch.equal(gpu.suppress(logits.cuda()).cpu(), raw)
+    drawn = sample_batch(logits.cuda(), gpu).tokens  # the GPU's draw rule has blocks of its own: in the mask
+    assert all(torch.isfinite(raw[r, t]) for r, t in enumerate(drawn.tolist()))
+    greedy = [_spec(0.0, 0)] * 4
+    assert torch.equal(sample_batch(logits.cuda(), SamplingBatch.build(greedy, positions, device="cuda",
+                                                                     allowed=masks)).tokens,
+                       sample_batch(logits, SamplingBatch.build(greedy, positions, allowed=masks)).tokens)
+
+
 @pytest.mark.parametrize("allowed, form", [(list(range(5)), "only"), (list(range(3, 151936)), "banned"),
                                            (list(range(0, 151936, 3)), "words")])
 def test_the_driver_sends_a_mask_in_its_smallest_form(allowed, form):
