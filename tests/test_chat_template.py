@@ -162,3 +162,9 @@ def test_an_engine_started_with_a_template_serves_chats_through_it(model_dir, tm
         with pytest.raises(InvalidRequestError, match="a chat is a list of messages, got str"):
             engine.chat(["hi"], greedy)
         assert engine.chat(CHAT, greedy, use_tqdm=False)[0].token_ids == two[0].token_ids
+        with_tools = engine.chat(CHAT, greedy, tools=[TOOL], use_tqdm=False)[0]
+        assert with_tools.prompt_token_ids == apply_chat_template(engine.tokenizer, CHAT, ChatOptions(tools=[TOOL]))
+        with pytest.raises(InvalidRequestError, match="tools.0.type"):
+            engine.chat(CHAT, greedy, tools=[{"type": "retrieval"}])
+        with pytest.raises(InvalidRequestError, match="cannot both be true"):
+            engine.chat(CHAT, greedy, continue_final_message=True)

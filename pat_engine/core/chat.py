@@ -69,6 +69,17 @@ class ChatFields(BaseModel):
             raise ValueError(f"{', '.join(given)}: only with messages")
 
 
+def chat_options(**fields: Any) -> ChatOptions:
+    """``ChatOptions`` from the chat fields given as Python values (``Engine.chat``); what is wrong with them
+    is an ``InvalidRequestError`` naming the field."""
+    try:
+        return ChatFields.model_validate(fields).chat_options()
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(map(str, first["loc"]))
+        raise InvalidRequestError(f"{where}: {first['msg']}" if where else first["msg"]) from None
+
+
 @functools.cache
 def reserved_template_kwargs() -> frozenset[str]:
     """Names a request's ``chat_template_kwargs`` may not use: ``apply_chat_template``'s own parameters (they

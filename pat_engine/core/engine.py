@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pat_engine.config import EngineConfig
-from pat_engine.core.chat import ChatOptions, chat_prompt, install_chat_template
+from pat_engine.core.chat import chat_options, chat_prompt, install_chat_template
 from pat_engine.core.controller_setup import attach_controller
 from pat_engine.core.coordinator import GlobalCoordinator
 from pat_engine.core.inputs import RequestFactory, load_tokenizer
@@ -333,12 +333,16 @@ class Engine:
 
     def chat(self, messages: Seq[dict] | Seq[Seq[dict]], params: SamplingParams | Seq[SamplingParams] | None = None,
              *, add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None, **generate_kwargs: Any) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None,
+             **generate_kwargs: Any) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of OpenAI-style messages) or a list of them, each
-        rendered with the chat template (``core/chat.py``) and generated as ``generate`` does (its keywords
-        pass through); every conversation is checked before any is queued."""
+        rendered with the chat template (``core/chat.py``; ``tools``: OpenAI function definitions shown to
+        the model) and generated as ``generate`` does (its keywords pass through); every conversation is
+        checked before any is queued."""
         self._ensure_open()
-        options = ChatOptions(add_generation_prompt, continue_final_message, dict(chat_template_kwargs or {}))
+        options = chat_options(add_generation_prompt=add_generation_prompt, tools=tools,
+                               continue_final_message=continue_final_message,
+                               chat_template_kwargs=chat_template_kwargs)
         single = not messages or isinstance(messages[0], dict)
         prompts = []
         for i, conversation in enumerate([messages] if single else messages):
