@@ -32,6 +32,7 @@ def _xgrammar() -> Any:
     return xgrammar
 
 
+GRAMMAR_CACHE_BYTES = 64 << 20
 SPARSE_TOKENS = 2048  # a mask allowing, or banning, at most this many tokens is sent as their ids
 _POPCOUNT8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
 
@@ -69,7 +70,9 @@ class GrammarCompiler:
         xgr = _xgrammar()
         self._xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_ids))
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)  # the driver shares the host's cores
+        # one thread: the driver shares the host's cores; the cache of compiled grammars bounded, so clients
+        # sending ever new schemas cannot grow the server without bound (xgrammar evicts the least used)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
         self.vocab_size = vocab_size
 
     def compile(self, constraint: StructuredOutput) -> Any:
