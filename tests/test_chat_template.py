@@ -4,6 +4,8 @@ HTTP and in batch lines; each misuse refused by name before anything is queued."
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -26,6 +28,14 @@ THINKING = ("{% if tools %}<|tools|>{{ tools | tojson }}\n{% endif %}{% for m in
             "the end{% endif %}{% endif %}")
 CHAT = [{"role": "user", "content": "the water is good"}]
 TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def test_a_named_template_is_its_text_or_a_file_and_its_syntax_is_checked(tmp_path):
@@ -148,6 +158,33 @@ def test_an_engine_started_with_a_template_serves_chats_through_it(model_dir, tm
         assert choice["message"]["reasoning"] is None  # qwen3's parser: no tags, thinking was off
         assert choice["message"]["content"] == engine.generate([want], SamplingParams(max_new_tokens=3),
                                                                use_tqdm=False)[0].text
+
+        # the routes render and tokenize chats (and decode) off the event loop that serves every stream
+        seen = []
+
+        class Watched:
+            def __init__(self, inner):
+                self._inner = inner
+
+            def __getattr__(self, name):
+                return getattr(self._inner, name)
+
+            def __call__(self, *args, **kwargs):
+                seen.append(_loop_running())
+                return self._inner(*args, **kwargs)
+
+            def decode(self, *args, **kwargs):
+                seen.append(_loop_running())
+                return self._inner.decode(*args, **kwargs)
+
+        own, engine.tokenizer = engine.tokenizer, Watched(engine.tokenizer)
+        try:
+            assert chat().status_code == 200
+            assert client.post("/tokenize", json={"messages": CHAT}).status_code == 200
+            assert client.post("/detokenize", json={"tokens": [5, 6]}).status_code == 200
+        finally:
+            engine.tokenizer = own
+        assert seen and not any(seen)
 
         # offline, as vLLM's LLM.chat: one conversation or several, the same options, the same tokens
         greedy = SamplingParams(max_new_tokens=3)

@@ -6,6 +6,8 @@ Bodies are parsed by ``ServerState.parse`` rather than by FastAPI, so every fail
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -49,7 +51,8 @@ async def chat_completions(request: Request, pat: State) -> Response:
     rid = random_id("chatcmpl")
     engine = pat.engine
     parsers = answer_parsers(req, pat.config.tool_call_parser, pat.config.reasoning_parser)
-    inp = chat_input(req, engine.tokenizer, engine.max_model_len)  # refuses over-long chats first
+    # rendering and tokenizing a long chat takes a while: off the event loop, which serves every stream
+    inp = await asyncio.to_thread(chat_input, req, engine.tokenizer, engine.max_model_len)  # over-long: refused
     group = await pat.submit([inp], rid)
     if req.stream:
         return event_stream(chat_stream(group, req, engine.tokenizer, pat.model, rid, parsers))

@@ -7,6 +7,9 @@ so ``count`` is the ``prompt_tokens`` a completion of the same input reports, an
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 from fastapi import APIRouter, Request
 
 from pat_engine.core.chat import chat_prompt
@@ -28,7 +31,10 @@ def _tokenizer(pat: State):
 async def tokenize(request: Request, pat: State) -> dict:
     req = await pat.parse(request, TokenizeRequest)
     pat.check_model(req.model)
-    engine, tokenizer = pat.engine, _tokenizer(pat)
+    return await asyncio.to_thread(_tokenize, req, pat.engine, _tokenizer(pat))  # off the event loop
+
+
+def _tokenize(req: TokenizeRequest, engine: Any, tokenizer: Any) -> dict:
     if req.messages is not None:
         ids, text = chat_prompt(tokenizer, req.messages, req.chat_options(), engine.max_model_len)
         if req.add_special_tokens:  # asked for: the rendered chat with the tokenizer's own specials as well
@@ -48,7 +54,8 @@ async def detokenize(request: Request, pat: State) -> dict:
     tokenizer = _tokenizer(pat)
     # the ids a prompt may hold: inside the vocabulary and the context (what bounds the text decoded)
     ids = pat.engine.request_factory.tokenize(req.tokens, "tokens")[0] if req.tokens else []
-    return DetokenizeResponse(prompt=tokenizer.decode(ids)).model_dump()
+    text = await asyncio.to_thread(tokenizer.decode, ids)  # off the event loop
+    return DetokenizeResponse(prompt=text).model_dump()
 
 
 @router.get("/version")

@@ -36,7 +36,8 @@ router = APIRouter()
 @router.api_route("/generate", methods=["POST", "PUT"])
 async def generate(request: Request, pat: State) -> Response:
     req = await pat.parse(request, GenerateRequest)
-    items, batch = generate_items(req, lambda prompt: _room(pat, prompt))
+    # a null max_new_tokens tokenizes its prompt to find the room left: off the event loop
+    items, batch = await asyncio.to_thread(generate_items, req, lambda prompt: _room(pat, prompt))
     group, owners = await _submit_all(pat, items)
     listed = batch or len(owners) > len(items)  # SGLang answers a list for a batch or for n > 1
     tokenizer = pat.engine.tokenizer
