@@ -247,3 +247,41 @@ def test_tool_choice_required_or_named_holds_the_answer_to_calls(engine):
         r = client.post("/v1/chat/completions", json={"messages": chat, "tools": tools, "tool_choice": "required",
                                                       "guided_regex": "a+", "max_tokens": 4})
         assert r.status_code == 400 and "cannot take another structured output constraint" in r.text
+
+
+def test_with_think_tags_the_grammar_holds_once_the_thinking_is_closed(engine):
+    tokenizer, tags = engine.tokenizer, ("<think>", "</think>")
+    compiled = _compiled(engine, JSON)
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    grammars = engine.request_factory.grammars
+    assert not grammars.follow(compiled, tags, ids("<|user|>x\n<|assistant|><think></think>")).waiting  # off
+    assert not grammars.follow(compiled).waiting  # no tags: the grammar holds from the first token
+    state = grammars.follow(compiled, tags, ids("<|user|>x\n<|assistant|><think>"))
+    assert state.waiting and state.allowed() is None
+    for token in ids("the water is good</think>"):
+        assert state.allowed() is None and state.accept(token)  # free while thinking, whatever is drawn
+    assert not state.waiting and state.allowed().only == tuple(ids("{"))  # then the schema's first token
+
+
+@pytest.mark.slow
+def test_a_server_with_a_reasoning_parser_lets_the_model_think_before_the_grammar(model_dir, tmp_path):
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
+                "<think></think>{% endif %}{% endif %}")
+    with Engine(model_dir("llama"), tp=1, dp=1, dtype="float32", max_model_len=256, chat_template=template) as eng, \
+            BackgroundServer(build_app(eng, ServerConfig("tiny", reasoning_parser="qwen3"))) as server, \
+            httpx.Client(base_url=server.url, timeout=120) as client:
+        def ask(**more) -> list[dict]:
+            r = client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "the water"}], "max_tokens": 48, "seed": 7, "n": 4,
+                "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}, **more})
+            assert r.status_code == 200, r.text
+            return [c["message"]["content"] for c in r.json()["choices"]]
+
+        # thinking off: the template closed it in the prompt, so the grammar holds from the first token
+        assert all(a.startswith('{"a":') for a in ask(chat_template_kwargs={"enable_thinking": False}))
+        # thinking on: the tiny model never writes </think>, so nothing holds its answer to the schema
+        assert not all(a.startswith("{") for a in ask())

@@ -12,7 +12,7 @@ drafted tokens (speculation).
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -33,6 +33,8 @@ def _xgrammar() -> Any:
 
 
 GRAMMAR_CACHE_BYTES = 64 << 20
+TAG_WINDOW_TOKENS = 16  # the last tokens decoded to find a close tag (a tag is one token or a few)
+PROMPT_TAIL_TOKENS = 64  # where a template that turned thinking off has closed it (Qwen3: "<think></think>")
 SPARSE_TOKENS = 2048  # a mask allowing, or banning, at most this many tokens is sent as their ids
 _POPCOUNT8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
 
@@ -68,7 +70,7 @@ class GrammarCompiler:
         if tokenizer is None:
             raise InvalidRequestError("structured output needs a tokenizer, and the model has none")
         xgr = _xgrammar()
-        self._xgr = xgr
+        self._xgr, self._tokenizer = xgr, tokenizer
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_ids))
         # one thread: the driver shares the host's cores; the cache of compiled grammars bounded, so clients
         # sending ever new schemas cannot grow the server without bound (xgrammar evicts the least used)
@@ -93,25 +95,47 @@ class GrammarCompiler:
             reason = _LOG_PREFIX.sub("", str(exc).strip().splitlines()[0])
             raise InvalidRequestError(f"structured output: the {constraint.kind} does not compile: {reason}") from None
 
-    def follow(self, compiled: Any) -> "GrammarState":
-        return GrammarState(self._xgr, compiled, self.vocab_size)
+    def follow(self, compiled: Any, think_tags: tuple[str, str] | None = None,
+               prompt_ids: list[int] | None = None) -> "GrammarState":
+        """A sample's matcher; with ``think_tags`` it waits for the close tag first, unless the prompt
+        already closed the thinking (a template that turned it off, as Qwen3's does)."""
+        waits_for = None
+        if think_tags is not None:
+            opened, closed = think_tags
+            tail = self._tokenizer.decode((prompt_ids or [])[-PROMPT_TAIL_TOKENS:])
+            waits_for = None if tail.rfind(closed) > tail.rfind(opened) else closed
+        return GrammarState(self._xgr, compiled, self.vocab_size, waits_for, self._tokenizer.decode)
 
 
 class GrammarState:
-    """One sample's place in its grammar."""
+    """One sample's place in its grammar; with ``waits_for`` (a close tag), free until the answer has
+    written it: the model thinks first, the grammar holds after."""
 
-    def __init__(self, xgr: Any, compiled: Any, vocab_size: int):
+    def __init__(self, xgr: Any, compiled: Any, vocab_size: int, waits_for: str | None = None,
+                 decode: Callable[[list[int]], str] | None = None):
         self._vocab_size = vocab_size
         self._matcher = xgr.GrammarMatcher(compiled)
         self._mask = xgr.allocate_token_bitmask(1, vocab_size)
         self._fill = xgr.GrammarMatcher.fill_next_token_bitmask
+        self._waits_for, self._decode, self._recent = waits_for, decode, []
+
+    @property
+    def waiting(self) -> bool:
+        return self._waits_for is not None
 
     def accept(self, token: int) -> bool:
         """Follow a drawn token; False if the grammar does not allow it (it cannot have been drawn)."""
+        if self._waits_for is not None:  # thinking: watch the last tokens' text for the close tag
+            self._recent = (self._recent + [token])[-TAG_WINDOW_TOKENS:]
+            if self._waits_for in self._decode(self._recent):  # type: ignore[misc]
+                self._waits_for = None  # the grammar holds from the next token
+            return True
         return bool(self._matcher.accept_token(token))
 
-    def allowed(self) -> TokenMask:
-        """The tokens that may come next, in the smallest form (``token_mask``)."""
+    def allowed(self) -> TokenMask | None:
+        """The tokens that may come next, in the smallest form (``token_mask``); None while thinking."""
+        if self._waits_for is not None:
+            return None
         self._fill(self._matcher, self._mask)
         return token_mask(self._mask[0].numpy(), self._vocab_size)
 

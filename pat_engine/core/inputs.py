@@ -132,7 +132,8 @@ class RequestFactory:
         wait for sample 0's prefill and share its prompt blocks."""
         first = self.make(prompt, params, request_id, where)
         compiled = self._grammar(params, where)
-        first.grammar = self.grammars.follow(compiled) if compiled is not None else None
+        tags = params.structured_output.think_tags if params.structured_output is not None else None
+        first.grammar = self.grammars.follow(compiled, tags, first.prompt_ids) if compiled is not None else None
         samples = [first]
         for i in range(1, params.n):
             seq_id = next(self._ids)
@@ -141,7 +142,8 @@ class RequestFactory:
                                    sample_index=i, first_sample=first, prompt_ids=list(first.prompt_ids),
                                    output_ids=[], logprobs=[], top_logprobs=[], weight_versions=[], block_table=[],
                                    arrival_time=first.arrival_time, stop_strings=self._stop_matcher(params),
-                                   grammar=self.grammars.follow(compiled) if compiled is not None else None))
+                                   grammar=self.grammars.follow(compiled, tags, first.prompt_ids)
+                                   if compiled is not None else None))
         return samples
 
     def _grammar(self, params: SamplingParams, where: str) -> Any:

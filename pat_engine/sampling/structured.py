@@ -39,10 +39,16 @@ class StructuredOutput:
     kind: str
     spec: str = ""  # the schema (JSON text), regex or grammar; the choices as a JSON list; "" for json_object
     any_whitespace: bool = True  # JSON: white space allowed between tokens (vLLM's disable_any_whitespace: off)
+    # (open, close): the model may think between these tags first, the constraint holding after the close
+    # (a server with a reasoning parser sets them, as vLLM does); None: it holds from the first token
+    think_tags: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise InvalidRequestError(f"structured output: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.think_tags is not None and not (len(self.think_tags) == 2 and all(
+                isinstance(t, str) and t for t in self.think_tags)):
+            raise InvalidRequestError("structured output: think_tags must be two non-empty strings (open, close)")
         if not isinstance(self.spec, str) or len(self.spec) > MAX_SPEC_CHARS:
             raise InvalidRequestError(f"structured output: the {self.kind} must be text of at most {MAX_SPEC_CHARS} "
                                       "characters")

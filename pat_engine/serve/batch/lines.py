@@ -44,6 +44,7 @@ from pat_engine.serve.openai.protocol import (
     random_id,
 )
 from pat_engine.serve.openai.answer_parsing import AnswerParsers, answer_parsers
+from pat_engine.serve.openai.reasoning import think_tags
 from pat_engine.serve.openai.translate import (
     chat_choice,
     chat_input,
@@ -184,7 +185,7 @@ def _parse_openai(line: int, obj: dict, tokenizer: Any, max_model_len: int, tool
     try:
         if isinstance(req, ChatCompletionRequest):
             parsers = answer_parsers(req, tool_call_parser, reasoning_parser)
-            inp = chat_input(req, tokenizer, max_model_len)
+            inp = chat_input(req, tokenizer, max_model_len, think_tags(reasoning_parser))
         else:
             inputs = completion_inputs(req)
             if len(inputs) != 1:

@@ -52,6 +52,11 @@ class ReasoningParser:
         return None
 
 
+def think_tags(reasoning_parser: str | None) -> tuple[str, str] | None:
+    """The tags a server's reasoning parser reads, for structured output to wait for (None: no parser)."""
+    return (START, END) if reasoning_parser is not None else None
+
+
 _DEEPSEEK_R1, _QWEN3 = ReasoningParser("deepseek_r1", True), ReasoningParser("qwen3", False)
 REASONING_PARSERS = {"deepseek_r1": _DEEPSEEK_R1, "deepseek-r1": _DEEPSEEK_R1, "qwen3": _QWEN3}  # "deepseek-r1": SGLang
 

@@ -21,6 +21,7 @@ from pat_engine.serve.openai.protocol import (
     ModelList,
     random_id,
 )
+from pat_engine.serve.openai.reasoning import think_tags
 from pat_engine.serve.openai.streams import chat_stream, completion_stream
 from pat_engine.serve.openai.translate import chat_choice, chat_input, completion_choice, completion_inputs, usage
 from pat_engine.serve.sse import event_stream
@@ -52,7 +53,8 @@ async def chat_completions(request: Request, pat: State) -> Response:
     engine = pat.engine
     parsers = answer_parsers(req, pat.config.tool_call_parser, pat.config.reasoning_parser)
     # rendering and tokenizing a long chat takes a while: off the event loop, which serves every stream
-    inp = await asyncio.to_thread(chat_input, req, engine.tokenizer, engine.max_model_len)  # over-long: refused
+    inp = await asyncio.to_thread(chat_input, req, engine.tokenizer, engine.max_model_len,  # over-long: refused
+                                  think_tags(pat.config.reasoning_parser))
     group = await pat.submit([inp], rid)
     if req.stream:
         return event_stream(chat_stream(group, req, engine.tokenizer, pat.model, rid, parsers))

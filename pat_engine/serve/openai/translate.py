@@ -6,6 +6,7 @@ answer whichever way it arrives.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from pat_engine.core.chat import chat_prompt
@@ -59,13 +60,18 @@ def completion_inputs(req: CompletionRequest) -> list[EngineInput]:
     return [EngineInput(p, params) for p in prompts]
 
 
-def chat_input(req: ChatCompletionRequest, tokenizer: Any, max_model_len: int) -> EngineInput:
+def chat_input(req: ChatCompletionRequest, tokenizer: Any, max_model_len: int,
+               think_tags: tuple[str, str] | None = None) -> EngineInput:
+    """``think_tags``: a server with a reasoning parser lets the model think before a structured output
+    constraint holds (vLLM's rule), between these tags."""
     ids, text = chat_prompt(tokenizer, req.messages, req.chat_options(), max_model_len)
     max_new = req.max_new_tokens()
     if max_new is None:  # OpenAI's default for chat: whatever room the context leaves
         max_new = max(1, max_model_len - len(ids))
-    return EngineInput(ids, sampling_params(req, max_new, req.logprobs, req.top_logprobs or 0 if req.logprobs else 0),
-                       rendered=text)
+    params = sampling_params(req, max_new, req.logprobs, req.top_logprobs or 0 if req.logprobs else 0)
+    if think_tags is not None and params.structured_output is not None:
+        params = replace(params, structured_output=replace(params.structured_output, think_tags=think_tags))
+    return EngineInput(ids, params, rendered=text)
 
 
 # ---- outputs -----------------------------------------------------------------------------------
