@@ -6,7 +6,10 @@ switches, async scheduling and speculation."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import time
 
 import httpx
 import numpy as np
@@ -285,3 +288,22 @@ def test_a_server_with_a_reasoning_parser_lets_the_model_think_before_the_gramma
         assert all(a.startswith('{"a":') for a in ask(chat_template_kwargs={"enable_thinking": False}))
         # thinking on: the tiny model never writes </think>, so nothing holds its answer to the schema
         assert not all(a.startswith("{") for a in ask())
+
+
+@pytest.mark.slow
+def test_a_constrained_request_survives_a_killed_worker_with_its_tokens(model_dir):
+    """The matchers live on the driver: a worker SIGKILLed mid-answer is replaced, the requests recomputed,
+    and the constrained answers come out token for token as in an undisturbed run."""
+    prompts = ["the water is", "a long time"]
+    params = SamplingParams(max_new_tokens=48, temperature=1.0, seed=11, n=2, structured_output=JSON)
+    with Engine(model_dir("llama"), tp=1, dp=1, dtype="float32", numerics="invariant", max_model_len=256) as eng:
+        want = [s.token_ids for o in eng.generate(prompts, params, use_tqdm=False) for s in o.samples]
+        handles = [h for p in prompts for h in eng.submit_samples(p, params)]
+        deadline = time.monotonic() + 60
+        while not any(h.num_generated >= 4 for h in handles):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        os.kill(eng.coordinator.stepping.pool.procs[0].pid, signal.SIGKILL)
+        assert all(h.wait(120) for h in handles)
+        assert [h.output().token_ids for h in handles] == want
+        assert eng.worker_failures
