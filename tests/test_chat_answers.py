@@ -338,3 +338,18 @@ def test_forced_calls_are_read_from_the_json_their_schema_holds_the_answer_to():
     assert schema["maxItems"] == 1 and [o["properties"]["name"]["enum"] for o in schema["items"]["anyOf"]] == [
         ["weather"], ["time"]]
     assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
+
+
+def test_reasoning_can_be_dropped_or_left_unsplit_as_vllm_and_sglang_ask():
+    answer = "<think>add</think>4"
+    out = RequestOutput(request_id="r", prompt_token_ids=[1], token_ids=[0], text=answer, finish_reason="stop")
+    chat = [{"role": "user", "content": "2+2?"}]
+    for fields, want in (({}, ("add", "4")), ({"include_reasoning": False}, (None, "4")),
+                         ({"separate_reasoning": False}, (None, answer))):
+        req = ChatCompletionRequest(messages=chat, **fields)
+        message = chat_choice(0, out, req, None, answer_parsers(req, None, "qwen3")).message
+        assert (message.reasoning, message.content) == want, fields
+        streamed = _stream([answer[:3], answer[3:9], answer[9:]], req, "qwen3")
+        deltas = [c["choices"][0]["delta"] for c in streamed]
+        assert "".join(d.get("reasoning", "") for d in deltas) == (want[0] or "")
+        assert "".join(d.get("content", "") for d in deltas) == want[1]

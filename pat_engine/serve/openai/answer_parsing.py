@@ -24,9 +24,11 @@ class AnswerParsers:
     reasoning: ReasoningParser | None = None
     tools: ToolParser | None = None
     parallel_tool_calls: bool = True  # false: the first call only
+    include_reasoning: bool = True  # false: the reasoning is split off and dropped (vLLM's include_reasoning)
 
     def parse(self, text: str) -> ParsedMessage:
         reasoning, content = self.reasoning.split(text) if self.reasoning else (None, text)
+        reasoning = reasoning if self.include_reasoning else None
         calls: list[ToolCall] = []
         if self.tools is not None and content:
             answer = self.tools.parse(content)
@@ -41,15 +43,17 @@ class StreamedAnswer:
     """One streamed choice: (reasoning, content) deltas as text comes, the calls once the choice has ended."""
 
     def __init__(self, parsers: AnswerParsers):
+        self.include_reasoning = parsers.include_reasoning
         self.reasoning = StreamedReasoning(parsers.reasoning) if parsers.reasoning else None
         self.tools = StreamedToolCalls(parsers.tools, parsers.parallel_tool_calls) if parsers.tools else None
 
     def feed(self, delta: str) -> tuple[str, str]:
         reasoning, content = self.reasoning.feed(delta) if self.reasoning else ("", delta)
-        return reasoning, self.tools.content(content) if self.tools else content
+        return self._kept(reasoning), self.tools.content(content) if self.tools else content
 
     def finish(self) -> tuple[str, str, list[ToolCall]]:
         reasoning, content = self.reasoning.finish() if self.reasoning else ("", "")
+        reasoning = self._kept(reasoning)
         calls: list[ToolCall] = []
         if self.tools is not None:
             content = self.tools.content(content)
@@ -57,13 +61,17 @@ class StreamedAnswer:
             content += rest
         return reasoning, content, calls
 
+    def _kept(self, reasoning: str) -> str:
+        return reasoning if self.include_reasoning else ""
+
 
 def answer_parsers(req: ChatCompletionRequest, tool_call_parser: str | None,
                    reasoning_parser: str | None) -> AnswerParsers | None:
     """What a chat request's answer goes through on a server with these parsers (None: plain text); a
     request whose calls need a parser the server lacks is refused before anything is queued."""
     tools = request_tool_parser(req.parses_tool_calls(), tool_call_parser, req.forced_tool_calls())
-    reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser is not None else None
+    split = reasoning_parser is not None and req.separate_reasoning
+    reasoning = REASONING_PARSERS[reasoning_parser] if split else None  # type: ignore[index]
     if tools is None and reasoning is None:
         return None
-    return AnswerParsers(reasoning, tools, req.parallel_tool_calls)
+    return AnswerParsers(reasoning, tools, req.parallel_tool_calls, req.include_reasoning)

@@ -168,6 +168,8 @@ class ChatCompletionRequest(_SamplingFields, ChatFields):  # vLLM extras: ChatFi
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     parallel_tool_calls: bool = True  # false: at most the first call is returned
+    include_reasoning: bool = True  # vLLM extra: false drops the reasoning a --reasoning-parser split off
+    separate_reasoning: bool = True  # SGLang extra: false leaves the reasoning in the content, unsplit
 
     def parses_tool_calls(self) -> bool:
         """Whether the answer's tool calls are parsed out (OpenAI's default: "auto" when tools are given)."""
