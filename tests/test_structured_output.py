@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
+from typing import Any
 import re
 import signal
 import time
@@ -25,6 +27,8 @@ from pat_engine.sampling.spec import SamplingSpec
 from pat_engine.sampling.structured import StructuredOutput
 from pat_engine.serve.launcher import BackgroundServer
 from pat_engine.serve.server import ServerConfig, build_app
+from pat_integrations.sampling import from_verl, from_vllm_like
+from rl_helpers import VllmLikeSamplingParams
 
 xgr = pytest.importorskip("xgrammar", reason="structured output needs xgrammar (pip install -e '.[test]' has it)")
 
@@ -62,6 +66,31 @@ def test_every_client_name_gives_one_constraint():
                             "disable_any_whitespace applies to json")):
         with pytest.raises(InvalidRequestError, match=match):
             to_sampling_params({**base, **options})
+
+
+@dataclass
+class StructuredOutputsParams:  # vLLM's, by its fields (vllm.sampling_params)
+    json: Any = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+    _backend: str | None = None
+    _backend_was_auto: bool = False
+
+
+def test_the_rl_adapters_take_vllms_params_object():
+    given = VllmLikeSamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex=REGEX))
+    assert from_vllm_like(given).structured_output == StructuredOutput("regex", REGEX)
+    assert from_verl({"structured_outputs": {"json": SCHEMA}}, 8).structured_output.kind == "json"
+    with pytest.raises(InvalidRequestError, match="structured_outputs.disable_fallback is not supported"):
+        from_vllm_like(VllmLikeSamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
+            regex=REGEX, disable_fallback=True)))
 
 
 def _spec(temperature: float, seed: int) -> SamplingSpec:
