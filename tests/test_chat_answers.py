@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from pat_engine.core.chat import ChatOptions, render_chat
+from pat_engine.core.chat import ChatOptions, chat_prompt, render_chat
 from pat_engine.core.chat_messages import ChatMessage
 from pat_engine.errors import InvalidRequestError, PatEngineError
 from pat_engine.outputs import RequestOutput
@@ -353,3 +353,9 @@ def test_reasoning_can_be_dropped_or_left_unsplit_as_vllm_and_sglang_ask():
         deltas = [c["choices"][0]["delta"] for c in streamed]
         assert "".join(d.get("reasoning", "") for d in deltas) == (want[0] or "")
         assert "".join(d.get("content", "") for d in deltas) == want[1]
+
+
+def test_the_thinking_sent_back_counts_toward_the_chat_s_character_limit():
+    long = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "4", "reasoning": "y" * 400}]
+    with pytest.raises(InvalidRequestError, match="messages hold 402 characters, more than the 320"):
+        chat_prompt(None, long, ChatOptions(), max_model_len=10)  # refused before any tokenizer is needed

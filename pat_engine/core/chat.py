@@ -2,8 +2,8 @@
 ``--chat-template``), rendered with a request's options (``add_generation_prompt``,
 ``continue_final_message``, ``chat_template_kwargs``).
 
-One home for the rules every route that takes a chat shares (the OpenAI chat endpoint, both kinds of batch
-line). Errors are ``InvalidRequestError`` naming the option at fault; a template the deployment names is
+One home for the rules everything that takes a chat shares (the OpenAI chat endpoint, both kinds of batch
+line, ``/tokenize``, ``Engine.chat``). Errors are ``InvalidRequestError`` naming the option at fault; a template the deployment names is
 checked when the engine starts, so a typo fails there rather than on every chat request.
 """
 
@@ -22,8 +22,8 @@ from pat_engine.core.chat_messages import MAX_TOOLS, ChatMessage, ToolDefinition
 from pat_engine.core.inputs import max_prompt_chars
 from pat_engine.errors import InvalidRequestError
 
-# A text with one of these is a template; anything else is taken for a file's path (vLLM's rule, in that order
-# reversed: a template text is never looked up on disk).
+# A text with one of these is a template; anything else is taken for a file's path (vLLM's two cases, checked
+# markup first, so a template's text is never looked up on disk).
 _JINJA_MARKERS = ("{{", "{%")
 
 
@@ -75,9 +75,14 @@ def chat_options(**fields: Any) -> ChatOptions:
     try:
         return ChatFields.model_validate(fields).chat_options()
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(map(str, first["loc"]))
-        raise InvalidRequestError(f"{where}: {first['msg']}" if where else first["msg"]) from None
+        raise InvalidRequestError(_first_error(exc)) from None
+
+
+def _first_error(exc: ValidationError) -> str:
+    """Pydantic's first complaint as "where: what"."""
+    first = exc.errors()[0]
+    where = ".".join(map(str, first["loc"]))
+    return f"{where}: {first['msg']}" if where else first["msg"]
 
 
 @functools.cache
@@ -165,16 +170,15 @@ def chat_prompt(tokenizer: Any, messages: Sequence[ChatMessage | dict], options:
         try:
             parsed.append(message if isinstance(message, ChatMessage) else ChatMessage.model_validate(message))
         except ValidationError as exc:
-            first = exc.errors()[0]
-            field_at = ".".join(map(str, first["loc"]))
-            raise InvalidRequestError(f"message {i}{': ' + field_at if field_at else ''}: {first['msg']}") from None
+            raise InvalidRequestError(f"message {i}: {_first_error(exc)}") from None
     if not parsed:
         raise InvalidRequestError("a chat needs at least one message")
     chat = [m.for_template() for m in parsed]
     variables = len(json.dumps(options.template_kwargs)) if options.template_kwargs else 0
     variables += len(json.dumps(options.tools)) if options.tools else 0
     variables += sum(len(json.dumps(m["tool_calls"])) for m in chat if "tool_calls" in m)
-    chars, limit = sum(len(m["content"]) for m in chat) + variables, max_prompt_chars(max_model_len)
+    text_chars = sum(len(m["content"]) + len(m.get("reasoning_content", "")) for m in chat)
+    chars, limit = text_chars + variables, max_prompt_chars(max_model_len)
     if chars > limit:
         held = "messages, tools and chat_template_kwargs hold" if variables else "messages hold"
         raise InvalidRequestError(f"{held} {chars} characters, more than the {limit} that can fit a context "
