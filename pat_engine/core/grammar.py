@@ -4,9 +4,9 @@ xgrammar, and one matcher per sample that follows its tokens and says which toke
 The driver owns the matchers, so a constrained request survives live switches, preemption and worker
 restarts unchanged: the workers only receive, with each step, the allowed tokens (``TokenMask``: their ids,
 the ids of the others, or xgrammar's bitmask, whichever is smallest) and give the others -inf before the
-draw (``SamplingBatch.suppress``). A step for
-such a request needs its previous token appended first, so it never runs ahead (async scheduling) nor with
-drafted tokens (speculation).
+draw (``SamplingBatch.suppress``). A step for such a request needs its previous token appended first, so it
+never runs ahead (async scheduling) nor with drafted tokens (speculation). With think tags (a server with a
+reasoning parser) a matcher waits until the answer has closed its thinking.
 """
 
 from __future__ import annotations
@@ -17,9 +17,13 @@ from typing import Any, Callable
 import numpy as np
 
 from pat_engine.errors import InvalidRequestError
-from pat_engine.protocol import TokenMask
-from pat_engine.sampling.structured import StructuredOutput
+from pat_engine.sampling.structured import StructuredOutput, TokenMask
 
+GRAMMAR_CACHE_BYTES = 64 << 20
+TAG_WINDOW_TOKENS = 16  # the last tokens decoded to find a close tag (a tag is one token or a few)
+PROMPT_TAIL_TOKENS = 64  # where a template that turned thinking off has closed it (Qwen3: "<think></think>")
+SPARSE_TOKENS = 2048  # a mask allowing, or banning, at most this many tokens is sent as their ids
+_POPCOUNT8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+: ")  # xgrammar's "[time] file.cc:line: " before its message
 
 
@@ -32,13 +36,6 @@ def _xgrammar() -> Any:
     return xgrammar
 
 
-GRAMMAR_CACHE_BYTES = 64 << 20
-TAG_WINDOW_TOKENS = 16  # the last tokens decoded to find a close tag (a tag is one token or a few)
-PROMPT_TAIL_TOKENS = 64  # where a template that turned thinking off has closed it (Qwen3: "<think></think>")
-SPARSE_TOKENS = 2048  # a mask allowing, or banning, at most this many tokens is sent as their ids
-_POPCOUNT8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
-
-
 def _bit_ids(words: np.ndarray, at: np.ndarray, set_bits: bool) -> np.ndarray:
     """Token ids of the set (or clear) bits of the words at indices ``at``."""
     bits = np.unpackbits(words[at].view(np.uint8), bitorder="little").reshape(len(at), 32)
@@ -49,8 +46,8 @@ def _bit_ids(words: np.ndarray, at: np.ndarray, set_bits: bool) -> np.ndarray:
 def token_mask(words: np.ndarray, vocab_size: int) -> TokenMask:
     """A bitmask (int32 words, bit ``t % 32`` of word ``t // 32`` for token ``t``) as the smallest
     ``TokenMask``: the ids when few tokens are allowed (a JSON key's next character) or few are not (inside
-    a string), else the words. Masks of tens of thousands of tokens are what most steps would otherwise carry
-    and unpack (``bench/results/structured_output_cost.md``)."""
+    a string), else the words. A bitmask of Qwen's vocabulary is 19 KB to send and unpack, where most steps
+    of a JSON answer allow or ban a handful of tokens (``bench/results/structured_output_cost.md``)."""
     words = words[: (vocab_size + 31) // 32].copy()
     if vocab_size % 32:  # the last word's bits past the vocabulary are no tokens: cleared
         words.view(np.uint32)[-1] &= np.uint32((1 << (vocab_size % 32)) - 1)
