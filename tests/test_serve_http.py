@@ -164,6 +164,23 @@ def _metric(text: str, name: str, default: float | None = None, **labels: str) -
     raise AssertionError(f"{name} {labels} not in /metrics")
 
 
+def test_log_prob_entries_name_their_tokens_by_id_when_asked(client):
+    """vLLM's return_tokens_as_token_ids: RL trainers read the exact ids from the log-prob entries."""
+    body = {"max_tokens": 6, "temperature": 1.0, "seed": 3, "return_tokens_as_token_ids": True,
+            "return_token_ids": True}
+    chat = client.post("/v1/chat/completions", json={"messages": CHAT, "logprobs": True, "top_logprobs": 2, **body})
+    choice = chat.json()["choices"][0]
+    assert [c["token"] for c in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(a["token"].startswith("token_id:") for c in choice["logprobs"]["content"] for a in c["top_logprobs"])
+    done = client.post("/v1/completions", json={"prompt": "the answer is", "logprobs": 1, **body}).json()
+    assert done["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in done["choices"][0]["token_ids"]]
+    with client.stream("POST", "/v1/chat/completions", json={"messages": CHAT, "logprobs": True, "stream": True,
+                                                             **body}) as r:
+        chunks = [e for e in sse_events(r)[:-1] if e["choices"] and e["choices"][0].get("logprobs")]
+    streamed = [c["token"] for e in chunks for c in e["choices"][0]["logprobs"]["content"]]
+    assert streamed == [f"token_id:{t}" for t in choice["token_ids"]]
+
+
 def test_tokenize_gives_the_ids_the_generation_routes_run_and_detokenize_inverts_it(client, engine):
     """vLLM's /tokenize and /detokenize: the count is the prompt_tokens the generation routes report."""
     text = "the answer is"

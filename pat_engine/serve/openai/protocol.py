@@ -90,6 +90,12 @@ class _SamplingFields(_Request):
     # structured output, which the engine does not do
     tool_choice: str | dict | None = None
     return_token_ids: bool = False  # vLLM extra: add token_ids / prompt_token_ids to each choice
+    # vLLM extra: log-prob entries name their tokens "token_id:<id>" (the exact ids RL trainers need)
+    return_tokens_as_token_ids: bool = False
+
+    def logprob_tokenizer(self, tokenizer: Any) -> Any:
+        """The tokenizer log-prob entries name their tokens with; None names them by id ("token_id:<id>")."""
+        return None if self.return_tokens_as_token_ids else tokenizer
 
     @field_validator("stop")
     @classmethod

@@ -79,8 +79,8 @@ async def completion_stream(group: RequestGroup, req: CompletionRequest, tokeniz
                             "finish_reason": up.finish_reason,
                             "stop_reason": up.stop_reason}
             if req.logprobs is not None and up.new_token_ids:
-                lp = completion_logprobs(tokenizer, up.new_token_ids, up.new_logprobs, req.logprobs, offsets[up.index],
-                                         up.new_top_logprobs)
+                lp = completion_logprobs(req.logprob_tokenizer(tokenizer), up.new_token_ids, up.new_logprobs,
+                                         req.logprobs, offsets[up.index], up.new_top_logprobs)
                 offsets[up.index] = lp.text_offset[-1] + len(lp.tokens[-1])  # where the next token's text starts
                 choice["logprobs"] = lp.model_dump()
             if req.return_token_ids:
@@ -124,8 +124,9 @@ async def chat_stream(group: RequestGroup, req: ChatCompletionRequest, tokenizer
                 delta["tool_calls"] = [{"index": k, **c.model_dump()} for k, c in enumerate(found)]
             choice: dict = {"index": up.index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             if req.logprobs and up.new_token_ids:
-                choice["logprobs"] = chat_logprobs(tokenizer, up.new_token_ids, up.new_logprobs,
-                                                   req.top_logprobs or 0, up.new_top_logprobs).model_dump()
+                choice["logprobs"] = chat_logprobs(req.logprob_tokenizer(tokenizer), up.new_token_ids,
+                                                   up.new_logprobs, req.top_logprobs or 0,
+                                                   up.new_top_logprobs).model_dump()
             if req.return_token_ids:
                 choice["token_ids"] = up.new_token_ids
             if up.finished:

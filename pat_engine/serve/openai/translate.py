@@ -145,7 +145,7 @@ def completion_choice(index: int, out: RequestOutput, req: CompletionRequest, to
             lps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + lps
             if alts is not None:
                 alts = list(out.prompt_top_logprobs or [[]] * len(out.prompt_token_ids)) + list(alts)
-        lp = completion_logprobs(tokenizer, ids, lps, req.logprobs, alternatives=alts)
+        lp = completion_logprobs(req.logprob_tokenizer(tokenizer), ids, lps, req.logprobs, alternatives=alts)
     return CompletionChoice(
         index=index,
         text=prefix + (out.text or ""),
@@ -162,7 +162,8 @@ def chat_choice(index: int, out: RequestOutput, req: ChatCompletionRequest, toke
     """One choice; with ``parsers`` its reasoning and tool calls taken out of the text."""
     lp = None
     if req.logprobs and out.logprobs is not None:
-        lp = chat_logprobs(tokenizer, out.token_ids, out.logprobs, req.top_logprobs or 0, out.top_logprobs)
+        lp = chat_logprobs(req.logprob_tokenizer(tokenizer), out.token_ids, out.logprobs, req.top_logprobs or 0,
+                           out.top_logprobs)
     message, finish_reason = ChatResponseMessage(content=out.text or ""), out.finish_reason
     if parsers is not None:
         parsed = parsers.parse(out.text or "")
