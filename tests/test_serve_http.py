@@ -181,6 +181,21 @@ def test_log_prob_entries_name_their_tokens_by_id_when_asked(client):
     assert streamed == [f"token_id:{t}" for t in choice["token_ids"]]
 
 
+def test_a_chat_s_prompt_log_probs_come_in_vllms_shape(client, engine):
+    r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 2,
+                                                  "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids = body["prompt_token_ids"]
+    want = engine.generate([ids], SamplingParams(max_new_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    entries = body["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    for token, entry, lp in zip(ids[1:], entries[1:], want.prompt_logprobs[1:]):
+        assert entry[str(token)]["logprob"] == pytest.approx(lp, abs=1e-9) and 2 <= len(entry) <= 3
+    r = client.post("/v1/chat/completions", json={"messages": CHAT, "prompt_logprobs": 1, "stream": True})
+    assert r.status_code == 400 and "prompt_logprobs is supported without stream only" in r.text
+
+
 def test_tokenize_gives_the_ids_the_generation_routes_run_and_detokenize_inverts_it(client, engine):
     """vLLM's /tokenize and /detokenize: the count is the prompt_tokens the generation routes report."""
     text = "the answer is"

@@ -51,6 +51,7 @@ from pat_engine.serve.openai.translate import (
     chat_prompt,
     completion_choice,
     completion_inputs,
+    prompt_logprobs_entries,
     usage,
 )
 
@@ -219,7 +220,8 @@ def result_record(item: BatchItem, outs: list[RequestOutput], tokenizer: Any, mo
     req = item.request
     if isinstance(req, ChatCompletionRequest):
         choices = [chat_choice(i, o, req, tokenizer, item.parsers) for i, o in enumerate(outs)]
-        body = ChatCompletionResponse(model=model, choices=choices, usage=usage(outs))
+        body = ChatCompletionResponse(model=model, choices=choices, usage=usage(outs),
+                                      prompt_logprobs=prompt_logprobs_entries(outs[0], tokenizer))
     else:
         choices = [completion_choice(i, o, req, tokenizer) for i, o in enumerate(outs)]
         body = CompletionResponse(model=model, choices=choices, usage=usage(outs))

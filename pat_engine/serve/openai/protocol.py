@@ -173,9 +173,17 @@ class ChatCompletionRequest(_SamplingFields, ChatFields):  # vLLM extras: ChatFi
     max_completion_tokens: int | None = Field(default=None, ge=1)  # newer OpenAI name of max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # vLLM extra: the prompt's log-probs (with this many alternatives), in the response's prompt_logprobs
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     parallel_tool_calls: bool = True  # false: at most the first call is returned
     include_reasoning: bool = True  # vLLM extra: false drops the reasoning a --reasoning-parser split off
     separate_reasoning: bool = True  # SGLang extra: false leaves the reasoning in the content, unsplit
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self):
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is supported without stream only")
+        return self
 
     def parses_tool_calls(self) -> bool:
         """Whether the answer's tool calls are parsed out (OpenAI's default: "auto" when tools are given)."""
@@ -294,6 +302,9 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_token_ids: list[int] | None = None
+    # vLLM's shape: per prompt token, None for the first, else {token id: {"logprob", "decoded_token"}} over
+    # the token itself and its alternatives
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
     system_fingerprint: str | None = None
 
 

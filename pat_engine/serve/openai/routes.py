@@ -23,7 +23,14 @@ from pat_engine.serve.openai.protocol import (
 )
 from pat_engine.serve.openai.reasoning import think_tags
 from pat_engine.serve.openai.streams import chat_stream, completion_stream
-from pat_engine.serve.openai.translate import chat_choice, chat_input, completion_choice, completion_inputs, usage
+from pat_engine.serve.openai.translate import (
+    chat_choice,
+    chat_input,
+    completion_choice,
+    completion_inputs,
+    prompt_logprobs_entries,
+    usage,
+)
 from pat_engine.serve.sse import event_stream
 from pat_engine.serve.state import State
 
@@ -61,7 +68,8 @@ async def chat_completions(request: Request, pat: State) -> Response:
     outs = await pat.collect(group, request)
     choices = [chat_choice(i, o, req, engine.tokenizer, parsers) for i, o in enumerate(outs)]
     resp = ChatCompletionResponse(id=rid, model=pat.model, usage=usage(outs), choices=choices,
-                                  prompt_token_ids=list(outs[0].prompt_token_ids) if req.return_token_ids else None)
+                                  prompt_token_ids=list(outs[0].prompt_token_ids) if req.return_token_ids else None,
+                                  prompt_logprobs=prompt_logprobs_entries(outs[0], engine.tokenizer))
     return JSONResponse(resp.model_dump())
 
 

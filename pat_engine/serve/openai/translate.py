@@ -68,13 +68,30 @@ def chat_input(req: ChatCompletionRequest, tokenizer: Any, max_model_len: int,
     max_new = req.max_new_tokens()
     if max_new is None:  # OpenAI's default for chat: whatever room the context leaves
         max_new = max(1, max_model_len - len(ids))
-    params = sampling_params(req, max_new, req.logprobs, req.top_logprobs or 0 if req.logprobs else 0)
+    params = sampling_params(req, max_new, req.logprobs, req.top_logprobs or 0 if req.logprobs else 0,
+                             req.prompt_logprobs)
     if think_tags is not None and params.structured_output is not None:
         params = replace(params, structured_output=replace(params.structured_output, think_tags=think_tags))
     return EngineInput(ids, params, rendered=text)
 
 
 # ---- outputs -----------------------------------------------------------------------------------
+
+
+def prompt_logprobs_entries(out: RequestOutput, tokenizer: Any) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs`` of a chat response: per prompt token, None for the first, else the token
+    and its alternatives by id, each with its log-prob and text."""
+    if out.prompt_logprobs is None:
+        return None
+    tops = out.prompt_top_logprobs or [[]] * len(out.prompt_token_ids)
+    entries: list[dict[str, dict[str, Any]] | None] = []
+    for token, lp, alternatives in zip(out.prompt_token_ids, out.prompt_logprobs, tops):
+        if lp is None:
+            entries.append(None)
+            continue
+        pairs = [(token, lp)] + [(t, v) for t, v in alternatives if t != token]
+        entries.append({str(t): {"logprob": v, "decoded_token": _token_text(tokenizer, t)} for t, v in pairs})
+    return entries
 
 
 def usage(outputs: list[RequestOutput]) -> UsageInfo:
