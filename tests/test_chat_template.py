@@ -23,7 +23,8 @@ from pat_engine.serve.launcher import BackgroundServer
 from pat_engine.serve.server import ServerConfig, build_app
 
 # Qwen3's switch, in the tiny tokenizer's words: the template reads a variable only a request can set
-THINKING = ("{% if tools %}<|tools|>{{ tools | tojson }}\n{% endif %}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+THINKING = ("{% if tools %}<|tools|>{{ tools | tojson }}\n{% endif %}"
+            "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
             "the end{% endif %}{% endif %}")
 CHAT = [{"role": "user", "content": "the water is good"}]

@@ -173,7 +173,8 @@ def test_unsupported_paths_fail_clearly(engines):
         ray.get(engines[0].init_process_group.remote("127.0.0.1", 1, 1, 3, "g", backend="nccl", use_ray=False))
     # the sampling options pat-engine lacks are refused by name (penalties, min_p, n, stop, logit_bias and
     # prompt_logprobs, refused here before, are accepted now: test_sampling_options_take_effect)
-    for name, value in (("bad_words", ["x"]), ("best_of", 3), ("structured_outputs", {"json": {}, "disable_fallback": True})):
+    for name, value in (("bad_words", ["x"]), ("best_of", 3),
+                        ("structured_outputs", {"json": {}, "disable_fallback": True})):
         with pytest.raises(ray.exceptions.RayTaskError, match=name):
             ray.get(engines[0].generate.remote(PROMPTS[0], VllmLikeSamplingParams(max_tokens=4, **{name: value})))
 

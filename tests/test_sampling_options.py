@@ -102,7 +102,8 @@ def test_rl_integrations_accept_what_the_engine_implements(name):
     assert getattr(verl, name) == getattr(vllm, name) == EXPECTED[name]
 
 
-@pytest.mark.parametrize("name, value", [("best_of", 4), ("bad_words", ["no"]), ("structured_outputs", {"json": {}, "disable_fallback": True}),
+@pytest.mark.parametrize("name, value", [("best_of", 4), ("bad_words", ["no"]),
+                                         ("structured_outputs", {"json": {}, "disable_fallback": True}),
                                          ("truncate_prompt_tokens", 8)])
 def test_rl_integrations_refuse_what_the_engine_lacks_by_name(name, value):
     with pytest.raises(InvalidRequestError, match=name):

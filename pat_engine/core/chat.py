@@ -3,8 +3,9 @@
 ``continue_final_message``, ``chat_template_kwargs``).
 
 One home for the rules everything that takes a chat shares (the OpenAI chat endpoint, both kinds of batch
-line, ``/tokenize``, ``Engine.chat``). Errors are ``InvalidRequestError`` naming the option at fault; a template the deployment names is
-checked when the engine starts, so a typo fails there rather than on every chat request.
+line, ``/tokenize``, ``Engine.chat``). Errors are ``InvalidRequestError`` naming the option at fault; a
+template the deployment names is checked when the engine starts, so a typo fails there rather than on every
+chat request.
 """
 
 from __future__ import annotations

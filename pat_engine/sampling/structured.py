@@ -69,7 +69,8 @@ class StructuredOutput:
     def _of(cls, **given: Any) -> "StructuredOutput | None":
         unknown = sorted(set(given) - set(KINDS))
         if unknown:
-            raise InvalidRequestError(f"structured output: unknown constraint {unknown[0]!r}; known: {', '.join(KINDS)}")
+            raise InvalidRequestError(f"structured output: unknown constraint {unknown[0]!r}; known: "
+                                      f"{', '.join(KINDS)}")
         set_ = {k: v for k, v in given.items() if v is not None and v is not False}
         if not set_:
             return None

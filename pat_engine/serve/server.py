@@ -2,9 +2,9 @@
 
 ``build_app(engine, config)`` (the caller owns the engine and shuts it down) makes one
 ``ServerState`` (``state.py``) and includes the routers: OpenAI's (``openai/routes.py``),
-vLLM's tokenizer routes (``openai/tokenize_routes.py``), SGLang's native API and its weight and memory routes (``sglang/``), and pat-serve's own
-(``pat_routes.py``: health, metrics, KV, timeline, reconfigure). Every error comes back in
-the OpenAI error shape.
+vLLM's tokenizer routes (``openai/tokenize_routes.py``), SGLang's native API and its weight
+and memory routes (``sglang/``), and pat-serve's own (``pat_routes.py``: health, metrics,
+KV, timeline, reconfigure). Every error comes back in the OpenAI error shape.
 
 Shutdown (``ServerState.begin_drain``, run on SIGTERM): new requests get 503,
 running ones may finish for ``drain_timeout_s``; then the rest are aborted

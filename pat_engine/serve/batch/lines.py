@@ -153,7 +153,8 @@ def parse_line(line: int, obj: Any, tokenizer: Any, max_model_len: int, defaults
     except ValidationError as exc:
         raise LineError(line, _pydantic_message(exc), key=key) from None
     try:
-        options = pat.model_dump(exclude={"id", "prompt", "messages", "input_ids", "metadata", *ChatFields.model_fields})
+        chat_fields = set(ChatFields.model_fields)
+        options = pat.model_dump(exclude={"id", "prompt", "messages", "input_ids", "metadata", *chat_fields})
         params = to_sampling_params(options, defaults=asdict(defaults))
         rendered: str | None = None
         prompt: Any
