@@ -82,7 +82,7 @@ def test_every_face_field_has_a_home():
     """The SGLang schema and the OpenAI sampling fields only name options the translator knows."""
     assert set(SGLSamplingParams.model_fields) <= OPTION_NAMES
     openai_only = {"model", "stream", "stream_options", "user", "response_format", "tool_choice", "return_token_ids",
-                   "prompt", "echo"}
+                   "return_tokens_as_token_ids", "prompt", "echo"}
     assert set(CompletionRequest.model_fields) - openai_only <= OPTION_NAMES
 
 
