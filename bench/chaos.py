@@ -5,7 +5,8 @@ rounding; prefix caching on; the default CPU KV pool) is driven for ``--duration
 
 - ``--clients`` concurrent clients on SGLang's ``/generate`` and OpenAI's ``/v1/completions``:
   greedy, EOS ignored, a fixed set of prompts that repeat (so the prefix cache serves them), some
-  with n=2, some streamed, some hanging up after their first chunk;
+  with n=2, some streamed, some hanging up after their first chunk, some held to a JSON schema
+  (structured output: their grammar follows them through every switch, pause and restart);
 - a live layout switch every ``--switch-every`` seconds (``/pat/reconfigure``, TP1 <-> TP2);
 - every ``--boundary-every`` seconds the step boundary slime and veRL use: ``/pause_generation``
   (mode abort) -> ``/release_memory_occupation`` -> ``/resume_memory_occupation`` ->
@@ -49,7 +50,11 @@ from faults import AUTH, KEY, MAX_LEN, bad_inputs, send_bad
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
-KINDS = ("generate", "generate-n2", "generate-stream", "completions", "completions-stream", "hang-up")
+KINDS = ("generate", "generate-n2", "generate-stream", "completions", "completions-stream", "hang-up",
+         "completions-json")
+# what the "completions-json" kind is held to (compact, so the tiny model's answers end inside their budget)
+STRUCTURED = {"json": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+                       "required": ["a", "b"]}, "disable_any_whitespace": True}
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,14 @@ async def sse_objects(response: httpx.Response):
 async def one_request(client: httpx.AsyncClient, prompt: Prompt, want: list[int], kind: str, tally: Tally) -> None:
     sp = {"max_new_tokens": prompt.max_new, "temperature": 0, "ignore_eos": True}
     try:
+        if kind == "completions-json":  # EOS ends it where the schema is complete: not ignored
+            r = await client.post("/v1/completions", json={"prompt": prompt.ids, "max_tokens": prompt.max_new,
+                                                           "temperature": 0, "return_token_ids": True,
+                                                           "structured_outputs": STRUCTURED})
+            if r.status_code != 200:
+                return http_error(tally, kind, r.status_code, r.text)
+            choice = r.json()["choices"][0]
+            return classify(tally, kind, want, choice["token_ids"], choice["finish_reason"])
         if kind in ("generate", "generate-n2"):
             n = 2 if kind == "generate-n2" else 1
             r = await client.post("/generate", json={"input_ids": prompt.ids, "sampling_params": {**sp, "n": n}})
@@ -170,13 +183,14 @@ async def one_request(client: httpx.AsyncClient, prompt: Prompt, want: list[int]
         tally.lost_examples.append(f"{kind}: {exc!r}"[:120])
 
 
-async def client_loop(cid: int, url: str, prompts: list[Prompt], refs: list[list[int]], deadline: float,
+async def client_loop(cid: int, url: str, prompts: list[Prompt], refs: dict[str, list[list[int]]], deadline: float,
                       tally: Tally, timeout: float) -> None:
     rng = random.Random(1000 + cid)
     async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=timeout) as client:
         while time.monotonic() < deadline:
-            i = rng.randrange(len(prompts))
-            await one_request(client, prompts[i], refs[i], rng.choice(KINDS), tally)
+            i, kind = rng.randrange(len(prompts)), rng.choice(KINDS)
+            want = refs["structured" if kind == "completions-json" else "plain"][i]
+            await one_request(client, prompts[i], want, kind, tally)
 
 
 async def every(seconds: float, deadline: float, action) -> None:
@@ -259,11 +273,15 @@ def start_server(model: str, ns: argparse.Namespace) -> tuple[subprocess.Popen, 
     return proc, line.split("on ", 1)[1].split()[0]
 
 
-def references(url: str, prompts: list[Prompt]) -> list[list[int]]:
-    """Each prompt's tokens taken alone, before any chaos."""
+def references(url: str, prompts: list[Prompt]) -> dict[str, list[list[int]]]:
+    """Each prompt's tokens taken alone, before any chaos: plain, and held to ``STRUCTURED``."""
     with httpx.Client(base_url=url, headers=AUTH, timeout=120) as c:
-        return [c.post("/generate", json={"input_ids": p.ids, "sampling_params": {
+        plain = [c.post("/generate", json={"input_ids": p.ids, "sampling_params": {
             "max_new_tokens": p.max_new, "temperature": 0, "ignore_eos": True}}).json()["output_ids"] for p in prompts]
+        structured = [c.post("/v1/completions", json={
+            "prompt": p.ids, "max_tokens": p.max_new, "temperature": 0, "return_token_ids": True,
+            "structured_outputs": STRUCTURED}).json()["choices"][0]["token_ids"] for p in prompts]
+    return {"plain": plain, "structured": structured}
 
 
 def main() -> None:
