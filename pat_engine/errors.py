@@ -53,3 +53,15 @@ def last_traceback_line(tb: str | None) -> str:
     """The line of a formatted traceback that names the exception (its last non-empty line)."""
     lines = [ln for ln in (tb or "").strip().splitlines() if ln.strip()]
     return lines[-1] if lines else "unknown error"
+
+
+def validation_message(exc: Any, prefix: str = "") -> str:
+    """A pydantic ``ValidationError`` as one line naming every complaint ("where: what", an unknown field as
+    such), each place prefixed with ``prefix``; duck-typed, so this module imports nothing."""
+    parts = []
+    for e in exc.errors():
+        loc = prefix + ".".join(str(p) for p in e.get("loc", ()))
+        msg = ("unknown field" if e.get("type") == "extra_forbidden"
+               else e.get("msg", "invalid").removeprefix("Value error, "))
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)

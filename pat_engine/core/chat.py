@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from pat_engine.core.chat_messages import MAX_TOOLS, ChatMessage, ToolDefinition
 from pat_engine.core.inputs import max_prompt_chars
-from pat_engine.errors import InvalidRequestError
+from pat_engine.errors import InvalidRequestError, validation_message
 
 # A text with one of these is a template; anything else is taken for a file's path (vLLM's two cases, checked
 # markup first, so a template's text is never looked up on disk).
@@ -76,14 +76,7 @@ def chat_options(**fields: Any) -> ChatOptions:
     try:
         return ChatFields.model_validate(fields).chat_options()
     except ValidationError as exc:
-        raise InvalidRequestError(_first_error(exc)) from None
-
-
-def _first_error(exc: ValidationError) -> str:
-    """Pydantic's first complaint as "where: what"."""
-    first = exc.errors()[0]
-    where = ".".join(map(str, first["loc"]))
-    return f"{where}: {first['msg']}" if where else first["msg"]
+        raise InvalidRequestError(validation_message(exc)) from None
 
 
 @functools.cache
@@ -171,7 +164,7 @@ def chat_prompt(tokenizer: Any, messages: Sequence[ChatMessage | dict], options:
         try:
             parsed.append(message if isinstance(message, ChatMessage) else ChatMessage.model_validate(message))
         except ValidationError as exc:
-            raise InvalidRequestError(f"message {i}: {_first_error(exc)}") from None
+            raise InvalidRequestError(f"message {i}: {validation_message(exc)}") from None
     if not parsed:
         raise InvalidRequestError("a chat needs at least one message")
     chat = [m.for_template() for m in parsed]

@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from pat_engine.core.chat import ChatFields
-from pat_engine.errors import InvalidRequestError
+from pat_engine.errors import InvalidRequestError, validation_message
 from pat_engine.outputs import RequestOutput
 from pat_engine.rollout.rewards import RewardResult
 from pat_engine.sampling.options import to_sampling_params
@@ -126,15 +126,6 @@ class LineError(Exception):
         self.line, self.key, self.openai, self.custom_id, self.status = line, key or f"line-{line}", openai, custom_id, status
 
 
-def _pydantic_message(exc: ValidationError) -> str:
-    parts = []
-    for e in exc.errors():
-        loc = ".".join(str(p) for p in e.get("loc", ()))
-        msg = "unknown field" if e.get("type") == "extra_forbidden" else e.get("msg", "invalid").removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts)
-
-
 def is_openai_line(obj: Any) -> bool:
     return isinstance(obj, dict) and bool(_OPENAI_KEYS & obj.keys())
 
@@ -151,7 +142,7 @@ def parse_line(line: int, obj: Any, tokenizer: Any, max_model_len: int, defaults
     try:
         pat = PatLine.model_validate(obj)
     except ValidationError as exc:
-        raise LineError(line, _pydantic_message(exc), key=key) from None
+        raise LineError(line, validation_message(exc), key=key) from None
     try:
         chat_fields = set(ChatFields.model_fields)
         options = pat.model_dump(exclude={"id", "prompt", "messages", "input_ids", "metadata", *chat_fields})
@@ -180,7 +171,7 @@ def _parse_openai(line: int, obj: dict, tokenizer: Any, max_model_len: int, tool
         model = ChatCompletionRequest if req_line.url == "/v1/chat/completions" else CompletionRequest
         req = model.model_validate(req_line.body)
     except ValidationError as exc:
-        raise LineError(line, _pydantic_message(exc), **err) from None
+        raise LineError(line, validation_message(exc), **err) from None
     if req.stream:
         raise LineError(line, "body.stream: a batch request must not be sent in stream mode", **err)
     parsers = None
