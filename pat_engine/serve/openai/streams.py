@@ -15,8 +15,8 @@ from typing import Any, AsyncIterator
 
 from pat_engine.serve.async_engine import RequestGroup, Update
 from pat_engine.serve.errors import APIError
-from pat_engine.serve.openai.protocol import ChatCompletionRequest, CompletionRequest, UsageInfo
 from pat_engine.serve.openai.answer_parsing import AnswerParsers
+from pat_engine.serve.openai.protocol import ChatCompletionRequest, CompletionRequest, UsageInfo
 from pat_engine.serve.openai.translate import TextDelta, chat_logprobs, completion_logprobs
 
 DONE = "data: [DONE]\n\n"
