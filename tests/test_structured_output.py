@@ -25,6 +25,7 @@ from pat_engine.sampling.options import to_sampling_params
 from pat_engine.sampling.sampler import SamplingBatch, sample_batch
 from pat_engine.sampling.spec import SamplingSpec
 from pat_engine.sampling.structured import StructuredOutput
+from pat_engine.serve.batch.lines import LineError, SamplingDefaults, parse_line
 from pat_engine.serve.launcher import BackgroundServer
 from pat_engine.serve.server import ServerConfig, build_app
 from pat_integrations.sampling import from_verl, from_vllm_like
@@ -82,6 +83,15 @@ class StructuredOutputsParams:  # vLLM's, by its fields (vllm.sampling_params)
     structural_tag: str | None = None
     _backend: str | None = None
     _backend_was_auto: bool = False
+
+
+def test_batch_lines_take_structured_outputs():
+    item = parse_line(1, {"prompt": "x", "max_tokens": 8, "structured_outputs": {"regex": REGEX}}, None, 512,
+                      SamplingDefaults())
+    assert item.input.params.structured_output == StructuredOutput("regex", REGEX)
+    with pytest.raises(LineError, match="cannot be combined with min_tokens or ignore_eos"):
+        parse_line(2, {"prompt": "x", "structured_outputs": {"regex": REGEX}}, None, 512,
+                   SamplingDefaults(ignore_eos=True))
 
 
 def test_the_rl_adapters_take_vllms_params_object():

@@ -3,9 +3,10 @@
 Two input styles, told apart per line:
 - pat style: ``{"id": .., "prompt": "..."}`` or ``"messages": [..]`` or ``"input_ids": [..]``, with optional
   sampling fields (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
-  ``stop_token_ids``, ``ignore_eos``, ``logprobs``, ``min_tokens``, ``n``) that override the command-line
-  defaults, and with ``messages`` the chat endpoint's ``add_generation_prompt``, ``continue_final_message``,
-  ``chat_template_kwargs`` and ``tools``; with ``n`` > 1 the record carries every sample under ``samples``;
+  ``stop_token_ids``, ``ignore_eos``, ``logprobs``, ``min_tokens``, ``n``, ``structured_outputs``) that
+  override the command-line defaults, and with ``messages`` the chat endpoint's ``add_generation_prompt``,
+  ``continue_final_message``, ``chat_template_kwargs`` and ``tools``; with ``n`` > 1 the record carries
+  every sample under ``samples``;
 - OpenAI Batch API: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
   "body": {...}}``, answered with OpenAI Batch output lines.
 
@@ -89,6 +90,7 @@ class PatLine(ChatFields):  # with messages: the chat endpoint's fields shape th
     logprobs: bool | None = None
     min_tokens: int = Field(default=0, ge=0)
     n: int = Field(default=1, ge=1)
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, json_object, regex, choice or grammar
     metadata: dict[str, Any] | None = None  # for --reward
 
     @model_validator(mode="after")
