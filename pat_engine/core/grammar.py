@@ -135,7 +135,3 @@ class GrammarState:
             return None
         self._fill(self._matcher, self._mask)
         return token_mask(self._mask[0].numpy(), self._vocab_size)
-
-    @property
-    def terminated(self) -> bool:
-        return bool(self._matcher.is_terminated())
