@@ -55,13 +55,17 @@ def last_traceback_line(tb: str | None) -> str:
     return lines[-1] if lines else "unknown error"
 
 
-def validation_message(exc: Any, prefix: str = "") -> str:
-    """A pydantic ``ValidationError`` as one line naming every complaint ("where: what", an unknown field as
-    such), each place prefixed with ``prefix``; duck-typed, so this module imports nothing."""
+def validation_message(exc: Any, prefix: str = "", unknown: str = "{loc}: unknown field", where: str = "") -> str:
+    """A pydantic ``ValidationError`` as one line naming every complaint: "where: what", each place prefixed
+    with ``prefix``, an unknown field worded by ``unknown`` (a format of ``loc``), each complaint led by
+    ``where`` (which prompt of a batch). Every face's wording is made here; duck-typed, so this module
+    imports nothing."""
     parts = []
     for e in exc.errors():
         loc = prefix + ".".join(str(p) for p in e.get("loc", ()))
-        msg = ("unknown field" if e.get("type") == "extra_forbidden"
-               else e.get("msg", "invalid").removeprefix("Value error, "))
-        parts.append(f"{loc}: {msg}" if loc else msg)
+        if e.get("type") == "extra_forbidden":
+            parts.append(where + unknown.format(loc=loc))
+            continue
+        msg = e.get("msg", "invalid").removeprefix("Value error, ")
+        parts.append(where + (f"{loc}: {msg}" if loc else msg))
     return "; ".join(parts)

@@ -7,6 +7,7 @@ import json
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from pat_engine.errors import validation_message
 from pat_engine.serve.openai.protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {
@@ -44,13 +45,6 @@ class APIError(Exception):
 
 def validation_error(exc: ValidationError) -> APIError:
     """One 400 naming every offending field, e.g. ``max_tokens: Input should be greater than or equal to 1``."""
-    parts, params = [], []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err.get("loc", ()))
-        if err.get("type") == "extra_forbidden":
-            parts.append(f"unknown or unsupported field '{loc}'")
-        else:
-            msg = err.get("msg", "invalid").removeprefix("Value error, ")
-            parts.append(f"{loc}: {msg}" if loc else msg)
-        params.append(loc)
-    return APIError(400, "; ".join(parts) or "invalid request", param=params[0] if len(params) == 1 else None)
+    params = [".".join(str(p) for p in err.get("loc", ())) for err in exc.errors()]
+    message = validation_message(exc, unknown="unknown or unsupported field '{loc}'")
+    return APIError(400, message or "invalid request", param=params[0] if len(params) == 1 else None)

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from pat_engine.sampling import options as sampling_options
 from pat_engine.core.request_handle import RequestHandle, RequestProgress
-from pat_engine.errors import InvalidRequestError
+from pat_engine.errors import InvalidRequestError, validation_message
 from pat_engine.sampling.options import REFUSED
 from pat_engine.sampling.params import SamplingParams
 from pat_engine.serve.sglang.protocol import GenerateRequest, SGLSamplingParams
@@ -85,14 +85,8 @@ def parse_sampling_params(raw: dict[str, Any], where: str = "") -> SGLSamplingPa
     try:
         return SGLSamplingParams.model_validate(raw)
     except ValidationError as exc:
-        parts = []
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err.get("loc", ()))
-            if err.get("type") == "extra_forbidden":
-                parts.append(f"{where}unknown field 'sampling_params.{loc}'")
-            else:
-                parts.append(f"{where}sampling_params.{loc}: {err.get('msg', 'invalid')}")
-        raise InvalidRequestError("; ".join(parts)) from None
+        raise InvalidRequestError(validation_message(exc, prefix="sampling_params.", unknown="unknown field '{loc}'",
+                                                     where=where)) from None
 
 
 def _per_item(value: Any, n: int, name: str, default: Any) -> list:
