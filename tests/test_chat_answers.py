@@ -172,10 +172,10 @@ def test_which_requests_parse_calls_and_what_is_refused():
     with pytest.raises(InvalidRequestError, match='tool_choice "auto" needs a server started with'):
         request_tool_parser(True, None)
     named = {"type": "function", "function": {"name": "weather"}}
-    assert ChatCompletionRequest(messages=chat, tools=[WEATHER], tool_choice="required").forced_tool_calls() == \
-        (True, None)
-    assert ChatCompletionRequest(messages=chat, tools=[WEATHER], tool_choice=named).forced_tool_calls() == \
-        (False, "weather")
+    required = ChatCompletionRequest(messages=chat, tools=[WEATHER], tool_choice="required")
+    assert (required.forces_tool_calls(), required.named_tool()) == (True, None)
+    one = ChatCompletionRequest(messages=chat, tools=[WEATHER], tool_choice=named)
+    assert (one.forces_tool_calls(), one.named_tool()) == (True, "weather")
     for choice, match in (("required", "needs tools"), ("sometimes", "tool_choice must be"),
                           ({"type": "function", "function": {"name": "time"}}, "which tools does not offer")):
         with pytest.raises(ValidationError, match=match):
@@ -333,8 +333,8 @@ def test_forced_calls_are_read_from_the_json_their_schema_holds_the_answer_to():
         assert stream.content(cut) == ""  # nothing streams as content: the calls come at the end
     tools = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
                                   tools=[WEATHER, {"type": "function", "function": {"name": "time"}}]).tools
-    assert forced_calls_schema(tools, False, "weather", True) == CITY
-    schema = forced_calls_schema(tools, True, None, False)
+    assert forced_calls_schema(tools, "weather", True) == CITY
+    schema = forced_calls_schema(tools, None, False)
     assert schema["maxItems"] == 1 and [o["properties"]["name"]["enum"] for o in schema["items"]["anyOf"]] == [
         ["weather"], ["time"]]
     assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}

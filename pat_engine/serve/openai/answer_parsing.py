@@ -32,8 +32,12 @@ class AnswerParsers:
         calls: list[ToolCall] = []
         if self.tools is not None and content:
             answer = self.tools.parse(content)
-            content, calls = answer.content, answer.calls if self.parallel_tool_calls else answer.calls[:1]
+            content, calls = answer.content, self.kept_calls(answer.calls)
         return ParsedMessage(reasoning, content, calls)
+
+    def kept_calls(self, calls: list[ToolCall]) -> list[ToolCall]:
+        """``parallel_tool_calls: false``: the first call only."""
+        return calls if self.parallel_tool_calls else calls[:1]
 
     def stream(self) -> "StreamedAnswer":
         return StreamedAnswer(self)
@@ -43,9 +47,9 @@ class StreamedAnswer:
     """One streamed choice: (reasoning, content) deltas as text comes, the calls once the choice has ended."""
 
     def __init__(self, parsers: AnswerParsers):
-        self.include_reasoning = parsers.include_reasoning
+        self.parsers = parsers
         self.reasoning = StreamedReasoning(parsers.reasoning) if parsers.reasoning else None
-        self.tools = StreamedToolCalls(parsers.tools, parsers.parallel_tool_calls) if parsers.tools else None
+        self.tools = StreamedToolCalls(parsers.tools) if parsers.tools else None
 
     def feed(self, delta: str) -> tuple[str, str]:
         reasoning, content = self.reasoning.feed(delta) if self.reasoning else ("", delta)
@@ -58,18 +62,18 @@ class StreamedAnswer:
         if self.tools is not None:
             content = self.tools.content(content)
             rest, calls = self.tools.finish()
-            content += rest
+            content, calls = content + rest, self.parsers.kept_calls(calls)
         return reasoning, content, calls
 
     def _kept(self, reasoning: str) -> str:
-        return reasoning if self.include_reasoning else ""
+        return reasoning if self.parsers.include_reasoning else ""
 
 
 def answer_parsers(req: ChatCompletionRequest, tool_call_parser: str | None,
                    reasoning_parser: str | None) -> AnswerParsers | None:
     """What a chat request's answer goes through on a server with these parsers (None: plain text); a
     request whose calls need a parser the server lacks is refused before anything is queued."""
-    tools = request_tool_parser(req.parses_tool_calls(), tool_call_parser, req.forced_tool_calls())
+    tools = request_tool_parser(req.parses_tool_calls(), tool_call_parser, req.forces_tool_calls(), req.named_tool())
     split = reasoning_parser is not None and req.separate_reasoning
     reasoning = REASONING_PARSERS[reasoning_parser] if split else None  # type: ignore[index]
     if tools is None and reasoning is None:

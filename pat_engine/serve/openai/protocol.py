@@ -189,14 +189,14 @@ class ChatCompletionRequest(_SamplingFields, ChatFields):  # vLLM extras: ChatFi
         """Whether the answer's tool calls are parsed out (OpenAI's default: "auto" when tools are given)."""
         return bool(self.tools) and (self.tool_choice or "auto") == "auto"
 
-    def forced_tool_calls(self) -> tuple[bool, str | None] | None:
-        """``tool_choice`` "required" (True, None) or a named function (False, its name): the answer is held
-        to calls (``tool_calls.forced_calls_schema``); None otherwise."""
-        if self.tool_choice == "required":
-            return True, None
-        if isinstance(self.tool_choice, dict):
-            return False, self.tool_choice["function"]["name"]
-        return None
+    def forces_tool_calls(self) -> bool:
+        """``tool_choice`` "required" or a named function: the answer is held to calls
+        (``tool_calls.forced_calls_schema``)."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, dict)
+
+    def named_tool(self) -> str | None:
+        """The function ``tool_choice`` names, if it names one."""
+        return self.tool_choice["function"]["name"] if isinstance(self.tool_choice, dict) else None
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

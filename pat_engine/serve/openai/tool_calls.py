@@ -117,17 +117,19 @@ class ForcedToolCalls:
         except ValueError:
             return ParsedAnswer(text, [])
         if self.named is not None:
-            call = _call({"name": self.named, "arguments": value}, "arguments")
-            return ParsedAnswer(None, [call]) if call is not None else ParsedAnswer(text, [])
-        calls = [_call(item, "parameters") for item in value] if isinstance(value, list) else [None]
-        return ParsedAnswer(None, calls) if calls and None not in calls else ParsedAnswer(text, [])  # type: ignore
+            value = [{"name": self.named, "parameters": value}]  # the arguments alone: one call
+        calls = [_call(item, "parameters") for item in value] if isinstance(value, list) else []
+        if not calls or any(call is None for call in calls):
+            return ParsedAnswer(text, [])
+        return ParsedAnswer(None, calls)  # type: ignore[arg-type]  (None was ruled out above)
 
     def sendable(self, text: str) -> int:
         return 0
 
 
-def forced_calls_schema(tools: list[Any], required: bool, named: str | None, parallel: bool) -> dict:
-    """The JSON schema structured output holds a forced answer to (``ForcedToolCalls``)."""
+def forced_calls_schema(tools: list[Any], named: str | None, parallel: bool) -> dict:
+    """The JSON schema structured output holds a forced answer to (``ForcedToolCalls``): the named function's
+    parameters, or (``tool_choice`` "required", ``named`` None) a list of calls over ``tools``."""
     def parameters(tool: Any) -> dict:
         return tool.function.parameters or {"type": "object"}
 
@@ -151,13 +153,13 @@ def tool_call_parser(name: str) -> ToolParser:
     return TOOL_CALL_PARSERS[name]()
 
 
-def request_tool_parser(parses_calls: bool, configured: str | None,
-                        forced: tuple[bool, str | None] | None = None) -> ToolParser | None:
+def request_tool_parser(parses_calls: bool, configured: str | None, forced: bool = False,
+                        named: str | None = None) -> ToolParser | None:
     """The parser a chat request's answer goes through: ``ForcedToolCalls`` when its ``tool_choice`` forces
-    calls (``forced``), else none unless it parses calls (tools with ``tool_choice`` "auto"), which needs
-    the server's parser; refused before anything is queued otherwise."""
-    if forced is not None:
-        return ForcedToolCalls(forced[1])
+    calls (``forced``; ``named``: the function it names), else none unless it parses calls (tools with
+    ``tool_choice`` "auto"), which needs the server's parser; refused before anything is queued otherwise."""
+    if forced:
+        return ForcedToolCalls(named)
     if not parses_calls:
         return None
     if configured is None:
@@ -169,8 +171,8 @@ def request_tool_parser(parses_calls: bool, configured: str | None,
 class StreamedToolCalls:
     """One streamed choice: content passes while no call can have begun; the rest is parsed at the end."""
 
-    def __init__(self, parser: ToolParser, parallel: bool = True):
-        self.parser, self.parallel = parser, parallel
+    def __init__(self, parser: ToolParser):
+        self.parser = parser
         self.text, self.sent = "", 0
 
     def content(self, delta: str) -> str:
@@ -183,5 +185,5 @@ class StreamedToolCalls:
         """The content still held and the calls, once the choice has ended."""
         answer = self.parser.parse(self.text)
         if answer.calls:
-            return "", answer.calls if self.parallel else answer.calls[:1]
+            return "", answer.calls
         return self.text[self.sent:], []

@@ -41,12 +41,11 @@ def sampling_params(req: Any, max_new_tokens: int, logprobs: bool, top_logprobs:
                    prompt_logprobs=prompt_logprobs)
     # as constraints (None for text): one more source of structured output; two different ones are refused
     options["response_format"] = response_format_constraint(req.response_format)
-    forced = req.forced_tool_calls() if isinstance(req, ChatCompletionRequest) else None
-    if forced is not None:  # "required" or a named function: the answer is held to calls
+    if isinstance(req, ChatCompletionRequest) and req.forces_tool_calls():  # the answer is held to calls
         if any(options.get(name) is not None for name in STRUCTURED):
             raise InvalidRequestError("tool_choice \"required\" or a named function holds the answer to tool calls; "
                                       "it cannot take another structured output constraint")
-        options["guided_json"] = forced_calls_schema(req.tools, *forced, req.parallel_tool_calls)
+        options["guided_json"] = forced_calls_schema(req.tools, req.named_tool(), req.parallel_tool_calls)
     return to_sampling_params(options)
 
 
