@@ -44,7 +44,7 @@ _CORPUS_WORDS = (
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    arch: str = "llama"  # "llama", "qwen2" or "qwen3"
+    arch: str = "llama"  # "llama", "qwen2", "qwen3" or "qwen3_moe"
     vocab_size: int = 390  # deliberately not a multiple of 4: exercises vocab padding
     hidden_size: int = 128
     intermediate_size: int = 256
@@ -57,11 +57,18 @@ class TinyModelSpec:
     rope_theta: float = 10000.0
     llama3_rope_scaling: bool = False
     seed: int = 0
+    # qwen3_moe: each sparse layer routes a token to experts_per_token of num_experts MLPs
+    num_experts: int = 8
+    experts_per_token: int = 2
+    moe_intermediate_size: int = 64
+    mlp_only_layers: tuple[int, ...] = ()  # these keep the dense MLP
     extra: dict = field(default_factory=dict)
 
 
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
+_QK_NORM = ("qwen3", "qwen3_moe")
 
 
 def _hf_config(spec: TinyModelSpec) -> dict:
@@ -103,6 +110,10 @@ def _hf_config(spec: TinyModelSpec) -> dict:
         "use_sliding_window": False,
         **spec.extra,
     }
+    if spec.arch == "qwen3_moe":
+        cfg.update(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
+                   moe_intermediate_size=spec.moe_intermediate_size, norm_topk_prob=True, decoder_sparse_step=1,
+                   mlp_only_layers=list(spec.mlp_only_layers), output_router_logits=False)
     return cfg
 
 
@@ -127,14 +138,17 @@ def _random_weights(spec: TinyModelSpec, cfg: dict) -> dict[str, torch.Tensor]:
         w[p + "self_attn.k_proj.weight"] = normal(kv, h, std=2.0 / h**0.5)
         w[p + "self_attn.v_proj.weight"] = normal(kv, h, std=1.0 / h**0.5)
         w[p + "self_attn.o_proj.weight"] = normal(h, q, std=1.0 / q**0.5)
-        w[p + "mlp.gate_proj.weight"] = normal(inter, h, std=1.0 / h**0.5)
-        w[p + "mlp.up_proj.weight"] = normal(inter, h, std=1.0 / h**0.5)
-        w[p + "mlp.down_proj.weight"] = normal(h, inter, std=1.0 / inter**0.5)
+        if spec.arch == "qwen3_moe" and i not in spec.mlp_only_layers:
+            w[p + "mlp.gate.weight"] = normal(spec.num_experts, h, std=2.0 / h**0.5)  # tokens spread over experts
+            for e in range(spec.num_experts):
+                w.update(_mlp_weights(f"{p}mlp.experts.{e}.", h, spec.moe_intermediate_size, normal))
+        else:
+            w.update(_mlp_weights(p + "mlp.", h, inter, normal))
         if spec.arch == "qwen2":
             w[p + "self_attn.q_proj.bias"] = normal(q, std=0.1)
             w[p + "self_attn.k_proj.bias"] = normal(kv, std=0.1)
             w[p + "self_attn.v_proj.bias"] = normal(kv, std=0.1)
-        if spec.arch == "qwen3":
+        if spec.arch in _QK_NORM:
             w[p + "self_attn.q_norm.weight"] = near_one(hd)
             w[p + "self_attn.k_norm.weight"] = near_one(hd)
     w["model.norm.weight"] = near_one(h)
@@ -151,6 +165,12 @@ def _random_weights(spec: TinyModelSpec, cfg: dict) -> dict[str, torch.Tensor]:
     lm = w["model.embed_tokens.weight"] if spec.tie_word_embeddings else w["lm_head.weight"]
     lm[EOS_ID] *= 0.25
     return {k: t.contiguous() for k, t in w.items()}
+
+
+def _mlp_weights(prefix: str, h: int, inter: int, normal) -> dict[str, torch.Tensor]:
+    return {prefix + "gate_proj.weight": normal(inter, h, std=1.0 / h**0.5),
+            prefix + "up_proj.weight": normal(inter, h, std=1.0 / h**0.5),
+            prefix + "down_proj.weight": normal(h, inter, std=1.0 / inter**0.5)}
 
 
 def _build_tokenizer(vocab_size: int):

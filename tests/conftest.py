@@ -50,6 +50,8 @@ SPECS = {
     "qwen2": TinyModelSpec(arch="qwen2", num_kv_heads=4, tie_word_embeddings=True, seed=1),
     "qwen3": TinyModelSpec(arch="qwen3", num_kv_heads=2, seed=2),
     "llama31": TinyModelSpec(arch="llama", num_kv_heads=8, llama3_rope_scaling=True, seed=3),
+    # routed experts; layer 1 keeps a dense MLP (mlp_only_layers)
+    "qwen3_moe": TinyModelSpec(arch="qwen3_moe", num_layers=3, num_kv_heads=2, mlp_only_layers=(1,), seed=4),
 }
 
 
@@ -150,7 +152,9 @@ def _hf_model(path: str):
     if path not in _HF_MODELS:
         from transformers import AutoModelForCausalLM
 
-        _HF_MODELS[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+        # the experts' loop (transformers' default, grouped_mm, has no float64 kernel on the CPU)
+        moe = {"experts_implementation": "eager"} if "moe_intermediate_size" in Path(path, "config.json").read_text() else {}
+        _HF_MODELS[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **moe).eval()
     return _HF_MODELS[path]
 
 

@@ -34,7 +34,7 @@ class LocalPool:
         for g in range(layout.dp):
             ex = InferExecutor(arch, layout, TPGroup(0, 1, (g,)), config.torch_dtype(), torch.device("cpu"),
                                config.block_size, num_blocks, numerics=config.numerics, max_tp=config.max_tp,
-                               graphs=GraphSettings.from_config(config, arch.max_position))
+                               graphs=GraphSettings.from_config(config, arch))
             ex.load_weights(config.model)
             ex.capture_graphs()  # as a worker does (nothing when graphs are off)
             self.executors.append(ex)

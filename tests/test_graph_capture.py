@@ -9,14 +9,16 @@ them. The live switch with worker processes is in test_graph_capture_e2e.py.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import MAX_NEW, PROMPTS
+from driver_fixtures import ARCH
 from pat_engine.config import EngineConfig, graph_ladder, graph_sizes_upto
-from pat_engine.model.arch import load_model_arch
+from pat_engine.model.arch import MoESpec, load_model_arch
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.layout import Layout
 from pat_engine.predictor.policy import RequestSnapshot
@@ -77,14 +79,18 @@ def test_ladder() -> None:
 
 
 def test_config_decides_the_backend() -> None:
-    def settings(**kw) -> GraphSettings | None:
-        return GraphSettings.from_config(EngineConfig(model="m", **kw), 1024)
+    def settings(arch=replace(ARCH, max_position=1024), **kw) -> GraphSettings | None:
+        return GraphSettings.from_config(EngineConfig(model="m", **kw), arch)
 
     assert settings() is None  # the CPU captures nothing by default
     assert settings(graph_backend="standin", max_num_seqs=16) == GraphSettings("standin", (1, 2, 4, 8, 16), 1024)
     assert settings(graph_backend="standin", enforce_eager=True) is None
     assert settings(device="cuda", max_model_len=300).backend == "cuda"
     assert settings(device="cuda", enforce_eager=True) is None
+    routed = replace(ARCH, max_position=1024, moe=MoESpec(num_experts=4, experts_per_token=2, intermediate_size=32,
+                                                          norm_topk_prob=True))
+    assert settings(routed, device="cuda") is None  # its layers read their routing on the host
+    assert settings(routed, graph_backend="standin").backend == "standin"  # eager replays: any forward
     assert EngineConfig(model="m", device="cuda", max_num_seqs=100, max_graph_batch=64).decode_graph_ladder()[-1] == 64
     assert isinstance(StandInGraphBackend(), GraphBackend)
     with pytest.raises(Exception, match="graph_backend"):

@@ -15,8 +15,6 @@ process) returns the engine's log-probs.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -26,48 +24,22 @@ from pat_engine.errors import InvalidRequestError
 from pat_engine.model.layers.linear import RowParallelLinear
 from pat_engine.parallel.reduction_tree import ReductionTree
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
+from thread_ranks import ThreadGroup, run_ranks, single_rank
 
 # ---- fast tier: the layer, with TP ranks as threads ---------------------------------------------
-
-
-class _ThreadGroup:
-    """One rank of a TP group whose ranks are threads: the collectives RowParallelLinear calls."""
-
-    def __init__(self, rank: int, size: int, barrier: threading.Barrier, slots: list):
-        self.rank, self.size, self._barrier, self._slots = rank, size, barrier, slots
-
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        self._slots[self.rank] = x
-        self._barrier.wait()
-        out = torch.stack(list(self._slots))
-        self._barrier.wait()  # nobody overwrites a slot before every rank has read it
-        return out
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:  # rank order, like the shared-memory path
-        parts = self.all_gather(x)
-        total = parts[0]
-        for p in parts[1:]:
-            total = total + p
-        return total
 
 
 def _row_parallel(x: torch.Tensor, weight: torch.Tensor, tp: int, chunks: int | None) -> list[torch.Tensor]:
     """Every rank's output of a row-parallel product at TP ``tp`` (ranks as threads)."""
     out_f, in_f = weight.shape
     width = in_f // tp
-    barrier, slots, results = threading.Barrier(tp), [None] * tp, [None] * tp
 
-    def rank(r: int) -> None:
+    def rank(r: int, group: ThreadGroup) -> torch.Tensor:
         layer = RowParallelLinear(in_f, out_f, 1, tp, weight.dtype, "cpu", chunks)
         layer.weight.data.copy_(weight[:, r * width : (r + 1) * width])
-        results[r] = layer(x[:, r * width : (r + 1) * width], _ThreadGroup(r, tp, barrier, slots))
+        return layer(x[:, r * width : (r + 1) * width], group)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
+    return run_ranks(tp, rank)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -113,7 +85,7 @@ def test_chunk_gemm_rows_do_not_depend_on_the_row_count(dtype):
     weight = torch.randn(256, 512, generator=g).to(dtype)
     layer = RowParallelLinear(512, 256, 1, 1, dtype, "cpu", chunks=4)
     layer.weight.data.copy_(weight)
-    group = _ThreadGroup(0, 1, threading.Barrier(1), [None])
+    group = single_rank()
     x = torch.randn(300, 512, generator=g).to(dtype)
     full = layer(x, group)
     for m in (1, 2, 3, 4, 5, 8, 13, 64, 255, 256, 257):

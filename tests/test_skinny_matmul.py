@@ -244,7 +244,7 @@ def test_layers_compute_a_deferred_input_in_the_prologue_only_for_the_rows_asked
     from pat_engine.model.layers.gemm_input import GatedInput, NormedInput
     from pat_engine.model.layers.linear import linear
     from pat_engine.model.layers.norm import RMSNorm
-    from pat_engine.model.llama import silu_and_mul
+    from pat_engine.model.layers.mlp import silu_and_mul
 
     monkeypatch.delenv("PAT_GEMM_PROLOGUE", raising=False)
     assert gpu_gemm.prologue_rows(64, True) == 0

@@ -1,15 +1,16 @@
 """Architecture description read from a Hugging Face ``config.json``.
 
 One frozen ``ModelArch`` covers the Llama family we serve: Llama 2/3/3.1
-(optionally with llama3 RoPE scaling), Qwen2/2.5 (bias on q/k/v) and Qwen3
-(RMSNorm on q and k per head). Anything else is refused with a clear error.
+(optionally with llama3 RoPE scaling), Qwen2/2.5 (bias on q/k/v), Qwen3
+(RMSNorm on q and k per head) and Qwen3-MoE (Qwen3 whose MLPs are routed experts:
+``MoESpec``). Anything else is refused with a clear error.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -23,7 +24,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "LlamaForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    "Qwen3MoeForCausalLM": (False, True),
 }
+MOE_ARCHITECTURES = frozenset({"Qwen3MoeForCausalLM"})
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,20 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The routed experts of a Qwen3-MoE model: each token's ``experts_per_token`` best experts by the
+    router's softmax (renormalised over the chosen when ``norm_topk_prob``) each run a SiLU-gated MLP of
+    ``intermediate_size``; their outputs, weighted, replace the layer's MLP. Layers in ``dense_layers`` keep
+    the dense MLP of ``ModelArch.intermediate_size`` (HF's ``mlp_only_layers`` and ``decoder_sparse_step``)."""
+
+    num_experts: int
+    experts_per_token: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    dense_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -54,6 +71,7 @@ class ModelArch:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    moe: MoESpec | None = None  # routed experts (Qwen3-MoE); None: every layer's MLP is dense
 
     @property
     def q_size(self) -> int:
@@ -62,6 +80,24 @@ class ModelArch:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is the routed experts (``moe``) rather than the dense MLP."""
+        return self.moe is not None and layer not in self.moe.dense_layers
+
+    @property
+    def routes_on_host(self) -> bool:
+        """Whether a forward reads its own routing on the host (which experts got tokens), which a CUDA
+        graph cannot capture (worker/graph_capture.py)."""
+        return self.moe is not None
+
+    @property
+    def activation_width(self) -> int:
+        """The widest gate/up activation a token makes in one layer (all TP ranks together): the dense
+        MLP's, or its experts' ``experts_per_token`` MLPs' (memory planning)."""
+        dense = self.intermediate_size if self.moe is None or self.moe.dense_layers else 0
+        sparse = self.moe.experts_per_token * self.moe.intermediate_size if self.moe else 0
+        return max(dense, sparse)
 
     def fingerprint(self) -> str:
         """Stable short hash identifying the model shape (used by profile tables)."""
@@ -81,6 +117,8 @@ class ModelArch:
             raise LayoutError(f"tp={tp} and num_key_value_heads={self.num_kv_heads}: one must divide the other")
         if self.intermediate_size % tp:
             raise LayoutError(f"tp={tp} does not divide intermediate_size={self.intermediate_size}")
+        if self.moe is not None and self.moe.intermediate_size % tp:
+            raise LayoutError(f"tp={tp} does not divide moe_intermediate_size={self.moe.intermediate_size}")
         return layout
 
     def valid_layouts(self, world: int) -> list[Layout]:
@@ -142,6 +180,28 @@ def _check_sizes(cfg: dict) -> None:
             raise ModelLoadError(f"config.json: {key} must be a positive integer, got {value!r}")
 
 
+_MOE_POSITIVE = ("moe_intermediate_size", "num_experts_per_tok", "decoder_sparse_step")
+
+
+def _moe_from_config(cfg: dict, num_layers: int) -> MoESpec:
+    """Qwen3-MoE's expert settings (transformers writes ``num_experts``, or ``num_local_experts`` since v5)."""
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    for key, value in (("num_experts", num_experts), *((k, cfg.get(k, 1)) for k in _MOE_POSITIVE)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelLoadError(f"config.json: {key} must be a positive integer, got {value!r}")
+    top_k = int(cfg["num_experts_per_tok"])
+    if top_k > num_experts:
+        raise ModelLoadError(f"config.json: num_experts_per_tok={top_k} exceeds num_experts={num_experts}")
+    step = int(cfg.get("decoder_sparse_step", 1))
+    only_dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(only_dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only_dense):
+        raise ModelLoadError(f"config.json: mlp_only_layers must be a list of layer indices, got {only_dense!r}")
+    dense = tuple(i for i in range(num_layers) if i in only_dense or (i + 1) % step)  # HF's rule, per layer
+    return MoESpec(num_experts=num_experts, experts_per_token=top_k,
+                   intermediate_size=int(cfg["moe_intermediate_size"]),
+                   norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense)
+
+
 def arch_from_hf_config(cfg: dict) -> ModelArch:
     """Build a ``ModelArch`` from a parsed ``config.json`` dictionary."""
     names = cfg.get("architectures") or []
@@ -177,6 +237,7 @@ def arch_from_hf_config(cfg: dict) -> ModelArch:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         eos_token_ids=eos_ids,
         bos_token_id=cfg.get("bos_token_id"),
+        moe=_moe_from_config(cfg, int(cfg["num_hidden_layers"])) if name in MOE_ARCHITECTURES else None,
     )
 
 
@@ -197,5 +258,5 @@ def load_model_arch(model_path: str | Path) -> ModelArch:
         eos = json.loads(gen_file.read_text()).get("eos_token_id")
         if eos is not None:
             ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
-            arch = ModelArch(**{**asdict(arch), "rope": arch.rope, "eos_token_ids": ids})
+            arch = replace(arch, eos_token_ids=ids)
     return arch

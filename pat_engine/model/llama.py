@@ -1,11 +1,12 @@
-"""Llama-family decoder shard (Llama 2/3/3.1, Qwen2/2.5, Qwen3).
+"""Llama-family decoder shard (Llama 2/3/3.1, Qwen2/2.5, Qwen3, Qwen3-MoE).
 
 One TP rank's slice of the model. Nothing here reads the global process group:
 the TP handle arrives in the ``ForwardContext`` of every call, so a layout
 switch only has to replace parameter data and pass a different handle.
 
 Differences between the families are flags on ``ModelArch``: bias on q/k/v
-(Qwen2) and per-head RMSNorm on q and k (Qwen3). ``row_chunks`` (the invariant numerics
+(Qwen2), per-head RMSNorm on q and k (Qwen3) and routed experts in place of the MLP (Qwen3-MoE,
+layers/moe.py). ``row_chunks`` (the invariant numerics
 mode, docs/numerics.md) is handed to the two row-parallel products of every layer; set, it also
 puts the column-parallel products and the LM head on the invariant GEMM (layers/linear.py).
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pat_engine.model.arch import ModelArch
@@ -33,8 +33,10 @@ from pat_engine.model.layers.attention import (
     paged_attention,
 )
 from pat_engine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pat_engine.model.layers.gemm_input import GatedInput, GemmInput, NormedInput
+from pat_engine.model.layers.gemm_input import GemmInput, NormedInput
 from pat_engine.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pat_engine.model.layers.mlp import MLP
+from pat_engine.model.layers.moe import SparseMoE
 from pat_engine.model.layers.norm import RMSNorm
 from pat_engine.model.layers.rotary import RotaryEmbedding, apply_rotary
 from pat_engine.parallel.shard_spec import Component
@@ -95,33 +97,14 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(-1, heads * hd), ctx.tp)
 
 
-class MLP(nn.Module):
-    def __init__(self, arch: ModelArch, tp: int, dtype, device, row_chunks: int | None = None):
-        super().__init__()
-        inter = arch.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(arch.hidden_size, (Component(inter), Component(inter)), False, tp, dtype,
-                                                 device, row_chunks is not None)
-        self.down_proj = RowParallelLinear(inter, arch.hidden_size, 1, tp, dtype, device, row_chunks)
-        self.triton = triton_ops.kernels_for(device, dtype)
-
-    def forward(self, x: GemmInput, tp: TPGroup) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # (T, 2 * inter / tp)
-        return self.down_proj(GatedInput(gate_up, self.triton.silu_and_mul if self.triton else silu_and_mul), tp)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``, the halves of the gate/up projection's output: torch's formula."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, tp: int, dtype, device, row_chunks: int | None = None):
+    def __init__(self, arch: ModelArch, layer: int, tp: int, dtype, device, row_chunks: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_eps, dtype, device)
         self.self_attn = Attention(arch, tp, dtype, device, row_chunks)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_eps, dtype, device)
-        self.mlp = MLP(arch, tp, dtype, device, row_chunks)
+        self.mlp = (SparseMoE(arch, tp, dtype, device, row_chunks) if arch.is_sparse(layer)
+                    else MLP(arch.hidden_size, arch.intermediate_size, tp, dtype, device, row_chunks))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext,
                 layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +127,8 @@ class CausalLM(nn.Module):
         self.arch = arch
         self.dtype = dtype
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(arch, tp, dtype, device, row_chunks) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, tp, dtype, device, row_chunks)
+                                    for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_eps, dtype, device)
         tied = self.embed_tokens.weight if arch.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp, dtype, device, tied_to=tied,

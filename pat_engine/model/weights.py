@@ -26,12 +26,14 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-_FUSED_RE = re.compile(r"^(layers\.\d+\.(?:self_attn|mlp))\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+_FUSED_RE = re.compile(
+    r"^(layers\.\d+\.(?:self_attn|mlp|mlp\.experts\.\d+))\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
 def hf_to_local(hf_name: str) -> tuple[str, int | None] | None:
-    """``model.layers.0.self_attn.k_proj.weight`` -> (``layers.0.self_attn.qkv_proj.weight``, 1).
+    """``model.layers.0.self_attn.k_proj.weight`` -> (``layers.0.self_attn.qkv_proj.weight``, 1);
+    an expert's ``model.layers.0.mlp.experts.5.up_proj.weight`` -> (``layers.0.mlp.experts.5.gate_up_proj.weight``, 1).
 
     Returns None for tensors the engine does not use (rotary caches).
     """

@@ -68,6 +68,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pat_engine.config import EngineConfig, graph_sizes_upto
+from pat_engine.model.arch import ModelArch
 from pat_engine.model import chunk_weights, cpu_gemm
 from pat_engine.model.layers.attention import DEFAULT_BACKEND, AttentionBackend, AttentionMetadata
 from pat_engine.model.llama import ForwardContext
@@ -89,11 +90,15 @@ class GraphSettings:
     max_context: int  # tokens a sequence can reach: the block tables' width
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig, max_position: int) -> GraphSettings | None:
+    def from_config(cls, cfg: EngineConfig, arch: ModelArch) -> GraphSettings | None:
         backend = cfg.graphs()
         if backend is None:
             return None
-        return cls(backend, cfg.decode_graph_ladder(), min(cfg.max_model_len or max_position, max_position))
+        if backend == "cuda" and arch.routes_on_host:
+            log.info("%s decodes without CUDA graphs: its layers pick their experts on the host",
+                     arch.architecture)
+            return None
+        return cls(backend, cfg.decode_graph_ladder(), min(cfg.max_model_len or arch.max_position, arch.max_position))
 
 
 class _GraphBuffers:

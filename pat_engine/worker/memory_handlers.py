@@ -35,10 +35,10 @@ class MemoryHandlers:
         arch, tp = ex.arch, ex.tp.size
         elt = torch.empty((), dtype=ex.dtype).element_size()
         # activations of the largest prefill step, plus full-vocab logits of a decode batch (float32)
-        reserve = cfg.max_num_batched_tokens * (4 * arch.hidden_size + 2 * arch.intermediate_size // tp) * elt
+        reserve = cfg.max_num_batched_tokens * (4 * arch.hidden_size + 2 * arch.activation_width // tp) * elt
         reserve += cfg.max_num_seqs * arch.vocab_size * 4
         # the decode graphs of every layout this world can take: a switch sets a layout's aside for a return
-        reserve += sum(ex.graphs.reserve_bytes(arch.hidden_size, arch.intermediate_size // layout.tp, elt)
+        reserve += sum(ex.graphs.reserve_bytes(arch.hidden_size, arch.activation_width // layout.tp, elt)
                        for layout in arch.valid_layouts(cfg.world))
         if self.share.sharing > 1 and ipc_collectives.colocated_path() == ipc_collectives.IPC:
             reserve += ipc_collectives.reserve_bytes(cfg.world)  # the slots of the groups later switches build

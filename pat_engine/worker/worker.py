@@ -70,7 +70,7 @@ class Worker:
         self.executor = InferExecutor(arch, args.layout, tp_group, cfg.torch_dtype(), self.device,
                                       cfg.block_size, args.num_blocks, lazy_kv=cfg.kv_cache_bytes is None,
                                       numerics=cfg.numerics, attention=cfg.attention_backend,
-                                      graphs=GraphSettings.from_config(cfg, arch.max_position), max_tp=cfg.max_tp)
+                                      graphs=GraphSettings.from_config(cfg, arch), max_tp=cfg.max_tp)
         self.executor.load_weights(args.weights_path)
         if args.num_blocks > 0:  # on a GPU sized from free memory the pool comes later (AllocateKV)
             self.executor.capture_graphs()

@@ -114,7 +114,7 @@ class ShardRunner:
         layout = Layout.for_world(cfg.world, tp)
         self.ex = InferExecutor(arch, layout, EmulatedTPGroup(tp), cfg.torch_dtype(), device, cfg.block_size,
                                 num_blocks, numerics=cfg.numerics, attention=cfg.attention_backend,
-                                graphs=GraphSettings.from_config(cfg, arch.max_position))
+                                graphs=GraphSettings.from_config(cfg, arch))
         self.ex.load_weights(model_path)
         self.block_size, self.device = cfg.block_size, device
         self.step_id = 0

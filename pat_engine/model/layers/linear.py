@@ -90,10 +90,22 @@ class RowParallelLinear(nn.Module):
         self.prologue_rows = gpu_gemm.prologue_rows(self.skinny_rows, triton_ops.serves(device, dtype))
 
     def forward(self, x: GemmInput, tp: TPGroup) -> torch.Tensor:
+        return self.reduce(self.partial(x, tp), tp)
+
+    def partial(self, x: GemmInput, tp: TPGroup) -> torch.Tensor:
+        """``(M, out)``: this rank's share of the product before the group sums it: its local product in the
+        model's dtype, or (invariant) its node of the tree in the accumulation dtype. Routed experts
+        (layers/moe.py) weigh and combine these before one sum over the group."""
         if self.tree is None:
-            return tp.all_reduce(linear(x, self.weight, skinny_rows=self.skinny_rows, prologue_rows=self.prologue_rows))
+            return linear(x, self.weight, skinny_rows=self.skinny_rows, prologue_rows=self.prologue_rows)
         if not isinstance(x, torch.Tensor):
             x = x.computed()
         first = tp.rank * self.tree.local_chunks(tp.size)
-        node = chunk_weights.local_sum(x, self.weight, self.chunk_width, self.tree, first)  # (M, out)
-        return self.tree.reduce(node, tp).to(x.dtype)
+        return chunk_weights.local_sum(x, self.weight, self.chunk_width, self.tree, first)
+
+    def reduce(self, partial: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        """The group's sum of ``partial`` (any leading shape) in the model's dtype: an all-reduce, or
+        (invariant) the tree's root rounded once."""
+        if self.tree is None:
+            return tp.all_reduce(partial)
+        return self.tree.reduce(partial, tp).to(self.weight.dtype)

@@ -1,0 +1,40 @@
+"""The SiLU-gated MLP of a decoder layer (a dense layer's, or one routed expert's)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pat_engine.model.layers import triton_ops
+from pat_engine.model.layers.gemm_input import GatedInput, GemmInput
+from pat_engine.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pat_engine.parallel.comm import TPGroup
+from pat_engine.parallel.shard_spec import Component
+
+
+class MLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))``, gate and up fused into one column-parallel product, down row-parallel."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: int, dtype, device,
+                 row_chunks: int | None = None):
+        super().__init__()
+        inter = intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, (Component(inter), Component(inter)), False, tp, dtype,
+                                                 device, row_chunks is not None)
+        self.down_proj = RowParallelLinear(inter, hidden_size, 1, tp, dtype, device, row_chunks)
+        self.triton = triton_ops.kernels_for(device, dtype)
+
+    def forward(self, x: GemmInput, tp: TPGroup) -> torch.Tensor:
+        return self.down_proj.reduce(self.partial(x, tp), tp)
+
+    def partial(self, x: GemmInput, tp: TPGroup) -> torch.Tensor:
+        """This rank's share of the output before the group sums it (``RowParallelLinear.partial``)."""
+        gate_up = self.gate_up_proj(x)  # (T, 2 * inter / tp)
+        return self.down_proj.partial(GatedInput(gate_up, self.triton.silu_and_mul if self.triton else silu_and_mul), tp)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``, the halves of the gate/up projection's output: torch's formula."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,102 @@
+"""Routed experts (Qwen3-MoE): each token's MLP is the weighted sum of its router's chosen experts.
+
+Every rank holds every expert, each split over the TP group as a dense MLP is (gate/up by columns, down
+by rows), so a layout switch reshards experts as it reshards any weight and no token ever leaves its
+rank. The router is replicated; the ranks of a group see the same hidden states, so they pick the same
+experts. The group sums once per layer, after the experts' shares are combined:
+
+- fast: HF's formula (transformers' ``Qwen3MoeExperts``): each expert's output times its weight, both in
+  the model's dtype, added into the token's row, then the group's all-reduce.
+- invariant (docs/numerics.md): each (token, chosen expert) is a row of the row-parallel tree, reduced to
+  the expert's output with the same bits at every TP, then weighed in float32 (float64 for float64) in
+  ascending expert order and rounded once: no bit depends on the layout, the batch or its order.
+
+The experts a step uses are found on the host (one sync a layer): CUDA graphs cannot capture this layer
+(worker/graph_capture.py decodes such models eagerly).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pat_engine.model.arch import ModelArch, MoESpec
+from pat_engine.model.chunk_weights import accumulate_dtype
+from pat_engine.model.layers.gemm_input import GemmInput
+from pat_engine.model.layers.linear import linear, sharded_parameter
+from pat_engine.model.layers.mlp import MLP
+from pat_engine.parallel.comm import TPGroup
+from pat_engine.parallel.shard_spec import replicated
+
+
+class Router(nn.Module):
+    """The ``(experts, hidden)`` gate, on every rank whole."""
+
+    is_gemm_weight = True  # packed for the CPU GEMM (model/cpu_gemm.py)
+
+    def __init__(self, num_experts: int, hidden_size: int, tp: int, dtype, device, invariant: bool):
+        super().__init__()
+        self.weight = sharded_parameter(replicated(num_experts, hidden_size), tp, dtype, device)
+        self.invariant = invariant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, invariant=self.invariant)
+
+
+def route(logits: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, experts)``, each ``(T, experts_per_token)``: every token's best experts by the softmax of
+    its router logits (taken in float32, as transformers does), renormalised over them when the model
+    says so; a token's experts in ascending order (the order the invariant mode adds them in)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, experts = torch.topk(probs, spec.experts_per_token, dim=-1)
+    if spec.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    experts, order = experts.sort(dim=-1)
+    return top.gather(1, order), experts
+
+
+class SparseMoE(nn.Module):
+    """A layer's router (``gate``) and experts, named as in the HF checkpoint."""
+
+    def __init__(self, arch: ModelArch, tp: int, dtype, device, row_chunks: int | None = None):
+        super().__init__()
+        self.spec = arch.moe
+        self.gate = Router(self.spec.num_experts, arch.hidden_size, tp, dtype, device, row_chunks is not None)
+        self.experts = nn.ModuleList(MLP(arch.hidden_size, self.spec.intermediate_size, tp, dtype, device, row_chunks)
+                                     for _ in range(self.spec.num_experts))
+        self.invariant = row_chunks is not None
+
+    def forward(self, x: GemmInput, tp: TPGroup) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            x = x.computed()
+        weights, experts = route(self.gate(x), self.spec)
+        k = self.spec.experts_per_token
+        flat = experts.flatten()  # (T * k,): row t * k + j is token t's j-th expert
+        order = flat.argsort(stable=True)  # those rows grouped by expert, ascending
+        counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()  # the host sync
+        down = self.experts[0].down_proj
+        if self.invariant:
+            nodes = x.new_empty(flat.shape[0], x.shape[1], dtype=accumulate_dtype(x.dtype))
+            for e, rows in self._assigned(order, counts):
+                nodes[rows] = self.experts[e].partial(x[rows // k], tp)
+            outs = down.reduce(nodes, tp).view(-1, k, x.shape[1]).to(nodes.dtype)  # each expert's output, rounded
+            w = weights.to(nodes.dtype)
+            total = outs[:, 0] * w[:, 0:1]
+            for j in range(1, k):
+                total = total + outs[:, j] * w[:, j : j + 1]
+            return total.to(x.dtype)
+        total = torch.zeros_like(x)
+        w = weights.to(x.dtype).flatten()
+        for e, rows in self._assigned(order, counts):
+            tokens = rows // k
+            total.index_add_(0, tokens, self.experts[e].partial(x[tokens], tp) * w[rows, None])
+        return down.reduce(total, tp)
+
+    @staticmethod
+    def _assigned(order: torch.Tensor, counts: list[int]):
+        """``(expert, rows)`` for each expert with tokens: its rows of the flattened ``(T * k)`` choices."""
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                yield e, order[start : start + n]
+            start += n

@@ -1,0 +1,226 @@
+"""Routed experts (Qwen3-MoE, model/layers/moe.py): read from HF configs and checkpoints, the layer equal to
+transformers' block, the invariant mode's bits the same at every TP and in any batch, and (slow tier) engines
+token for token with transformers in float64 under every kind of layout and live switches.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from conftest import MAX_NEW, PROMPTS, SPECS, hf_greedy_batch
+from pat_engine import Engine, SamplingParams, reference_logprobs
+from pat_engine.errors import LayoutError, ModelLoadError
+from pat_engine.model.arch import MoESpec, arch_from_hf_config, load_model_arch
+from pat_engine.model.layers.moe import SparseMoE, route
+from pat_engine.model.weights import hf_to_local, load_shard_from_tensors
+from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
+from thread_ranks import run_ranks, single_rank
+
+# 16 experts, 4 per token, experts 128 wide (chunks of 32 at max_tp 4); layer 1 dense
+SPEC = TinyModelSpec(arch="qwen3_moe", num_layers=2, num_kv_heads=2, num_experts=16, experts_per_token=4,
+                     moe_intermediate_size=128, seed=11)
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory) -> str:
+    return str(write_tiny_model(tmp_path_factory.mktemp("moe"), SPEC))
+
+
+def _config(path: str) -> dict:
+    return json.loads(Path(path, "config.json").read_text())
+
+
+# ---- the configuration -----------------------------------------------------------------------------
+
+
+def test_experts_are_read_from_the_config(moe_path):
+    arch = load_model_arch(moe_path)
+    assert arch.moe is not None and arch.qk_norm and arch.routes_on_host
+    assert (arch.moe.num_experts, arch.moe.experts_per_token, arch.moe.intermediate_size) == (16, 4, 128)
+    assert arch.moe.norm_topk_prob and arch.moe.dense_layers == ()
+    cfg = _config(moe_path)
+    # transformers >= 5 writes num_local_experts; HF's rule for dense layers: mlp_only_layers, or a layer
+    # whose number is not a multiple of decoder_sparse_step
+    v5 = {k: v for k, v in cfg.items() if k != "num_experts"} | {"num_local_experts": 16, "num_hidden_layers": 6,
+                                                                  "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    spec = arch_from_hf_config(v5).moe
+    assert spec.num_experts == 16 and spec.dense_layers == (0, 2, 3, 4)
+    assert [arch_from_hf_config(v5).is_sparse(i) for i in range(6)] == [False, True, False, False, False, True]
+    assert arch_from_hf_config(cfg | {"architectures": ["Qwen3ForCausalLM"]}).moe is None
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"num_experts_per_tok": 17}, "num_experts_per_tok=17 exceeds num_experts=16"),
+    ({"num_experts": 0}, "num_experts must be a positive integer"),
+    ({"moe_intermediate_size": "128"}, "moe_intermediate_size must be a positive integer"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive integer"),
+    ({"mlp_only_layers": "1"}, "mlp_only_layers must be a list"),
+])
+def test_a_bad_expert_config_is_refused_by_name(moe_path, change, message):
+    with pytest.raises(ModelLoadError, match=message):
+        arch_from_hf_config(_config(moe_path) | change)
+
+
+def test_a_tp_must_divide_the_experts_width(moe_path):
+    arch = arch_from_hf_config(_config(moe_path) | {"moe_intermediate_size": 90})
+    assert [layout.tp for layout in arch.valid_layouts(8)] == [1, 2]  # 90 = 2 * 45: no TP4 or TP8
+    with pytest.raises(LayoutError, match="tp=4 does not divide moe_intermediate_size=90"):
+        arch.layout(4, 4)
+    assert arch.reduction_width(8) == 2
+
+
+def test_expert_tensors_map_onto_the_fused_local_parameters():
+    assert hf_to_local("model.layers.3.mlp.experts.17.gate_proj.weight") == ("layers.3.mlp.experts.17.gate_up_proj.weight", 0)
+    assert hf_to_local("model.layers.3.mlp.experts.17.up_proj.weight") == ("layers.3.mlp.experts.17.gate_up_proj.weight", 1)
+    assert hf_to_local("model.layers.3.mlp.experts.17.down_proj.weight") == ("layers.3.mlp.experts.17.down_proj.weight", None)
+    assert hf_to_local("model.layers.3.mlp.gate.weight") == ("layers.3.mlp.gate.weight", None)
+
+
+# ---- the layer ------------------------------------------------------------------------------------
+
+
+def _layer(path: str, rank: int, tp: int, dtype: torch.dtype, row_chunks: int | None) -> SparseMoE:
+    """Layer 0's experts, rank ``rank``'s shard of TP ``tp``, loaded by the engine's loader from the checkpoint."""
+    arch = load_model_arch(path)
+    holder = nn.Module()  # named as in the model, so the checkpoint's names find the parameters
+    holder.layers = nn.ModuleList([nn.Module()])
+    holder.layers[0].mlp = SparseMoE(arch, tp, dtype, "cpu", row_chunks)
+    tensors = load_file(str(Path(path, "model.safetensors")))
+    named = [(n, t.to(dtype)) for n, t in tensors.items() if n.startswith("model.layers.0.mlp.")]
+    assert len(load_shard_from_tensors(holder, named, rank, tp)) == 1 + 3 * arch.moe.num_experts
+    return holder.layers[0].mlp
+
+
+def _hidden(rows: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, SPEC.hidden_size, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_layer_computes_transformers_block(moe_path, dtype):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(moe_path, dtype=dtype, experts_implementation="eager").eval()
+    x = _hidden(23, dtype)
+    with torch.no_grad():
+        expected = hf.model.layers[0].mlp(x[None])[0]
+    got = _layer(moe_path, 0, 1, dtype, None)(x, single_rank())
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-5)
+
+
+def test_routing_takes_the_softmax_best_renormalised_in_expert_order():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 0.0, 4.0]], dtype=torch.bfloat16)
+    weights, experts = route(logits, MoESpec(num_experts=4, experts_per_token=2, intermediate_size=8,
+                                             norm_topk_prob=True))
+    assert experts.tolist() == [[1, 3], [0, 3]]  # the two best, ascending
+    probs = torch.softmax(logits.float(), dim=-1)
+    assert weights.dtype == torch.float32
+    torch.testing.assert_close(weights[0], probs[0, [1, 3]] / probs[0, [1, 3]].sum())
+    raw, _ = route(logits, MoESpec(num_experts=4, experts_per_token=2, intermediate_size=8, norm_topk_prob=False))
+    torch.testing.assert_close(raw[1], probs[1, [0, 3]])
+
+
+def _tp_outputs(path: str, tp: int, x: torch.Tensor, row_chunks: int | None) -> list[torch.Tensor]:
+    return run_ranks(tp, lambda r, group: _layer(path, r, tp, x.dtype, row_chunks)(x, group))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_invariant_experts_have_the_same_bits_at_every_tp_and_in_any_batch(moe_path, dtype):
+    x = _hidden(19, dtype, seed=1)
+    outs = {tp: _tp_outputs(moe_path, tp, x, row_chunks=4) for tp in (1, 2, 4)}
+    for tp, ranks in outs.items():
+        assert all(torch.equal(o, outs[1][0]) for o in ranks), f"TP{tp} differs from TP1"
+    layer = _layer(moe_path, 0, 1, dtype, 4)
+    group = single_rank()
+    alone = torch.cat([layer(x[i : i + 1], group) for i in range(x.shape[0])])
+    assert torch.equal(alone, outs[1][0]), "a token alone differs from the same token in a batch"
+    reordered = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(2))
+    assert torch.equal(layer(x[reordered], group), outs[1][0][reordered])
+    fast = {tp: _tp_outputs(moe_path, tp, x, row_chunks=None)[0] for tp in (1, 2, 4)}
+    assert not all(torch.equal(fast[tp], fast[1]) for tp in (2, 4))  # without the mode the TP shows
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_one_worker_alone_equals_batched_equals_graphs_equals_reference(moe_path, dtype):
+    """The real driver over one in-process worker (invariant): requests alone, all together, through the decode
+    graphs' stand-in, and ``reference_logprobs``: the same tokens and log-probs, greedy and seeded."""
+    from local_workers import local_driver
+
+    prompts = [[(31 * i + 7 * j) % 380 + 5 for j in range(2 + (17 * i) % 23)] for i in range(8)]
+    params = [SamplingParams(max_new_tokens=5 + i % 3, ignore_eos=True, logprobs=True, seed=50 + i,
+                             temperature=float(i % 2)) for i in range(8)]
+
+    def run(d, which: list[int]) -> list:
+        families = d.generate([prompts[i] for i in which], [params[i] for i in which])
+        return [(f[0].output_ids, f[0].logprobs) for f in families]
+
+    eager = local_driver(moe_path, dtype=dtype, numerics="invariant", enforce_eager=True)
+    alone = [run(eager, [i])[0] for i in (0, 1)]
+    batched = run(eager, list(range(8)))
+    assert alone == batched[:2]
+    graphs = local_driver(moe_path, dtype=dtype, numerics="invariant", graph_backend="standin", max_graph_batch=8)
+    assert run(graphs, list(range(8))) == batched
+    ref = reference_logprobs(moe_path, [(p, toks) for p, (toks, _) in zip(prompts, batched)], dtype=dtype)
+    assert ref == [lps for _, lps in batched]
+
+
+# ---- slow tier: engines ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_every_kind_of_layout_and_switch_matches_transformers(model_dir):
+    """float64, greedy: TP1, TP2, DP2 and TP1xDP2 -> TP2 -> TP1xDP2 mid-batch, both KV paths."""
+    path = model_dir("qwen3_moe")
+    expected = hf_greedy_batch(path)
+    greedy = [SamplingParams(max_new_tokens=m) for m in MAX_NEW]
+    for tp, dp in [(1, 1), (2, 1)]:
+        with Engine(path, tp=tp, dp=dp, dtype="float64") as engine:
+            assert [o.token_ids for o in engine.generate(PROMPTS, greedy, use_tqdm=False)] == expected, f"TP{tp}xDP{dp}"
+    with Engine(path, tp=1, dp=2, dtype="float64") as engine:
+        assert [o.token_ids for o in engine.generate(PROMPTS, greedy, use_tqdm=False)] == expected, "TP1xDP2"
+        for kv in ("migrate", "recompute"):
+            outs = engine.generate(PROMPTS, greedy, switch_schedule=[(4, 2), (11, 1)], kv_transfer=kv, use_tqdm=False)
+            assert [o.token_ids for o in outs] == expected, kv
+        assert [e.to_layout for e in engine.switches[-2:]] == ["TP2xDP1", "TP1xDP2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_invariant_switches_give_the_same_bits_as_the_trainer(moe_path, dtype):
+    """Seeded sampling, n=2, temperature 1: TP1xDP2, TP2, a live switch each way; = ``reference_logprobs``."""
+    prompts = [list(range(40, 58)) + [100 + i, 7 * i + 3] for i in range(4)] + [[5, 6, 7], [300, 12, 13]]
+    params = [SamplingParams(max_new_tokens=6 + 3 * i, ignore_eos=True, logprobs=True, n=2, seed=80 + i,
+                             temperature=1.0) for i in range(len(prompts))]
+
+    def run(engine: Engine, start_tp: int, schedule=None, kv=None) -> list:
+        engine.reconfigure(tp=start_tp)
+        outs = engine.generate(prompts, params, switch_schedule=schedule, kv_transfer=kv, use_tqdm=False)
+        return [[(s.token_ids, s.logprobs) for s in o.samples] for o in outs]
+
+    with Engine(moe_path, tp=1, dp=2, dtype=dtype, numerics="invariant") as engine:
+        runs = {"TP1xDP2": run(engine, 1), "TP2xDP1": run(engine, 2),
+                "switch TP1->TP2 migrate": run(engine, 1, [(4, 2)], "migrate"),
+                "switch TP2->TP1 recompute": run(engine, 2, [(7, 1)], "recompute")}
+    base = runs["TP1xDP2"]
+    assert all(run_ == base for run_ in runs.values()), [name for name, run_ in runs.items() if run_ != base]
+    pairs = [(p, tokens) for p, samples in zip(prompts, base) for tokens, _ in samples]
+    assert reference_logprobs(moe_path, pairs, dtype=dtype, world=2) == [lps for s in base for _, lps in s]
+
+
+@pytest.mark.slow
+def test_update_weights_reaches_every_expert(model_dir, tmp_path):
+    """A trainer's update (HF names, every expert of every layer) gives what transformers gives on it."""
+    path = model_dir("qwen3_moe")
+    other = str(write_tiny_model(tmp_path / "other", replace(SPECS["qwen3_moe"], seed=12)))
+    greedy = [SamplingParams(max_new_tokens=m) for m in MAX_NEW]
+    with Engine(path, tp=1, dp=2, dtype="float64") as engine:
+        engine.reconfigure(tp=2)
+        engine.update_weights(load_file(str(Path(other, "model.safetensors"))).items())
+        got = [o.token_ids for o in engine.generate(PROMPTS, greedy, use_tqdm=False)]
+    assert got == hf_greedy_batch(other) != hf_greedy_batch(path)
