@@ -1,9 +1,10 @@
 """RL rollouts against vLLM's CPU build: ragged prompts, a long tail of lengths, n samples at temperature 1.
 
-Two Qwen2-style checkpoints (random weights, tied embeddings), served in each of ``--dtypes``
+Qwen2-style checkpoints (random weights, tied embeddings) and a Qwen3-MoE one, served in each of ``--dtypes``
 (float32 and bfloat16; this CPU has AVX512-BF16, so both engines run bf16 GEMMs natively): ``h768`` (hidden 768,
 6 layers, 12 heads / 2 KV heads, vocab 16,384) and ``qwen-vocab`` (hidden 512, 4 layers, 8 / 2
-heads, Qwen2.5's vocabulary of 151,936, where the LM head and sampling weigh most). Workloads,
+heads, Qwen2.5's vocabulary of 151,936, where the LM head and sampling weigh most); ``moe`` (h768's
+attention and vocabulary, 32 routed experts of 512, 4 a token: a token's active MLP weights are h768's). Workloads,
 each submitted at once and timed to its last token, lengths fixed per request (min = max tokens,
 EOS ignored, so both engines do the same work):
 
@@ -18,6 +19,7 @@ models: a near-tie may flip a late token, more often in bfloat16).
 
     python bench/peer_rollout.py            # writes bench/results/peer_rollout.md
     python bench/peer_rollout.py --dtypes bfloat16   # bench/results/peer_rollout_bfloat16.md
+    python bench/peer_rollout.py --shapes moe        # bench/results/peer_rollout_moe.md
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ SHAPES = {
     "qwen-vocab": TinyModelSpec(arch="qwen2", vocab_size=151936, hidden_size=512, intermediate_size=1408,
                                 num_layers=4, num_heads=8, num_kv_heads=2, max_position=2048,
                                 tie_word_embeddings=True, seed=22),
+    # Qwen3-MoE-style: 32 experts, 4 a token, each 512 wide (a token's active MLP weights = h768's dense 2048)
+    "moe": TinyModelSpec(arch="qwen3_moe", vocab_size=16384, hidden_size=768, intermediate_size=2048, num_layers=6,
+                         num_heads=12, num_kv_heads=2, head_dim=64, max_position=2048, num_experts=32,
+                         experts_per_token=4, moe_intermediate_size=512, seed=23),
 }
 
 
@@ -118,6 +124,13 @@ class VllmRollout(VllmEngine):
                          "top_p": w.top_p, "logprobs": 0 if w.n > 1 else None})
 
 
+def describe(spec: TinyModelSpec) -> str:
+    experts = (f", {spec.num_experts} experts of {spec.moe_intermediate_size}, {spec.experts_per_token} a token"
+               if spec.arch == "qwen3_moe" else "")
+    return (f"{spec.arch}, hidden {spec.hidden_size}, {spec.num_layers} layers, {spec.num_heads}/{spec.num_kv_heads} "
+            f"heads, vocab {spec.vocab_size}, {'tied' if spec.tie_word_embeddings else 'untied'}{experts}")
+
+
 def model_path(name: str) -> str:
     path = ROOT / ".pat-cache" / f"rollout_{name}"
     if not (path / "model.safetensors").is_file():
@@ -182,11 +195,10 @@ def main() -> None:
             f"{waited:.0f} s for < {args.max_load}).\n\n"
             + markdown_table(["model", "dtype", "workload", "tokens", "pat s", "vLLM s", "pat speed / vLLM",
                               "greedy sequences equal"], rows)
-            + "\n\nModels: " + "; ".join(f"`{k}`: {v.arch}, hidden {v.hidden_size}, {v.num_layers} layers, "
-                                        f"{v.num_heads}/{v.num_kv_heads} heads, vocab {v.vocab_size}, tied"
-                                        for k, v in SHAPES.items() if k in args.shapes))
-    # a run of one dtype keeps its own file, beside the run of both
-    name = "peer_rollout" if len(args.dtypes) > 1 else f"peer_rollout_{args.dtypes[0]}"
+            + "\n\nModels: " + "; ".join(f"`{k}`: {describe(v)}" for k, v in SHAPES.items() if k in args.shapes))
+    # a run of some shapes or of one dtype keeps its own file, beside the run of all
+    name = "peer_rollout" + "".join(f"_{s}" for s in args.shapes if len(args.shapes) < len(SHAPES)) \
+        + (f"_{args.dtypes[0]}" if len(args.dtypes) == 1 else "")
     write_result(name, "RL rollouts: pat-engine vs vLLM CPU (long tail, n samples, temperature 1)", body)
 
 

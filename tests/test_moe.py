@@ -224,3 +224,21 @@ def test_update_weights_reaches_every_expert(model_dir, tmp_path):
         engine.update_weights(load_file(str(Path(other, "model.safetensors"))).items())
         got = [o.token_ids for o in engine.generate(PROMPTS, greedy, use_tqdm=False)]
     assert got == hf_greedy_batch(other) != hf_greedy_batch(path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_experts_decode_eagerly_with_transformers_tokens(model_dir):
+    """Float32 on one GPU (the Triton layer kernels, no graphs for host-routed layers): the tokens of
+    transformers in float64, and invariant bfloat16 alone = batched."""
+    path = model_dir("qwen3_moe")
+    greedy = [SamplingParams(max_new_tokens=m) for m in MAX_NEW]
+    with Engine(path, device="cuda", dtype="float32") as engine:
+        assert [o.token_ids for o in engine.generate(PROMPTS, greedy, use_tqdm=False)] == hf_greedy_batch(path)
+    params = [SamplingParams(max_new_tokens=m, temperature=1.0, seed=5 + i, logprobs=True)
+              for i, m in enumerate(MAX_NEW)]
+    with Engine(path, device="cuda", dtype="bfloat16", numerics="invariant") as engine:
+        batched = [(o.token_ids, o.logprobs) for o in engine.generate(PROMPTS, params, use_tqdm=False)]
+        alone = [(o.token_ids, o.logprobs) for i in (0, 1)
+                 for o in engine.generate([PROMPTS[i]], params[i], use_tqdm=False)]
+    assert alone == batched[:2]

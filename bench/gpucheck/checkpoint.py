@@ -25,7 +25,7 @@ def write_checkpoint(path: str | Path, spec: TinyModelSpec, dtype: torch.dtype =
     from safetensors.torch import save_file
 
     out = Path(path)
-    stamp = {"spec": asdict(spec), "dtype": str(dtype)}
+    stamp = json.loads(json.dumps({"spec": asdict(spec), "dtype": str(dtype)}))  # as the file reads back (tuples: lists)
     done = out / "gpu_check_checkpoint.json"
     if done.is_file() and json.loads(done.read_text()) == stamp:
         return out

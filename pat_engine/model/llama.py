@@ -4,11 +4,11 @@ One TP rank's slice of the model. Nothing here reads the global process group:
 the TP handle arrives in the ``ForwardContext`` of every call, so a layout
 switch only has to replace parameter data and pass a different handle.
 
-Differences between the families are flags on ``ModelArch``: bias on q/k/v
-(Qwen2), per-head RMSNorm on q and k (Qwen3) and routed experts in place of the MLP (Qwen3-MoE,
-layers/moe.py). ``row_chunks`` (the invariant numerics
-mode, docs/numerics.md) is handed to the two row-parallel products of every layer; set, it also
-puts the column-parallel products and the LM head on the invariant GEMM (layers/linear.py).
+Differences between the families are flags on ``ModelArch``: bias on q/k/v (Qwen2), per-head
+RMSNorm on q and k (Qwen3) and routed experts in place of the MLP (Qwen3-MoE, layers/moe.py).
+``row_chunks`` (the invariant numerics mode, docs/numerics.md) is handed to the row-parallel products
+of every layer; set, it also puts the column-parallel products and the LM head on the invariant GEMM
+(layers/linear.py).
 
 Where the Triton layer kernels serve (a GPU: ``layers/triton_ops.py``) a layer is nine or ten
 kernels: add + RMSNorm, QKV GEMM, (q/k norm +) rotary + KV write, attention (one or two), o GEMM,

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from pat_engine.model.arch import ModelArch, MoESpec
-from pat_engine.model.chunk_weights import accumulate_dtype
 from pat_engine.model.layers.gemm_input import GemmInput
 from pat_engine.model.layers.linear import linear, sharded_parameter
 from pat_engine.model.layers.mlp import MLP
@@ -74,29 +73,29 @@ class SparseMoE(nn.Module):
         flat = experts.flatten()  # (T * k,): row t * k + j is token t's j-th expert
         order = flat.argsort(stable=True)  # those rows grouped by expert, ascending
         counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()  # the host sync
+        tokens = order // k
+        rows = x[tokens]  # every (token, expert) row, grouped by expert: one gather, each expert's rows a view
+        # each expert's share, the experts in turn (few kernels an expert: the step's small ones add up)
+        shares = [self.experts[e].partial(rows[start:stop], tp) for e, start, stop in _spans(counts)]
+        shares = torch.cat(shares) if len(shares) > 1 else shares[0]  # (T * k, hidden), rows as ``order``
         down = self.experts[0].down_proj
         if self.invariant:
-            nodes = x.new_empty(flat.shape[0], x.shape[1], dtype=accumulate_dtype(x.dtype))
-            for e, rows in self._assigned(order, counts):
-                nodes[rows] = self.experts[e].partial(x[rows // k], tp)
+            nodes = torch.empty_like(shares)
+            nodes[order] = shares  # back to (token, expert) order
             outs = down.reduce(nodes, tp).view(-1, k, x.shape[1]).to(nodes.dtype)  # each expert's output, rounded
             w = weights.to(nodes.dtype)
             total = outs[:, 0] * w[:, 0:1]
             for j in range(1, k):
                 total = total + outs[:, j] * w[:, j : j + 1]
             return total.to(x.dtype)
-        total = torch.zeros_like(x)
-        w = weights.to(x.dtype).flatten()
-        for e, rows in self._assigned(order, counts):
-            tokens = rows // k
-            total.index_add_(0, tokens, self.experts[e].partial(x[tokens], tp) * w[rows, None])
-        return down.reduce(total, tp)
+        shares.mul_(weights.to(x.dtype).flatten()[order, None])
+        return down.reduce(torch.zeros_like(x).index_add_(0, tokens, shares), tp)
 
-    @staticmethod
-    def _assigned(order: torch.Tensor, counts: list[int]):
-        """``(expert, rows)`` for each expert with tokens: its rows of the flattened ``(T * k)`` choices."""
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                yield e, order[start : start + n]
-            start += n
+
+def _spans(counts: list[int]):
+    """``(expert, start, stop)`` for each expert with rows: its rows of the grouped ``(T * k)`` choices."""
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            yield e, start, start + n
+        start += n
