@@ -23,6 +23,11 @@ from pat_engine.model.weights import hf_to_local, load_shard_from_tensors
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model
 from thread_ranks import run_ranks, single_rank
 
+try:
+    from pat_kernels.cpu_moe import experts as EXPERTS  # the kernel's entry, before a test wraps it
+except ImportError:  # pragma: no cover
+    EXPERTS = None
+
 # 16 experts, 4 per token, experts 128 wide (chunks of 32 at max_tp 4); layer 1 dense
 SPEC = TinyModelSpec(arch="qwen3_moe", num_layers=2, num_kv_heads=2, num_experts=16, experts_per_token=4,
                      moe_intermediate_size=128, seed=11)
@@ -112,6 +117,47 @@ def test_the_layer_computes_transformers_block(moe_path, dtype):
         expected = hf.model.layers[0].mlp(x[None])[0]
     got = _layer(moe_path, 0, 1, dtype, None)(x, single_rank())
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_kernel_computes_what_the_experts_compute_in_turn(moe_path, dtype, monkeypatch):
+    """Fast mode over oneDNN's packs: the kernel (each core whole experts) within rounding of the experts run
+    one after another through ``layers/linear.py``, at a few rows and at many; a step of one row an expert
+    (a token alone) stays with the latter."""
+    from pat_engine.model import cpu_gemm
+    from pat_kernels import cpu_moe
+
+    layer = _layer(moe_path, 0, 1, dtype, None)
+    if not cpu_gemm.packing_enabled("cpu", dtype) or not cpu_moe.usable(torch.zeros(1, 1, dtype=dtype)):
+        pytest.skip(f"no oneDNN pack or CPU kernel for {dtype} here")
+    assert cpu_gemm.pack(layer) == 1 + 2 * SPEC.num_experts
+    calls, served = [], []
+    monkeypatch.setattr(cpu_moe, "experts", lambda *a: calls.append(len(a[1])) or EXPERTS(*a))
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    for tokens in (1, 6, 50):
+        x = _hidden(tokens, dtype, seed=tokens)
+        chosen = route(layer.gate(x), layer.spec)[1].flatten()
+        served.append(chosen.unique().numel() < chosen.numel())  # some expert has two rows: the kernel's case
+        with torch.inference_mode():  # as a worker's steps run: the kernel's threads take the caller's mode
+            fused = layer(x, single_rank())
+        monkeypatch.setenv(cpu_moe.ENV_SWITCH, "torch")
+        in_turn = layer(x, single_rank())
+        monkeypatch.delenv(cpu_moe.ENV_SWITCH)
+        torch.testing.assert_close(fused, in_turn, **tol)
+    assert served == [False, True, True] and len(calls) == 2 and calls[-1] > 8, (served, calls)
+
+
+def test_the_cpu_kernel_refuses_bad_offsets():
+    from pat_kernels import cpu_moe
+
+    if not cpu_moe.usable(torch.zeros(1, 1)):
+        pytest.skip("no CPU kernels here")
+    rows, w = torch.randn(4, 8), torch.ones(4)
+    gate_up, down = [torch.randn(6, 8)], [torch.randn(8, 3)]
+    with pytest.raises(RuntimeError, match="offsets must span the rows"):
+        cpu_moe.experts(rows, gate_up, down, [0, 3], w)
+    with pytest.raises(RuntimeError, match="one gate_up and one down pack per expert"):
+        cpu_moe.experts(rows, gate_up, down, [0, 2, 4], w)
 
 
 def test_routing_takes_the_softmax_best_renormalised_in_expert_order():

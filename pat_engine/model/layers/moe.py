@@ -20,12 +20,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pat_engine.model import cpu_gemm
 from pat_engine.model.arch import ModelArch, MoESpec
 from pat_engine.model.layers.gemm_input import GemmInput
 from pat_engine.model.layers.linear import linear, sharded_parameter
 from pat_engine.model.layers.mlp import MLP
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.shard_spec import replicated
+
+try:  # the kernels package ships with the engine; its absence only costs speed
+    from pat_kernels import cpu_moe
+except ImportError:  # pragma: no cover
+    cpu_moe = None
 
 
 class Router(nn.Module):
@@ -75,21 +81,43 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()  # the host sync
         tokens = order // k
         rows = x[tokens]  # every (token, expert) row, grouped by expert: one gather, each expert's rows a view
-        # each expert's share, the experts in turn (few kernels an expert: the step's small ones add up)
-        shares = [self.experts[e].partial(rows[start:stop], tp) for e, start, stop in _spans(counts)]
-        shares = torch.cat(shares) if len(shares) > 1 else shares[0]  # (T * k, hidden), rows as ``order``
+        spans = list(_spans(counts))
         down = self.experts[0].down_proj
-        if self.invariant:
-            nodes = torch.empty_like(shares)
-            nodes[order] = shares  # back to (token, expert) order
-            outs = down.reduce(nodes, tp).view(-1, k, x.shape[1]).to(nodes.dtype)  # each expert's output, rounded
-            w = weights.to(nodes.dtype)
-            total = outs[:, 0] * w[:, 0:1]
-            for j in range(1, k):
-                total = total + outs[:, j] * w[:, j : j + 1]
-            return total.to(x.dtype)
-        shares.mul_(weights.to(x.dtype).flatten()[order, None])
-        return down.reduce(torch.zeros_like(x).index_add_(0, tokens, shares), tp)
+        if not self.invariant:
+            row_weights = weights.to(x.dtype).flatten()[order]
+            shares = self._fused_shares(rows, spans, row_weights)
+            if shares is None:
+                shares = self._shares(rows, spans, tp).mul_(row_weights[:, None])
+            return down.reduce(torch.zeros_like(x).index_add_(0, tokens, shares), tp)
+        shares = self._shares(rows, spans, tp)  # (T * k, hidden) tree nodes, rows as ``order``
+        nodes = torch.empty_like(shares)
+        nodes[order] = shares  # back to (token, expert) order
+        outs = down.reduce(nodes, tp).view(-1, k, x.shape[1]).to(nodes.dtype)  # each expert's output, rounded
+        w = weights.to(nodes.dtype)
+        total = outs[:, 0] * w[:, 0:1]
+        for j in range(1, k):
+            total = total + outs[:, j] * w[:, j : j + 1]
+        return total.to(x.dtype)
+
+    def _shares(self, rows: torch.Tensor, spans: list[tuple[int, int, int]], tp: TPGroup) -> torch.Tensor:
+        """``(N, hidden)``: each expert's share of its rows (``MLP.partial``), the experts in turn."""
+        shares = [self.experts[e].partial(rows[start:stop], tp) for e, start, stop in spans]
+        return torch.cat(shares) if len(shares) > 1 else shares[0]
+
+    def _fused_shares(self, rows: torch.Tensor, spans: list[tuple[int, int, int]],
+                      row_weights: torch.Tensor) -> torch.Tensor | None:
+        """The weighted shares through the CPU kernel (each core whole experts), or None where it does not
+        serve: no kernel, another device or dtype, an expert without its oneDNN packs, or one row an expert."""
+        if cpu_moe is None or rows.shape[0] <= len(spans) or not cpu_moe.usable(rows):
+            return None  # (a row an expert: each GEMM reads faster on every core, bench/results/cpu_moe_experts.md)
+        gate_up, down = [], []
+        for e, _, _ in spans:
+            expert = self.experts[e]
+            gate_up.append(cpu_gemm.current_pack(expert.gate_up_proj.weight))
+            down.append(cpu_gemm.current_pack(expert.down_proj.weight))
+            if gate_up[-1] is None or down[-1] is None:
+                return None
+        return cpu_moe.experts(rows, gate_up, down, [start for _, start, _ in spans] + [spans[-1][2]], row_weights)
 
 
 def _spans(counts: list[int]):
