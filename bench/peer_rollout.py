@@ -14,7 +14,8 @@ EOS ignored, so both engines do the same work):
 
 Both engines are started once per model (vLLM's start takes minutes here) and warmed up; then
 every workload runs on one and then the other, round after round (pat, vLLM, pat, vLLM, ...), so
-only one computes at a time while the other idles. Greedy tokens are compared with vLLM's (random
+only one computes at a time while the other idles. Before each run both drop their prefix caches
+(untimed), as an RL step's new prompts find nothing there; a run's samples still share their prompt. Greedy tokens are compared with vLLM's (random
 models: a near-tie may flip a late token, more often in bfloat16).
 
     python bench/peer_rollout.py            # writes bench/results/peer_rollout.md
@@ -109,6 +110,7 @@ class PatRollout:
     def run(self, w: Workload) -> tuple[float, list[list[int]]]:
         params = [SamplingParams(max_new_tokens=m, min_new_tokens=m, n=w.n, temperature=w.temperature, top_p=w.top_p,
                                  seed=1000 + i, logprobs=w.n > 1) for i, m in enumerate(w.max_tokens)]
+        self.engine.flush_cache()  # untimed: no prompt of an earlier run found in the prefix cache
         t = time.perf_counter()
         outs = self.engine.generate(w.prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t
@@ -121,7 +123,7 @@ class PatRollout:
 class VllmRollout(VllmEngine):
     def run_workload(self, w: Workload) -> tuple[float, list[list[int]]]:
         return self.ask({"prompts": w.prompts, "max_tokens": w.max_tokens, "n": w.n, "temperature": w.temperature,
-                         "top_p": w.top_p, "logprobs": 0 if w.n > 1 else None})
+                         "top_p": w.top_p, "logprobs": 0 if w.n > 1 else None, "fresh_cache": True})
 
 
 def describe(spec: TinyModelSpec) -> str:
@@ -189,8 +191,8 @@ def main() -> None:
             vllm = statistics.median(seconds[(shape, dtype, w.name, "vLLM CPU 0.32, TP1")])
             rows.append([shape, dtype, w.name, w.tokens, f"{pat:.2f}", f"{vllm:.2f}", f"{vllm / pat:.2f}x",
                          agree.get((shape, dtype, w.name), "")])
-    body = (f"Median of {args.rounds} rounds, engines alternating run by run; seconds from submitting the whole rollout to "
-            f"its last token. pat-engine TP1 and vLLM CPU 0.32 TP1 (`VLLM_CPU_OMP_THREADS_BIND` = all cores), "
+    body = (f"Median of {args.rounds} rounds, engines alternating run by run, each run after both dropped their prefix "
+            f"caches; seconds from submitting the whole rollout to its last token. pat-engine TP1 and vLLM CPU 0.32 TP1 (`VLLM_CPU_OMP_THREADS_BIND` = all cores), "
             f"max model length {MAX_LEN}. vLLM: {info}. 1-minute load at the start {load:.2f} (waited "
             f"{waited:.0f} s for < {args.max_load}).\n\n"
             + markdown_table(["model", "dtype", "workload", "tokens", "pat s", "vLLM s", "pat speed / vLLM",

@@ -46,6 +46,8 @@ def main() -> None:
                                  n=req.get("n", 1), seed=req.get("seed"), logprobs=req.get("logprobs"),
                                  max_tokens=m, min_tokens=m, ignore_eos=True, detokenize=False) for m in lengths]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
+        if req.get("fresh_cache"):  # untimed: no prompt of an earlier run found in the prefix cache
+            llm.reset_prefix_cache()
         t = time.perf_counter()
         results = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t
