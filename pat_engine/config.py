@@ -25,6 +25,7 @@ DEFAULT_MAX_TP = 8  # the invariant mode's declared reduction width: one node of
 GRAPH_BACKENDS = ("auto", "standin")  # docs/hot-path.md, worker/graph_capture.py
 WORKER_LAUNCHES = ("auto", "fresh")  # core/worker_launch.py
 DEFAULT_MAX_GRAPH_BATCH = 256
+PREFILL_STEP_TOKENS = {"cpu": 2048, "cuda": 8192}  # max_num_batched_tokens' default by device
 
 
 def graph_ladder(max_batch: int) -> tuple[int, ...]:
@@ -92,7 +93,10 @@ class EngineConfig:
     rank_memory_fraction: float | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 256  # per DP group
-    max_num_batched_tokens: int = 8192  # per prefill step and DP group
+    # per prefill step and DP group; None: PREFILL_STEP_TOKENS for the device (a CPU prefill of 8192 tokens makes
+    # activations of 134 MB a product that glibc maps afresh and that stream from memory: the greedy long tail of
+    # bench/results/cpu_prefill_chunk.md runs 1.11-1.26x faster at 2048, decode-heavy GRPO the same)
+    max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True  # reuse the KV of full blocks of earlier prompts with the same prefix
 
     # switching
@@ -173,6 +177,8 @@ class EngineConfig:
                                       f"got {self.attention_backend!r}")
         if self.device not in ("cpu", "cuda"):
             raise InvalidRequestError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.max_num_batched_tokens is None:  # frozen: set once, here
+            object.__setattr__(self, "max_num_batched_tokens", PREFILL_STEP_TOKENS[self.device])
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}; choose from {sorted(_DTYPES)} or 'auto'")
         if self.graph_backend not in GRAPH_BACKENDS:

@@ -67,6 +67,7 @@ def test_experts_are_read_from_the_config(moe_path):
     ({"moe_intermediate_size": "128"}, "moe_intermediate_size must be a positive integer"),
     ({"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive integer"),
     ({"mlp_only_layers": "1"}, "mlp_only_layers must be a list"),
+    ({"moe_intermediate_size": None}, "moe_intermediate_size must be a positive integer, got None"),
 ])
 def test_a_bad_expert_config_is_refused_by_name(moe_path, change, message):
     with pytest.raises(ModelLoadError, match=message):
@@ -79,6 +80,9 @@ def test_a_tp_must_divide_the_experts_width(moe_path):
     with pytest.raises(LayoutError, match="tp=4 does not divide moe_intermediate_size=90"):
         arch.layout(4, 4)
     assert arch.reduction_width(8) == 2
+    # every layer sparse: the dense MLP's width (never built) does not limit the TP
+    assert [layout.tp for layout in arch_from_hf_config(_config(moe_path) | {"intermediate_size": 90})
+            .valid_layouts(8)] == [1, 2, 4, 8]
 
 
 def test_expert_tensors_map_onto_the_fused_local_parameters():
@@ -158,6 +162,12 @@ def test_the_cpu_kernel_refuses_bad_offsets():
         cpu_moe.experts(rows, gate_up, down, [0, 3], w)
     with pytest.raises(RuntimeError, match="one gate_up and one down pack per expert"):
         cpu_moe.experts(rows, gate_up, down, [0, 2, 4], w)
+
+
+@pytest.mark.parametrize("row_chunks", [None, 4])
+def test_a_step_without_tokens_gives_nothing(moe_path, row_chunks):
+    out = _layer(moe_path, 0, 1, torch.float32, row_chunks)(_hidden(0, torch.float32), single_rank())
+    assert out.shape == (0, SPEC.hidden_size) and out.dtype == torch.float32
 
 
 def test_routing_takes_the_softmax_best_renormalised_in_expert_order():

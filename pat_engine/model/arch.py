@@ -115,7 +115,7 @@ class ModelArch:
             raise LayoutError(f"tp={tp} does not divide num_attention_heads={self.num_heads}")
         if self.num_kv_heads % tp and tp % self.num_kv_heads:
             raise LayoutError(f"tp={tp} and num_key_value_heads={self.num_kv_heads}: one must divide the other")
-        if self.intermediate_size % tp:
+        if (self.moe is None or self.moe.dense_layers) and self.intermediate_size % tp:  # a dense MLP is built
             raise LayoutError(f"tp={tp} does not divide intermediate_size={self.intermediate_size}")
         if self.moe is not None and self.moe.intermediate_size % tp:
             raise LayoutError(f"tp={tp} does not divide moe_intermediate_size={self.moe.intermediate_size}")
@@ -180,13 +180,13 @@ def _check_sizes(cfg: dict) -> None:
             raise ModelLoadError(f"config.json: {key} must be a positive integer, got {value!r}")
 
 
-_MOE_POSITIVE = ("moe_intermediate_size", "num_experts_per_tok", "decoder_sparse_step")
+_MOE_POSITIVE = {"moe_intermediate_size": None, "num_experts_per_tok": None, "decoder_sparse_step": 1}  # defaults
 
 
 def _moe_from_config(cfg: dict, num_layers: int) -> MoESpec:
     """Qwen3-MoE's expert settings (transformers writes ``num_experts``, or ``num_local_experts`` since v5)."""
     num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-    for key, value in (("num_experts", num_experts), *((k, cfg.get(k, 1)) for k in _MOE_POSITIVE)):
+    for key, value in (("num_experts", num_experts), *((k, cfg.get(k, d)) for k, d in _MOE_POSITIVE.items())):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ModelLoadError(f"config.json: {key} must be a positive integer, got {value!r}")
     top_k = int(cfg["num_experts_per_tok"])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from pat_engine.config import DEFAULT_NUMERICS, NUMERICS, EngineConfig, auto_device
+from pat_engine.config import DEFAULT_NUMERICS, NUMERICS, PREFILL_STEP_TOKENS, EngineConfig, auto_device
 from pat_engine.core.engine import Engine
 from pat_engine.errors import InvalidRequestError, LayoutError
 from pat_engine.model.layers.attention import BACKEND_NAMES
@@ -172,7 +172,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     g.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
                    help=f"requests running at once per DP group (default {_default('max_num_seqs')})")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
-                   help=f"tokens per prefill step and DP group (default {_default('max_num_batched_tokens')})")
+                   help="tokens per prefill step and DP group (default "
+                        + ", ".join(f"{n} on {d}" for d, n in PREFILL_STEP_TOKENS.items()) + ")")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV of full blocks of earlier prompts with the same prefix "
                         f"(default {_default('enable_prefix_caching')})")

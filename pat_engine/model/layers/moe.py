@@ -22,6 +22,7 @@ from torch import nn
 
 from pat_engine.model import cpu_gemm
 from pat_engine.model.arch import ModelArch, MoESpec
+from pat_engine.model.chunk_weights import accumulate_dtype
 from pat_engine.model.layers.gemm_input import GemmInput
 from pat_engine.model.layers.linear import linear, sharded_parameter
 from pat_engine.model.layers.mlp import MLP
@@ -102,13 +103,15 @@ class SparseMoE(nn.Module):
     def _shares(self, rows: torch.Tensor, spans: list[tuple[int, int, int]], tp: TPGroup) -> torch.Tensor:
         """``(N, hidden)``: each expert's share of its rows (``MLP.partial``), the experts in turn."""
         shares = [self.experts[e].partial(rows[start:stop], tp) for e, start, stop in spans]
+        if not shares:  # a step without tokens: the group's sum still runs, on nothing
+            return rows.new_zeros(rows.shape, dtype=accumulate_dtype(rows.dtype) if self.invariant else rows.dtype)
         return torch.cat(shares) if len(shares) > 1 else shares[0]
 
     def _fused_shares(self, rows: torch.Tensor, spans: list[tuple[int, int, int]],
                       row_weights: torch.Tensor) -> torch.Tensor | None:
         """The weighted shares through the CPU kernel (each core whole experts), or None where it does not
         serve: no kernel, another device or dtype, an expert without its oneDNN packs, or one row an expert."""
-        if cpu_moe is None or rows.shape[0] <= len(spans) or not cpu_moe.usable(rows):
+        if cpu_moe is None or rows.shape[0] <= len(spans) or not cpu_moe.usable(rows):  # (also no rows)
             return None  # (a row an expert: each GEMM reads faster on every core, bench/results/cpu_moe_experts.md)
         gate_up, down = [], []
         for e, _, _ in spans:
