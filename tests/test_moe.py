@@ -28,7 +28,8 @@ try:
 except ImportError:  # pragma: no cover
     EXPERTS = None
 
-# 16 experts, 4 per token, experts 128 wide (chunks of 32 at max_tp 4); layer 1 dense
+# 16 experts, 4 per token, experts 128 wide (chunks of 32 at max_tp 4), every layer sparse (conftest's qwen3_moe
+# keeps a dense layer 1)
 SPEC = TinyModelSpec(arch="qwen3_moe", num_layers=2, num_kv_heads=2, num_experts=16, experts_per_token=4,
                      moe_intermediate_size=128, seed=11)
 
