@@ -5,8 +5,7 @@ doing the same keeps float64 runs token-identical to ``transformers`` and is
 the usual upcast for bf16. One pass per row, fused with the residual add before it
 where the layer has one: on a GPU the Triton kernel (``pat_kernels.triton_norm``, chosen
 when the layer is built: ``triton_ops``), on the CPU the C++ kernel (``pat_kernels.cpu_norm``)
-for float32 and bfloat16 rows (Qwen3's per-head q/k norms too: their heads as rows); float64 keeps
-the formula below.
+for float32 and bfloat16 rows; float64 keeps the formula below.
 """
 
 from __future__ import annotations
@@ -34,8 +33,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.triton is not None and x.dim() == 2:
             return self.triton.rms_norm(x, self.weight, self.eps)
-        if x.dim() > 2 and self._kernel_serves(x[..., 0, :]):  # rows of rows (Qwen3's per-head q/k norms)
-            return cpu_norm.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         if self._kernel_serves(x):
             return cpu_norm.rms_norm(x, self.weight, self.eps)
         return self._formula(x)
