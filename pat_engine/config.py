@@ -11,12 +11,16 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from pat_engine.errors import InvalidRequestError
 from pat_engine.model.layers.attention import BACKEND_NAMES
 from pat_engine.speculative.config import SpeculativeConfig
+
+if TYPE_CHECKING:  # for annotations only
+    from pat_engine.model.arch import ModelArch
 
 KV_PATHS = ("migrate", "recompute")  # how a switch carries unfinished requests' KV
 NUMERICS = ("invariant", "fast")  # docs/numerics.md
@@ -237,17 +241,21 @@ class EngineConfig:
         """Whether decode steps are sent ahead: as set, else where the host is free during steps (CUDA)."""
         return self.host_free_during_steps if self.async_scheduling is None else self.async_scheduling
 
-    def graphs(self) -> str | None:
-        """Which decode graphs the workers capture: "cuda", "standin", or None (every step eager)."""
+    def graphs(self, arch: ModelArch | None = None) -> str | None:
+        """Which decode graphs the workers capture: "cuda", "standin", or None (every step eager). With the served
+        ``arch``: no CUDA graphs for a model whose layers read their routing on the host (MoE: a graph cannot
+        capture that), which the stand-in's eager replays run."""
         if self.enforce_eager:
             return None
         if self.graph_backend == "standin":
             return "standin"
-        return "cuda" if self.device == "cuda" else None
+        if self.device != "cuda" or (arch is not None and arch.routes_on_host):
+            return None
+        return "cuda"
 
-    def decode_graph_ladder(self) -> tuple[int, ...]:
+    def decode_graph_ladder(self, arch: ModelArch | None = None) -> tuple[int, ...]:
         """The batch sizes captured (empty when graphs are off)."""
-        return graph_ladder(min(self.max_graph_batch, self.max_num_seqs)) if self.graphs() else ()
+        return graph_ladder(min(self.max_graph_batch, self.max_num_seqs)) if self.graphs(arch) else ()
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype != "auto":

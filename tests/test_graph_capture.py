@@ -90,6 +90,8 @@ def test_config_decides_the_backend() -> None:
     routed = replace(ARCH, max_position=1024, moe=MoESpec(num_experts=4, experts_per_token=2, intermediate_size=32,
                                                           norm_topk_prob=True))
     assert settings(routed, device="cuda") is None  # its layers read their routing on the host
+    cuda = EngineConfig(model="m", device="cuda")
+    assert cuda.decode_graph_ladder(routed) == () and cuda.decode_graph_ladder(ARCH)  # what the predictor pads to
     assert settings(routed, graph_backend="standin").backend == "standin"  # eager replays: any forward
     assert EngineConfig(model="m", device="cuda", max_num_seqs=100, max_graph_batch=64).decode_graph_ladder()[-1] == 64
     assert isinstance(StandInGraphBackend(), GraphBackend)

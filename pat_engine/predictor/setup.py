@@ -50,7 +50,7 @@ def build_controller(arch: ModelArch, config: EngineConfig, can_hold: CanHold, t
         return reshard_bytes(arch, dtype, Layout.for_world(config.world, from_tp), Layout.for_world(config.world, to_tp))
 
     predictor = LatencyPredictor(table, config.max_num_seqs, weight_bytes,
-                                 graph_ladder_sizes=config.decode_graph_ladder(),
+                                 graph_ladder_sizes=config.decode_graph_ladder(arch),
                                  calibration=CalibrationConfig() if config.calibrate_profile else None)
     cfg = controller_config or ControllerConfig(check_interval=config.switch_check_interval)
     tracker = None

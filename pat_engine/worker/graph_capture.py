@@ -91,14 +91,12 @@ class GraphSettings:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, arch: ModelArch) -> GraphSettings | None:
-        backend = cfg.graphs()
+        backend = cfg.graphs(arch)
         if backend is None:
+            if cfg.graphs() is not None:
+                log.info("%s decodes without CUDA graphs: its layers pick their experts on the host", arch.architecture)
             return None
-        if backend == "cuda" and arch.routes_on_host:
-            log.info("%s decodes without CUDA graphs: its layers pick their experts on the host",
-                     arch.architecture)
-            return None
-        return cls(backend, cfg.decode_graph_ladder(), min(cfg.max_model_len or arch.max_position, arch.max_position))
+        return cls(backend, cfg.decode_graph_ladder(arch), min(cfg.max_model_len or arch.max_position, arch.max_position))
 
 
 class _GraphBuffers:
