@@ -88,7 +88,7 @@ class ModelArch:
     @property
     def routes_on_host(self) -> bool:
         """Whether a forward reads its own routing on the host (which experts got tokens), which a CUDA
-        graph cannot capture (worker/graph_capture.py)."""
+        graph cannot capture (``EngineConfig.graphs``)."""
         return self.moe is not None
 
     @property

@@ -12,7 +12,7 @@ experts. The group sums once per layer, after the experts' shares are combined:
   ascending expert order and rounded once: no bit depends on the layout, the batch or its order.
 
 The experts a step uses are found on the host (one sync a layer): CUDA graphs cannot capture this layer
-(worker/graph_capture.py decodes such models eagerly).
+(``EngineConfig.graphs`` decodes such models eagerly).
 """
 
 from __future__ import annotations
