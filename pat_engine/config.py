@@ -243,13 +243,15 @@ class EngineConfig:
 
     def graphs(self, arch: ModelArch | None = None) -> str | None:
         """Which decode graphs the workers capture: "cuda", "standin", or None (every step eager). With the served
-        ``arch``: no CUDA graphs for a model whose layers read their routing on the host (MoE: a graph cannot
-        capture that), which the stand-in's eager replays run."""
+        ``arch``: no CUDA graphs for a model whose layers read their routing on the host (``ModelArch.routes_on_host``:
+        the invariant mode's MoE layers, or any where the fused experts are off; a graph cannot capture that),
+        which the stand-in's eager replays run."""
         if self.enforce_eager:
             return None
         if self.graph_backend == "standin":
             return "standin"
-        if self.device != "cuda" or (arch is not None and arch.routes_on_host):
+        if self.device != "cuda" or (arch is not None and arch.routes_on_host(self.device, self.numerics,
+                                                                                self.torch_dtype())):
             return None
         return "cuda"
 

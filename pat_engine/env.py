@@ -99,8 +99,15 @@ COLOCATED_COLLECTIVES = EnvSwitch("PAT_COLOCATED_COLLECTIVES", "auto",
                                   "runs, and the fallback should the IPC path fail on a device); ipc: CPU workers "
                                   "too, their slots in shared-memory files (tests)")
 
+FUSED_MOE = EnvSwitch("PAT_FUSED_MOE", "auto",
+                      "the routed experts of fast-numerics MoE layers (model/layers/moe.py) by the fused Triton "
+                      "kernels (pat_kernels/fused_moe.py: routing grouped on the device, no host sync, so CUDA graphs "
+                      "capture the layer) instead of one torch pass per expert with the routing read on the host "
+                      "(eager decode). auto: models built on CUDA; on: CPU models too under TRITON_INTERPRET=1 "
+                      "(tests); off: the per-expert path everywhere (A/B runs)")
+
 SWITCHES = (CPU_GEMM, CPU_COLLECTIVES, API_KEY, ENGINE_CACHE, TRITON_LAYERS, SKINNY_GEMM, TRITON_SAMPLER,
-            DECODE_REDUCE, GEMM_PROLOGUE, PDL, SWITCH_P2P, COLOCATED_COLLECTIVES)
+            DECODE_REDUCE, GEMM_PROLOGUE, PDL, SWITCH_P2P, COLOCATED_COLLECTIVES, FUSED_MOE)
 
 
 def cpu_gemm_packing() -> bool:
@@ -176,6 +183,15 @@ def triton_sampler(device_type: str) -> bool:
     """Whether ``PAT_TRITON_SAMPLER`` asks for the Triton sampler kernels on this device type: "auto" (the
     default, or anything but "on" and "off") on CUDA only, "on" wherever Triton runs, "off" nowhere."""
     value = TRITON_SAMPLER.value().strip().lower()
+    if value == "off":
+        return False
+    return triton_runs_on(device_type) and (value == "on" or device_type == "cuda")
+
+
+def fused_moe(device_type: str) -> bool:
+    """Whether ``PAT_FUSED_MOE`` asks for the fused Triton experts on this device type: "auto" (the default, or
+    anything but "on" and "off") on CUDA only, "on" wherever Triton runs, "off" nowhere."""
+    value = FUSED_MOE.value().strip().lower()
     if value == "off":
         return False
     return triton_runs_on(device_type) and (value == "on" or device_type == "cuda")

@@ -71,7 +71,8 @@ _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe
 _QK_NORM = ("qwen3", "qwen3_moe")
 
 
-def _hf_config(spec: TinyModelSpec) -> dict:
+def hf_config(spec: TinyModelSpec) -> dict:
+    """The ``config.json`` a checkpoint of ``spec`` carries (``write_tiny_model``)."""
     if spec.arch not in _HF_CLASSES:
         raise ValueError(f"unknown tiny arch {spec.arch!r}; choose from {sorted(_HF_CLASSES)}")
     head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
@@ -203,7 +204,7 @@ def write_tiny_model(path: str | Path, spec: TinyModelSpec | None = None, *, dty
     spec = spec or TinyModelSpec()
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = _hf_config(spec)
+    cfg = hf_config(spec)
     tokenizer = _build_tokenizer(spec.vocab_size - 6)  # the last ids are "reserved", never decoded
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(

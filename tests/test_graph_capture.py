@@ -17,6 +17,7 @@ import torch
 
 from conftest import MAX_NEW, PROMPTS
 from driver_fixtures import ARCH
+from pat_engine import env
 from pat_engine.config import EngineConfig, graph_ladder, graph_sizes_upto
 from pat_engine.model.arch import MoESpec, load_model_arch
 from pat_engine.parallel.comm import TPGroup
@@ -89,8 +90,10 @@ def test_config_decides_the_backend() -> None:
     assert settings(device="cuda", enforce_eager=True) is None
     routed = replace(ARCH, max_position=1024, moe=MoESpec(num_experts=4, experts_per_token=2, intermediate_size=32,
                                                           norm_topk_prob=True))
-    assert settings(routed, device="cuda") is None  # its layers read their routing on the host
-    cuda = EngineConfig(model="m", device="cuda")
+    # invariant: its layers read their routing on the host; fast: the fused experts route on the device
+    assert settings(routed, device="cuda", numerics="invariant") is None
+    assert (settings(routed, device="cuda") is not None) == env.triton_runs_on("cuda")
+    cuda = EngineConfig(model="m", device="cuda", numerics="invariant")
     assert cuda.decode_graph_ladder(routed) == () and cuda.decode_graph_ladder(ARCH)  # what the predictor pads to
     assert settings(routed, graph_backend="standin").backend == "standin"  # eager replays: any forward
     assert EngineConfig(model="m", device="cuda", max_num_seqs=100, max_graph_batch=64).decode_graph_ladder()[-1] == 64

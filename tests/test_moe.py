@@ -48,7 +48,7 @@ def _config(path: str) -> dict:
 
 def test_experts_are_read_from_the_config(moe_path):
     arch = load_model_arch(moe_path)
-    assert arch.moe is not None and arch.qk_norm and arch.routes_on_host
+    assert arch.moe is not None and arch.qk_norm and arch.routes_on_host("cpu", "fast", torch.float32)
     assert (arch.moe.num_experts, arch.moe.experts_per_token, arch.moe.intermediate_size) == (16, 4, 128)
     assert arch.moe.norm_topk_prob and arch.moe.dense_layers == ()
     cfg = _config(moe_path)
@@ -285,13 +285,16 @@ def test_update_weights_reaches_every_expert(model_dir, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_a_gpu_the_experts_decode_eagerly_with_transformers_tokens(model_dir):
-    """Float32 on one GPU (the Triton layer kernels, no graphs for host-routed layers): the tokens of
-    transformers in float64, and invariant bfloat16 alone = batched."""
+def test_on_a_gpu_the_experts_give_transformers_tokens(model_dir, monkeypatch):
+    """Float32 on one GPU: through the fused experts and the decode graphs (the default), and per expert,
+    eagerly (``PAT_FUSED_MOE=off``), the tokens of transformers in float64; invariant bfloat16 (per expert,
+    eager) alone = batched."""
     path = model_dir("qwen3_moe")
     greedy = [SamplingParams(max_new_tokens=m) for m in MAX_NEW]
-    with Engine(path, device="cuda", dtype="float32") as engine:
-        assert [o.token_ids for o in engine.generate(PROMPTS, greedy, use_tqdm=False)] == hf_greedy_batch(path)
+    for fused in ("auto", "off"):
+        monkeypatch.setenv("PAT_FUSED_MOE", fused)
+        with Engine(path, device="cuda", dtype="float32") as engine:
+            assert [o.token_ids for o in engine.generate(PROMPTS, greedy, use_tqdm=False)] == hf_greedy_batch(path)
     params = [SamplingParams(max_new_tokens=m, temperature=1.0, seed=5 + i, logprobs=True)
               for i, m in enumerate(MAX_NEW)]
     with Engine(path, device="cuda", dtype="bfloat16", numerics="invariant") as engine:

@@ -26,8 +26,8 @@ SCRIPT = Path(__file__).with_name("triton_sm90_compile.py")
 KERNELS = {"_skinny_matmul_kernel", "_skinny_reduce_kernel", "_matmul_kernel", "_decode_partial_kernel",
            "_decode_reduce_kernel", "_varlen_prefill_kernel", "_rms_norm_kernel", "_silu_mul_kernel",
            "_rotary_kv_kernel", "_chunk_max_kernel", "_weights_kernel", "_lane_sum_kernel", "_draw_kernel",
-           "_chunk_first_max_kernel", "_pick_first_max_kernel"}
-ROUND_EACH_OP = {"_rms_norm_kernel", "_silu_mul_kernel", "_rotary_kv_kernel", "_weights_kernel"}
+           "_chunk_first_max_kernel", "_pick_first_max_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel"}
+ROUND_EACH_OP = {"_rms_norm_kernel", "_silu_mul_kernel", "_rotary_kv_kernel", "_weights_kernel", "_combine_kernel"}
 PDL_KERNELS = {"_skinny_matmul_kernel", "_skinny_reduce_kernel", "_decode_partial_kernel", "_decode_reduce_kernel",
                "_rms_norm_kernel", "_silu_mul_kernel", "_rotary_kv_kernel", "_chunk_first_max_kernel",
                "_pick_first_max_kernel"}

@@ -65,8 +65,8 @@ class CompileOnlyDriver:
 
 def kernel_calls() -> list:
     """Each wrapper call to compile, as a function: split among processes (each compile holds one core)."""
-    from pat_kernels import (invariant_matmul, paged_decode_attention, skinny_matmul, triton_activation, triton_norm,
-                             triton_rotary, triton_sampler, varlen_prefill)
+    from pat_kernels import (fused_moe, invariant_matmul, paged_decode_attention, skinny_matmul, triton_activation,
+                             triton_norm, triton_rotary, triton_sampler, varlen_prefill)
 
     bf16, f32 = torch.bfloat16, torch.float32
 
@@ -111,6 +111,14 @@ def kernel_calls() -> list:
         lambda: triton_rotary.rotary_kv_write(randn(4, 48 * 128), 32, 8, torch.arange(4), cos, sin, kv,
                                               torch.arange(4), randn(128), randn(128)),
     ]
+
+    def moe(tokens: int, dtype: torch.dtype):  # Qwen3-30B-A3B's layer at TP1: 128 experts of 768, 8 a token
+        experts = torch.stack([torch.randperm(128)[:8].sort().values for _ in range(tokens)])
+        table = torch.zeros(128, dtype=torch.int64)  # compiled, never launched: no weight is read
+        fused_moe.routed_experts(randn(tokens, 2048, dtype=dtype), randn(tokens, 8, dtype=dtype), experts, table,
+                                 table, 768)
+
+    calls += [lambda: moe(4, bf16), lambda: moe(512, bf16), lambda: moe(4, f32)]  # blocks of 16, of 32; IEEE dot
 
     def sampler():  # weights, Z, the draw, a top_p nucleus, greedy's first maximum
         e, _ = triton_sampler.weights(randn(4, 128256), torch.ones(4), torch.full((4,), float("-inf")))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from pat_engine.tiny_model import BOS_ID, EOS_ID, PAD_ID, TinyModelSpec, _hf_config
+from pat_engine.tiny_model import BOS_ID, EOS_ID, PAD_ID, TinyModelSpec, hf_config
 
 
 def write_checkpoint(path: str | Path, spec: TinyModelSpec, dtype: torch.dtype = torch.bfloat16,
@@ -33,7 +33,7 @@ def write_checkpoint(path: str | Path, spec: TinyModelSpec, dtype: torch.dtype =
     done.unlink(missing_ok=True)  # a write cut short (a part's timeout) must not pass for a finished one
     for old in out.glob("*.safetensors"):
         old.unlink()
-    cfg = _hf_config(spec)
+    cfg = hf_config(spec)
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(

@@ -43,6 +43,9 @@ PARTS: tuple[Part, ...] = (
     Part("kernels", "Kernels per decode step (torch.profiler, Llama-3-8B shape, bf16)", "kernels",
          55, 75, 180, 400),  # 28 s on the fourth run with one variant; seven now (three at batch 1 only)
     Part("prefill", "Packed varlen prefill vs the measured bf16 GEMM throughput", "prefill", 25, 40, 150, 300),
+    # moe: not yet run; a guess (three kernels compiled at two block sizes, a graph capture a size)
+    Part("moe", "An MoE layer's experts (Qwen3-30B-A3B shape): fused Triton kernels vs per expert", "moe",
+         None, 60, 180, 240, needs_checkpoint=False),
     # decode: 55 s on the fourth run (--quick); a third engine now (the candidate settings at batch 1), ~25 s more
     Part("decode", "TP1 decode vs the HBM roofline and the streamed-bytes floor", "decode", 85, 230, 230, 560),
     Part("profile", "pat-profile --emulate-world 8 (graphs on, median step)", "emulated_profile", 40, 40, 150, 480),

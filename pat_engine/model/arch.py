@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from pat_engine import env
 from pat_engine.errors import LayoutError, ModelLoadError
 from pat_engine.parallel.kv_plan import kv_bytes_per_token, kv_heads_per_rank
 from pat_engine.parallel.layout import Layout, candidate_layouts
@@ -28,6 +29,8 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
 }
 MOE_ARCHITECTURES = frozenset({"Qwen3MoeForCausalLM"})
 
+
+FUSED_MOE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # tl.dot's (pat_kernels/fused_moe.py)
 
 @dataclass(frozen=True)
 class RopeSpec:
@@ -85,11 +88,14 @@ class ModelArch:
         """Whether ``layer``'s MLP is the routed experts (``moe``) rather than the dense MLP."""
         return self.moe is not None and layer not in self.moe.dense_layers
 
-    @property
-    def routes_on_host(self) -> bool:
+    def routes_on_host(self, device_type: str, numerics: str, dtype: torch.dtype) -> bool:
         """Whether a forward reads its own routing on the host (which experts got tokens), which a CUDA
-        graph cannot capture (``EngineConfig.graphs``)."""
-        return self.moe is not None
+        graph cannot capture (``EngineConfig.graphs``): an MoE model's layers do, unless they run the fused
+        Triton experts, which route on the device (``SparseMoE.fused``: fast numerics, a 16- or 32-bit float
+        dtype, where ``PAT_FUSED_MOE`` serves the device). The invariant mode's experts keep their per-row
+        reduction tree, on the host's routing."""
+        fused = numerics == "fast" and dtype in FUSED_MOE_DTYPES and env.fused_moe(device_type)
+        return self.moe is not None and not fused
 
     @property
     def activation_width(self) -> int:

@@ -28,6 +28,7 @@ from pat_engine.config import DEFAULT_MAX_TP
 from pat_engine.host_tensors import to_device
 from pat_engine.model import chunk_weights, cpu_gemm
 from pat_engine.model.arch import ModelArch
+from pat_engine.model.layers import moe
 from pat_engine.model.layers.attention import attention_backend
 from pat_engine.model.layers.triton_ops import launch_policy, launches_with_pdl
 from pat_engine.model.llama import CausalLM, ForwardContext
@@ -82,7 +83,8 @@ class InferExecutor:
     def writing_weights(self) -> Iterator[None]:
         """Every write to the weights happens inside this block: the CPU GEMM packs derived from
         them (model/cpu_gemm.py), and the invariant mode's chunk pieces (model/chunk_weights.py), are
-        dropped on entry and rebuilt when the outermost block ends."""
+        dropped on entry and rebuilt when the outermost block ends; so are the fused MoE layers' tables of
+        their experts' weights (model/layers/moe.py)."""
         if self._writers == 0:
             cpu_gemm.drop(self.model)
             chunk_weights.drop(self.model)
@@ -94,6 +96,7 @@ class InferExecutor:
             if self._writers == 0 and self._residency == "resident":
                 cpu_gemm.pack(self.model)
                 chunk_weights.pack(self.model)
+                moe.refresh_expert_tables(self.model)
             if self._writers == 0:
                 self.graphs.after_weight_write(self.model)  # kept only if no tensor they read moved
 

@@ -11,8 +11,14 @@ experts. The group sums once per layer, after the experts' shares are combined:
   the expert's output with the same bits at every TP, then weighed in float32 (float64 for float64) in
   ascending expert order and rounded once: no bit depends on the layout, the batch or its order.
 
-The experts a step uses are found on the host (one sync a layer): CUDA graphs cannot capture this layer
-(``EngineConfig.graphs`` decodes such models eagerly).
+Two ways to run the experts of a step:
+
+- fused (fast numerics on CUDA, ``ModelArch.routes_on_host``): the Triton kernels of
+  ``pat_kernels/fused_moe.py`` group the rows by expert on the device and multiply every expert's rows in
+  one launch per GEMM, reading each expert's weight through a table of pointers (``expert_tables``, kept
+  current by ``refresh_expert_tables`` after every weight write). No host sync: CUDA graphs capture it.
+- per expert: the experts a step uses are found on the host (one sync a layer), each runs as an ``MLP``
+  (the CPU, the invariant mode): CUDA graphs cannot capture this (``EngineConfig.graphs`` decodes eagerly).
 """
 
 from __future__ import annotations
@@ -71,11 +77,39 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(MLP(arch.hidden_size, self.spec.intermediate_size, tp, dtype, device, row_chunks)
                                      for _ in range(self.spec.num_experts))
         self.invariant = row_chunks is not None
+        numerics = "invariant" if self.invariant else "fast"
+        self.fused = not arch.routes_on_host(torch.device(device).type, numerics, dtype)
+        # (2, experts) int64: each expert's gate/up and down weight addresses (fused only; a plain attribute,
+        # not a buffer: no state dict, footprint or move sees it)
+        self.expert_tables: torch.Tensor | None = None
+        if self.fused:
+            self.refresh_tables()
+
+    def refresh_tables(self) -> None:
+        """Point the fused kernels at the experts' current weights, in place: a graph captured before a write
+        that moved no weight reads the same table (``InferExecutor.writing_weights``)."""
+        weights = [e.gate_up_proj.weight for e in self.experts] + [e.down_proj.weight for e in self.experts]
+        if any(not w.is_contiguous() for w in weights):
+            raise ValueError("the fused experts read each weight as a contiguous (rows, in) matrix")
+        table = torch.tensor([w.data_ptr() for w in weights], dtype=torch.int64).view(2, -1)
+        device = weights[0].device
+        if self.expert_tables is None or self.expert_tables.device != device:
+            self.expert_tables = table.to(device)
+        else:
+            self.expert_tables.copy_(table)
 
     def forward(self, x: GemmInput, tp: TPGroup) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             x = x.computed()
         weights, experts = route(self.gate(x), self.spec)
+        down = self.experts[0].down_proj
+        if self.fused:
+            from pat_kernels import fused_moe
+
+            gate_up_ptrs, down_ptrs = self.expert_tables
+            width = down.weight.shape[1]  # this rank's share of an expert's width
+            partial = fused_moe.routed_experts(x, weights.to(x.dtype), experts, gate_up_ptrs, down_ptrs, width)
+            return down.reduce(partial, tp)
         k = self.spec.experts_per_token
         flat = experts.flatten()  # (T * k,): row t * k + j is token t's j-th expert
         order = flat.argsort(stable=True)  # those rows grouped by expert, ascending
@@ -83,7 +117,6 @@ class SparseMoE(nn.Module):
         tokens = order // k
         rows = x[tokens]  # every (token, expert) row, grouped by expert: one gather, each expert's rows a view
         spans = list(_spans(counts))
-        down = self.experts[0].down_proj
         if not self.invariant:
             row_weights = weights.to(x.dtype).flatten()[order]
             shares = self._fused_shares(rows, spans, row_weights)
@@ -130,3 +163,10 @@ def _spans(counts: list[int]):
         if n:
             yield e, start, start + n
         start += n
+
+
+def refresh_expert_tables(model: nn.Module) -> None:
+    """After a weight write: every fused MoE layer's tables point at its experts' weights where they now are."""
+    for module in model.modules():
+        if isinstance(module, SparseMoE) and module.fused:
+            module.refresh_tables()
