@@ -191,6 +191,32 @@ def ensure_vllm(venv: Path) -> tuple[str | None, str]:
     return str(python), check.stdout.strip()
 
 
+def busy_cpu_seconds() -> float:
+    """CPU seconds this machine has spent busy (``/proc/stat``: user, nice, system, irq, softirq; not steal,
+    which is other tenants' time)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq = (int(f) for f in fields[:7])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def settle(max_wait_s: float = 5.0, window_s: float = 0.25, busy_cores: float = 0.1) -> float:
+    """Wait until the cores have been idle for a window (below ``busy_cores`` busy), at most ``max_wait_s``;
+    returns the seconds waited. Called before every timed run, whichever engine ran last: vLLM's CPU
+    engine keeps one core busy for about a second after each request has returned
+    (bench/results/peer_steps_moe.md measures it beside pat-engine's), and a run started inside that second
+    shares the cores with it."""
+    if not Path("/proc/stat").is_file():  # not Linux: a fixed pause instead
+        time.sleep(1.5)
+        return 1.5
+    start = time.monotonic()
+    while time.monotonic() - start < max_wait_s:
+        before = busy_cpu_seconds()
+        time.sleep(window_s)
+        if busy_cpu_seconds() - before < busy_cores * window_s:
+            break
+    return time.monotonic() - start
+
+
 def wait_for_quiet(max_load: float, max_wait_s: float) -> tuple[float, float]:
     """Wait until the 1-minute load average is below ``max_load``; returns (load, seconds waited)."""
     t = time.monotonic()
@@ -253,6 +279,7 @@ def main() -> None:
             try:
                 for b in args.batch_sizes:
                     eng.run(prompts[b], 4)  # warm-up at this shape
+                    settle()
                     seconds, toks = eng.run(prompts[b], args.new_tokens)
                     rates.setdefault((eng.name, b), []).append(b * args.new_tokens / seconds)
                     tokens.setdefault((eng.name, b), toks)

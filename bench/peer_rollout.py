@@ -14,7 +14,8 @@ EOS ignored, so both engines do the same work):
 
 Both engines are started once per model (vLLM's start takes minutes here) and warmed up; then
 every workload runs on one and then the other, round after round (pat, vLLM, pat, vLLM, ...), so
-only one computes at a time while the other idles. Before each run both drop their prefix caches
+only one computes at a time while the other idles, each run once the cores are idle (``settle``: vLLM keeps
+a core busy for a second after each request). Before each run both drop their prefix caches
 (untimed), as an RL step's new prompts find nothing there; a run's samples still share their prompt. Greedy tokens are compared with vLLM's (random
 models: a near-tie may flip a late token, more often in bfloat16).
 
@@ -37,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import markdown_table, write_result  # noqa: E402
-from peer_cpu import VllmEngine, ensure_vllm, wait_for_quiet  # noqa: E402
+from peer_cpu import VllmEngine, ensure_vllm, settle, wait_for_quiet  # noqa: E402
 from pat_engine import Engine, SamplingParams  # noqa: E402
 from pat_engine.tiny_model import TinyModelSpec, write_tiny_model  # noqa: E402
 
@@ -173,6 +174,7 @@ def main() -> None:
                 for rnd in range(args.rounds):
                     for w in loads:
                         for name, run in runs.items():  # alternating: pat, vLLM, pat, vLLM, ...
+                            settle()  # the cores idle first: vLLM spins a core for a second after a request
                             s, toks = run(w)
                             seconds.setdefault((shape, dtype, w.name, name), []).append(s)
                             tokens[(w.name, name)] = toks

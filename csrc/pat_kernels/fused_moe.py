@@ -23,7 +23,7 @@ Layout:
   weights      (T, k) in x's dtype, experts (T, k) int64: each token's experts, ascending (``route``)
   gate_up_ptrs (E,) int64 on x's device: each expert's (2I, H) gate/up weight (gate rows, then up rows),
                contiguous, x's dtype; down_ptrs (E,): each expert's (H, I) down weight (``SparseMoE`` keeps
-               them: ``refresh_tables``)
+               them: ``refresh_tables``); an expert's weight is read with int32 offsets (2I x H < 2^31)
   out          (T, H) in x's dtype: this rank's share of the layer's output, before the TP group's sum
 
 Every size is fixed by T, k and E alone (the padded rows ``align`` makes room for, the grid), so a graph
@@ -90,18 +90,26 @@ def align(experts: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tenso
 
 
 @triton.jit
+def _block(block_expert_ptr, sorted_ptr, table_ptr, N_ROWS, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """This program's block: its expert (-1: past the last group), its padded slots, the rows there (``N_ROWS``:
+    padding), which of them are real, and the expert's weight."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    slots = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row = tl.load(sorted_ptr + slots)
+    w_ptr = tl.load(table_ptr + tl.maximum(expert, 0)).to(tl.pointer_type(DTYPE))
+    return expert, slots, row, row < N_ROWS, w_ptr
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, table_ptr, sorted_ptr, block_expert_ptr, act_ptr, H, I, N_ROWS, stride_x, stride_a,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     IEEE: tl.constexpr, EMULATE: tl.constexpr, RTNE: tl.constexpr, LIBDEVICE: tl.constexpr):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block)
+    expert, slots, row, real, w_ptr = _block(block_expert_ptr, sorted_ptr, table_ptr, N_ROWS, x_ptr.dtype.element_ty,
+                                             BLOCK_M)
     if expert < 0:
         return
-    slots = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row = tl.load(sorted_ptr + slots)
-    real = row < N_ROWS
     token = (row // TOP_K).to(tl.int64)
-    w_ptr = tl.load(table_ptr + expert).to(tl.pointer_type(x_ptr.dtype.element_ty))
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     in_cols = cols < I
@@ -112,8 +120,8 @@ def _gate_up_kernel(x_ptr, table_ptr, sorted_ptr, block_expert_ptr, act_ptr, H, 
         a = tl.load(x_ptr + token[:, None] * stride_x + kk[None, :], mask=real[:, None] & (kk[None, :] < H),
                     other=0.0)
         w_mask = in_cols[None, :] & (kk[:, None] < H)
-        gate = tl.load(w_ptr + cols[None, :].to(tl.int64) * H + kk[:, None], mask=w_mask, other=0.0)
-        up = tl.load(w_ptr + (I + cols[None, :]).to(tl.int64) * H + kk[:, None], mask=w_mask, other=0.0)
+        gate = tl.load(w_ptr + cols[None, :] * H + kk[:, None], mask=w_mask, other=0.0)  # one expert: int32 offsets
+        up = tl.load(w_ptr + (I + cols[None, :]) * H + kk[:, None], mask=w_mask, other=0.0)
         acc_gate = dot_acc(a, gate, acc_gate, IEEE, EMULATE)
         acc_up = dot_acc(a, up, acc_up, IEEE, EMULATE)
     dtype = x_ptr.dtype.element_ty
@@ -126,15 +134,10 @@ def _gate_up_kernel(x_ptr, table_ptr, sorted_ptr, block_expert_ptr, act_ptr, H, 
 def _down_kernel(act_ptr, table_ptr, sorted_ptr, block_expert_ptr, weight_ptr, out_ptr, H, I, N_ROWS, stride_a,
                  stride_o, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  IEEE: tl.constexpr, EMULATE: tl.constexpr, RTNE: tl.constexpr):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block)
+    dtype = out_ptr.dtype.element_ty
+    expert, slots, row, real, w_ptr = _block(block_expert_ptr, sorted_ptr, table_ptr, N_ROWS, dtype, BLOCK_M)
     if expert < 0:
         return
-    slots = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row = tl.load(sorted_ptr + slots)
-    real = row < N_ROWS
-    dtype = out_ptr.dtype.element_ty
-    w_ptr = tl.load(table_ptr + expert).to(tl.pointer_type(dtype))
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     in_cols = cols < H
@@ -143,8 +146,7 @@ def _down_kernel(act_ptr, table_ptr, sorted_ptr, block_expert_ptr, weight_ptr, o
         kk = k + ks
         a = tl.load(act_ptr + slots[:, None].to(tl.int64) * stride_a + kk[None, :],
                     mask=real[:, None] & (kk[None, :] < I), other=0.0)
-        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * I + kk[:, None], mask=in_cols[None, :] & (kk[:, None] < I),
-                    other=0.0)
+        w = tl.load(w_ptr + cols[None, :] * I + kk[:, None], mask=in_cols[None, :] & (kk[:, None] < I), other=0.0)
         acc = dot_acc(a, w, acc, IEEE, EMULATE)
     routing = tl.load(weight_ptr + row, mask=real, other=0.0).to(tl.float32)
     y = round_to(round_to(acc, dtype, RTNE).to(tl.float32) * routing[:, None], dtype, RTNE)
@@ -178,6 +180,8 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     if experts.shape != (tokens, top_k) or weights.shape != experts.shape or down_ptrs.numel() != num_experts:
         raise ValueError(f"experts {tuple(experts.shape)} and weights {tuple(weights.shape)} must be (T, k) for "
                          f"x's {tokens} tokens, with one down pointer per gate/up pointer")
+    if 2 * intermediate * hidden >= 2**31:
+        raise ValueError(f"an expert's ({2 * intermediate}, {hidden}) gate/up weight is past the kernels' int32 offsets")
     out = torch.empty_like(x)
     if tokens == 0 or hidden == 0:
         return out
