@@ -31,6 +31,9 @@ SPEC = TinyModelSpec(arch="qwen3_moe", num_layers=2, num_kv_heads=2, num_experts
                      moe_intermediate_size=128, seed=11)
 
 
+SHORT = [m // 2 for m in MAX_NEW]  # the slow tier's responses: every step of every expert runs in numpy
+
+
 @pytest.fixture(scope="module")
 def moe_path(tmp_path_factory) -> str:
     return str(write_tiny_model(tmp_path_factory.mktemp("fused_moe"), SPEC))
@@ -96,8 +99,14 @@ def test_routing_and_grouping_read_nothing_on_the_host(moe_path):
 # ---- the kernels -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
-def test_the_kernels_compute_what_the_experts_compute_in_turn(moe_path, dtype, monkeypatch):
+@pytest.mark.parametrize("dtype,per_sm", [(torch.float32, 2), pytest.param(torch.float32, 64, marks=pytest.mark.slow),
+                                           pytest.param(torch.bfloat16, 2, marks=pytest.mark.slow)])
+def test_the_kernels_compute_what_the_experts_compute_in_turn(moe_path, dtype, per_sm, monkeypatch):
+    """At the interpreter's tiles (64 columns a program) and at the narrowest (16: as many programs as an H100
+    wants of a decode step)."""
+    from pat_kernels import fused_moe
+
+    monkeypatch.setattr(fused_moe, "PROGRAMS_PER_SM", per_sm)
     monkeypatch.setenv("PAT_FUSED_MOE", "off")
     in_turn = _layer(moe_path, dtype)
     monkeypatch.setenv("PAT_FUSED_MOE", "on")
@@ -128,6 +137,17 @@ def test_a_rows_bits_do_not_follow_the_batch(moe_path, dtype, fused_on):
         assert torch.equal(run(slice(i, i + 1)), batched[i : i + 1])
     reordered = torch.tensor([8, 2, 5, 0, 7, 1, 6, 3, 4])
     assert torch.equal(run(reordered), batched[reordered])
+
+
+def test_the_tiles_follow_the_step():
+    from pat_kernels.fused_moe import block_m, block_n
+
+    # Qwen3-30B-A3B (128 experts, 8 a token, 768 wide, hidden 2048): one token, 8, 64, a prefill chunk
+    assert [block_m(t * 8, 128) for t in (1, 8, 64, 2048)] == [16, 16, 16, 64]
+    h100 = 2 * 132
+    assert [block_n(t * 8, 128, 768, h100) for t in (1, 8, 64)] == [16, 64, 64]  # 8 blocks x 48 tiles of 16
+    assert block_n(8, 128, 2048, h100) == 32 and block_n(64, 128, 2048, h100) == 64  # the down kernel's
+    assert block_n(8, 128, 768, 2 * 4) == 64  # the interpreter's grid is a loop: wide tiles
 
 
 def test_the_kernels_refuse_a_bad_shape(moe_path, fused_on):
@@ -189,8 +209,8 @@ def test_a_model_through_the_fused_experts_gives_transformers_tokens(moe_path, f
     transformers in float64."""
     from local_workers import local_driver
 
-    expected = hf_greedy_batch(moe_path)
-    greedy = [SamplingParams(max_new_tokens=m) for m in MAX_NEW]
+    expected = hf_greedy_batch(moe_path, PROMPTS, SHORT)
+    greedy = [SamplingParams(max_new_tokens=m) for m in SHORT]
     for config in (dict(enforce_eager=True), dict(graph_backend="standin", max_graph_batch=8)):
         driver = local_driver(moe_path, dtype="float32", **config)
         assert [f[0].output_ids for f in driver.generate(PROMPTS, greedy)] == expected, config
@@ -199,11 +219,10 @@ def test_a_model_through_the_fused_experts_gives_transformers_tokens(moe_path, f
 @pytest.mark.slow  # worker processes, every expert's GEMMs in numpy
 def test_live_switches_reshard_what_the_fused_experts_read(moe_path, fused_on):
     """Float32, greedy: TP1xDP2 -> TP2 -> TP1xDP2 mid-batch (the experts resharded into new storage, the tables
-    refreshed by the weight write), both KV paths: the tokens of transformers in float64, as unswitched."""
-    expected = hf_greedy_batch(moe_path)
-    greedy = [SamplingParams(max_new_tokens=m) for m in MAX_NEW]
+    refreshed by the weight write), both KV paths: the tokens of transformers in float64."""
+    expected = hf_greedy_batch(moe_path, PROMPTS, SHORT)
+    greedy = [SamplingParams(max_new_tokens=m) for m in SHORT]
     with Engine(moe_path, tp=1, dp=2, dtype="float32") as engine:
-        assert [o.token_ids for o in engine.generate(PROMPTS, greedy, use_tqdm=False)] == expected
         for kv in ("migrate", "recompute"):
             outs = engine.generate(PROMPTS, greedy, switch_schedule=[(4, 2), (11, 1)], kv_transfer=kv, use_tqdm=False)
             assert [o.token_ids for o in outs] == expected, kv

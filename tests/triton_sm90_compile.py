@@ -112,13 +112,20 @@ def kernel_calls() -> list:
                                               torch.arange(4), randn(128), randn(128)),
     ]
 
-    def moe(tokens: int, dtype: torch.dtype):  # Qwen3-30B-A3B's layer at TP1: 128 experts of 768, 8 a token
+    def moe(tokens: int, dtype: torch.dtype, per_sm: int = fused_moe.PROGRAMS_PER_SM):
+        """Qwen3-30B-A3B's layer at TP1: 128 experts of 768, 8 a token; ``per_sm`` 66: an H100's narrow tiles
+        (this driver's device is the CPU, which asks for few programs)."""
         experts = torch.stack([torch.randperm(128)[:8].sort().values for _ in range(tokens)])
         table = torch.zeros(128, dtype=torch.int64)  # compiled, never launched: no weight is read
-        fused_moe.routed_experts(randn(tokens, 2048, dtype=dtype), randn(tokens, 8, dtype=dtype), experts, table,
-                                 table, 768)
+        kept, fused_moe.PROGRAMS_PER_SM = fused_moe.PROGRAMS_PER_SM, per_sm
+        try:
+            fused_moe.routed_experts(randn(tokens, 2048, dtype=dtype), randn(tokens, 8, dtype=dtype), experts,
+                                     table, table, 768)
+        finally:
+            fused_moe.PROGRAMS_PER_SM = kept
 
-    calls += [lambda: moe(4, bf16), lambda: moe(512, bf16), lambda: moe(4, f32)]  # blocks of 16, of 32; IEEE dot
+    # blocks of 16 (wide and an H100's narrow tiles), of 32; float32's IEEE dot
+    calls += [lambda: moe(4, bf16), lambda: moe(1, bf16, per_sm=66), lambda: moe(512, bf16), lambda: moe(4, f32)]
 
     def sampler():  # weights, Z, the draw, a top_p nucleus, greedy's first maximum
         e, _ = triton_sampler.weights(randn(4, 128256), torch.ones(4), torch.full((4,), float("-inf")))

@@ -29,12 +29,17 @@ Layout:
 Every size is fixed by T, k and E alone (the padded rows ``align`` makes room for, the grid), so a graph
 captured at a batch size replays any routing; a block beyond the step's last real one returns at once.
 
+Tiles: ``block_m`` picks the rows per block from the step's average rows per expert (16 for decode, more
+for prefill, where each block rereads its expert's weight); ``block_n`` the columns per program, narrower
+where a decode step's few blocks would leave SMs without a program.
+
 Numerics: the fast mode's; float32 accumulators, float32 inputs multiplied in IEEE float32 (no TF32). A
-row's output depends on its token, its expert and the tile config, not on the other rows (its block's
-other rows enter other lanes of the same ``tl.dot``): the bits do not follow the batch, but they are not
-cuBLAS's either (another order), so a token may round differently than through the torch path.
-``block_m`` picks the rows per block from the step's average rows per expert. Tested under
-``TRITON_INTERPRET=1`` (tests/test_fused_moe.py).
+row's output depends on its token, its expert and the tiles, not on the other rows (its block's other rows
+enter other lanes of the same ``tl.dot``): with the same tiles a token has the same bits alone or in any
+batch. The tiles follow the step's size, and a device may multiply other tiles in another instruction
+order, so across step sizes a token may round otherwise, as cuBLAS's kernels follow a GEMM's row count;
+nor are these cuBLAS's bits (another order): a token may round differently than through the torch path.
+Tested under ``TRITON_INTERPRET=1`` (tests/test_fused_moe.py).
 """
 
 from __future__ import annotations
@@ -43,12 +48,14 @@ import torch
 import triton
 import triton.language as tl
 
+from pat_kernels.skinny_matmul import sm_count
 from pat_kernels.triton_activation import silu_mul
 from pat_kernels.triton_support import INTERPRETED, dot_acc, round_to
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-BLOCK_N = 64
+BLOCK_N = 64  # the widest; narrower for a few blocks (block_n)
 BLOCK_K = 64
+PROGRAMS_PER_SM = 2  # block_n narrows a step's tiles until each streaming multiprocessor has this many
 COMBINE_BLOCK = 256
 
 
@@ -57,6 +64,17 @@ def block_m(rows: int, num_experts: int) -> int:
     where each block rereads its expert's weight."""
     average = rows / max(num_experts, 1)
     return 16 if average <= 16 else 32 if average <= 64 else 64
+
+
+def block_n(rows: int, num_experts: int, width: int, min_programs: int) -> int:
+    """Output columns per program: 64, halved (down to 16, ``tl.dot``'s least) while the blocks that can hold
+    rows (one an expert with rows, at most) times the column tiles of ``width`` give fewer than
+    ``min_programs``: a decode step of one token has 8 blocks (Qwen3-30B-A3B) and 12 tiles of 64, and an
+    H100 132 SMs. (The interpreter's grid is a loop: ``sm_count`` says 4, so it keeps wide tiles.)"""
+    bn, blocks = BLOCK_N, min(num_experts, rows)
+    while bn > 16 and blocks * triton.cdiv(width, bn) < min_programs:
+        bn //= 2
+    return bn
 
 
 def padded_rows(rows: int, num_experts: int, bm: int) -> int:
@@ -192,14 +210,17 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     shares = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
     flags = dict(IEEE=x.dtype == torch.float32, EMULATE=INTERPRETED, RTNE=INTERPRETED)
     blocks = block_expert.numel()
+    min_programs = PROGRAMS_PER_SM * sm_count(x.device)
     if intermediate:
-        _gate_up_kernel[(blocks, triton.cdiv(intermediate, BLOCK_N))](
+        bn = block_n(n, num_experts, intermediate, min_programs)
+        _gate_up_kernel[(blocks, triton.cdiv(intermediate, bn))](
             x, gate_up_ptrs, sorted_rows, block_expert, act, hidden, intermediate, n, x.stride(0), act.stride(0),
-            TOP_K=top_k, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, LIBDEVICE=not INTERPRETED,
+            TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, LIBDEVICE=not INTERPRETED,
             enable_fp_fusion=False, **flags)
-    _down_kernel[(blocks, triton.cdiv(hidden, BLOCK_N))](
+    bn = block_n(n, num_experts, hidden, min_programs)
+    _down_kernel[(blocks, triton.cdiv(hidden, bn))](
         act, down_ptrs, sorted_rows, block_expert, weights.reshape(-1).contiguous(), shares, hidden, intermediate, n,
-        act.stride(0), shares.stride(0), BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, enable_fp_fusion=False,
+        act.stride(0), shares.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, enable_fp_fusion=False,
         **flags)
     _combine_kernel[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](
         shares, out, hidden, shares.stride(0), out.stride(0), TOP_K=top_k, BLOCK=COMBINE_BLOCK, RTNE=INTERPRETED,
