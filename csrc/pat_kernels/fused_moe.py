@@ -92,8 +92,9 @@ def align(experts: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tenso
     n = flat.numel()
     device = flat.device
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
-    block_ends = ((counts + bm - 1) // bm * bm).cumsum(0)  # each expert's padded group's end
-    group_starts = block_ends - (counts + bm - 1) // bm * bm
+    padded = (counts + bm - 1) // bm * bm  # each expert's group, in whole blocks
+    block_ends = padded.cumsum(0)
+    group_starts = block_ends - padded
     order = flat.argsort(stable=True)  # rows by expert
     by_expert = flat[order]
     first = counts.cumsum(0) - counts  # each expert's first place in ``order``
