@@ -83,6 +83,9 @@ class SparseMoE(nn.Module):
         # not a buffer: no state dict, footprint or move sees it)
         self.expert_tables: torch.Tensor | None = None
         if self.fused:
+            from pat_kernels.fused_moe import routed_experts  # Triton: imported only where it runs
+
+            self.routed_experts = routed_experts
             self.refresh_tables()
 
     def refresh_tables(self) -> None:
@@ -104,11 +107,9 @@ class SparseMoE(nn.Module):
         weights, experts = route(self.gate(x), self.spec)
         down = self.experts[0].down_proj
         if self.fused:
-            from pat_kernels import fused_moe
-
             gate_up_ptrs, down_ptrs = self.expert_tables
             width = down.weight.shape[1]  # this rank's share of an expert's width
-            partial = fused_moe.routed_experts(x, weights.to(x.dtype), experts, gate_up_ptrs, down_ptrs, width)
+            partial = self.routed_experts(x, weights.to(x.dtype), experts, gate_up_ptrs, down_ptrs, width)
             return down.reduce(partial, tp)
         k = self.spec.experts_per_token
         flat = experts.flatten()  # (T * k,): row t * k + j is token t's j-th expert
