@@ -28,9 +28,8 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen3MoeForCausalLM": (False, True),
 }
 MOE_ARCHITECTURES = frozenset({"Qwen3MoeForCausalLM"})
-
-
 FUSED_MOE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # tl.dot's (pat_kernels/fused_moe.py)
+
 
 @dataclass(frozen=True)
 class RopeSpec:
