@@ -152,17 +152,53 @@ def test_the_cpu_kernel_computes_what_the_experts_compute_in_turn(moe_path, dtyp
     assert served == [False, True, True] and len(calls) == 2 and calls[-1] > 8, (served, calls)
 
 
-def test_the_cpu_kernel_refuses_bad_offsets():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_one_thread_the_cpu_kernel_has_the_bits_of_the_experts_in_turn(moe_path, dtype, monkeypatch):
+    """The same operations in the same order: the packs' GEMMs at each expert's row count, SiLU-mul with the
+    formula's bits, the weight in the dtype, a token's shares added from zero in ascending expert order (the
+    kernel gathers and adds up itself). One thread, so each of the torch path's GEMMs runs as the kernel's do,
+    and the torch path's experts of one or two rows through their packs too, not the skinny GEMM."""
+    from pat_engine.model import cpu_gemm
+    from pat_kernels import cpu_moe, cpu_skinny_gemm
+
+    layer = _layer(moe_path, 0, 1, dtype, None)
+    if not cpu_gemm.packing_enabled("cpu", dtype) or not cpu_moe.usable(torch.zeros(1, 1, dtype=dtype)):
+        pytest.skip(f"no oneDNN pack or CPU kernel for {dtype} here")
+    cpu_gemm.pack(layer)
+    monkeypatch.setenv(cpu_skinny_gemm.ENV_SWITCH, "torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for tokens in (6, 50):
+            x = _hidden(tokens, dtype, seed=tokens + 1)
+            with torch.inference_mode():
+                fused = layer(x, single_rank())
+                monkeypatch.setenv(cpu_moe.ENV_SWITCH, "torch")
+                in_turn = layer(x, single_rank())
+                monkeypatch.delenv(cpu_moe.ENV_SWITCH)
+            assert torch.equal(fused, in_turn), (tokens, (fused - in_turn).abs().max())
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_cpu_kernel_refuses_bad_arguments():
     from pat_kernels import cpu_moe
 
     if not cpu_moe.usable(torch.zeros(1, 1)):
         pytest.skip("no CPU kernels here")
-    rows, w = torch.randn(4, 8), torch.ones(4)
+    x, w = torch.randn(2, 8), torch.ones(2, 2)  # two tokens, two choices each: four grouped rows
     gate_up, down = [torch.randn(6, 8)], [torch.randn(8, 3)]
+    order = torch.tensor([0, 1, 2, 3])
     with pytest.raises(RuntimeError, match="offsets must span the rows"):
-        cpu_moe.experts(rows, gate_up, down, [0, 3], w)
+        cpu_moe.experts(x, order, w, gate_up, down, [0, 3])
     with pytest.raises(RuntimeError, match="one gate_up and one down pack per expert"):
-        cpu_moe.experts(rows, gate_up, down, [0, 2, 4], w)
+        cpu_moe.experts(x, order, w, gate_up, down, [0, 2, 4])
+    with pytest.raises(RuntimeError, match="a permutation"):
+        cpu_moe.experts(x, torch.tensor([0, 1, 1, 3]), w, gate_up, down, [0, 4])
+    with pytest.raises(RuntimeError, match="order must be"):
+        cpu_moe.experts(x, order[:3], w, gate_up, down, [0, 3])
+    with pytest.raises(RuntimeError, match="weights must be"):
+        cpu_moe.experts(x, order, w.double(), gate_up, down, [0, 4])
 
 
 @pytest.mark.parametrize("row_chunks", [None, 4])

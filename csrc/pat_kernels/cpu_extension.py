@@ -15,7 +15,8 @@ was killed, which would make torch wait forever) is removed before loading.
 Where the build fails, the torch paths serve and one warning names the reason. Each kernel family
 has its own accessor and off switch: ``cpu_attention`` (``PAT_CPU_ATTENTION=torch``), ``cpu_norm``
 (``PAT_CPU_NORM=torch``), ``cpu_rotary`` (``PAT_CPU_ROTARY=torch``), ``cpu_chunk_gemm``
-(``PAT_CPU_CHUNK_GEMM=torch``), ``cpu_skinny_gemm``, ``cpu_sample`` and ``cpu_moe`` (``PAT_CPU_MOE=torch``). A switch is read on every call, so
+(``PAT_CPU_CHUNK_GEMM=torch``), ``cpu_skinny_gemm``, ``cpu_sample``, ``cpu_moe`` (``PAT_CPU_MOE=torch``) and
+``cpu_activation`` (``PAT_CPU_ACTIVATION=torch``). A switch is read on every call, so
 that A/B runs may flip it between two steps of one process; inside ``switches_read_once`` (a model
 step: the engine's worker wraps each in it) once, at its first call: a decode step asks them a few times a
 layer (bench/results/cpu_switch_reads.md: 1.22x a step of a host-bound 32-layer narrow model).

@@ -1,4 +1,8 @@
-"""The SiLU-gated MLP of a decoder layer (a dense layer's, or one routed expert's)."""
+"""The SiLU-gated MLP of a decoder layer (a dense layer's, or one routed expert's).
+
+SiLU-mul runs as one kernel with torch's formula's bits: on a GPU the Triton kernel (``triton_ops``), on the
+CPU the C++ kernel (``pat_kernels.cpu_activation``) for float32 and bfloat16; float64 keeps the formula.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,11 @@ from pat_engine.model.layers.gemm_input import GatedInput, GemmInput
 from pat_engine.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pat_engine.parallel.comm import TPGroup
 from pat_engine.parallel.shard_spec import Component
+
+try:  # the kernels package ships with the engine; its absence only costs speed
+    from pat_kernels import cpu_activation
+except ImportError:  # pragma: no cover
+    cpu_activation = None
 
 
 class MLP(nn.Module):
@@ -35,6 +44,14 @@ class MLP(nn.Module):
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``, the halves of the gate/up projection's output: torch's formula."""
+    """``silu(gate) * up``, the halves of the gate/up projection's output: torch's formula, through the CPU
+    kernel where it serves (the same bits in one pass)."""
+    if cpu_activation is not None and cpu_activation.usable(gate_up):
+        return cpu_activation.silu_mul(gate_up)
+    return silu_formula(gate_up)
+
+
+def silu_formula(gate_up: torch.Tensor) -> torch.Tensor:
+    """torch's formula: the reference the kernels are tested against."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

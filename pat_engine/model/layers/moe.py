@@ -115,15 +115,16 @@ class SparseMoE(nn.Module):
         flat = experts.flatten()  # (T * k,): row t * k + j is token t's j-th expert
         order = flat.argsort(stable=True)  # those rows grouped by expert, ascending
         counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()  # the host sync
-        tokens = order // k
-        rows = x[tokens]  # every (token, expert) row, grouped by expert: one gather, each expert's rows a view
         spans = list(_spans(counts))
-        if not self.invariant:
-            row_weights = weights.to(x.dtype).flatten()[order]
-            shares = self._fused_shares(rows, spans, row_weights)
-            if shares is None:
-                shares = self._shares(rows, spans, tp).mul_(row_weights[:, None])
-            return down.reduce(torch.zeros_like(x).index_add_(0, tokens, shares), tp)
+        if not self.invariant:  # HF's formula: each share weighted in the model's dtype, added in expert order
+            weights = weights.to(x.dtype)
+            out = self._kernel_experts(x, order, weights, spans)
+            if out is None:
+                tokens = order // k
+                shares = self._shares(x[tokens], spans, tp).mul_(weights.flatten()[order][:, None])
+                out = torch.zeros_like(x).index_add_(0, tokens, shares)
+            return down.reduce(out, tp)
+        rows = x[order // k]  # every (token, expert) row, grouped by expert: one gather, each expert's rows a view
         shares = self._shares(rows, spans, tp)  # (T * k, hidden) tree nodes, rows as ``order``
         nodes = torch.empty_like(shares)
         nodes[order] = shares  # back to (token, expert) order
@@ -141,11 +142,12 @@ class SparseMoE(nn.Module):
             return rows.new_zeros(rows.shape, dtype=accumulate_dtype(rows.dtype) if self.invariant else rows.dtype)
         return torch.cat(shares) if len(shares) > 1 else shares[0]
 
-    def _fused_shares(self, rows: torch.Tensor, spans: list[tuple[int, int, int]],
-                      row_weights: torch.Tensor) -> torch.Tensor | None:
-        """The weighted shares through the CPU kernel (each core whole experts), or None where it does not
-        serve: no kernel, another device or dtype, an expert without its oneDNN packs, or one row an expert."""
-        if cpu_moe is None or rows.shape[0] <= len(spans) or not cpu_moe.usable(rows):  # (also no rows)
+    def _kernel_experts(self, x: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
+                        spans: list[tuple[int, int, int]]) -> torch.Tensor | None:
+        """The weighted, combined experts through the CPU kernel (each core whole experts), or None where it does
+        not serve: no kernel, another device or dtype, an expert without its oneDNN packs, or one row an
+        expert."""
+        if cpu_moe is None or order.shape[0] <= len(spans) or not cpu_moe.usable(x):  # (also no rows)
             return None  # (a row an expert: each GEMM reads faster on every core, bench/results/cpu_moe_experts.md)
         gate_up, down = [], []
         for e, _, _ in spans:
@@ -154,7 +156,7 @@ class SparseMoE(nn.Module):
             down.append(cpu_gemm.current_pack(expert.down_proj.weight))
             if gate_up[-1] is None or down[-1] is None:
                 return None
-        return cpu_moe.experts(rows, gate_up, down, [start for _, start, _ in spans] + [spans[-1][2]], row_weights)
+        return cpu_moe.experts(x, order, weights, gate_up, down, [start for _, start, _ in spans] + [spans[-1][2]])
 
 
 def _spans(counts: list[int]):
