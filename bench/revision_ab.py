@@ -5,7 +5,7 @@ processes (base, tree, tree, base, ...), each running the same in-process step t
 
 The base is checked out into a temporary git worktree (its CPU kernels build there, into their own cache
 folder: cpu_extension names it after the checkout). Each process times, on one worker's executor in process
-(2 threads, fast numerics): a prefill of 16 prompts of 128 tokens (one 2048-token step; two untimed first,
+(2 threads, fast numerics, the environment an engine gives a CPU worker: ``EngineConfig.worker_env``): a prefill of 16 prompts of 128 tokens (one 2048-token step; two untimed first,
 then the median of 5) and decode steps at batch 16 and 64 (median of 30 after 4). Medians over rounds; the
 ratio is base time / tree time (above 1: the tree is faster). Writes bench/results/revision_ab_<shape>.md.
 """
@@ -57,9 +57,9 @@ def measure(shape: str, dtype_name: str) -> dict[str, float]:
     return out
 
 
-def child(checkout: Path, shape: str, dtype_name: str) -> dict[str, float]:
+def child(checkout: Path, shape: str, dtype_name: str, worker_env: dict[str, str]) -> dict[str, float]:
     paths = [checkout / p for p in ("", "csrc", "profiler", "integrations", "bench")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, paths)))
+    env = dict(os.environ, **worker_env, PYTHONPATH=os.pathsep.join(map(str, paths)))
     # the checkout's own bench helpers first; this file from the tree (a base may predate it)
     code = (f"import json, sys; sys.path.append({str(ROOT / 'bench')!r}); import revision_ab; "
             f"print(json.dumps(revision_ab.measure({shape!r}, {dtype_name!r})))")
@@ -78,6 +78,10 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     from common import markdown_table, write_result
 
+    from pat_engine.config import EngineConfig
+
+    worker_env = EngineConfig(model="unused", threads_per_worker=2).worker_env()  # what a 2-thread CPU worker runs with
+
     base = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
@@ -94,15 +98,16 @@ def main() -> None:
                 times: dict[str, list[dict[str, float]]] = {"base": [], "tree": []}
                 for r in range(args.rounds):
                     for name in ("base", "tree") if r % 2 == 0 else ("tree", "base"):
-                        times[name].append(child(worktree if name == "base" else ROOT, args.shape, dtype_name))
+                        times[name].append(child(worktree if name == "base" else ROOT, args.shape, dtype_name, worker_env))
                         print(name, dtype_name, times[name][-1], flush=True)
                 for case in times["base"][0]:
                     b, t = (statistics.median(run[case] for run in times[n]) for n in ("base", "tree"))
                     rows.append([dtype_name, case, f"{b:.2f}", f"{t:.2f}", f"{b / t:.3f}x"])
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT, capture_output=True)
+    env_note = ", ".join(f"{k}={v}" for k, v in worker_env.items()) or "none"
     body = (f"Base {base}, tree {head}; model `{args.shape}`; medians over {args.rounds} alternating rounds, a fresh "
-            f"process each (ms).\n\n"
+            f"process each, with the environment an engine gives its CPU workers ({env_note}) (ms).\n\n"
             + markdown_table(["dtype", "step", f"base {base} ms", "tree ms", "base / tree"], rows))
     write_result(f"revision_ab_{args.shape}", "The working tree against a base revision, step by step", body)
 
