@@ -2,12 +2,14 @@
 processes (base, tree, tree, base, ...), each running the same in-process step timer.
 
     python bench/revision_ab.py --base 40146f9 [--rounds 4] [--shape moe] [--dtypes float32 bfloat16]
+                                [--prefills 16x128 1x2000]
 
 The base is checked out into a temporary git worktree (its CPU kernels build there, into their own cache
 folder: cpu_extension names it after the checkout). Each process times, on one worker's executor in process
-(2 threads, fast numerics, the environment an engine gives a CPU worker: ``EngineConfig.worker_env``): a prefill of 16 prompts of 128 tokens (one 2048-token step; two untimed first,
-then the median of 5) and decode steps at batch 16 and 64 (median of 30 after 4). Medians over rounds; the
-ratio is base time / tree time (above 1: the tree is faster). Writes bench/results/revision_ab_<shape>.md.
+(2 threads, fast numerics, the environment an engine gives a CPU worker: ``EngineConfig.worker_env``):
+prefills (``--prefills``, default 16 prompts of 128 tokens, one 2048-token step; two untimed first, then the
+median of 5) and decode steps at batch 16 and 64 (median of 30 after 4). Medians over rounds; the ratio is
+base time / tree time (above 1: the tree is faster). Writes bench/results/revision_ab_<shape>.md.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def measure(shape: str, dtype_name: str) -> dict[str, float]:
+def measure(shape: str, dtype_name: str, prefills: tuple[tuple[int, int], ...] = ((16, 128),)) -> dict[str, float]:
     """This checkout's step times in ms (run inside the child process)."""
     import torch
 
@@ -44,10 +46,12 @@ def measure(shape: str, dtype_name: str) -> dict[str, float]:
             spans.append(time.perf_counter() - start)
         return statistics.median(spans) * 1e3
 
-    run = step_breakdown.Rollout(path, 16, 128, 4, False, dtype=dtype)
-    for _ in range(2):
-        run.prefill()
-    out = {"prefill 16 x 128": median_ms(run.prefill, 5)}
+    out = {}
+    for batch, prompt_len in prefills:
+        run = step_breakdown.Rollout(path, batch, prompt_len, 4, False, dtype=dtype)
+        for _ in range(2):
+            run.prefill()
+        out[f"prefill {batch} x {prompt_len}"] = median_ms(run.prefill, 5)
     for batch in (16, 64):
         run = step_breakdown.Rollout(path, batch, 32, 40, False, dtype=dtype)
         run.prefill()
@@ -57,14 +61,19 @@ def measure(shape: str, dtype_name: str) -> dict[str, float]:
     return out
 
 
-def child(checkout: Path, shape: str, dtype_name: str, worker_env: dict[str, str]) -> dict[str, float]:
+def child(checkout: Path, shape: str, dtype_name: str, prefills: tuple[tuple[int, int], ...],
+          worker_env: dict[str, str]) -> dict[str, float]:
     paths = [checkout / p for p in ("", "csrc", "profiler", "integrations", "bench")]
     env = dict(os.environ, **worker_env, PYTHONPATH=os.pathsep.join(map(str, paths)))
-    # the checkout's own bench helpers first; this file from the tree (a base may predate it)
-    code = (f"import json, sys; sys.path.append({str(ROOT / 'bench')!r}); import revision_ab; "
-            f"print(json.dumps(revision_ab.measure({shape!r}, {dtype_name!r})))")
+    # this file as the tree has it (a base may hold an older one, or none), the checkout's own bench helpers
+    code = ("import importlib.util, json; "
+            f"spec = importlib.util.spec_from_file_location('revision_ab_tree', {str(Path(__file__).resolve())!r}); "
+            "timer = importlib.util.module_from_spec(spec); spec.loader.exec_module(timer); "
+            f"print(json.dumps(timer.measure({shape!r}, {dtype_name!r}, {prefills!r})))")
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=checkout, capture_output=True, text=True,
-                          timeout=1800, check=True)
+                          timeout=1800)
+    if done.returncode != 0:
+        sys.exit(f"the timer failed in {checkout}:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -74,7 +83,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--shape", default="moe")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--prefills", nargs="+", default=["16x128"], help="prefill steps as BATCHxPROMPT_LEN")
     args = ap.parse_args()
+    prefills = tuple(tuple(int(v) for v in p.lower().split("x")) for p in args.prefills)
     sys.path.insert(0, str(ROOT / "bench"))
     from common import markdown_table, write_result
 
@@ -98,7 +109,7 @@ def main() -> None:
                 times: dict[str, list[dict[str, float]]] = {"base": [], "tree": []}
                 for r in range(args.rounds):
                     for name in ("base", "tree") if r % 2 == 0 else ("tree", "base"):
-                        times[name].append(child(worktree if name == "base" else ROOT, args.shape, dtype_name, worker_env))
+                        times[name].append(child(worktree if name == "base" else ROOT, args.shape, dtype_name, prefills, worker_env))
                         print(name, dtype_name, times[name][-1], flush=True)
                 for case in times["base"][0]:
                     b, t = (statistics.median(run[case] for run in times[n]) for n in ("base", "tree"))

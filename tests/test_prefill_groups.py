@@ -96,3 +96,35 @@ def test_the_torch_paths_mask_is_derived_on_the_device_as_the_host_built_it():
         want = host[idx][:, :, : part.query_len, : got.shape[-1]]
         assert torch.equal(got, want)
         assert part.torch_mask(got.shape[-1]) is got  # built once, kept for the step's other layers
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_a_prefill_without_cached_tokens_runs_causal_with_the_masks_bits(model_dir, monkeypatch, dtype):
+    """No row with cached tokens: SDPA runs with ``is_causal`` instead of the mask (it skips the blocks above the
+    diagonal). Ragged rows (padding queries in every group) give the same tokens, log-probs and KV, bit for
+    bit, as through the mask; a group with a row continuing a cached prefix keeps the mask."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (3, 70, 9, 41, 17, 90, 5, 33)]
+    path = model_dir("llama")
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(k["is_causal"]) or real(*a, **k))
+    causal = _prefill(_executor(path, dtype), prompts, [0] * len(prompts))
+    assert calls and all(calls)
+    built = step_inputs.StepInputBuilder._prefill_attention
+
+    def masked(self, *args, **kwargs):
+        meta = built(self, *args, **kwargs)
+        meta.causal = False
+        return meta
+
+    monkeypatch.setattr(step_inputs.StepInputBuilder, "_prefill_attention", masked)
+    calls.clear()
+    with_mask = _prefill(_executor(path, dtype), prompts, [0] * len(prompts))
+    assert calls and not any(calls)
+    assert causal[0] == with_mask[0] and causal[1] == with_mask[1] and torch.equal(causal[2], with_mask[2])
+    monkeypatch.setattr(step_inputs.StepInputBuilder, "_prefill_attention", built)
+    calls.clear()
+    _prefill(_executor(path, dtype), prompts, [0, 8, 0, 4, 0, 0, 0, 12])
+    assert False in calls  # the second step's rows 1, 3 and 7 continue a cached prefix: their groups keep the mask

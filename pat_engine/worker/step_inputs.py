@@ -264,6 +264,7 @@ class StepInputBuilder:
             context_lens=context_lens if context_lens is not None else self._bufs.fill(name + "context_lens",
                                                                                           starts + lens),
             cached_lens=self._bufs.fill(name + "cached_lens", starts), cu_seqlens=cu_seqlens,
+            causal=not bool(starts.any()),
         )
 
 

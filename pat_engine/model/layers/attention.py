@@ -78,6 +78,9 @@ class AttentionMetadata:
     # still describe the whole step for the varlen kernels)
     parts: list["AttentionMetadata"] | None = None
     tokens: torch.Tensor | None = None  # in a part: (t,) indices into the step's packed tokens
+    # prefill, no row with cached tokens: query i sees keys 0..i, torch's ``is_causal``, which lets SDPA skip the
+    # blocks above the diagonal (a padding query then sees keys past its row; its output is dropped)
+    causal: bool = False
     _mask: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def torch_mask(self, columns: int) -> torch.Tensor:
@@ -229,8 +232,10 @@ def gather_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
         qb = q.view(b, n, heads, hd)
     else:
         qb = q.new_zeros(b * n, heads, hd).index_copy_(0, meta.pad_index, q).view(b, n, heads, hd)
+    # the same bits either way (the masked blocks add zeros); causal skips them: a 2048-token prompt's layer 1.8x
+    mask = None if meta.causal else meta.torch_mask(kv.shape[-2])
     out = F.scaled_dot_product_attention(
-        qb.transpose(1, 2), kv[0], kv[1], attn_mask=meta.torch_mask(kv.shape[-2]), scale=scale, enable_gqa=True
+        qb.transpose(1, 2), kv[0], kv[1], attn_mask=mask, is_causal=meta.causal, scale=scale, enable_gqa=True
     )  # (B, h, n, hd)
     out = out.transpose(1, 2).reshape(b * n, heads, hd)
     return out if meta.pad_index is None else out.index_select(0, meta.pad_index)
