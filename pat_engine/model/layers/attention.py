@@ -232,7 +232,9 @@ def gather_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
         qb = q.view(b, n, heads, hd)
     else:
         qb = q.new_zeros(b * n, heads, hd).index_copy_(0, meta.pad_index, q).view(b, n, heads, hd)
-    # the same bits either way (the masked blocks add zeros); causal skips them: a 2048-token prompt's layer 1.8x
+    # causal skips the masked blocks, which only added zeros: on the CPU the mask's bits (tests/test_prefill_groups.py)
+    # and a 2000-token prompt's prefill 1.3-1.45x (bench/results/revision_ab_h768.md); on CUDA, where this path serves
+    # float64 or a forced torch backend, SDPA may pick another kernel for it (the fast mode's rounding)
     mask = None if meta.causal else meta.torch_mask(kv.shape[-2])
     out = F.scaled_dot_product_attention(
         qb.transpose(1, 2), kv[0], kv[1], attn_mask=mask, is_causal=meta.causal, scale=scale, enable_gqa=True
