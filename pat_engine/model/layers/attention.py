@@ -234,7 +234,7 @@ def gather_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
         qb = q.new_zeros(b * n, heads, hd).index_copy_(0, meta.pad_index, q).view(b, n, heads, hd)
     # causal skips the masked blocks, which only added zeros: on the CPU the mask's bits (tests/test_prefill_groups.py)
     # and a 2000-token prompt's prefill 1.3-1.45x (bench/results/revision_ab_h768.md); on CUDA, where this path serves
-    # float64 or a forced torch backend, SDPA may pick another kernel for it (the fast mode's rounding)
+    # float64, a forced torch backend or a missing Triton, SDPA may pick another kernel (the fast mode's rounding)
     mask = None if meta.causal else meta.torch_mask(kv.shape[-2])
     out = F.scaled_dot_product_attention(
         qb.transpose(1, 2), kv[0], kv[1], attn_mask=mask, is_causal=meta.causal, scale=scale, enable_gqa=True
