@@ -166,10 +166,11 @@ def test_on_one_thread_the_cpu_kernel_has_the_bits_of_the_experts_in_turn(moe_pa
         pytest.skip(f"no oneDNN pack or CPU kernel for {dtype} here")
     cpu_gemm.pack(layer)
     monkeypatch.setenv(cpu_skinny_gemm.ENV_SWITCH, "torch")
+    monkeypatch.setattr(cpu_gemm, "expert_rows", lambda rows: rows)  # each expert's own row count, as in turn
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for tokens in (6, 50):
+        for tokens in (6, 50, 200):
             x = _hidden(tokens, dtype, seed=tokens + 1)
             with torch.inference_mode():
                 fused = layer(x, single_rank())
@@ -179,6 +180,44 @@ def test_on_one_thread_the_cpu_kernel_has_the_bits_of_the_experts_in_turn(moe_pa
             assert torch.equal(fused, in_turn), (tokens, (fused - in_turn).abs().max())
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_kernel_runs_each_experts_gemms_on_its_rounded_rows(moe_path, dtype, monkeypatch):
+    """Each expert's GEMMs run on ``cpu_gemm.expert_rows`` of its rows (zeros appended: few distinct row counts,
+    so oneDNN builds few kernels), and only its own rows come back: within rounding of the rows run as given
+    (on this host's oneDNN, the same bits)."""
+    from pat_engine.model import cpu_gemm
+    from pat_kernels import cpu_moe
+
+    layer = _layer(moe_path, 0, 1, dtype, None)
+    if not cpu_gemm.packing_enabled("cpu", dtype) or not cpu_moe.usable(torch.zeros(1, 1, dtype=dtype)):
+        pytest.skip(f"no oneDNN pack or CPU kernel for {dtype} here")
+    cpu_gemm.pack(layer)
+    rule, seen = cpu_gemm.expert_rows, []
+    monkeypatch.setattr(cpu_moe, "experts", lambda *a: seen.append((a[5], a[6])) or EXPERTS(*a))
+    x = _hidden(300, dtype, seed=9)  # 1200 rows over 16 experts: every expert above the exact range
+    with torch.inference_mode():
+        rounded = layer(x, single_rank())
+        monkeypatch.setattr(cpu_gemm, "expert_rows", lambda rows: rows)
+        exact = layer(x, single_rank())
+    (offsets, gemm_rows), (_, exact_rows) = seen
+    counts = [b - a for a, b in zip(offsets, offsets[1:])]
+    assert gemm_rows == [rule(n) for n in counts]
+    assert exact_rows == counts and any(r > n for r, n in zip(gemm_rows, counts))
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rounded, exact, **tol)
+
+
+def test_expert_rows_round_up_by_at_most_a_sixteenth():
+    from pat_engine.model.cpu_gemm import EXACT_EXPERT_ROWS, expert_rows
+
+    rounded = [expert_rows(n) for n in range(1, 4097)]
+    assert all(n <= r <= n * 17 / 16 for n, r in zip(range(1, 4097), rounded))
+    assert rounded[:EXACT_EXPERT_ROWS - 1] == list(range(1, EXACT_EXPERT_ROWS))
+    for low in (32, 64, 128, 256, 512, 1024, 2048):  # at most 16 row counts an octave
+        assert len({expert_rows(n) for n in range(low, 2 * low)} - {2 * low}) <= 16
+    assert all(expert_rows(r) == r for r in rounded)  # a rounded count is its own rounding
 
 
 def test_the_cpu_kernel_refuses_bad_arguments():
@@ -199,6 +238,8 @@ def test_the_cpu_kernel_refuses_bad_arguments():
         cpu_moe.experts(x, order[:3], w, gate_up, down, [0, 3])
     with pytest.raises(RuntimeError, match="weights must be"):
         cpu_moe.experts(x, order, w.double(), gate_up, down, [0, 4])
+    with pytest.raises(RuntimeError, match="gemm_rows must hold"):
+        cpu_moe.experts(x, order, w, gate_up, down, [0, 4], [3])
 
 
 @pytest.mark.parametrize("row_chunks", [None, 4])

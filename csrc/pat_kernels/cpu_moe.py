@@ -21,10 +21,13 @@ def usable(x: torch.Tensor) -> bool:
 
 
 def experts(x: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, gate_up: list[torch.Tensor],
-            down: list[torch.Tensor], offsets: list[int]) -> torch.Tensor:
+            down: list[torch.Tensor], offsets: list[int], gemm_rows: list[int] | None = None) -> torch.Tensor:
     """``(T, H)``: each token's routed experts' MLPs of it, weighted and added in ascending expert order, before
     the TP group's sum. ``order`` (T * k,): the (token, choice) rows grouped by expert (choice ``order[r]`` is
     token ``order[r] // k``'s); grouped rows ``offsets[i]:offsets[i + 1]`` go to the expert whose packs are
-    ``gate_up[i]``, ``down[i]``; ``weights`` (T, k) in x's dtype. Call only where ``usable``."""
+    ``gate_up[i]``, ``down[i]``; ``weights`` (T, k) in x's dtype. ``gemm_rows[i]`` (default: its own rows): how
+    many rows expert i's GEMMs run with, zeros after its own. Call only where ``usable``."""
+    if gemm_rows is None:
+        gemm_rows = [b - a for a, b in zip(offsets, offsets[1:])]
     return torch.ops.pat_kernels.moe_experts_cpu(x.contiguous(), order.contiguous(), weights.contiguous(), gate_up,
-                                                 down, offsets)
+                                                 down, offsets, gemm_rows)

@@ -10,6 +10,8 @@
 //   gate_up[i]   oneDNN's pack (cpu_gemm.attach_pack) of the i-th listed expert's (2I, H) gate/up weight
 //   down[i]      the pack of its (H, I) down weight (I: this rank's share of the expert's width)
 //   offsets      n + 1 ascending offsets: grouped rows [offsets[i], offsets[i + 1]) go to expert i
+//   gemm_rows    n row counts, each at least its expert's: expert i's GEMMs run on that many rows, zeros
+//                after its own (cpu_gemm.expert_rows: few distinct counts, so oneDNN builds few kernels)
 //   out          (T, H): sum over a token's choices, in choice order (ascending expert), of its weight times
 //                down(silu(gate(x)) * up(x)): the rank's share, before the TP group's sum
 //
@@ -117,7 +119,7 @@ void combine(const T* shares, const int64_t* position, T* out, int64_t tokens, i
 
 at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& order, const at::Tensor& weights,
                            const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down,
-                           const std::vector<int64_t>& offsets) {
+                           const std::vector<int64_t>& offsets, const std::vector<int64_t>& gemm_rows) {
   const int64_t n = static_cast<int64_t>(gate_up.size());
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous (T, H) tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
@@ -131,7 +133,11 @@ at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& order, const a
   TORCH_CHECK(static_cast<int64_t>(down.size()) == n && static_cast<int64_t>(offsets.size()) == n + 1,
               "one gate_up and one down pack per expert, and n + 1 offsets");
   TORCH_CHECK(n > 0 && offsets[0] == 0 && offsets[n] == rows, "offsets must span the rows from 0");
-  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(offsets[i] < offsets[i + 1], "every listed expert needs a row");
+  TORCH_CHECK(static_cast<int64_t>(gemm_rows.size()) == n, "one gemm_rows entry per expert");
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(offsets[i] < offsets[i + 1], "every listed expert needs a row");
+    TORCH_CHECK(gemm_rows[i] >= offsets[i + 1] - offsets[i], "gemm_rows must hold each expert's rows");
+  }
   const int64_t* choice = order.const_data_ptr<int64_t>();
   std::vector<int64_t> position(rows, -1);  // where each (token, choice) row sits in the grouped order
   for (int64_t r = 0; r < rows; ++r) {
@@ -152,14 +158,16 @@ at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& order, const a
     for (int64_t t = first; t < last; ++t) {
       for (int64_t j = t; j < n; j += threads) {
         const int64_t i = by_rows[j], lo = offsets[i], hi = offsets[i + 1];
-        // the expert's token rows, gathered on this thread (a few hundred KiB at most a prefill's expert)
-        at::Tensor in = at::empty({hi - lo, h}, x.options());
+        // the expert's token rows, gathered on this thread (a few hundred KiB at most a prefill's expert), then
+        // zeros up to its GEMM rows
+        at::Tensor in = at::empty({gemm_rows[i], h}, x.options());
         const int64_t bytes = h * static_cast<int64_t>(x.element_size());
         const char* src = static_cast<const char*>(x.const_data_ptr());
         char* dst = static_cast<char*>(in.mutable_data_ptr());
         for (int64_t r = lo; r < hi; ++r) std::memcpy(dst + (r - lo) * bytes, src + choice[r] / k * bytes, bytes);
+        std::memset(dst + (hi - lo) * bytes, 0, (gemm_rows[i] - (hi - lo)) * bytes);
         at::Tensor act = silu_mul(packed_linear(in, gate_up[i]));  // (m, I)
-        weigh_into(packed_linear(act, down[i]), choice + lo, weights, shares, lo);
+        weigh_into(packed_linear(act, down[i]).slice(0, 0, hi - lo), choice + lo, weights, shares, lo);
       }
     }
   });
@@ -176,6 +184,6 @@ at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& order, const a
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pat_kernels, m) {
-  m.def("moe_experts_cpu(Tensor x, Tensor order, Tensor weights, Tensor[] gate_up, Tensor[] down, int[] offsets) -> Tensor",
+  m.def("moe_experts_cpu(Tensor x, Tensor order, Tensor weights, Tensor[] gate_up, Tensor[] down, int[] offsets, int[] gemm_rows) -> Tensor",
         &moe_experts_cpu);
 }

@@ -156,7 +156,8 @@ class SparseMoE(nn.Module):
             down.append(cpu_gemm.current_pack(expert.down_proj.weight))
             if gate_up[-1] is None or down[-1] is None:
                 return None
-        return cpu_moe.experts(x, order, weights, gate_up, down, [start for _, start, _ in spans] + [spans[-1][2]])
+        return cpu_moe.experts(x, order, weights, gate_up, down, [start for _, start, _ in spans] + [spans[-1][2]],
+                               [cpu_gemm.expert_rows(stop - start) for _, start, stop in spans])
 
 
 def _spans(counts: list[int]):
