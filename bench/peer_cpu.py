@@ -154,6 +154,8 @@ class VllmEngine:
             raise RuntimeError(f"vLLM runner answered something else than the protocol: {line[:200]!r}") from None
 
     def close(self) -> None:
+        if getattr(self, "proc", None) is None:  # never started
+            return
         if self.proc.poll() is None:
             self.proc.stdin.close()
             try:

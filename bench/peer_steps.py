@@ -5,7 +5,9 @@ For each batch size, ``B`` random prompts of ``--prompt-len`` tokens run twice p
 (the prefill, and one draw) and for ``1 + --new-tokens``; the difference over ``--new-tokens`` is a decode
 step at batch ``B`` (greedy, lengths fixed, EOS ignored). Engines alternate (pat, vLLM, pat, vLLM, ...),
 each run after both dropped their prefix caches and the cores went idle (``peer_cpu.settle``); medians of
-``--rounds``. bench/peer_rollout.py's model shapes (``--shapes``), TP1.
+``--rounds``. bench/peer_rollout.py's model shapes (``--shapes``), TP1. pat's prefills are also timed alone,
+before vLLM's process is started: on this 2-core, 24 GiB host the two engines' processes side by side (one
+of them idle) slow pat's large prefills.
 
     python bench/peer_steps.py --shapes moe      # writes bench/results/peer_steps_moe.md
 """
@@ -68,19 +70,23 @@ def main() -> None:
     rows, notes = [], []
     for shape in args.shapes:
         path = model_path(shape)
+        g = torch.Generator().manual_seed(0)
+        prompts_of = {b: torch.randint(10, SHAPES[shape].vocab_size - 10, (b, args.prompt_len), generator=g).tolist()
+                      for b in args.batch_sizes}
         vllm = VllmEngine(path, 1, python, 900, MAX_LEN, args.dtype)
-        vllm.start()
         try:
             with Engine(path, tp=1, dtype=args.dtype, max_model_len=MAX_LEN) as pat:
-                g = torch.Generator().manual_seed(0)
+                alone = {}  # pat's prefills before vLLM's process exists: what co-running on this host costs
+                for b, prompts in prompts_of.items():
+                    pat_seconds(pat, prompts, 2)
+                    alone[b] = statistics.median(pat_seconds(pat, prompts, 1) for _ in range(args.rounds))
+                vllm.start()
                 runs = {"pat": lambda p, n: pat_seconds(pat, p, n), "vLLM": lambda p, n: vllm_seconds(vllm, p, n)}
                 after = {name: statistics.median(busy_after(run, [[5] * 16] * 4) for _ in range(3))
                          for name, run in runs.items()}
                 notes.append(f"`{shape}`: the cores were busy {after['pat']:.2f} CPU-s in the 1.5 s after a pat "
                              f"request returned, {after['vLLM']:.2f} after a vLLM one (median of 3)")
-                for b in args.batch_sizes:
-                    prompts = torch.randint(10, SHAPES[shape].vocab_size - 10, (b, args.prompt_len),
-                                            generator=g).tolist()
+                for b, prompts in prompts_of.items():
                     for run in runs.values():  # warm-up at this shape
                         run(prompts, 2)
                     prefill: dict[str, list[float]] = {name: [] for name in runs}
@@ -93,7 +99,8 @@ def main() -> None:
                             step[name].append((whole - first) / args.new_tokens)
                     med = {k: {n: statistics.median(v) for n, v in d.items()} for k, d in
                            (("prefill", prefill), ("step", step))}
-                    rows.append([shape, b, f"{1e3 * med['prefill']['pat']:.1f}", f"{1e3 * med['prefill']['vLLM']:.1f}",
+                    rows.append([shape, b, f"{1e3 * alone[b]:.1f}", f"{1e3 * med['prefill']['pat']:.1f}",
+                                 f"{1e3 * med['prefill']['vLLM']:.1f}",
                                  f"{med['prefill']['vLLM'] / med['prefill']['pat']:.2f}x",
                                  f"{1e3 * med['step']['pat']:.2f}", f"{1e3 * med['step']['vLLM']:.2f}",
                                  f"{med['step']['vLLM'] / med['step']['pat']:.2f}x"])
@@ -103,8 +110,11 @@ def main() -> None:
     body = (f"{args.dtype}, TP1, prompts of {args.prompt_len} tokens; *prefill*: a request for one new token (the "
             f"prefill and one draw), ms; *decode step*: (a run of 1 + {args.new_tokens} tokens - that) / "
             f"{args.new_tokens}, ms; median of {args.rounds} alternating rounds, each run after both engines dropped "
-            f"their prefix caches and the cores went idle. vLLM: {info}. pat speed / vLLM above 1: pat faster.\n\n"
-            + markdown_table(["model", "batch", "prefill pat ms", "prefill vLLM ms", "prefill: pat speed / vLLM",
+            f"their prefix caches and the cores went idle. vLLM: {info}. pat speed / vLLM above 1: pat faster. "
+            f"*pat alone*: pat's prefill, median of {args.rounds}, timed before vLLM's process was started (the "
+            f"others run with both engines' processes up, one at a time).\n\n"
+            + markdown_table(["model", "batch", "prefill pat alone ms", "prefill pat ms", "prefill vLLM ms",
+                              "prefill: pat speed / vLLM",
                               "decode step pat ms", "decode step vLLM ms", "decode: pat speed / vLLM"], rows)
             + "\n\n" + "; ".join(notes) + ": `settle` waits that out before every timed run.\n\nModels: "
             + "; ".join(f"`{s}`: {describe(SHAPES[s])}" for s in args.shapes))

@@ -109,7 +109,8 @@ def main() -> None:
                 times: dict[str, list[dict[str, float]]] = {"base": [], "tree": []}
                 for r in range(args.rounds):
                     for name in ("base", "tree") if r % 2 == 0 else ("tree", "base"):
-                        times[name].append(child(worktree if name == "base" else ROOT, args.shape, dtype_name, prefills, worker_env))
+                        checkout = worktree if name == "base" else ROOT
+                        times[name].append(child(checkout, args.shape, dtype_name, prefills, worker_env))
                         print(name, dtype_name, times[name][-1], flush=True)
                 for case in times["base"][0]:
                     b, t = (statistics.median(run[case] for run in times[n]) for n in ("base", "tree"))

@@ -7,8 +7,9 @@ pat_engine), so any layer may read it; it also answers where a Triton kernel can
 (``triton_runs_on``: Triton's interpreter is itself an environment variable).
 
 The CPU kernel switches ``PAT_CPU_ATTENTION``, ``PAT_CPU_NORM``, ``PAT_CPU_ROTARY``,
-``PAT_CPU_CHUNK_GEMM``, ``PAT_CPU_MOE`` and ``PAT_CPU_ACTIVATION`` (``torch`` turns a kernel family off) belong to ``pat_kernels``
-(``csrc/pat_kernels/cpu_extension.py``), which pat_engine imports and which imports nothing of pat_engine.
+``PAT_CPU_CHUNK_GEMM``, ``PAT_CPU_MOE`` and ``PAT_CPU_ACTIVATION`` (``torch`` turns a kernel family off) belong
+to ``pat_kernels`` (``csrc/pat_kernels/cpu_extension.py``), which pat_engine imports and which imports nothing of
+pat_engine.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The routed experts of a fast-mode step on the CPU (``cpu/moe_experts.cpp``): each core takes whole experts
-(gate/up GEMM, SiLU-mul, down GEMM, routing weight) through their oneDNN packs, then adds each token's shares. Built by ``cpu_extension``;
-``PAT_CPU_MOE=torch`` turns it off (for A/B runs: ``cpu_extension.switched_on``), and then each expert runs
-through ``layers/linear.py`` in turn.
+(gate/up GEMM, SiLU-mul, down GEMM, routing weight) through their oneDNN packs, then adds each token's shares.
+Built by ``cpu_extension``; ``PAT_CPU_MOE=torch`` turns it off (for A/B runs: ``cpu_extension.switched_on``), and
+then each expert runs through ``layers/linear.py`` in turn.
 """
 
 from __future__ import annotations

@@ -54,11 +54,15 @@ at::Tensor silu_mul(const at::Tensor& h) {
   if (h.scalar_type() == at::kFloat) {
     const float* in = h.const_data_ptr<float>();
     float* out = act.mutable_data_ptr<float>();
-    for (int64_t r = 0; r < m; ++r) pat_silu::row_f32(in + r * stride, in + r * stride + width, out + r * width, width);
+    for (int64_t r = 0; r < m; ++r) {
+      pat_silu::row_f32(in + r * stride, in + r * stride + width, out + r * width, width);
+    }
   } else {
     const auto* in = h.const_data_ptr<c10::BFloat16>();
     auto* out = act.mutable_data_ptr<c10::BFloat16>();
-    for (int64_t r = 0; r < m; ++r) pat_silu::row_bf16(in + r * stride, in + r * stride + width, out + r * width, width);
+    for (int64_t r = 0; r < m; ++r) {
+      pat_silu::row_bf16(in + r * stride, in + r * stride + width, out + r * width, width);
+    }
   }
   return act;
 }
@@ -184,6 +188,7 @@ at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& order, const a
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pat_kernels, m) {
-  m.def("moe_experts_cpu(Tensor x, Tensor order, Tensor weights, Tensor[] gate_up, Tensor[] down, int[] offsets, int[] gemm_rows) -> Tensor",
+  m.def("moe_experts_cpu(Tensor x, Tensor order, Tensor weights, Tensor[] gate_up, Tensor[] down, int[] offsets, "
+        "int[] gemm_rows) -> Tensor",
         &moe_experts_cpu);
 }

@@ -53,7 +53,9 @@ inline void silu_vector(const float* g, const float* u, float* y, int64_t count)
 
 // The elements of a row that torch's loop takes through its vectors: whole steps of two vectors of the
 // dtype (a bfloat16 vector holds twice the elements of a float one).
-inline int64_t vector_part(int64_t n, int64_t dtype_lanes) { return dtype_lanes ? n / (2 * dtype_lanes) * (2 * dtype_lanes) : 0; }
+inline int64_t vector_part(int64_t n, int64_t dtype_lanes) {
+  return dtype_lanes ? n / (2 * dtype_lanes) * (2 * dtype_lanes) : 0;
+}
 
 inline void row_f32(const float* g, const float* u, float* y, int64_t n) {
   const int64_t whole = vector_part(n, kFloatLanes);
