@@ -40,6 +40,22 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def json_from_worker_process(code: str, checkout: Path, what: str) -> object:
+    """Run ``code`` (Python whose last printed line is JSON) in a fresh process on ``checkout``'s sources, with
+    the environment an engine gives a 2-thread CPU worker (``EngineConfig.worker_env``): that JSON. A failed
+    run ends the benchmark with its error."""
+    from pat_engine.config import EngineConfig
+
+    paths = [checkout / p for p in ("", "csrc", "profiler", "integrations", "bench")]
+    env = dict(os.environ, **EngineConfig(model="unused", threads_per_worker=2).worker_env(),
+               PYTHONPATH=os.pathsep.join(map(str, paths)))
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=checkout, capture_output=True, text=True,
+                          timeout=1800)
+    if done.returncode != 0:
+        sys.exit(f"{what} failed in {checkout}:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def write_result(name: str, title: str, body: str) -> Path:
     """Print ``body`` and write it to bench/results/<name>.md with command, machine and date."""
     command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])

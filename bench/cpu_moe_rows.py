@@ -16,10 +16,7 @@ adds at most 1/16 of an expert's rows and, on this host, changes no bit (tests/t
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,17 +49,10 @@ def measure(setting: str, dtype_name: str, steps: int) -> list[float]:
 
 
 def child(setting: str, dtype_name: str, steps: int) -> list[float]:
-    from pat_engine.config import EngineConfig
+    from common import json_from_worker_process
 
-    paths = [ROOT / p for p in ("", "csrc", "profiler", "integrations", "bench")]
-    env = dict(os.environ, **EngineConfig(model="unused", threads_per_worker=2).worker_env(),
-               PYTHONPATH=os.pathsep.join(map(str, paths)))
     code = f"import json, cpu_moe_rows; print(json.dumps(cpu_moe_rows.measure({setting!r}, {dtype_name!r}, {steps})))"
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=1800)
-    if done.returncode != 0:
-        sys.exit(f"the {setting} run failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json_from_worker_process(code, ROOT, f"the {setting} run")
 
 
 def main() -> None:

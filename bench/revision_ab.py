@@ -15,8 +15,6 @@ base time / tree time (above 1: the tree is faster). Writes bench/results/revisi
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import subprocess
 import sys
@@ -61,20 +59,15 @@ def measure(shape: str, dtype_name: str, prefills: tuple[tuple[int, int], ...] =
     return out
 
 
-def child(checkout: Path, shape: str, dtype_name: str, prefills: tuple[tuple[int, int], ...],
-          worker_env: dict[str, str]) -> dict[str, float]:
-    paths = [checkout / p for p in ("", "csrc", "profiler", "integrations", "bench")]
-    env = dict(os.environ, **worker_env, PYTHONPATH=os.pathsep.join(map(str, paths)))
+def child(checkout: Path, shape: str, dtype_name: str, prefills: tuple[tuple[int, int], ...]) -> dict[str, float]:
+    from common import json_from_worker_process
+
     # this file as the tree has it (a base may hold an older one, or none), the checkout's own bench helpers
     code = ("import importlib.util, json; "
             f"spec = importlib.util.spec_from_file_location('revision_ab_tree', {str(Path(__file__).resolve())!r}); "
             "timer = importlib.util.module_from_spec(spec); spec.loader.exec_module(timer); "
             f"print(json.dumps(timer.measure({shape!r}, {dtype_name!r}, {prefills!r})))")
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=checkout, capture_output=True, text=True,
-                          timeout=1800)
-    if done.returncode != 0:
-        sys.exit(f"the timer failed in {checkout}:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json_from_worker_process(code, checkout, "the timer")
 
 
 def main() -> None:
@@ -91,7 +84,7 @@ def main() -> None:
 
     from pat_engine.config import EngineConfig
 
-    worker_env = EngineConfig(model="unused", threads_per_worker=2).worker_env()  # what a 2-thread CPU worker runs with
+    worker_env = EngineConfig(model="unused", threads_per_worker=2).worker_env()  # what json_from_worker_process sets
 
     base = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout.strip()
@@ -110,7 +103,7 @@ def main() -> None:
                 for r in range(args.rounds):
                     for name in ("base", "tree") if r % 2 == 0 else ("tree", "base"):
                         checkout = worktree if name == "base" else ROOT
-                        times[name].append(child(checkout, args.shape, dtype_name, prefills, worker_env))
+                        times[name].append(child(checkout, args.shape, dtype_name, prefills))
                         print(name, dtype_name, times[name][-1], flush=True)
                 for case in times["base"][0]:
                     b, t = (statistics.median(run[case] for run in times[n]) for n in ("base", "tree"))
