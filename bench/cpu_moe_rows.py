@@ -3,7 +3,7 @@ against run as given.
 
     PYTHONPATH=.:profiler:integrations:csrc:bench python bench/cpu_moe_rows.py [--rounds 3] [--steps 10]
 
-oneDNN builds a kernel for every new row count of a packed GEMM (0.4-0.9 ms each on this host) and keeps it.
+oneDNN builds a kernel for every new row count of a packed GEMM (a fraction of a millisecond each) and keeps it.
 A prefill's experts each get a row count that moves with the routing, so with new prompts each step a fresh
 process meets new counts for many steps. Each run is a fresh process (one worker's executor in process, 2
 threads, the environment an engine gives a CPU worker) that prefills ``--steps`` batches of 16 new prompts of

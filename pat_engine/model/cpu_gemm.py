@@ -68,7 +68,7 @@ def packing_enabled(device: torch.device | str, dtype: torch.dtype) -> bool:
 def expert_rows(rows: int) -> int:
     """How many rows an MoE expert's packed GEMMs run with in the CPU experts kernel (zero rows appended): below
     ``EXACT_EXPERT_ROWS`` as many as given, above that rounded up to one of 16 steps an octave (at most 1/16 more
-    rows). oneDNN builds a kernel for every new row count (0.4-0.9 ms each on this host), and a prefill's
+    rows). oneDNN builds a kernel for every new row count (a fraction of a millisecond each), and a prefill's
     experts meet new counts at every step as the routing moves: a fresh process's 2048-token MoE prefills of
     new prompts ran their first step 1.14x (float32) / 1.44x (bfloat16) faster rounded, steps 2-4 1.03x /
     1.26x, and as fast (0.99x / 1.01x) once warm (bench/results/cpu_moe_rows.md). On this host the rounded
