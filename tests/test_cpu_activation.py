@@ -103,3 +103,33 @@ def test_the_mlp_runs_the_kernel(kernels, monkeypatch) -> None:
     fused = layer(x, single_rank())
     monkeypatch.setenv(cpu_activation.ENV_SWITCH, "torch")
     assert torch.equal(layer(x, single_rank()), fused) and calls == [(5, 192)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_cpu_step_runs_the_mlp_in_row_chunks(monkeypatch, dtype) -> None:
+    """A fast-mode CPU step whose gate/up output would pass ``cpu_gemm.MLP_CHUNK_BYTES`` runs the MLP in row
+    chunks (each output row depends only on its own row): within rounding of one pass, and its residual stream
+    (a norm before the MLP) still set; the invariant mode does not chunk."""
+    from pat_engine.model import cpu_gemm
+    from pat_engine.model.layers.gemm_input import NormedInput
+    from pat_engine.model.layers.norm import RMSNorm
+
+    layer = mlp.MLP(64, 96, 1, dtype, "cpu")
+    for p in layer.parameters():
+        p.data = (torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1).to(dtype)
+    x = torch.randn(50, 64).to(dtype)
+    whole = layer(x, single_rank())
+    rows_per_chunk = 16
+    monkeypatch.setattr(cpu_gemm, "MLP_CHUNK_BYTES", rows_per_chunk * 192 * x.element_size())
+    calls = []
+    real = layer.gate_up_proj.forward
+    monkeypatch.setattr(layer.gate_up_proj, "forward", lambda h: calls.append(h.shape[0]) or real(h))
+    chunked = layer(x, single_rank())
+    assert calls == [16, 16, 16, 2]
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(chunked, whole, **tol)
+    normed = NormedInput(x, torch.ones_like(x), RMSNorm(64, 1e-6, dtype, "cpu"))
+    layer(normed, single_rank())
+    assert torch.equal(normed.summed, x + 1)
+    invariant = mlp.MLP(64, 96, 1, dtype, "cpu", row_chunks=2)
+    assert not invariant.chunked

@@ -53,6 +53,7 @@ except ImportError:  # pragma: no cover - a partial install: oneDNN serves every
 SKINNY_ROWS = {torch.float32: 2, torch.bfloat16: 1}
 ROW_ALIGN = 4  # torch's unpacked GEMM runs row counts off a multiple of 4 through a slower remainder path
 PAD_BELOW = 256  # ... which stops mattering beyond a few hundred rows
+MLP_CHUNK_BYTES = 16 << 20  # a CPU MLP chunk's gate/up output: under glibc's 32 MiB mmap threshold (mlp_chunk_rows)
 EXACT_EXPERT_ROWS = 32  # an expert's row counts below this run as given (few enough distinct ones: expert_rows)
 PACKED_ATTR = "cpu_packed"  # on a weight Parameter: (address of the plain data, packed tensor)
 GEMM_ATTR = "is_gemm_weight"  # set by the layers whose weight is multiplied through ``linear``
@@ -77,6 +78,14 @@ def expert_rows(rows: int) -> int:
         return rows
     step = 1 << (rows.bit_length() - 5)  # 16 steps from 2^b to 2^(b+1)
     return -(-rows // step) * step
+
+
+def mlp_chunk_rows(gate_up: torch.Tensor) -> int:
+    """Rows per chunk of a fast-mode CPU MLP step: its gate/up output (rows x the weight's rows) stays within
+    ``MLP_CHUNK_BYTES``. glibc maps every buffer above 32 MiB afresh and unmaps it on free, so a 2048-token
+    step's (2048, 4096) float32 gate/up output (33.5 MB) was faulted in anew every step; a chunk's comes back
+    from the heap. Each output row depends only on its input row."""
+    return max(1, MLP_CHUNK_BYTES // (gate_up.shape[0] * gate_up.element_size()))
 
 
 def padded_rows(rows: int, packed: bool, invariant: bool) -> int:

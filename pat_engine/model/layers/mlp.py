@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pat_engine.model import cpu_gemm
 from pat_engine.model.layers import triton_ops
 from pat_engine.model.layers.gemm_input import GatedInput, GemmInput
 from pat_engine.model.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -33,12 +34,22 @@ class MLP(nn.Module):
                                                  device, row_chunks is not None)
         self.down_proj = RowParallelLinear(inter, hidden_size, 1, tp, dtype, device, row_chunks)
         self.triton = triton_ops.kernels_for(device, dtype)
+        # fast-mode CPU steps run in row chunks whose gate/up output stays under glibc's mmap threshold
+        self.chunked = torch.device(device).type == "cpu" and row_chunks is None
 
     def forward(self, x: GemmInput, tp: TPGroup) -> torch.Tensor:
         return self.down_proj.reduce(self.partial(x, tp), tp)
 
     def partial(self, x: GemmInput, tp: TPGroup) -> torch.Tensor:
         """This rank's share of the output before the group sums it (``RowParallelLinear.partial``)."""
+        rows = x.shape[0] if isinstance(x, torch.Tensor) else x.rows
+        step = cpu_gemm.mlp_chunk_rows(self.gate_up_proj.weight) if self.chunked else rows
+        if rows > step:
+            x = x if isinstance(x, torch.Tensor) else x.computed()
+            return torch.cat([self._partial(x[i:i + step], tp) for i in range(0, rows, step)])
+        return self._partial(x, tp)
+
+    def _partial(self, x: GemmInput, tp: TPGroup) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (T, 2 * inter / tp)
         return self.down_proj.partial(GatedInput(gate_up, self.triton.silu_and_mul if self.triton else silu_and_mul), tp)
 
