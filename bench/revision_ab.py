@@ -9,7 +9,7 @@ folder: cpu_extension names it after the checkout). Each process times, on one w
 (2 threads, fast numerics, the environment an engine gives a CPU worker: ``EngineConfig.worker_env``):
 prefills (``--prefills``, default 16 prompts of 128 tokens, one 2048-token step; two untimed first, then the
 median of 5) and decode steps at batch 16 and 64 (median of 30 after 4). Medians over rounds; the ratio is
-base time / tree time (above 1: the tree is faster). Writes bench/results/revision_ab_<shape>.md.
+base time / tree time (above 1: the tree is faster). Writes bench/results/revision_ab_<shape>[_<name>].md.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--shape", default="moe")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--prefills", nargs="+", default=["16x128"], help="prefill steps as BATCHxPROMPT_LEN")
+    ap.add_argument("--name", default="", help="what the change is, for the result file's name")
     args = ap.parse_args()
     prefills = tuple(tuple(int(v) for v in p.lower().split("x")) for p in args.prefills)
     sys.path.insert(0, str(ROOT / "bench"))
@@ -114,7 +115,7 @@ def main() -> None:
     body = (f"Base {base}, tree {head}; model `{args.shape}`; medians over {args.rounds} alternating rounds, a fresh "
             f"process each, with the environment an engine gives its CPU workers ({env_note}) (ms).\n\n"
             + markdown_table(["dtype", "step", f"base {base} ms", "tree ms", "base / tree"], rows))
-    write_result(f"revision_ab_{args.shape}", "The working tree against a base revision, step by step", body)
+    write_result(f"revision_ab_{args.shape}" + (f"_{args.name}" if args.name else ""), "The working tree against a base revision, step by step", body)
 
 
 if __name__ == "__main__":
