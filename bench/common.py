@@ -40,15 +40,18 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def json_from_worker_process(code: str, checkout: Path, what: str) -> object:
-    """Run ``code`` (Python whose last printed line is JSON) in a fresh process on ``checkout``'s sources, with
-    the environment an engine gives a 2-thread CPU worker (``EngineConfig.worker_env``): that JSON. A failed
-    run ends the benchmark with its error."""
+def worker_process_env() -> dict[str, str]:
+    """The environment variables an engine gives a 2-thread CPU worker (``EngineConfig.worker_env``)."""
     from pat_engine.config import EngineConfig
 
+    return EngineConfig(model="unused", threads_per_worker=2).worker_env()
+
+
+def json_from_worker_process(code: str, checkout: Path, what: str) -> object:
+    """Run ``code`` (Python whose last printed line is JSON) in a fresh process on ``checkout``'s sources, with
+    ``worker_process_env``: that JSON. A failed run ends the benchmark with its error."""
     paths = [checkout / p for p in ("", "csrc", "profiler", "integrations", "bench")]
-    env = dict(os.environ, **EngineConfig(model="unused", threads_per_worker=2).worker_env(),
-               PYTHONPATH=os.pathsep.join(map(str, paths)))
+    env = dict(os.environ, **worker_process_env(), PYTHONPATH=os.pathsep.join(map(str, paths)))
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=checkout, capture_output=True, text=True,
                           timeout=1800)
     if done.returncode != 0:

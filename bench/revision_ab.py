@@ -81,11 +81,8 @@ def main() -> None:
     args = ap.parse_args()
     prefills = tuple(tuple(int(v) for v in p.lower().split("x")) for p in args.prefills)
     sys.path.insert(0, str(ROOT / "bench"))
-    from common import markdown_table, write_result
+    from common import markdown_table, worker_process_env, write_result
 
-    from pat_engine.config import EngineConfig
-
-    worker_env = EngineConfig(model="unused", threads_per_worker=2).worker_env()  # what json_from_worker_process sets
 
     base = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout.strip()
@@ -111,7 +108,7 @@ def main() -> None:
                     rows.append([dtype_name, case, f"{b:.2f}", f"{t:.2f}", f"{b / t:.3f}x"])
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT, capture_output=True)
-    env_note = ", ".join(f"{k}={v}" for k, v in worker_env.items()) or "none"
+    env_note = ", ".join(f"{k}={v}" for k, v in worker_process_env().items()) or "none"
     body = (f"Base {base}, tree {head}; model `{args.shape}`; medians over {args.rounds} alternating rounds, a fresh "
             f"process each, with the environment an engine gives its CPU workers ({env_note}) (ms).\n\n"
             + markdown_table(["dtype", "step", f"base {base} ms", "tree ms", "base / tree"], rows))
