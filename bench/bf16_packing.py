@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import markdown_table, write_result  # noqa: E402
-from host_hugepages import ab_args, ab_cases, alternating  # noqa: E402
+from rollout_ab import ab_args, ab_cases, alternating, median_seconds  # noqa: E402
 
 SETTINGS = {"packed": {"PAT_CPU_GEMM": None}, "plain": {"PAT_CPU_GEMM": "torch"}}
 
@@ -24,7 +24,8 @@ def main() -> None:
     args = ab_args(__doc__.split("\n\n")[0])
     rows = []
     for shape, path, w in ab_cases(args.shapes):
-        seconds, _, same = alternating(path, SETTINGS, w, args.rounds, "bfloat16")
+        runs, same = alternating(path, SETTINGS, w, args.rounds, "bfloat16")
+        seconds = {name: median_seconds(r) for name, r in runs.items()}
         rows.append([shape, w.name, f"{seconds['plain']:.2f}", f"{seconds['packed']:.2f}",
                      f"{seconds['plain'] / seconds['packed']:.2f}x", "yes" if same else "no"])
     body = (f"Median of {args.rounds} alternating runs per setting, each on a freshly started engine (TP1, "

@@ -29,7 +29,7 @@ BENCH = Path(__file__).resolve().parent
 
 def measure(shapes: list[str], dtypes: list[str], top_p: bool, tail: bool) -> dict:
     """One round with whichever engine this process imports: {row: [seconds, [a hash per sample]]}."""
-    from host_hugepages import ab_cases  # the A/B benches' workloads: each shape's greedy tail and GRPO top_p 1.0
+    from rollout_ab import ab_cases  # the A/B benches' workloads: each shape's greedy tail and GRPO top_p 1.0
     from peer_rollout import PatRollout, Workload
 
     out = {}

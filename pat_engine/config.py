@@ -293,7 +293,8 @@ class EngineConfig:
         buffers (the logits: 58 MB at 96 rows x Qwen's 151,936 tokens) are faulted in 4 KiB page by
         page every step. ``glibc.malloc.hugetlb=1`` asks for transparent huge pages on those
         mappings (where the kernel's THP mode is ``madvise``): 2 MiB faults, 1/512 as many, and
-        freed memory still goes back to the OS at once (bench/results/host_hugepages.md).
+        freed memory still goes back to the OS at once. A heap that keeps freed buffers (a fixed 32 MiB mmap
+        threshold, a 1 GiB trim threshold) was no steadier: 0.86-1.13x by workload (bench/results/worker_malloc.md).
         """
         if self.device != "cpu":
             return {}

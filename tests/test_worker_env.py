@@ -72,3 +72,36 @@ def test_large_buffers_fault_in_huge_pages():
     small, huge = faults_for("glibc.malloc.hugetlb=0"), faults_for(HUGE["GLIBC_TUNABLES"])
     assert small > 3 * 16384 * 0.9  # three 64 MB buffers in 4 KiB pages
     assert huge < small / 10
+
+
+KEEP_PROBE = """
+import sys, torch
+from pat_engine.worker.device_memory import release_cached
+
+def rss():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:")) * 1024
+
+buffers = [torch.ones(4 << 20) for _ in range(16)]  # 16 MiB each: under the fixed 32 MiB mmap threshold
+held = rss()
+del buffers
+freed = rss()
+release_cached(sys.argv[1])
+print(held, freed, rss())
+"""
+
+
+@pytest.mark.slow  # processes
+def test_the_heap_keeps_freed_buffers_until_released():
+    """Under tunables that keep freed buffers in the heap (bench/worker_malloc.py's ``kept``, which a user may
+    set), a release of memory (a sleep) still hands them to the OS."""
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc's allocator only")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+           "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"}
+    run = lambda device: [int(v) for v in subprocess.run([sys.executable, "-c", KEEP_PROBE, device], env=env,
+                                                         check=True, capture_output=True, text=True).stdout.split()]
+    held, freed, trimmed = run("cpu")
+    size = 16 * (16 << 20)
+    assert freed > held - 0.2 * size  # kept
+    assert trimmed < freed - 0.8 * size  # handed back
+    assert run("meta")[2] > held - 0.2 * size  # another device's release leaves the CPU heap alone

@@ -7,7 +7,10 @@ this module only reads the device for them.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,10 +56,23 @@ def storage_view(old: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) 
 
 
 def release_cached(device: torch.device | str) -> None:
-    """Return this process's unused cached CUDA blocks to the device (nothing on the CPU). The caching
-    allocator keeps a freed block until its own process runs out; ranks sharing a GPU cannot take it then."""
+    """Return this process's unused cached memory: on a GPU the caching allocator's free blocks to the device
+    (it keeps a freed block until its own process runs out; ranks sharing a GPU cannot take it then), on the CPU
+    the C heap's free pages to the OS (a CPU worker's heap keeps what it frees up to its trim threshold:
+    ``EngineConfig.worker_env``)."""
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
+    elif torch.device(device).type == "cpu" and (trim := _malloc_trim()) is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim`` (None under another C library)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def allocator_stats(device: torch.device, release: bool = False) -> dict:

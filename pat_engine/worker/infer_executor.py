@@ -39,6 +39,7 @@ from pat_engine.protocol import StepCommand, StepResult
 from pat_engine.protocol import PromptLogprobs
 from pat_engine.sampling.inverse_cdf import batch_invariant_draws
 from pat_engine.sampling.sampler import HostTransfer, sample_on_device
+from pat_engine.worker.device_memory import release_cached
 from pat_engine.worker.graph_capture import DecodeGraphs, GraphSettings
 from pat_engine.speculative.verify import accept
 from pat_engine.worker.kv_pool import PagedKVPool
@@ -162,6 +163,7 @@ class InferExecutor:
                     freed += p.numel() * p.element_size()
                     p.data = torch.empty(0, dtype=p.dtype) if weights == "discarded" else p.data.to("cpu")
                 self._residency = weights
+        release_cached(self.device)
         return freed
 
     def restore_memory(self, kv_blocks: int | None, weights: bool) -> None:
