@@ -31,6 +31,7 @@ from pat_engine.core.coordinator import GlobalCoordinator
 from pat_engine.core.inputs import RequestFactory, load_tokenizer
 from pat_engine.core.loop import EngineLoop
 from pat_engine.core.memory import MemoryPlan, default_cpu_kv_bytes
+from pat_engine.core.profiling import Profiling
 from pat_engine.core.request import Sequence
 from pat_engine.core.request_handle import RequestHandle
 from pat_engine.core.restart_budget import RestartBudget
@@ -104,6 +105,7 @@ class Engine:
         self.coordinator = GlobalCoordinator(cfg, self.memory, pool, self.base_layout, self.weights)
         # one forward per area: each public method below hands over to one of these
         self._stepping = self.coordinator.stepping
+        self._profiling = Profiling(self._stepping.ask_profilers)
         self._switching = self.coordinator.switching
         self._weight_sync = self.coordinator.weight_sync
         self._memory = self.coordinator.memory_release
@@ -198,6 +200,18 @@ class Engine:
             yield log
         finally:
             self._stepping.set_step_log(None)
+
+    def start_profile(self, output_dir: str | None = None, *, num_steps: int | None = None,
+                      record_shapes: bool = False, with_stack: bool = False) -> str:
+        """Profile every worker's work with ``torch.profiler`` (CPU operators, and CUDA kernels on a GPU) until
+        ``stop_profile``, or for ``num_steps`` steps of each rank. Returns the folder the files go to:
+        ``output_dir``, else ``$PAT_TORCH_PROFILER_DIR``, else a new temporary one. One profile at a time."""
+        return self._profiling.start(output_dir, num_steps, record_shapes, with_stack)
+
+    def stop_profile(self) -> list[str]:
+        """End the profile (each rank's own, if its ``num_steps`` have not ended it); the files the ranks wrote:
+        per rank a Chrome trace (``.pt.trace.json.gz``) and its operators by self time (``.table.txt``)."""
+        return self._profiling.stop()
 
     def measure_bandwidth(self, nbytes: int = 8 << 20, repeats: int = 3, path: str | None = None) -> float:
         """One-way per-rank point-to-point bandwidth (bytes/s), every rank sending at once, along ``path``

@@ -39,7 +39,7 @@ from pat_engine.parallel.layout import Layout
 from pat_engine.parallel.p2p import check_path
 from pat_engine.predictor.policy import ClusterStatus, GroupSnapshot, RequestSnapshot
 from pat_engine.protocol import AnswerHeld, StepCommand, StepResult
-from pat_engine.protocol.calls import BandwidthProbe, Reply, Stats
+from pat_engine.protocol.calls import BandwidthProbe, Reply, StartProfile, Stats, StopProfile
 from pat_engine.speculative.manager import Speculation
 
 PAUSE_MODES = ("in_place", "retract", "abort")
@@ -448,6 +448,11 @@ class Stepping:
     @on_loop
     def worker_stats(self, release_cached: bool = False) -> list[dict]:
         return self.pool.ask(Stats(release_cached))
+
+    @on_loop
+    def ask_profilers(self, call: StartProfile | StopProfile) -> list | None:
+        """Start or stop every rank's profile (core/profiling.py)."""
+        return self.pool.ask(call)
 
     @on_loop
     def bandwidth_probe(self, nbytes: int, repeats: int, path: str | None = None) -> list[float]:

@@ -98,6 +98,26 @@ class Shutdown(WorkerCall[None]):
         return self.timeout_s
 
 
+@dataclass(frozen=True)
+class StartProfile(WorkerCall[None]):
+    """Start ``torch.profiler`` over this rank's work (CPU, and CUDA kernels on a GPU); after ``num_steps``
+    steps (None: at ``StopProfile``) it stops and writes its files into ``output_dir``, named from ``name``
+    (worker/profile_handlers.py)."""
+
+    output_dir: str
+    name: str
+    num_steps: int | None = None
+    record_shapes: bool = False
+    with_stack: bool = False
+
+
+@dataclass(frozen=True)
+class StopProfile(WorkerCall[list[list[str]]]):
+    """Stop the rank's profile (if its steps have not stopped it) and answer the files it wrote."""
+
+    reply = ReplyRule.EACH
+
+
 # ---- weights ---------------------------------------------------------------------------------------
 
 

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pat_engine.core.engine import Engine
 from pat_engine.errors import InvalidRequestError
-from pat_engine.serve import pat_routes
+from pat_engine.serve import pat_routes, profile_routes
 from pat_engine.serve.async_engine import ClientDisconnected
 from pat_engine.serve.errors import APIError
 from pat_engine.serve.guard import RequestGuard
@@ -37,7 +37,7 @@ __all__ = ["DEFAULT_MAX_BODY_BYTES", "ServerConfig", "ServerState", "build_app"]
 
 log = logging.getLogger(__name__)
 ROUTERS = (openai_routes.router, tokenize_routes.router, pat_routes.router, sglang_routes.router,
-           sglang_weight_routes.router)
+           sglang_weight_routes.router, profile_routes.router)
 
 
 def build_app(engine: Engine, config: ServerConfig) -> FastAPI:

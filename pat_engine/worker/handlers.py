@@ -4,7 +4,8 @@ A handler is a public method whose parameter ``call`` is annotated with a ``Work
 subclass (``def release(self, call: ReleaseMemory) -> int``); the annotation is its one
 registration. The handlers are grouped by concern: ``layout_handlers`` (switch, group and
 bandwidth diagnostics), ``weight_handlers`` (RL weight sync), ``memory_handlers`` (release,
-restore, the GPU KV budget); the ``Worker`` answers ``Shutdown`` itself.
+restore, the GPU KV budget), ``profile_handlers`` (torch.profiler sessions); the ``Worker`` answers ``Shutdown``
+itself.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Messages arrive on a pipe: ``StepCommand`` (hot path; only TP rank 0 answers; a 
 ``hold`` is answered after the next message is read, see protocol/steps.py), ``AnswerHeld``
 or a ``Call`` carrying a typed control call (every addressed rank answers with a ``Reply``;
 ``handle`` picks the handler by the call's type from the handler groups: ``layout_handlers``,
-``weight_handlers``, ``memory_handlers``). Any exception is
+``weight_handlers``, ``memory_handlers``, ``profile_handlers``). Any exception is
 reported with its traceback instead of killing the process, so the driver can
 name the failing rank.
 """
@@ -34,6 +34,7 @@ from pat_engine.worker.handlers import handler_table
 from pat_engine.worker.infer_executor import InferExecutor, LaunchedStep
 from pat_engine.worker.layout_handlers import LayoutHandlers
 from pat_engine.worker.memory_handlers import MemoryHandlers
+from pat_engine.worker.profile_handlers import ProfileHandlers
 from pat_engine.worker.weight_handlers import WeightHandlers
 
 
@@ -77,8 +78,10 @@ class Worker:
         self.layout_calls = LayoutHandlers(args.rank, args.world, self.cpu_world, self.groups, self.executor)
         self.weight_calls = WeightHandlers(args.rank, self.executor)
         self.memory_calls = MemoryHandlers(cfg, self.executor, self.memory)
+        self.profile_calls = ProfileHandlers(args.rank, self.device)
         # call type -> handler, from the handlers' annotations (worker/handlers.py)
-        self.handlers = handler_table(self, self.layout_calls, self.weight_calls, self.memory_calls)
+        self.handlers = handler_table(self, self.layout_calls, self.weight_calls, self.memory_calls,
+                                      self.profile_calls)
 
     def handle(self, call: WorkerCall) -> Any:
         handler = self.handlers.get(type(call))
@@ -131,6 +134,7 @@ class Worker:
         except Exception:
             conn.send(Reply(-cmd.step_id, self.rank, False, error=traceback.format_exc()))
             return None
+        self.profile_calls.step_launched()
         if held is not None:
             self._answer(conn, held)
         if launched is None or cmd.hold:
