@@ -63,12 +63,14 @@ def test_every_control_call_has_one_handler_on_the_worker():
     from pat_engine.worker.handlers import handled_calls
     from pat_engine.worker.layout_handlers import LayoutHandlers
     from pat_engine.worker.memory_handlers import MemoryHandlers
+    from pat_engine.worker.profile_handlers import ProfileHandlers
     from pat_engine.worker.weight_handlers import WeightHandlers
     from pat_engine.worker.worker import Worker
 
     defined = {c for c in vars(calls).values()
                if isinstance(c, type) and issubclass(c, calls.WorkerCall) and c is not calls.WorkerCall}
-    handled = Counter(c for owner in (Worker, LayoutHandlers, WeightHandlers, MemoryHandlers) for c in handled_calls(owner))
+    owners = (Worker, LayoutHandlers, WeightHandlers, MemoryHandlers, ProfileHandlers)
+    handled = Counter(c for owner in owners for c in handled_calls(owner))
     assert set(handled) == defined, f"no handler: {sorted(c.__name__ for c in defined - set(handled))}"
     assert all(n == 1 for n in handled.values()), f"two handlers: {[c.__name__ for c, n in handled.items() if n > 1]}"
 
