@@ -69,9 +69,13 @@ def test_profiling_mistakes_are_refused_by_name(engine, tmp_path):
     engine.start_profile(str(tmp_path))
     with pytest.raises(InvalidRequestError, match="already running"):
         engine.start_profile(str(tmp_path))
-    assert len(engine.stop_profile()) == 4
+    first = engine.stop_profile()
     with pytest.raises(InvalidRequestError, match="no profile is running"):
         engine.stop_profile()
+    engine.start_profile(str(tmp_path))  # at once, into the same folder: its own files
+    second = engine.stop_profile()
+    assert len(first) == len(second) == 4 and not set(first) & set(second)
+    assert all(Path(f).is_file() for f in first + second)
 
 
 def test_the_default_folder_is_the_environments(engine, tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ class Profiling:
     def __init__(self, ask_workers: Callable[[WorkerCall], Any]):
         self._ask = ask_workers
         self.running: StartProfile | None = None
+        self._sessions = 0
 
     def start(self, output_dir: str | None, num_steps: int | None, record_shapes: bool, with_stack: bool) -> str:
         if self.running is not None:
@@ -30,8 +31,9 @@ class Profiling:
             raise InvalidRequestError(f"num_steps must be a positive integer or None, got {num_steps!r}")
         folder = output_dir or os.environ.get(PROFILER_DIR_ENV) or tempfile.mkdtemp(prefix="pat-profile-")
         os.makedirs(folder, exist_ok=True)
-        call = StartProfile(os.path.abspath(folder), time.strftime("pat-%Y%m%d-%H%M%S"), num_steps, record_shapes,
-                            with_stack)
+        self._sessions += 1  # with the driver's pid: no two sessions in one folder share a name
+        name = f"pat-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self._sessions}"
+        call = StartProfile(os.path.abspath(folder), name, num_steps, record_shapes, with_stack)
         self._ask(call)
         self.running = call
         return call.output_dir
