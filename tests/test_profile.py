@@ -117,3 +117,17 @@ def test_http_bodies_that_are_refused(client, tmp_path, monkeypatch, body, match
     r = client.post("/start_profile", json=body)
     assert r.status_code == 400 and match in r.text, r.text
     assert client.post("/stop_profile").status_code == 400  # none was started
+
+
+def test_a_profile_spans_a_live_switch(engine, tmp_path):
+    """The switch runs while both ranks record: TP1xDP2 -> TP2xDP1 -> back, the same tokens, each rank's files."""
+    before = generate(engine)
+    engine.start_profile(str(tmp_path))
+    try:
+        assert engine.reconfigure(2).ok and str(engine.layout) == "TP2xDP1"
+        assert generate(engine) == before
+    finally:
+        assert engine.reconfigure(1).ok
+    tables = [f for f in engine.stop_profile() if f.endswith(".table.txt")]
+    assert len(tables) == 2 and all("forward" in Path(t).read_text() for t in tables)
+    assert generate(engine) == before
