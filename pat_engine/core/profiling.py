@@ -4,6 +4,7 @@ at a time, its folder and name chosen here, each rank's files written by the ran
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -34,7 +35,12 @@ class Profiling:
         self._sessions += 1  # with the driver's pid: no two sessions in one folder share a name
         name = f"pat-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self._sessions}"
         call = StartProfile(os.path.abspath(folder), name, num_steps, record_shapes, with_stack)
-        self._ask(call)
+        try:
+            self._ask(call)
+        except Exception:  # a rank refused: stop those that started, so the next start finds none running
+            with contextlib.suppress(Exception):
+                self._ask(StopProfile())
+            raise
         self.running = call
         return call.output_dir
 
