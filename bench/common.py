@@ -30,6 +30,14 @@ def machine() -> str:
     return machine_summary()
 
 
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory (``VmRSS``), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     def fmt(v) -> str:
         text = f"{v:.4g}" if isinstance(v, float) else str(v)

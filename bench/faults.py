@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import httpx
 
-from common import markdown_table, worker_processes, write_result
+from common import markdown_table, rss_bytes, worker_processes, write_result
 from fault_injection import FAULT_WORKER, inject_fault
 from pat_engine import Engine, SamplingParams
 from pat_engine.core.engine import RequestHandle
@@ -54,11 +54,7 @@ PROMPTS = [[5, 6, 7], [100, 20, 30, 40], [9], [250, 251], [33, 44, 55], [12, 13]
 
 
 def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    return rss_bytes(os.getpid()) / 2**20
 
 
 # ---- 1. bad input --------------------------------------------------------------------------------

@@ -3,10 +3,9 @@ heap memory stays in the process.
 
 glibc serves an allocation above its mmap threshold (dynamic up to 32 MiB) with a fresh mapping and unmaps it
 on free, and gives the heap's free top back to the OS beyond its trim threshold (twice the mmap threshold),
-so a step's buffers that a step before it freed may be faulted in again. On this VM a fault of fresh memory
-can cost far more than the page's zeroing (one-off probes: a 31 MB GEMM output at 100+ ms of sys time against
-25 ms warm, and a worker's first prefill step after a decode phase 1.5-2x slower than the next ones). Settings (``GLIBC_TUNABLES``, which the workers read when they start; EngineConfig.worker_env sets the
-engine's default where the environment sets none):
+so a step's buffers that a step before it freed may be faulted in again, and on this VM a fault of fresh
+memory sometimes costs far more than zeroing the page. Settings (``GLIBC_TUNABLES``, which the workers read
+when they start; EngineConfig.worker_env sets the engine's default where the environment sets none):
 
 - ``4k``: glibc's defaults;
 - ``huge``: ``hugetlb=1``, transparent huge pages for the mappings and the heap (the engine's default);

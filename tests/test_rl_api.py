@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from common import rss_bytes
 from conftest import MAX_NEW, PROMPTS
 from pat_engine import Engine, InvalidRequestError, ModelLoadError, SamplingParams
 from pat_integrations.frontend import AsyncEngineFrontend
@@ -44,10 +45,7 @@ def reference(path: str, params=GREEDY):
 
 
 def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    return rss_bytes(pid) // 1024
 
 
 @pytest.fixture(scope="module")
